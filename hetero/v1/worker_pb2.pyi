@@ -1,0 +1,122 @@
+from hetero.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model_name", "architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "max_position_embeddings", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "attention_backend", "kv_cache_bytes")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    num_blocks: int
+    device: str
+    dtype: str
+    attention_backend: str
+    kv_cache_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
+
+class NewSequence(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "params", "num_generated")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _common_pb2.SamplingParams
+    num_generated: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
+
+class ScheduledSequence(_message.Message):
+    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "sample", "num_cached_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    num_tokens: int
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    sample: bool
+    num_cached_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_sequences", "scheduled", "released_seq_ids", "block_copies", "reset")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
+    released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    reset: bool
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    forward_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("ready", "steps", "num_sequences")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    steps: int
+    num_sequences: int
+    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...

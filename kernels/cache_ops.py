@@ -1,0 +1,26 @@
+"""KV-cache writes and block copies on the paged layout [num_blocks, 2, block_size, kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import torch
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """One tensor for all layers: [layers, blocks, 2 (K, V), block_size, kv_heads, head_dim] (NHD per layer)."""
+    return torch.zeros(num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write new tokens' K/V [T, kv_heads, head_dim] into one layer's cache at flat slots [T]."""
+    num_blocks, _, block_size = kv_cache.shape[:3]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    kv_cache[blocks, 0, offsets] = key
+    kv_cache[blocks, 1, offsets] = value
+
+
+def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy whole blocks (all layers) src[i] -> dst[i]: copy-on-write and swap-in use it."""
+    if src.numel():
+        kv_cache[:, dst] = kv_cache[:, src]

@@ -1,0 +1,79 @@
+"""The pure-torch paged attention against dense causal attention on the same K/V."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, copy_blocks, write_kv
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
+    """q [Lq, Hq, D] at positions q_offset.., k/v [Lk, Hkv, D] -> [Lq, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    allowed = torch.arange(k.shape[0])[None, :] <= (q_offset + torch.arange(q.shape[0]))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2)])
+def test_paged_attention_matches_dense(block_size: int, heads: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    hq, hkv, d = heads[0], heads[1], 8
+    # (cached tokens, new tokens): decodes, a fresh prompt, a chunk after a cached prefix.
+    shapes = [(9, 1), (0, 7), (20, 5), (3, 1), (0, 1), (16, 16)]
+    num_blocks = 128
+    cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu")[0]
+    free = list(np.random.default_rng(0).permutation(num_blocks))
+    tables, keys, values, queries = [], [], [], []
+    for cached, new in shapes:
+        total = cached + new
+        table = np.array([free.pop() for _ in range(-(-total // block_size))], dtype=np.int32)
+        tables.append(table)
+        k, v = torch.randn(total, hkv, d), torch.randn(total, hkv, d)
+        keys.append(k)
+        values.append(v)
+        queries.append(torch.randn(new, hq, d))
+    qo = np.array([n for _, n in shapes])
+    kv = np.array([c + n for c, n in shapes])
+    table = PageTable.build(tables, qo, kv, block_size)
+    positions, slots = table.token_positions()
+    # Write every token's K/V (cached ones as an earlier step would have, then the new ones).
+    for i, (cached, new) in enumerate(shapes):
+        pos = torch.arange(cached + new)
+        slot = torch.from_numpy(tables[i][(pos // block_size).numpy()].astype(np.int64)) * block_size + pos % block_size
+        write_kv(cache, keys[i], values[i], slot)
+    expected_positions = np.concatenate([np.arange(c, c + n) for c, n in shapes])
+    assert (positions == expected_positions).all()
+    backend = TorchPagedAttention(hq, hkv, d)
+    backend.plan(table)
+    out = backend.run(torch.cat(queries), cache)
+    start = 0
+    for i, (cached, new) in enumerate(shapes):
+        ref = dense_attention(queries[i], keys[i], values[i], cached)
+        torch.testing.assert_close(out[start:start + new], ref, rtol=1e-5, atol=1e-5)
+        start += new
+
+
+def test_page_table_metadata() -> None:
+    table = PageTable.build([np.array([7, 3, 9]), np.array([4])], np.array([2, 1]), np.array([33, 1]), 16)
+    assert table.qo_indptr.tolist() == [0, 2, 3]
+    assert table.kv_indptr.tolist() == [0, 3, 4]
+    assert table.kv_indices.tolist() == [7, 3, 9, 4]
+    assert table.kv_last_page_len.tolist() == [1, 1]
+    positions, slots = table.token_positions()
+    assert positions.tolist() == [31, 32, 0]
+    assert slots.tolist() == [3 * 16 + 15, 9 * 16 + 0, 4 * 16]
+
+
+def test_copy_blocks_copies_every_layer() -> None:
+    cache = torch.randn(3, 8, 2, 4, 2, 4)
+    before = cache.clone()
+    copy_blocks(cache, torch.tensor([1, 5]), torch.tensor([6, 2]))
+    assert torch.equal(cache[:, 6], before[:, 1]) and torch.equal(cache[:, 2], before[:, 5])
+    assert torch.equal(cache[:, 0], before[:, 0])

@@ -1,0 +1,116 @@
+"""Tiny seeded random checkpoints and tokenizers, built in seconds in a temporary directory.
+
+Tests compare our engine with Hugging Face `transformers` on these same files: the weights
+are random but real (safetensors written by `save_pretrained`), the tokenizer is a real
+byte-level BPE trained on a small corpus.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching lets new requests join a running batch at every step.",
+    "héllo wörld, naïve café — 東京 and emoji 🙂 are multi-byte characters.",
+    "0123456789 + - * / = ( ) [ ] { } < > ! ? : ; ' \"",
+]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def make_tokenizer(directory: Path, vocab_size: int = 384) -> None:
+    """Train a byte-level BPE (the GPT-2/SmolLM2 family) and write tokenizer.json + config."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 512,
+            }
+        )
+    )
+
+
+def _save(model: torch.nn.Module, directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    make_tokenizer(directory)
+    return directory
+
+
+def make_tiny_llama(directory: Path, seed: int = 0, tie_word_embeddings: bool = False) -> Path:
+    """A 2-layer Llama with grouped-query attention (4 query heads share 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=0,
+        tie_word_embeddings=tie_word_embeddings,
+        torch_dtype="float32",
+    )
+    return _save(LlamaForCausalLM(config).eval(), directory)
+
+
+def make_tiny_qwen2(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2: q/k/v projections carry biases, 6 query heads over 2 KV heads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        bos_token_id=1,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    # Random init leaves biases at zero; make them matter so a loader that drops them fails.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return _save(model, directory)
