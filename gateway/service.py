@@ -1,0 +1,216 @@
+"""The gateway process: the public `hetero.v1.Inference` API over grpc.aio.
+
+The gateway knows text. It validates and tokenizes a request, submits token ids to the
+scheduler, and turns the scheduler's token events back into text (incrementally, never a
+broken UTF-8 character), ending the request itself when a stop string appears. When the
+client cancels or disconnects, the downstream Submit call is cancelled, which aborts the
+request in the scheduler and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from contextlib import aclosing
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+import structlog
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from gateway.requests import PreparedRequest, check_model, prepare, render_chat
+from gateway.text_stream import TextStream
+from gateway.tokenizer import TextTokenizer, load_tokenizer
+from gpu_worker.checkpoint import default_model_path
+from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from hetero_infer import __version__
+from hetero_infer.config import Config
+from hetero_infer.errors import ExecutionError, HeteroError, ValidationError, from_grpc_error
+from hetero_infer.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, error_status, set_serving_aio
+
+log = structlog.get_logger("gateway.service")
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def load_gateway_tokenizer(config: Config) -> TextTokenizer:
+    model_path = Path(config.model) if config.model else default_model_path()
+    return load_tokenizer(model_path, config.tokenizer.path)
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, config: Config, tokenizer: TextTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.serving.model_name
+        self.max_model_len = config.max_model_len  # refined from the scheduler at start
+        self.channel = grpc.aio.insecure_channel(config.scheduler_address, options=CHANNEL_OPTIONS)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+
+    async def start(self) -> None:
+        try:
+            stats = await self._scheduler_stats()
+            self.max_model_len = stats.max_model_len
+        except HeteroError as exc:
+            log.warning("scheduler not reachable at start; using config max_model_len", error=exc.message)
+
+    async def _scheduler_stats(self) -> scheduler_pb2.SchedulerStats:
+        try:
+            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.config.max_retry_attempts + 1),
+                                               wait=wait_exponential_jitter(0.1, 1.0), retry=retry_if_exception(_transient),
+                                               reraise=True):
+                with attempt:
+                    return await self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc_error(exc, "scheduler") from exc
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ generation
+
+    async def _events(self, prepared: PreparedRequest, params: common_pb2.SamplingParams) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """The scheduler's token events; connection failures before the first event are retried."""
+        submit = scheduler_pb2.SubmitRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+                                             params=params)
+        for attempt in range(self.config.max_retry_attempts + 1):
+            call = self.scheduler.Submit(submit)
+            received = False
+            try:
+                async for event in call:
+                    received = True
+                    yield event
+                return
+            except grpc.aio.AioRpcError as exc:
+                if received or not _transient(exc) or attempt == self.config.max_retry_attempts:
+                    raise from_grpc_error(exc, "scheduler") from exc
+                await asyncio.sleep(min(1.0, 0.1 * 2**attempt))
+            finally:
+                call.cancel()  # no-op when finished; aborts the request downstream otherwise
+
+    async def _generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        started = time.perf_counter()
+        prepared = prepare(request, self.tokenizer, self.model_name, self.max_model_len, request_id)
+        stream = TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling)
+        usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
+        finish = FINISHED
+        # aclosing: leaving the loop early (stop string) closes the generator at once, which
+        # cancels the Submit call and so ends the request downstream.
+        async with aclosing(self._events(prepared, request.params)) as events:
+            async for event in events:
+                usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.cached_prompt_tokens)
+                usage.completion_tokens += len(event.token_ids)
+                response = self._response(request_id, event, stream)
+                finish = response.finish_reason
+                if finish != FINISHED:
+                    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                    response.usage.CopyFrom(usage)
+                yield response
+                if finish != FINISHED:
+                    break
+        log.info("finished", finish_reason=common_pb2.FinishReason.Name(finish), prompt_tokens=usage.prompt_tokens,
+                 completion_tokens=usage.completion_tokens, seconds=round(time.perf_counter() - started, 3))
+
+    def _response(self, request_id: str, event: scheduler_pb2.TokenEvent, stream: TextStream) -> inference_pb2.GenerateResponse:
+        """One scheduler event as a client message: new text, and the finish reason when it ends."""
+        if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            raise ExecutionError(event.error or "generation failed")
+        delta = stream.push(list(event.token_ids))
+        response = inference_pb2.GenerateResponse(
+            request_id=request_id, text=delta.text, token_ids=event.token_ids, model=self.model_name,
+            backend="scheduler", token_timestamps=event.token_timestamps)
+        if delta.stopped:
+            response.finish_reason, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string or ""
+        elif event.finish_reason != FINISHED:
+            response.text += stream.finish()
+            response.finish_reason = event.finish_reason
+        return response
+
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for response in self._generate(request):
+                yield response
+        except HeteroError as exc:
+            log.info("request failed", error=exc.message, code=error_status(exc)[0].name)
+            await context.abort(*error_status(exc))
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def Complete(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> inference_pb2.GenerateResponse:
+        answer = inference_pb2.GenerateResponse()
+        try:
+            async for part in self._generate(request):
+                answer.request_id, answer.model, answer.backend = part.request_id, part.model, part.backend
+                answer.text += part.text
+                answer.token_ids.extend(part.token_ids)
+                answer.token_timestamps.extend(part.token_timestamps)
+                if part.finish_reason != FINISHED:
+                    answer.finish_reason, answer.stop_reason = part.finish_reason, part.stop_reason
+                    answer.usage.CopyFrom(part.usage)
+        except HeteroError as exc:
+            log.info("request failed", error=exc.message)
+            await context.abort(*error_status(exc))
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+        return answer
+
+    # ------------------------------------------------------------------ the rest of the API
+
+    async def Tokenize(self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> inference_pb2.TokenizeResponse:
+        try:
+            check_model(request.model, self.model_name)
+            kind = request.WhichOneof("input")
+            if kind == "chat":
+                ids = self.tokenizer.encode(render_chat(self.tokenizer, request.chat), add_special_tokens=False)
+            elif kind == "text":
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = self.tokenizer.encode(request.text, add_special_tokens=add)
+            else:
+                raise ValidationError("one of text or chat is required")
+        except HeteroError as exc:
+            await context.abort(*error_status(exc))
+        tokens = [self.tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
+        return inference_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, count=len(ids), max_model_len=self.max_model_len)
+
+    async def ListModels(self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
+        card = inference_pb2.ModelCard(id=self.model_name, max_model_len=self.max_model_len,
+                                       vocab_size=self.tokenizer.vocab_size,
+                                       has_chat_template=bool(self.tokenizer.chat_template))
+        return inference_pb2.ListModelsResponse(models=[card])
+
+    async def GetServerInfo(self, request: inference_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ServerInfo:
+        try:
+            stats = await self._scheduler_stats()
+        except HeteroError as exc:
+            await context.abort(*error_status(exc))
+        return inference_pb2.ServerInfo(version=__version__, model=self.model_name, pool=stats.pool, backend="scheduler",
+                                        attention_backend=stats.attention_backend, device=stats.device)
+
+
+async def serve_gateway(config: Config) -> None:
+    servicer = InferenceServicer(config, load_gateway_tokenizer(config))
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
+    address = f"{config.serving.host}:{config.serving.port}"
+    if server.add_insecure_port(address) == 0:
+        raise SystemExit(f"gateway: cannot bind {address}; is another process using it?")
+    await server.start()
+    await servicer.start()
+    await set_serving_aio(health, [SERVICE_NAME])
+    log.info("gateway serving", address=address, model=config.serving.model_name)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await set_serving_aio(health, [SERVICE_NAME], serving=False)
+    await server.stop(grace=5)
+    log.info("gateway stopped")

@@ -1,0 +1,118 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v biases) over flattened tokens.
+
+Every scheduled token of every sequence goes through one forward pass: the linear layers
+see one [num_tokens, hidden] matrix with no padding; only attention is per sequence, and
+it goes through a paged backend from `kernels/`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.checkpoint import ModelConfig
+from kernels import AttentionBackend, write_kv
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3 style scaling when the checkpoint asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+    return inv_freq
+
+
+class LlamaModel:
+    """Weights as plain tensors (no nn.Module: nothing here is trained)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 max_positions: int) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        c = config
+
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            # q, k, v fused into one matrix and gate, up into another: two matmuls instead of five.
+            qkv_bias = None
+            if c.attention_bias:
+                qkv_bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            self.layers.append({
+                "input_norm": w(p + "input_layernorm.weight"),
+                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                "qkv_bias": qkv_bias,
+                "o": w(p + "self_attn.o_proj.weight"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "down": w(p + "mlp.down_proj.weight"),
+            })
+        positions = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(positions, rope_inv_freq(c))
+        # cos/sin tables for rotate-half RoPE (the HF layout), computed once in float64.
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D]; cos/sin [T, 1, D/2]."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                kv_cache: torch.Tensor, attention: AttentionBackend, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Run all layers over T flattened tokens; return logits [len(logits_rows), vocab] in float32.
+
+        The attention backend must already be planned for this step. Only the rows that are
+        sampled (each sequence's last computed token) reach the LM head.
+        """
+        c = self.config
+        t = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        for i, layer in enumerate(self.layers):
+            residual = hidden
+            x = self._rms_norm(hidden, layer["input_norm"])
+            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._rope(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
+            k = self._rope(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
+            write_kv(kv_cache[i], k, v.view(t, c.num_key_value_heads, c.head_dim), slots)
+            attn = attention.run(q, kv_cache[i]).reshape(t, self.q_size)
+            hidden = residual + F.linear(attn, layer["o"])
+            residual = hidden
+            x = self._rms_norm(hidden, layer["post_norm"])
+            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer["down"])
+        last = self._rms_norm(hidden[logits_rows], self.final_norm)
+        return F.linear(last, self.lm_head).float()

@@ -1,0 +1,165 @@
+"""The model runner: per-sequence state on the worker and one `execute(StepPlan)` per step.
+
+The worker keeps each sequence's token ids and block table, updated from the plan's
+diffs (new sequences once, then appended block ids and a token count). It trusts the
+block tables, writes K/V into the paged cache, runs the model once over every scheduled
+token, samples, and returns the sampled token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from gpu_worker.checkpoint import ModelConfig, default_model_path, load_checkpoint
+from gpu_worker.model import LlamaModel
+from gpu_worker.sampler import SamplingBatch, sample
+from hetero.v1 import worker_pb2
+from hetero_infer.config import Config
+from hetero_infer.errors import ExecutionError
+from hetero_infer.sampling import Sampling, resolve
+from kernels import PageTable, allocate_kv_cache, copy_blocks, create_attention_backend
+
+log = structlog.get_logger("gpu_worker.runner")
+
+
+@dataclass
+class SequenceState:
+    token_ids: list[int]
+    sampling: Sampling
+    num_generated: int
+    block_table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    num_computed: int = 0  # tokens whose K/V is in the cache
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.model_path = Path(config.model) if config.model else default_model_path()
+        started = time.perf_counter()
+        self.model_config, weights = load_checkpoint(self.model_path)
+        mc: ModelConfig = self.model_config
+        self.block_size = config.block_size
+        self.max_positions = min(config.max_model_len, mc.max_position_embeddings)
+        self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions)
+        del weights
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        self.bytes_per_block = mc.num_hidden_layers * 2 * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
+        self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
+        self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
+                                          mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.attention = create_attention_backend(config.attention_backend, mc.num_attention_heads,
+                                                  mc.num_key_value_heads, mc.head_dim, self.device)
+        self.sequences: dict[int, SequenceState] = {}
+        self.steps = 0
+        log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
+                 dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
+                 kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
+                 load_seconds=round(time.perf_counter() - started, 2))
+
+    def describe(self) -> worker_pb2.WorkerInfo:
+        mc = self.model_config
+        return worker_pb2.WorkerInfo(
+            model_name=self.config.serving.model_name, architecture=mc.architecture, vocab_size=mc.vocab_size,
+            num_layers=mc.num_hidden_layers, num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim,
+            max_position_embeddings=mc.max_position_embeddings, eos_token_ids=list(mc.eos_token_ids),
+            block_size=self.block_size, num_blocks=self.num_blocks, device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."), attention_backend=self.attention.name,
+            kv_cache_bytes=self.num_blocks * self.bytes_per_block,
+        )
+
+    def _apply_diffs(self, plan: worker_pb2.StepPlan) -> None:
+        if plan.reset:
+            self.sequences.clear()
+        for seq_id in plan.released_seq_ids:
+            self.sequences.pop(seq_id, None)
+        if plan.block_copies:
+            src = torch.tensor([c.src for c in plan.block_copies], device=self.device)
+            dst = torch.tensor([c.dst for c in plan.block_copies], device=self.device)
+            copy_blocks(self.kv_cache, src, dst)
+        for new in plan.new_sequences:
+            self.sequences[new.seq_id] = SequenceState(list(new.token_ids), resolve(new.params), new.num_generated)
+
+    @torch.inference_mode()
+    def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        started = time.perf_counter()
+        self._apply_diffs(plan)
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        if not plan.scheduled:
+            return result
+        states: list[SequenceState] = []
+        tables, qo_lens, kv_lens, inputs = [], [], [], []
+        for s in plan.scheduled:
+            state = self.sequences.get(s.seq_id)
+            if state is None:
+                raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} is unknown to this worker")
+            if s.new_block_ids:
+                state.block_table = np.concatenate([state.block_table, np.asarray(s.new_block_ids, dtype=np.int32)])
+            if s.num_cached_tokens != state.num_computed:
+                raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} has {state.num_computed} cached tokens, "
+                                     f"the plan says {s.num_cached_tokens}")
+            end = state.num_computed + s.num_tokens
+            if end > len(state.token_ids) or end > len(state.block_table) * self.block_size:
+                raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} cannot compute tokens up to {end} "
+                                     f"({len(state.token_ids)} known, {len(state.block_table)} blocks)")
+            inputs.append(state.token_ids[state.num_computed:end])
+            states.append(state)
+            tables.append(state.block_table)
+            qo_lens.append(s.num_tokens)
+            kv_lens.append(end)
+        table = PageTable.build(tables, np.asarray(qo_lens), np.asarray(kv_lens), self.block_size)
+        positions, slots = table.token_positions()
+        sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample]
+        logits_rows = table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1
+        self.attention.plan(table)
+        flat_inputs = np.fromiter((t for chunk in inputs for t in chunk), dtype=np.int64, count=table.num_tokens)
+        logits = self.model.forward(
+            torch.from_numpy(flat_inputs).to(self.device), torch.from_numpy(positions).to(self.device),
+            torch.from_numpy(slots).to(self.device), self.kv_cache, self.attention, logits_rows.to(self.device))
+        for state, n in zip(states, qo_lens):
+            state.num_computed += n
+        if sample_idx:
+            sampled = [states[i] for i in sample_idx]
+            batch = SamplingBatch(
+                temperature=torch.tensor([st.sampling.temperature for st in sampled], dtype=torch.float32, device=self.device),
+                top_k=torch.tensor([st.sampling.top_k for st in sampled], dtype=torch.int64, device=self.device),
+                top_p=torch.tensor([st.sampling.top_p for st in sampled], dtype=torch.float32, device=self.device),
+                seeds=[st.sampling.seed for st in sampled],
+                generated_index=[st.num_generated for st in sampled],
+                want_logprobs=any(st.sampling.logprobs is not None for st in sampled),
+            )
+            tokens, logprobs = sample(logits, batch)
+            token_list = tokens.tolist()
+            for st, tok in zip(sampled, token_list):
+                st.token_ids.append(tok)
+                st.num_generated += 1
+            result.seq_ids.extend(plan.scheduled[i].seq_id for i in sample_idx)
+            result.token_ids.extend(token_list)
+            if logprobs is not None:
+                result.logprobs.extend(logprobs.tolist())
+        self.steps += 1
+        result.forward_seconds = time.perf_counter() - started
+        return result

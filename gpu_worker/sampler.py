@@ -1,0 +1,67 @@
+"""Vectorized sampling across the batch: greedy, temperature, top-k, top-p, per-request seeds.
+
+Random rows use the exponential-race trick: argmax(p / E) with E ~ Exp(1) draws from p,
+so one noise tensor serves the whole batch. A seeded row draws its noise from a generator
+seeded by (seed, index of the token being generated): the same seed gives the same output
+even if the sequence was preempted and recomputed in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # float32 [B]; 0 = greedy
+    top_k: torch.Tensor  # int64 [B]; 0 = off
+    top_p: torch.Tensor  # float32 [B]; 1 = off
+    seeds: list[int | None]  # per row
+    generated_index: list[int]  # per row: how many tokens the sequence generated before this one
+    want_logprobs: bool = False
+
+
+def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
+    return torch.empty(vocab, device=device).exponential_(generator=gen)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [B, V] float32 -> (token ids [B] int64, chosen-token logprobs [B] or None)."""
+    tokens = logits.argmax(dim=-1)
+    random_rows = torch.nonzero(batch.temperature > 0).flatten()
+    if random_rows.numel():
+        rows = random_rows.tolist()
+        scaled = logits[random_rows] / batch.temperature[random_rows, None]
+        top_k, top_p = batch.top_k[random_rows], batch.top_p[random_rows]
+        if bool((top_k > 0).any() or (top_p < 1).any()):
+            scaled = _truncate(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        for j, row in enumerate(rows):
+            if batch.seeds[row] is not None:
+                noise[j] = _seeded_noise(batch.seeds[row], batch.generated_index[row], probs.shape[-1], probs.device)
+        tokens[random_rows] = (probs / noise).argmax(dim=-1)
+    logprobs = None
+    if batch.want_logprobs:
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens, logprobs
+
+
+def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf (one sort for both)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, logits.shape[-1])
+    drop = rank >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the mass before it already reaches top_p; the first token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)

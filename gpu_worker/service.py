@@ -1,0 +1,63 @@
+"""The worker process: `hetero.v1.Worker` over gRPC around one ModelRunner.
+
+A synchronous gRPC server: each step is one blocking forward pass (torch releases the GIL),
+and steps are serialized by a lock, so the thread pool only keeps Describe/Health responsive.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+import structlog
+
+from gpu_worker.runner import ModelRunner
+from hetero.v1 import worker_pb2, worker_pb2_grpc
+from hetero_infer.config import Config
+from hetero_infer.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, error_status, set_serving
+
+log = structlog.get_logger("gpu_worker.service")
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._lock = threading.Lock()
+
+    def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
+        return self.runner.describe()
+
+    def ExecuteStep(self, plan: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
+        with self._lock:
+            try:
+                return self.runner.execute(plan)
+            except Exception as exc:  # reported to the scheduler, which resets this worker's state
+                log.exception("step failed", step_id=plan.step_id)
+                code, details = error_status(exc)
+                context.abort(code, details)
+                raise  # unreachable: abort raises
+
+    def Health(self, request: worker_pb2.HealthRequest, context: grpc.ServicerContext) -> worker_pb2.HealthResponse:
+        return worker_pb2.HealthResponse(ready=True, steps=self.runner.steps, num_sequences=len(self.runner.sequences))
+
+
+def serve_worker(config: Config) -> None:
+    runner = ModelRunner(config)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME], aio=False)
+    if server.add_insecure_port(config.worker_address) == 0:
+        raise SystemExit(f"worker: cannot bind {config.worker_address}; is another process using it?")
+    server.start()
+    set_serving(health, [SERVICE_NAME])
+    log.info("worker serving", address=config.worker_address)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    set_serving(health, [SERVICE_NAME], serving=False)
+    server.stop(grace=2).wait()
+    log.info("worker stopped")

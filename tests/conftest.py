@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny seeded checkpoints, free loopback ports, a real three-process stack."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+
+from hetero.v1 import inference_pb2_grpc
+from hetero_infer.supervisor import wait_healthy
+from tests.tiny_models import make_tiny_llama, make_tiny_qwen2
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Stack:
+    """A running `hetero-infer serve` (three processes) and a channel to its gateway."""
+
+    process: subprocess.Popen[bytes]
+    address: str
+    channel: grpc.Channel
+
+    @property
+    def inference(self) -> inference_pb2_grpc.InferenceStub:
+        return inference_pb2_grpc.InferenceStub(self.channel)
+
+
+@contextmanager
+def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0) -> Iterator[Stack]:
+    gateway_port = free_port()
+    cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--serving-port", str(gateway_port),
+           "--scheduler-address", f"127.0.0.1:{free_port()}", "--worker-address", f"127.0.0.1:{free_port()}",
+           "--log-format", "json", *flags]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
+    process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
+    address = f"127.0.0.1:{gateway_port}"
+    try:
+        wait_healthy(address, timeout_s, process)
+        with grpc.insecure_channel(address) as channel:
+            yield Stack(process, address, channel)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

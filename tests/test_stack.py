@@ -1,0 +1,161 @@
+"""The real three-process stack on loopback: gateway, scheduler and worker talking gRPC."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from hetero.v1 import common_pb2, inference_pb2
+from tests.conftest import Stack, run_stack
+from tests.test_correctness import NEW_TOKENS, hf_greedy, make_prompts
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path):
+    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512") as s:
+        yield s
+
+
+def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def ids_request(ids: list[int], max_tokens: int, request_id: str = "") -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=inference_pb2.TokenIds(ids=ids),
+                                         params=greedy(max_tokens))
+
+
+def wait_for_idle(stack: Stack, timeout_s: float = 10.0) -> common_pb2.PoolStats:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pool = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool
+        if (pool.used_blocks == 0 and pool.num_running == 0 and pool.num_waiting == 0) or time.monotonic() > deadline:
+            return pool
+        time.sleep(0.05)
+
+
+def test_batch_through_stack_matches_transformers(stack: Stack, tiny_llama_dir: Path) -> None:
+    prompts = make_prompts()
+    reference = hf_greedy(tiny_llama_dir, prompts)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        tokens: list[int] = []
+        for msg in stack.inference.Generate(ids_request(prompts[i], NEW_TOKENS)):
+            tokens.extend(msg.token_ids)
+        results[i] = tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results[i] for i in range(len(prompts))] == reference
+    assert wait_for_idle(stack).used_blocks == 0
+
+
+def test_stream_ends_with_finish_reason_and_usage(stack: Stack) -> None:
+    messages = list(stack.inference.Generate(inference_pb2.GenerateRequest(
+        request_id="usage-1", prompt="Paris is the capital", params=greedy(6))))
+    assert all(m.request_id == "usage-1" for m in messages)
+    assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    last = messages[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 6 == sum(len(m.token_ids) for m in messages)
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 6
+    unary = stack.inference.Complete(inference_pb2.GenerateRequest(prompt="Paris is the capital", params=greedy(6)))
+    assert unary.text == "".join(m.text for m in messages)
+    assert list(unary.token_ids) == [t for m in messages for t in m.token_ids]
+
+
+def test_continuous_batching_short_request_overtakes(stack: Stack) -> None:
+    order: list[str] = []
+    lock = threading.Lock()
+    started = threading.Event()
+
+    def run(name: str, max_tokens: int) -> None:
+        for msg in stack.inference.Generate(ids_request([5, 6, 7, 8], max_tokens, request_id=name)):
+            started.set()
+            if msg.finish_reason:
+                with lock:
+                    order.append(name)
+
+    longs = [threading.Thread(target=run, args=(f"long-{i}", 400)) for i in range(3)]
+    for t in longs:
+        t.start()
+    assert started.wait(30)
+    running_seen = 0
+    for _ in range(20):  # the long requests are decoding together
+        running_seen = max(running_seen, stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool.num_running)
+        time.sleep(0.005)
+    short = threading.Thread(target=run, args=("short", 3))
+    short.start()
+    for t in [short, *longs]:
+        t.join(120)
+    assert order[0] == "short", order
+    assert running_seen > 1
+
+
+def test_cancelling_50_streams_frees_every_block(stack: Stack) -> None:
+    calls = [stack.inference.Generate(ids_request(make_prompts(seed=i)[3], 400, request_id=f"cancel-{i}")) for i in range(50)]
+    for call in calls[:10]:
+        next(call)  # at least some are decoding when cancelled
+    busy = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool
+    assert busy.used_blocks > 0
+    for call in calls:
+        call.cancel()
+    pool = wait_for_idle(stack)
+    assert (pool.used_blocks, pool.num_running, pool.num_waiting) == (0, 0, 0)
+
+
+BAD_REQUESTS = [
+    ("prompt", inference_pb2.GenerateRequest(prompt="", params=greedy(4))),
+    ("temperature", inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(temperature=2.5))),
+    ("temperature", inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(temperature=-0.1))),
+    ("top_p", inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(top_p=0.0))),
+    ("top_p", inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(top_p=1.5))),
+    ("max_tokens", inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=0))),
+    ("max_model_len", inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=[5] * 600))),
+    ("model", inference_pb2.GenerateRequest(prompt="hi", model="gpt-9")),
+    ("prompt", inference_pb2.GenerateRequest(params=greedy(4))),
+    ("prompt_token_ids", inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=[10**6]))),
+    ("chat.messages", inference_pb2.GenerateRequest(chat=inference_pb2.Chat())),
+]
+
+
+@pytest.mark.parametrize("field, request_msg", BAD_REQUESTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_REQUESTS)])
+def test_bad_input_is_invalid_argument_naming_the_field(stack: Stack, field: str, request_msg) -> None:
+    for call in (lambda r: list(stack.inference.Generate(r)), stack.inference.Complete):
+        with pytest.raises(grpc.RpcError) as info:
+            call(request_msg)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in info.value.details()
+    # ... and the service keeps serving.
+    assert stack.inference.Complete(inference_pb2.GenerateRequest(prompt="hi", params=greedy(2))).usage.completion_tokens == 2
+
+
+def test_tokenize_list_models_and_info(stack: Stack) -> None:
+    tok = stack.inference.Tokenize(inference_pb2.TokenizeRequest(text="Paris is the capital"))
+    assert tok.count == len(tok.token_ids) > 0 and tok.max_model_len == 512
+    models = stack.inference.ListModels(inference_pb2.ListModelsRequest()).models
+    assert len(models) == 1 and models[0].has_chat_template
+    info = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest())
+    assert info.pool.block_size == 5 and info.pool.total_blocks > 0 and info.attention_backend == "torch"
+
+
+def test_health_and_reflection(stack: Stack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    status = health_pb2_grpc.HealthStub(stack.channel).Check(health_pb2.HealthCheckRequest(service="hetero.v1.Inference"))
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(stack.channel)
+    reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"hetero.v1.Inference", "grpc.health.v1.Health"} <= names
