@@ -10,11 +10,11 @@ generating exactly `new-tokens` tokens greedily (EOS ignored), on SmolLM2-135M b
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,8 +34,8 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[li
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def bench_engine(model: str | None, prompts: list[list[int]], new_tokens: int) -> dict:
-    engine = InferenceEngine(Config(model=model).validate())
+def bench_engine(model: str | None, prompts: list[list[int]], new_tokens: int, max_batch_size: int) -> dict:
+    engine = InferenceEngine(Config(model=model, max_batch_size=max_batch_size).validate())
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     warm = engine.submit_request(prompts[0][:8], GenerationParams(max_tokens=2, temperature=0.0))
     engine.run()
@@ -52,31 +52,39 @@ def bench_engine(model: str | None, prompts: list[list[int]], new_tokens: int) -
     return {"seconds": elapsed, "output_tokens": out_tokens, "steps": steps}
 
 
-def bench_stack(model: str | None, prompts: list[list[int]], new_tokens: int) -> dict:
+def bench_stack(model: str | None, prompts: list[list[int]], new_tokens: int, max_batch_size: int) -> dict:
     from tests.conftest import run_stack
 
-    with run_stack(Path(model) if model else None, "--log-level", "warning") as stack:
+    with run_stack(Path(model) if model else None, "--log-level", "warning",
+                   "--max-batch-size", str(max_batch_size)) as stack:
         stub = stack.inference
         stub.Complete(inference_pb2.GenerateRequest(prompt="warm up", params=common_pb2.SamplingParams(max_tokens=2)))
         counts = [0] * len(prompts)
         ttft = [0.0] * len(prompts)
-        start = time.perf_counter()
 
-        def run(i: int) -> None:
-            req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=prompts[i]),
-                                                params=common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0,
-                                                                                 ignore_eos=True))
-            for msg in stub.Generate(req, timeout=900):
-                if not counts[i]:
-                    ttft[i] = time.perf_counter() - start
-                counts[i] += len(msg.token_ids)
+        async def run_all() -> float:
+            # One asyncio client for all streams: a thread per stream would steal the cores
+            # the worker computes on and measure the client instead of the server.
+            import grpc
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - start
+            from hetero.v1 import inference_pb2_grpc
+
+            async with grpc.aio.insecure_channel(stack.address) as channel:
+                aio_stub = inference_pb2_grpc.InferenceStub(channel)
+                start = time.perf_counter()
+
+                async def one(i: int) -> None:
+                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+                    req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=prompts[i]), params=params)
+                    async for msg in aio_stub.Generate(req, timeout=900):
+                        if not counts[i]:
+                            ttft[i] = time.perf_counter() - start
+                        counts[i] += len(msg.token_ids)
+
+                await asyncio.gather(*(one(i) for i in range(len(prompts))))
+                return time.perf_counter() - start
+
+        elapsed = asyncio.run(run_all())
     ttft.sort()
     return {"seconds": elapsed, "output_tokens": sum(counts), "ttft_p50": ttft[len(ttft) // 2]}
 
@@ -110,6 +118,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=256)
+    parser.add_argument("--max-batch-size", type=int, default=64,
+                        help="sequences per engine step for our paths (config default 32; 64 lets all requests decode together)")
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--model", default=None)
@@ -121,8 +131,8 @@ def main() -> int:
     prompt_tokens = sum(len(p) for p in prompts)
     print(f"workload: {args.requests} requests, {prompt_tokens} prompt tokens "
           f"({args.min_prompt}-{args.max_prompt} each), {args.new_tokens} new tokens each, {os.cpu_count()} cores")
-    results = {"stack (3 processes, gRPC)": bench_stack(args.model, prompts, args.new_tokens),
-               "in-process engine": bench_engine(args.model, prompts, args.new_tokens)}
+    results = {"stack (3 processes, gRPC)": bench_stack(args.model, prompts, args.new_tokens, args.max_batch_size),
+               "in-process engine": bench_engine(args.model, prompts, args.new_tokens, args.max_batch_size)}
     if not args.skip_hf:
         results[f"transformers generate (batches of {args.hf_batch})"] = bench_transformers(
             args.model, prompts, args.new_tokens, args.hf_batch)

@@ -1,12 +1,15 @@
 """The worker process: `hetero.v1.Worker` over gRPC around one ModelRunner.
 
-A synchronous gRPC server: each step is one blocking forward pass (torch releases the GIL),
-and steps are serialized by a lock, so the thread pool only keeps Describe/Health responsive.
+A synchronous gRPC server whose handler threads only hand step plans to the main thread,
+which runs every forward pass: measured on the 2-core CPU path, the same decode step is
+~40% slower when torch runs it from a secondary thread. One model thread also serializes
+the steps, so no lock is needed around the runner.
 """
 
 from __future__ import annotations
 
 import signal
+import queue
 import threading
 from concurrent import futures
 
@@ -25,20 +28,30 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._lock = threading.Lock()
+        self.steps: queue.Queue[tuple[worker_pb2.StepPlan, futures.Future[worker_pb2.StepResult]] | None] = queue.Queue()
+
+    def run_model_loop(self) -> None:
+        """Run on the main thread until `None` arrives: execute each queued plan in order."""
+        while (item := self.steps.get()) is not None:
+            plan, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self.runner.execute(plan))
+                except Exception as exc:  # reported to the scheduler, which resets this worker's state
+                    log.exception("step failed", step_id=plan.step_id)
+                    future.set_exception(exc)
 
     def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
         return self.runner.describe()
 
     def ExecuteStep(self, plan: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
-        with self._lock:
-            try:
-                return self.runner.execute(plan)
-            except Exception as exc:  # reported to the scheduler, which resets this worker's state
-                log.exception("step failed", step_id=plan.step_id)
-                code, details = error_status(exc)
-                context.abort(code, details)
-                raise  # unreachable: abort raises
+        future: futures.Future[worker_pb2.StepResult] = futures.Future()
+        self.steps.put((plan, future))
+        try:
+            return future.result()
+        except Exception as exc:
+            context.abort(*error_status(exc))
+            raise  # unreachable: abort raises
 
     def Health(self, request: worker_pb2.HealthRequest, context: grpc.ServicerContext) -> worker_pb2.HealthResponse:
         return worker_pb2.HealthResponse(ready=True, steps=self.runner.steps, num_sequences=len(self.runner.sequences))
@@ -46,18 +59,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 def serve_worker(config: Config) -> None:
     runner = ModelRunner(config)
+    servicer = WorkerServicer(runner)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=False)
     if server.add_insecure_port(config.worker_address) == 0:
         raise SystemExit(f"worker: cannot bind {config.worker_address}; is another process using it?")
     server.start()
     set_serving(health, [SERVICE_NAME])
     log.info("worker serving", address=config.worker_address)
-    stop = threading.Event()
+
+    def stop(*_: object) -> None:
+        servicer.steps.put(None)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, stop)
+    servicer.run_model_loop()
     set_serving(health, [SERVICE_NAME], serving=False)
     server.stop(grace=2).wait()
     log.info("worker stopped")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import grpc
 import structlog
@@ -118,6 +119,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 # Nothing fits right now (e.g. all waiting requests blocked on memory): yield.
                 await asyncio.sleep(0.005)
                 continue
+            started = time.perf_counter()
             try:
                 result = await self._execute(plan)
             except Exception as exc:  # the step is lost: fail its requests, reset the worker
@@ -127,6 +129,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._reset_worker = True
                 continue
             self._dispatch(core.process_result(result))
+            log.debug("step", step_id=plan.step_id, sequences=len(plan.scheduled), forward_s=round(result.forward_seconds, 4),
+                      step_s=round(time.perf_counter() - started, 4))
             await asyncio.sleep(0)  # let Submit/Abort handlers run between steps
 
     async def _execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
