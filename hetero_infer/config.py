@@ -95,6 +95,10 @@ class Config:
                "must be auto, huggingface or gguf")
         _check(self.tokenizer.kind == "auto" or bool(self.tokenizer.path), "tokenizer.path", self.tokenizer.path,
                f"is required when tokenizer.kind is {self.tokenizer.kind}")
+        _check(self.tokenizer.kind != "gguf" or str(self.tokenizer.path).endswith(".gguf"), "tokenizer.path",
+               self.tokenizer.path, "must be a .gguf file when tokenizer.kind is gguf")
+        _check(self.tokenizer.kind != "huggingface" or not str(self.tokenizer.path).endswith(".gguf"), "tokenizer.path",
+               self.tokenizer.path, "must be a tokenizer.json (or a directory holding one) when tokenizer.kind is huggingface")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                "must be auto, cpu, cuda or cuda:N")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
@@ -110,6 +114,9 @@ class Config:
                "must be scheduler (alias local_engine) or command_bridge")
         _check(backend.kind != "command_bridge" or (backend.command is not None and bool(backend.command.program)),
                "serving.backend.command.program", None, "is required when serving.backend.kind is command_bridge")
+        # The bridge backend is specified (seed README) but not served yet: refuse rather than ignore it.
+        _check(backend.kind != "command_bridge", "serving.backend.kind", backend.kind,
+               "is not available in this version; use scheduler")
         for key in ("scheduler_address", "worker_address"):
             value = getattr(self, key)
             _check(":" in value and value.rsplit(":", 1)[1].isdigit(), key, value, "must be host:port")
