@@ -159,3 +159,24 @@ def test_health_and_reflection(stack: Stack) -> None:
     reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
     assert {"hetero.v1.Inference", "grpc.health.v1.Health"} <= names
+
+
+def test_stop_string_ends_the_stream_before_the_match(stack: Stack) -> None:
+    request = inference_pb2.GenerateRequest(prompt="The quick brown fox", params=greedy(24))
+    full = stack.inference.Complete(request).text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip(), full
+    request.params.stop.append(stop)
+    messages = list(stack.inference.Generate(request))
+    text = "".join(m.text for m in messages)
+    assert text == full[: full.find(stop)]
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP and messages[-1].stop_reason == stop
+    assert wait_for_idle(stack).used_blocks == 0
+
+
+def test_chat_request_uses_the_template(stack: Stack) -> None:
+    chat = inference_pb2.Chat(messages=[inference_pb2.ChatMessage(role="user", content="hi")])
+    tok = stack.inference.Tokenize(inference_pb2.TokenizeRequest(chat=chat))
+    answer = stack.inference.Complete(inference_pb2.GenerateRequest(chat=chat, params=greedy(3)))
+    assert answer.usage.prompt_tokens == tok.count
+    assert answer.finish_reason == common_pb2.FINISH_REASON_LENGTH
