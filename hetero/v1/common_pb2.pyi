@@ -14,11 +14,22 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class KVCacheManagementMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_CACHE_MANAGEMENT_MODE_UNSPECIFIED: _ClassVar[KVCacheManagementMode]
+    KV_CACHE_MANAGEMENT_MODE_PERSIST: _ClassVar[KVCacheManagementMode]
+    KV_CACHE_MANAGEMENT_MODE_OFFLOAD: _ClassVar[KVCacheManagementMode]
+    KV_CACHE_MANAGEMENT_MODE_RECOMPUTE: _ClassVar[KVCacheManagementMode]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+KV_CACHE_MANAGEMENT_MODE_UNSPECIFIED: KVCacheManagementMode
+KV_CACHE_MANAGEMENT_MODE_PERSIST: KVCacheManagementMode
+KV_CACHE_MANAGEMENT_MODE_OFFLOAD: KVCacheManagementMode
+KV_CACHE_MANAGEMENT_MODE_RECOMPUTE: KVCacheManagementMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n", "logprobs", "include_special_tokens")
@@ -59,7 +70,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("block_size", "total_blocks", "used_blocks", "free_blocks", "cached_blocks", "usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "internal_waste", "steps", "num_workers", "num_workers_up")
+    __slots__ = ("block_size", "total_blocks", "used_blocks", "free_blocks", "cached_blocks", "usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "internal_waste", "steps", "num_workers", "num_workers_up", "num_swapped", "suspended")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +86,8 @@ class PoolStats(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_UP_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     total_blocks: int
     used_blocks: int
@@ -90,4 +103,6 @@ class PoolStats(_message.Message):
     steps: int
     num_workers: int
     num_workers_up: int
-    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., internal_waste: _Optional[float] = ..., steps: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_workers_up: _Optional[int] = ...) -> None: ...
+    num_swapped: int
+    suspended: bool
+    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., internal_waste: _Optional[float] = ..., steps: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_workers_up: _Optional[int] = ..., num_swapped: _Optional[int] = ..., suspended: _Optional[bool] = ...) -> None: ...

@@ -68,3 +68,25 @@ class SchedulerStats(_message.Message):
     attention_backend: str
     device: str
     def __init__(self, pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class SuspendRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: _common_pb2.KVCacheManagementMode
+    def __init__(self, mode: _Optional[_Union[_common_pb2.KVCacheManagementMode, str]] = ...) -> None: ...
+
+class SuspendResponse(_message.Message):
+    __slots__ = ("mode", "released_bytes")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    mode: _common_pb2.KVCacheManagementMode
+    released_bytes: int
+    def __init__(self, mode: _Optional[_Union[_common_pb2.KVCacheManagementMode, str]] = ..., released_bytes: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

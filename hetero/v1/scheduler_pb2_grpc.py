@@ -50,6 +50,16 @@ class SchedulerStub:
                 request_serializer=hetero_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.Suspend = channel.unary_unary(
+                '/hetero.v1.Scheduler/Suspend',
+                request_serializer=hetero_dot_v1_dot_scheduler__pb2.SuspendRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_scheduler__pb2.SuspendResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/hetero.v1.Scheduler/Resume',
+                request_serializer=hetero_dot_v1_dot_scheduler__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_scheduler__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -76,6 +86,20 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Suspend(self, request, context):
+        """Pause the engine after the current step and release the workers' KV memory as `mode` says;
+        requests in flight wait (and keep their streams) until Resume.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +117,16 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=hetero_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
                     response_serializer=hetero_dot_v1_dot_scheduler__pb2.SchedulerStats.SerializeToString,
+            ),
+            'Suspend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Suspend,
+                    request_deserializer=hetero_dot_v1_dot_scheduler__pb2.SuspendRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_scheduler__pb2.SuspendResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=hetero_dot_v1_dot_scheduler__pb2.ResumeRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_scheduler__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +211,60 @@ class Scheduler:
             '/hetero.v1.Scheduler/GetStats',
             hetero_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
             hetero_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Suspend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Scheduler/Suspend',
+            hetero_dot_v1_dot_scheduler__pb2.SuspendRequest.SerializeToString,
+            hetero_dot_v1_dot_scheduler__pb2.SuspendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Scheduler/Resume',
+            hetero_dot_v1_dot_scheduler__pb2.ResumeRequest.SerializeToString,
+            hetero_dot_v1_dot_scheduler__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,21 +77,33 @@ class BlockCopy(_message.Message):
     dst: int
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
+class SwapBlocks(_message.Message):
+    __slots__ = ("seq_id", "block_ids")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled", "released_seq_ids", "block_copies", "reset")
+    __slots__ = ("step_id", "new_sequences", "scheduled", "released_seq_ids", "block_copies", "reset", "swap_out", "swap_in")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
     released_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     reset: bool
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., reset: _Optional[bool] = ...) -> None: ...
+    swap_out: _containers.RepeatedCompositeFieldContainer[SwapBlocks]
+    swap_in: _containers.RepeatedCompositeFieldContainer[SwapBlocks]
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., reset: _Optional[bool] = ..., swap_out: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds")
@@ -120,3 +132,23 @@ class HealthResponse(_message.Message):
     steps: int
     num_sequences: int
     def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
+
+class SuspendKVCacheRequest(_message.Message):
+    __slots__ = ("mode",)
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mode: _common_pb2.KVCacheManagementMode
+    def __init__(self, mode: _Optional[_Union[_common_pb2.KVCacheManagementMode, str]] = ...) -> None: ...
+
+class SuspendKVCacheResponse(_message.Message):
+    __slots__ = ("released_bytes",)
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    released_bytes: int
+    def __init__(self, released_bytes: _Optional[int] = ...) -> None: ...
+
+class ResumeKVCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeKVCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

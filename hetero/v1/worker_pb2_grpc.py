@@ -50,6 +50,16 @@ class WorkerStub:
                 request_serializer=hetero_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_worker__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.SuspendKVCache = channel.unary_unary(
+                '/hetero.v1.Worker/SuspendKVCache',
+                request_serializer=hetero_dot_v1_dot_worker__pb2.SuspendKVCacheRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_worker__pb2.SuspendKVCacheResponse.FromString,
+                _registered_method=True)
+        self.ResumeKVCache = channel.unary_unary(
+                '/hetero.v1.Worker/ResumeKVCache',
+                request_serializer=hetero_dot_v1_dot_worker__pb2.ResumeKVCacheRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_worker__pb2.ResumeKVCacheResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -75,6 +85,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SuspendKVCache(self, request, context):
+        """Release the KV cache memory (kept, moved to host memory, or dropped) until ResumeKVCache.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeKVCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +115,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=hetero_dot_v1_dot_worker__pb2.HealthRequest.FromString,
                     response_serializer=hetero_dot_v1_dot_worker__pb2.HealthResponse.SerializeToString,
+            ),
+            'SuspendKVCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.SuspendKVCache,
+                    request_deserializer=hetero_dot_v1_dot_worker__pb2.SuspendKVCacheRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_worker__pb2.SuspendKVCacheResponse.SerializeToString,
+            ),
+            'ResumeKVCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeKVCache,
+                    request_deserializer=hetero_dot_v1_dot_worker__pb2.ResumeKVCacheRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_worker__pb2.ResumeKVCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +209,60 @@ class Worker:
             '/hetero.v1.Worker/Health',
             hetero_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
             hetero_dot_v1_dot_worker__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SuspendKVCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Worker/SuspendKVCache',
+            hetero_dot_v1_dot_worker__pb2.SuspendKVCacheRequest.SerializeToString,
+            hetero_dot_v1_dot_worker__pb2.SuspendKVCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeKVCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Worker/ResumeKVCache',
+            hetero_dot_v1_dot_worker__pb2.ResumeKVCacheRequest.SerializeToString,
+            hetero_dot_v1_dot_worker__pb2.ResumeKVCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
