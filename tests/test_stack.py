@@ -180,3 +180,18 @@ def test_chat_request_uses_the_template(stack: Stack) -> None:
     answer = stack.inference.Complete(inference_pb2.GenerateRequest(chat=chat, params=greedy(3)))
     assert answer.usage.prompt_tokens == tok.count
     assert answer.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("model, block_size", [("llama", 1), ("llama", 16), ("qwen2", 5)])
+def test_stack_matches_transformers_across_models_and_block_sizes(
+        tiny_llama_dir: Path, tiny_qwen2_dir: Path, model: str, block_size: int) -> None:
+    """The same oracle as the module's stack, on fresh stacks: other block sizes, Qwen2's biases."""
+    model_dir = tiny_llama_dir if model == "llama" else tiny_qwen2_dir
+    prompts = make_prompts()
+    reference = hf_greedy(model_dir, prompts)
+    with run_stack(model_dir, "--block-size", str(block_size), "--max-model-len", "512") as s:
+        calls = [s.inference.Generate(ids_request(p, NEW_TOKENS)) for p in prompts]
+        # All eight streams are open before any is read, so the scheduler batches them together.
+        results = [[t for msg in call for t in msg.token_ids] for call in calls]
+        assert results == reference
+        assert wait_for_idle(s).used_blocks == 0
