@@ -151,7 +151,10 @@ def completion_logprobs(tokenizer: TextTokenizer, parts: list[inference_pb2.Gene
             out["tokens"].append(lp.token)
             out["token_logprobs"].append(lp.logprob)
             alts = part.top_logprobs[i].candidates if i < len(part.top_logprobs) else []
-            out["top_logprobs"].append({c.token: c.logprob for c in alts})
+            top: dict[str, float] = {}
+            for c in alts:  # best first; two ids can decode to the same text: keep the likelier
+                top.setdefault(c.token, c.logprob)
+            out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(lp.token)
     return out
