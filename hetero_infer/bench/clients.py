@@ -6,6 +6,7 @@ Times are taken on receipt, client side: what a user of the API experiences.
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from dataclasses import dataclass, field
 
@@ -80,7 +81,7 @@ class HttpClient:
     def __init__(self, base_url: str, api_key: str | None, model: str, tls_ca: str | None = None) -> None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=None,
-                                        verify=tls_ca or True, limits=httpx.Limits(max_connections=None))
+                                        verify=ssl.create_default_context(cafile=tls_ca) if tls_ca else True, limits=httpx.Limits(max_connections=None))
         self.model = model
 
     async def run(self, req: BenchRequest, t0: float) -> RequestRecord:
