@@ -178,3 +178,27 @@ def test_grpc_top_logprobs_and_timestamps(stack: Stack) -> None:
     plain = list(stack.inference.Generate(inference_pb2.GenerateRequest(
         prompt="the water", params=common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))))
     assert not any(m.token_timestamps or m.logprobs for m in plain)  # only when asked
+
+
+def test_health_subcommand(stack: Stack) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT, free_port
+
+    ok = subprocess.run([sys.executable, "-m", "hetero_infer.cli", "health", stack.address], cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "SERVING" in ok.stdout
+    down = subprocess.run([sys.executable, "-m", "hetero_infer.cli", "health", f"127.0.0.1:{free_port()}", "--timeout", "1"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1
+
+
+def test_reflection_lists_services(stack: Stack) -> None:
+    """What `grpcurl -plaintext HOST:PORT list` does, through the reflection API."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(stack.channel)
+    answers = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert {"hetero.v1.Inference", "grpc.health.v1.Health"} <= names
