@@ -110,7 +110,8 @@ def test_grpc_client_not_trusting_the_ca_is_refused(secure_stack: SecureStack, o
 
 def test_http_api_keys_over_tls(secure_stack: SecureStack, other_pki: Pki) -> None:
     body = {"prompt": "the city", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-    with httpx.Client(base_url=secure_stack.http_url, verify=ssl.create_default_context(cafile=str(secure_stack.pki.ca_file)), timeout=60) as client:
+    trusting = ssl.create_default_context(cafile=str(secure_stack.pki.ca_file))
+    with httpx.Client(base_url=secure_stack.http_url, verify=trusting, timeout=60) as client:
         missing = client.post("/v1/completions", json=body)
         assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
         assert client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {WRONG}"}).status_code == 401
@@ -118,7 +119,8 @@ def test_http_api_keys_over_tls(secure_stack: SecureStack, other_pki: Pki) -> No
         ok = client.post("/v1/completions", json=body, headers={"authorization": f"Bearer {KEY}"})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         assert client.get("/healthz").status_code == 200  # probes stay open
-    with httpx.Client(base_url=secure_stack.http_url, verify=ssl.create_default_context(cafile=str(other_pki.ca_file)), timeout=10) as untrusting:
+    other_ca = ssl.create_default_context(cafile=str(other_pki.ca_file))
+    with httpx.Client(base_url=secure_stack.http_url, verify=other_ca, timeout=10) as untrusting:
         with pytest.raises(httpx.ConnectError):
             untrusting.get("/healthz")
 

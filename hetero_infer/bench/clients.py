@@ -80,8 +80,9 @@ class GrpcClient:
 class HttpClient:
     def __init__(self, base_url: str, api_key: str | None, model: str, tls_ca: str | None = None) -> None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=None,
-                                        verify=ssl.create_default_context(cafile=tls_ca) if tls_ca else True, limits=httpx.Limits(max_connections=None))
+        verify = ssl.create_default_context(cafile=tls_ca) if tls_ca else True
+        self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=None, verify=verify,
+                                        limits=httpx.Limits(max_connections=None))
         self.model = model
 
     async def run(self, req: BenchRequest, t0: float) -> RequestRecord:
