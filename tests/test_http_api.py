@@ -106,14 +106,17 @@ def test_n_seed_and_stop(stack: Stack, client: openai.OpenAI) -> None:
     params = common_pb2.SamplingParams(max_tokens=6, temperature=1.0, seed=12, ignore_eos=True)
     second = stack.inference.Complete(inference_pb2.GenerateRequest(prompt="the city", params=params))
     assert a.choices[1].text == second.text
-    # stop: cut before a string the greedy answer contains
-    full = greedy.choices[0].text
-    stop = full[len(full) // 2:][:2] if len(full.strip()) > 3 else None
-    if stop and stop.strip():
-        cut = client.completions.create(model=MODEL, prompt="the city", max_tokens=6, temperature=0, stop=[stop],
-                                        extra_body={"ignore_eos": True})
-        assert cut.choices[0].finish_reason == "stop"
-        assert cut.choices[0].text == full[: full.index(stop)]
+    # stop: cut before a character of the greedy answer; the same request over gRPC agrees
+    full = client.completions.create(model=MODEL, prompt="the city", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    k = next(i for i in range(1, len(full)) if not full[i].isspace())
+    stop = full[k]
+    cut = client.completions.create(model=MODEL, prompt="the city", max_tokens=12, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+    params = common_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])
+    via_grpc = stack.inference.Complete(inference_pb2.GenerateRequest(prompt="the city", params=params))
+    assert via_grpc.text == cut.text and via_grpc.stop_reason == stop
 
 
 def test_errors_are_openai_shaped(stack: Stack, client: openai.OpenAI) -> None:
