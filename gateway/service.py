@@ -28,7 +28,7 @@ from gateway.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from hetero_infer import __version__
 from hetero_infer.config import Config
-from hetero_infer.errors import ExecutionError, HeteroError, ValidationError, from_grpc_error
+from hetero_infer.errors import ExecutionError, HeteroError, OverloadedError, ValidationError, from_grpc_error
 from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_channel, server_credentials, set_serving_aio)
 from hetero_infer.model_files import resolve_model_path
@@ -55,6 +55,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.channel = internal_channel(config, config.scheduler_address)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.metrics = GatewayMetrics()
+        self.in_flight = 0  # generations streaming now (gRPC and HTTP), for serving.max_concurrent_requests
 
     async def start(self) -> None:
         try:
@@ -101,6 +102,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """The one generation path, shared by gRPC (Generate, Complete) and the HTTP API; metered."""
+        limit = self.config.serving.max_concurrent_requests
+        if limit and self.in_flight >= limit:
+            self.metrics.request_errors.labels(OverloadedError.__name__).inc()
+            raise OverloadedError(f"the gateway is serving its limit of {limit} concurrent requests "
+                                  "(serving.max_concurrent_requests); retry later")
+        self.in_flight += 1
         timer = self.metrics.start_request()
         try:
             async with aclosing(self._generate(request, timer)) as responses:
@@ -109,6 +116,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         except BaseException as exc:  # errors, and a client going away (GeneratorExit, CancelledError)
             timer.fail(exc)
             raise
+        finally:
+            self.in_flight -= 1
 
     async def _generate(self, request: inference_pb2.GenerateRequest,
                         timer: RequestTimer) -> AsyncIterator[inference_pb2.GenerateResponse]:

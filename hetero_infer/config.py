@@ -62,6 +62,7 @@ class ServingConfig:
     api_keys: list[str] = field(default_factory=list)  # accepted `Authorization: Bearer` keys; empty = open
     api_keys_file: str | None = None  # one key per line (added to api_keys)
     tls: TLSConfig = field(default_factory=TLSConfig)  # TLS on the public gRPC and HTTP ports
+    max_concurrent_requests: int = 0  # generations in flight at the gateway; more get 429 / RESOURCE_EXHAUSTED; 0 = no limit
 
 
 @dataclass
@@ -149,6 +150,8 @@ class Config:
                "must be a TCP port (1-65535), or 0 to disable the HTTP API")
         _check(self.serving.http_port != self.serving.port, "serving.http_port", self.serving.http_port,
                f"must differ from serving.port ({self.serving.port})")
+        _check(self.serving.max_concurrent_requests >= 0, "serving.max_concurrent_requests",
+               self.serving.max_concurrent_requests, "must be >= 0 (0 = no limit)")
         _check(all(k.strip() == k and k for k in self.serving.api_keys), "serving.api_keys", "<redacted>",
                "must not hold empty keys or keys with surrounding spaces")
         _check(not self.serving.api_keys_file or Path(self.serving.api_keys_file).is_file(), "serving.api_keys_file",

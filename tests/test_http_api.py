@@ -3,15 +3,22 @@ checked against the gRPC path; plus /metrics, probes and OpenAI error shapes."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2
-from tests.conftest import Stack, run_stack
+from hetero_infer.supervisor import wait_healthy
+from tests.conftest import REPO_ROOT, Stack, free_port, run_stack
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default
@@ -184,11 +191,6 @@ def test_grpc_top_logprobs_and_timestamps(stack: Stack) -> None:
 
 
 def test_health_subcommand(stack: Stack) -> None:
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT, free_port
-
     ok = subprocess.run([sys.executable, "-m", "hetero_infer.cli", "health", stack.address], cwd=REPO_ROOT,
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "SERVING" in ok.stdout
@@ -205,3 +207,48 @@ def test_reflection_lists_services(stack: Stack) -> None:
     answers = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in answers[0].list_services_response.service}
     assert {"hetero.v1.Inference", "grpc.health.v1.Health"} <= names
+
+
+def test_overloaded_is_429_and_resource_exhausted(tiny_llama_dir: Path) -> None:
+    long_body = {"prompt": "the river", "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+    with run_stack(tiny_llama_dir, "--max-model-len", "2048", "--serving-max-concurrent-requests", "1") as limited:
+        # Hold the one slot with a long stream; once its first event arrived it is in flight for 2000 tokens.
+        with httpx.stream("POST", f"{limited.http_url}/v1/completions", json=long_body, timeout=60) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept referenced: closing this iterator would close the stream
+            assert next(lines).startswith("data: {")
+            refused = httpx.post(f"{limited.http_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
+            with pytest.raises(grpc.RpcError) as exhausted:
+                grpc_greedy(limited, 2, prompt="x")
+            assert exhausted.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # the client went away: its request was aborted and the slot is free again
+        for _ in range(100):
+            r = httpx.post(f"{limited.http_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+            if r.status_code != 429:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200
+
+
+def test_not_ready_without_a_scheduler_is_503(tiny_llama_dir: Path) -> None:
+    """A gateway whose scheduler is not there: alive, not ready; generation answers 503."""
+    grpc_port, http_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
+    process = subprocess.Popen([sys.executable, "-m", "hetero_infer.cli", "gateway", "--model", str(tiny_llama_dir),
+                                "--serving-port", str(grpc_port), "--serving-http-port", str(http_port),
+                                "--scheduler-address", f"127.0.0.1:{free_port()}", "--max-retry-attempts", "0",
+                                "--log-format", "json"], cwd=REPO_ROOT, env=env)
+    try:
+        wait_healthy(f"127.0.0.1:{grpc_port}", 120, process)
+        url = f"http://127.0.0.1:{http_port}"
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+        ready = httpx.get(f"{url}/readyz", timeout=30)
+        assert ready.status_code == 503 and ready.json()["error"]["code"] == "not_ready"
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "scheduler" in r.json()["error"]["message"]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert "hetero_scheduler_up 0.0" in metrics
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
