@@ -9,10 +9,11 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hetero_infer.bench.clients import GrpcClient, HttpClient, RequestRecord
-from hetero_infer.bench.dataset import BenchRequest, from_jsonl, synthetic
-from hetero_infer.bench.report import plot, summarize, table, write_json
+if TYPE_CHECKING:  # the clients (httpx, grpc) and numpy load only when bench runs, not with every CLI command
+    from hetero_infer.bench.clients import RequestRecord
+    from hetero_infer.bench.dataset import BenchRequest
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +39,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 async def _run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[list[RequestRecord], float]:
     from tqdm import tqdm
+
+    from hetero_infer.bench.clients import GrpcClient, HttpClient
 
     if args.protocol == "grpc":
         client: GrpcClient | HttpClient = GrpcClient(args.target, args.api_key, args.model, args.tls_ca)
@@ -70,6 +73,9 @@ async def _run(args: argparse.Namespace, requests: list[BenchRequest]) -> tuple[
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from hetero_infer.bench.dataset import from_jsonl, synthetic
+    from hetero_infer.bench.report import plot, summarize, table, write_json
+
     args.target = args.target or ("127.0.0.1:50051" if args.protocol == "grpc" else "http://127.0.0.1:8000")
     if args.dataset:
         requests = from_jsonl(args.dataset, args.num_prompts, args.output_len)
