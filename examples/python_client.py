@@ -9,6 +9,7 @@ Sends the prompt as a chat message (the model's chat template is applied by the 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +36,7 @@ def main() -> int:
     parser.add_argument("--raw", action="store_true", help="plain-text prompt instead of a chat message")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ca", help="CA file when the gateway serves TLS")
     args = parser.parse_args()
 
     import grpc
@@ -47,9 +49,14 @@ def main() -> int:
             request.prompt = args.prompt
         else:
             request.chat.messages.add(role="user", content=args.prompt)
-        with grpc.insecure_channel(args.address) as channel:
+        # HETERO_API_KEY, when set, goes in the `authorization` metadata (gateways with API keys on).
+        key = os.environ.get("HETERO_API_KEY")
+        metadata = (("authorization", f"Bearer {key}"),) if key else None
+        channel = (grpc.secure_channel(args.address, grpc.ssl_channel_credentials(open(args.ca, "rb").read()))
+                   if args.ca else grpc.insecure_channel(args.address))
+        with channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
-            for message in stub.Generate(request, timeout=300):
+            for message in stub.Generate(request, timeout=300, metadata=metadata):
                 print(message.text, end="", flush=True)
                 if message.finish_reason:
                     reason = common_pb2.FinishReason.Name(message.finish_reason)

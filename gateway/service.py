@@ -20,14 +20,17 @@ import grpc
 import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
+from gateway.auth import ApiKeyInterceptor, ApiKeys
+from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.requests import PreparedRequest, check_model, prepare, render_chat
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from hetero_infer import __version__
 from hetero_infer.config import Config
-from hetero_infer.errors import ExecutionError, HeteroError, ValidationError, from_grpc_error
-from hetero_infer.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, error_status, set_serving_aio
+from hetero_infer.errors import ExecutionError, HeteroError, OverloadedError, ValidationError, from_grpc_error
+from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
+                                      internal_channel, server_credentials, set_serving_aio)
 from hetero_infer.model_files import resolve_model_path
 
 log = structlog.get_logger("gateway.service")
@@ -49,8 +52,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.tokenizer = tokenizer
         self.model_name = config.serving.model_name
         self.max_model_len = config.max_model_len  # refined from the scheduler at start
-        self.channel = grpc.aio.insecure_channel(config.scheduler_address, options=CHANNEL_OPTIONS)
+        self.channel = internal_channel(config, config.scheduler_address)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.metrics = GatewayMetrics()
+        self.in_flight = 0  # generations streaming now (gRPC and HTTP), for serving.max_concurrent_requests
 
     async def start(self) -> None:
         try:
@@ -58,6 +63,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             self.max_model_len = stats.max_model_len
         except HeteroError as exc:
             log.warning("scheduler not reachable at start; using config max_model_len", error=exc.message)
+
+    async def scheduler_stats(self) -> scheduler_pb2.SchedulerStats:
+        """The scheduler's pool and model figures (retried on UNAVAILABLE); for /readyz and /metrics."""
+        return await self._scheduler_stats()
 
     async def _scheduler_stats(self) -> scheduler_pb2.SchedulerStats:
         try:
@@ -91,7 +100,27 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             finally:
                 call.cancel()  # no-op when finished; aborts the request downstream otherwise
 
-    async def _generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The one generation path, shared by gRPC (Generate, Complete) and the HTTP API; metered."""
+        limit = self.config.serving.max_concurrent_requests
+        if limit and self.in_flight >= limit:
+            self.metrics.request_errors.labels(OverloadedError.__name__).inc()
+            raise OverloadedError(f"the gateway is serving its limit of {limit} concurrent requests "
+                                  "(serving.max_concurrent_requests); retry later")
+        self.in_flight += 1
+        timer = self.metrics.start_request()
+        try:
+            async with aclosing(self._generate(request, timer)) as responses:
+                async for response in responses:
+                    yield response
+        except BaseException as exc:  # errors, and a client going away (GeneratorExit, CancelledError)
+            timer.fail(exc)
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def _generate(self, request: inference_pb2.GenerateRequest,
+                        timer: RequestTimer) -> AsyncIterator[inference_pb2.GenerateResponse]:
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         started = time.perf_counter()
@@ -105,25 +134,31 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for event in events:
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.cached_prompt_tokens)
                 usage.completion_tokens += len(event.token_ids)
-                response = self._response(request_id, event, stream)
+                timer.on_tokens(len(event.token_ids), event.queue_seconds)
+                response = self._response(request_id, event, stream, request.params)
                 finish = response.finish_reason
                 if finish != FINISHED:
                     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
                     response.usage.CopyFrom(usage)
+                    timer.finish(finish, usage)
                 yield response
                 if finish != FINISHED:
                     break
         log.info("finished", finish_reason=common_pb2.FinishReason.Name(finish), prompt_tokens=usage.prompt_tokens,
                  completion_tokens=usage.completion_tokens, seconds=round(time.perf_counter() - started, 3))
 
-    def _response(self, request_id: str, event: scheduler_pb2.TokenEvent, stream: TextStream) -> inference_pb2.GenerateResponse:
+    def _response(self, request_id: str, event: scheduler_pb2.TokenEvent, stream: TextStream,
+                  params: common_pb2.SamplingParams) -> inference_pb2.GenerateResponse:
         """One scheduler event as a client message: new text, and the finish reason when it ends."""
         if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
             raise ExecutionError(event.error or "generation failed")
         delta = stream.push(list(event.token_ids))
         response = inference_pb2.GenerateResponse(
-            request_id=request_id, text=delta.text, token_ids=event.token_ids, model=self.model_name,
-            backend="scheduler", token_timestamps=event.token_timestamps)
+            request_id=request_id, text=delta.text, token_ids=event.token_ids, model=self.model_name, backend="scheduler")
+        if params.track_generated_token_events:
+            response.token_timestamps.extend(event.token_timestamps)
+        if params.HasField("logprobs"):
+            self._add_logprobs(response, event)
         if delta.stopped:
             response.finish_reason, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string or ""
         elif event.finish_reason != FINISHED:
@@ -131,9 +166,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             response.finish_reason = event.finish_reason
         return response
 
+    def _add_logprobs(self, response: inference_pb2.GenerateResponse, event: scheduler_pb2.TokenEvent) -> None:
+        token = lambda i: self.tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+        for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs)):
+            response.logprobs.add(token_id=token_id, logprob=logprob, token=token(token_id))
+            alternatives = response.top_logprobs.add()
+            if i < len(event.top_logprobs):
+                top = event.top_logprobs[i]
+                for alt_id, alt_logprob in zip(top.token_ids, top.logprobs):
+                    alternatives.candidates.add(token_id=alt_id, logprob=alt_logprob, token=token(alt_id))
+
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async for response in self._generate(request):
+            async for response in self.generate(request):
                 yield response
         except HeteroError as exc:
             log.info("request failed", error=exc.message, code=error_status(exc)[0].name)
@@ -144,11 +189,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Complete(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> inference_pb2.GenerateResponse:
         answer = inference_pb2.GenerateResponse()
         try:
-            async for part in self._generate(request):
+            async for part in self.generate(request):
                 answer.request_id, answer.model, answer.backend = part.request_id, part.model, part.backend
                 answer.text += part.text
                 answer.token_ids.extend(part.token_ids)
                 answer.token_timestamps.extend(part.token_timestamps)
+                answer.logprobs.extend(part.logprobs)
+                answer.top_logprobs.extend(part.top_logprobs)
                 if part.finish_reason != FINISHED:
                     answer.finish_reason, answer.stop_reason = part.finish_reason, part.stop_reason
                     answer.usage.CopyFrom(part.usage)
@@ -193,22 +240,32 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
 
 async def serve_gateway(config: Config) -> None:
+    """gRPC and (unless serving.http_port is 0) the OpenAI-style HTTP API, on one asyncio loop, one backend."""
     servicer = InferenceServicer(config, load_gateway_tokenizer(config))
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    keys = ApiKeys.from_config(config)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
     address = f"{config.serving.host}:{config.serving.port}"
-    if server.add_insecure_port(address) == 0:
+    if bind(server, address, server_credentials(config.serving.tls, mutual=False)) == 0:
         raise SystemExit(f"gateway: cannot bind {address}; is another process using it?")
     await server.start()
     await servicer.start()
+    http = None
+    if config.serving.http_port:
+        from gateway.http_api import start_http_server
+
+        http = await start_http_server(config, servicer, keys)
     await set_serving_aio(health, [SERVICE_NAME])
-    log.info("gateway serving", address=address, model=config.serving.model_name)
+    log.info("gateway serving", address=address, http_port=config.serving.http_port or None, model=config.serving.model_name,
+             tls=config.serving.tls.enabled, api_keys=keys.enabled)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
+    if http is not None:
+        await http.stop()
     await server.stop(grace=5)
     log.info("gateway stopped")

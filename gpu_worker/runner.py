@@ -18,7 +18,7 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.model import LlamaModel
-from gpu_worker.sampler import SamplingBatch, sample
+from gpu_worker.sampler import SamplingBatch, sample, top_logprobs
 from hetero.v1 import worker_pb2
 from hetero_infer.config import Config
 from hetero_infer.errors import ExecutionError
@@ -160,6 +160,12 @@ class ModelRunner:
             result.token_ids.extend(token_list)
             if logprobs is not None:
                 result.logprobs.extend(logprobs.tolist())
+            num_top = max(st.sampling.logprobs or 0 for st in sampled)
+            if num_top:
+                top_ids, top_values = top_logprobs(logits, num_top)
+                result.num_top_logprobs = top_ids.shape[1]
+                result.top_token_ids.extend(top_ids.flatten().tolist())
+                result.top_logprobs.extend(top_values.flatten().tolist())
         self.steps += 1
         result.forward_seconds = time.perf_counter() - started
         return result

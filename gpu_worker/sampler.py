@@ -51,6 +51,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     return tokens, logprobs
 
 
+def top_logprobs(logits: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n most likely tokens per row, best first: (token ids [B, n] int64, logprobs [B, n]).
+
+    Like the chosen token's logprob, these are the model's distribution before temperature,
+    top-k and top-p. Only sampled positions reach here (the runner computes no other logits).
+    """
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(n, logits.shape[-1]), dim=-1)
+    return ids, values
+
+
 def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask everything outside each row's top-k and top-p nucleus with -inf (one sort for both)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -18,7 +18,8 @@ import structlog
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import worker_pb2, worker_pb2_grpc
 from hetero_infer.config import Config
-from hetero_infer.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, error_status, set_serving
+from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
+                                      internal_listen_address, server_credentials, set_serving)
 
 log = structlog.get_logger("gpu_worker.service")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -62,11 +63,12 @@ def serve_worker(config: Config) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=False)
-    if server.add_insecure_port(config.worker_address) == 0:
-        raise SystemExit(f"worker: cannot bind {config.worker_address}; is another process using it?")
+    listen = internal_listen_address(config, config.worker_address)
+    if bind(server, listen, server_credentials(config.internal_tls, mutual=True)) == 0:
+        raise SystemExit(f"worker: cannot bind {listen}; is another process using it?")
     server.start()
     set_serving(health, [SERVICE_NAME])
-    log.info("worker serving", address=config.worker_address)
+    log.info("worker serving", address=listen, mutual_tls=config.internal_tls.enabled)
 
     def stop(*_: object) -> None:
         servicer.steps.put(None)

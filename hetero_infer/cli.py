@@ -3,6 +3,8 @@
     hetero-infer serve                      all three services on loopback (Ctrl-C stops them)
     hetero-infer gateway|scheduler|worker   one service (for containers)
     hetero-infer generate --input "..."     one completion, in-process
+    hetero-infer health ADDRESS             exit 0 when a service answers SERVING (container health checks)
+    hetero-infer bench --url ...            load-test a running gateway (gRPC or HTTP)
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ def _parser() -> argparse.ArgumentParser:
                        ("gateway", "run the public gRPC gateway"), ("scheduler", "run the scheduler service"),
                        ("worker", "run one model worker")):
         add_config_arguments(sub.add_parser(name, help=text, description=text))
+    health = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 = SERVING)")
+    health.add_argument("address", help="host:port")
+    health.add_argument("--service", default="", help="service name (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    health.add_argument("--tls-ca", help="CA file to trust (TLS on)")
+    health.add_argument("--tls-cert", help="client certificate (mutual TLS)")
+    health.add_argument("--tls-key", help="client key (mutual TLS)")
+    from hetero_infer.bench.cli import add_bench_arguments
+
+    add_bench_arguments(sub.add_parser("bench", help="load-test a running gateway; print and save latency figures"))
     gen = sub.add_parser("generate", help="print one completion (in-process engine)")
     gen.add_argument("--input", required=True, help="the prompt")
     gen.add_argument("--max-tokens", type=int, default=100)
@@ -48,8 +60,37 @@ def _generate(args: argparse.Namespace, config) -> int:
     return 0
 
 
+def _health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from hetero_infer.config import TLSConfig
+    from hetero_infer.grpc_server import channel_credentials
+
+    tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, ca_file=args.tls_ca)
+    creds = channel_credentials(tls, mutual=True) if args.tls_cert else (
+        grpc.ssl_channel_credentials(open(args.tls_ca, "rb").read()) if args.tls_ca else None)
+    channel = grpc.secure_channel(args.address, creds) if creds else grpc.insecure_channel(args.address)
+    with channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                               timeout=args.timeout).status
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.address}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "health":
+        return _health(args)
+    if args.command == "bench":
+        from hetero_infer.bench.cli import run_bench
+
+        return run_bench(args)
     try:
         config = config_from_args(args)
     except HeteroError as exc:

@@ -35,12 +35,34 @@ class BackendConfig:
     command: CommandConfig | None = None
 
 
+# --- interfaces (issue 5) ---
+@dataclass
+class TLSConfig:
+    """PEM files. Public ports: cert_file + key_file (ca_file: what `serve` trusts for its
+    readiness check). Internal links: all three, for mutual TLS (each side presents a
+    certificate signed by ca_file and requires one from the other)."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    ca_file: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+
 @dataclass
 class ServingConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # the public gRPC port of the gateway
     model_name: str = "SmolLM2-135M-Instruct"
     backend: BackendConfig = field(default_factory=BackendConfig)
+    # --- interfaces (issue 5) ---
+    http_port: int = 8000  # OpenAI-compatible HTTP API on the gateway; 0 disables it
+    api_keys: list[str] = field(default_factory=list)  # accepted `Authorization: Bearer` keys; empty = open
+    api_keys_file: str | None = None  # one key per line (added to api_keys)
+    tls: TLSConfig = field(default_factory=TLSConfig)  # TLS on the public gRPC and HTTP ports
+    max_concurrent_requests: int = 0  # generations in flight at the gateway; more get 429 / RESOURCE_EXHAUSTED; 0 = no limit
 
 
 @dataclass
@@ -75,6 +97,9 @@ class Config:
     scheduler_address: str = "127.0.0.1:50052"
     worker_address: str = "127.0.0.1:50053"
     startup_timeout_s: float = 180.0  # how long `serve` waits for each service to become ready
+    # --- interfaces (issue 5) ---
+    internal_bind_host: str | None = None  # scheduler/worker listen here (e.g. 0.0.0.0 in containers), same port
+    internal_tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS: gateway->scheduler->worker
     # --- logging ---
     log_level: str = "info"
     log_format: str = "auto"  # auto (console on a terminal, JSON otherwise) | json | console
@@ -120,6 +145,25 @@ class Config:
         for key in ("scheduler_address", "worker_address"):
             value = getattr(self, key)
             _check(":" in value and value.rsplit(":", 1)[1].isdigit(), key, value, "must be host:port")
+        # --- interfaces (issue 5) ---
+        _check(0 <= self.serving.http_port <= 65535, "serving.http_port", self.serving.http_port,
+               "must be a TCP port (1-65535), or 0 to disable the HTTP API")
+        _check(self.serving.http_port != self.serving.port, "serving.http_port", self.serving.http_port,
+               f"must differ from serving.port ({self.serving.port})")
+        _check(self.serving.max_concurrent_requests >= 0, "serving.max_concurrent_requests",
+               self.serving.max_concurrent_requests, "must be >= 0 (0 = no limit)")
+        _check(all(k.strip() == k and k for k in self.serving.api_keys), "serving.api_keys", "<redacted>",
+               "must not hold empty keys or keys with surrounding spaces")
+        _check(not self.serving.api_keys_file or Path(self.serving.api_keys_file).is_file(), "serving.api_keys_file",
+               self.serving.api_keys_file, "must be an existing file (one key per line)")
+        for key, tls in (("serving.tls", self.serving.tls), ("internal_tls", self.internal_tls)):
+            _check(bool(tls.cert_file) == bool(tls.key_file), f"{key}.key_file", tls.key_file,
+                   f"and {key}.cert_file must be set together")
+            for name in ("cert_file", "key_file", "ca_file"):
+                path = getattr(tls, name)
+                _check(not path or Path(path).is_file(), f"{key}.{name}", path, "must be an existing PEM file")
+        _check(not self.internal_tls.enabled or bool(self.internal_tls.ca_file), "internal_tls.ca_file",
+               self.internal_tls.ca_file, "is required with internal_tls.cert_file (mutual TLS checks the peer's certificate)")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be positive")
         _check(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", self.log_level,
                "must be debug, info, warning or error")
@@ -202,6 +246,12 @@ def _parse(key: ConfigKey, raw: Any) -> Any:
             if unknown:
                 raise ValueError(f"unknown fields {sorted(unknown)}")
             return CommandConfig(program=str(data.get("program", "")), args=[str(a) for a in data.get("args", [])])
+        if typing.get_origin(tp) is list:  # a JSON list, or a comma-separated string (env, flags)
+            if isinstance(raw, str):
+                raw = json.loads(raw) if raw.strip().startswith("[") else [p.strip() for p in raw.split(",") if p.strip()]
+            if not isinstance(raw, list):
+                raise ValueError("expected a list")
+            return [str(v) for v in raw]
         if tp is bool:
             if isinstance(raw, bool):
                 return raw
@@ -224,7 +274,8 @@ def _parse(key: ConfigKey, raw: Any) -> Any:
             value = str(raw)
             return KIND_ALIASES.get(value, value) if key.path[-1] == "kind" else value
     except (ValueError, TypeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"config key '{key.dotted}' = {raw!r}: {exc}") from exc
+        shown = "<redacted>" if key.path[-1] == "api_keys" else repr(raw)  # keys are never printed
+        raise ConfigError(f"config key '{key.dotted}' = {shown}: {exc}") from exc
     raise ConfigError(f"config key '{key.dotted}' has an unsupported type {tp}")
 
 

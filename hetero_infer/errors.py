@@ -40,6 +40,13 @@ class ModelNotFoundError(ValidationError):
     http_status = 404
 
 
+class AuthenticationError(HeteroError):
+    """No API key, or one the gateway does not accept."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+
+
 class OverloadedError(HeteroError):
     """Queues are full; retry later."""
 
@@ -80,6 +87,7 @@ _FROM_GRPC: dict[grpc.StatusCode, type[HeteroError]] = {
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.ALREADY_EXISTS: DuplicateRequestError,
     grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
 }
 
 

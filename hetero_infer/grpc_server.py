@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from hetero_infer.config import Config, TLSConfig
 from hetero_infer.errors import HeteroError, grpc_status_for
 
 # Large enough for a step plan with thousands of prompt tokens; protobuf's own limit is 2 GiB.
@@ -47,3 +49,50 @@ def error_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, HeteroError):
         return grpc_status_for(error), error.message
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+
+
+# --- TLS (issue 5): public ports with TLS, internal links with mutual TLS -------------------
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(tls: TLSConfig, mutual: bool) -> grpc.ServerCredentials | None:
+    """None when TLS is off. `mutual`: clients must present a certificate signed by tls.ca_file."""
+    if not tls.enabled:
+        return None
+    pair = [(_read(tls.key_file), _read(tls.cert_file))]
+    if mutual:
+        return grpc.ssl_server_credentials(pair, root_certificates=_read(tls.ca_file), require_client_auth=True)
+    return grpc.ssl_server_credentials(pair)
+
+
+def channel_credentials(tls: TLSConfig, mutual: bool) -> grpc.ChannelCredentials | None:
+    """What a client of a TLS server presents: the CA to trust (and, for mutual TLS, its own pair)."""
+    if not tls.enabled:
+        return None
+    if mutual:
+        return grpc.ssl_channel_credentials(_read(tls.ca_file), _read(tls.key_file), _read(tls.cert_file))
+    # A public port: trust its CA when configured, else the certificate itself (self-signed).
+    return grpc.ssl_channel_credentials(_read(tls.ca_file or tls.cert_file))
+
+
+def bind(server: grpc.Server | grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    if credentials is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, credentials)
+
+
+def internal_listen_address(config: Config, address: str) -> str:
+    """Where an internal service listens: its address, or internal_bind_host with the same port."""
+    if config.internal_bind_host:
+        return f"{config.internal_bind_host}:{address.rsplit(':', 1)[1]}"
+    return address
+
+
+def internal_channel(config: Config, address: str) -> grpc.aio.Channel:
+    """An asyncio channel to an internal service (scheduler, worker), with mutual TLS when configured."""
+    creds = channel_credentials(config.internal_tls, mutual=True)
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)

@@ -23,6 +23,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero_infer.config import Config
+from hetero_infer.grpc_server import channel_credentials
 
 log = structlog.get_logger("hetero_infer.supervisor")
 _PR_SET_PDEATHSIG = 1
@@ -35,10 +36,12 @@ def _die_with_parent() -> None:
         pass  # not Linux: the supervisor's own signal handling still stops the children
 
 
-def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None) -> None:
+def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     """Poll grpc.health.v1 until SERVING; fail early if the process exits."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel_cm = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel_cm as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
@@ -72,13 +75,15 @@ class Supervisor:
 
     def start(self) -> None:
         c = self.config
-        for name, address in (("worker", c.worker_address), ("scheduler", c.scheduler_address),
-                              ("gateway", f"{c.serving.host}:{c.serving.port}")):
+        internal = channel_credentials(c.internal_tls, mutual=True)
+        for name, address, creds in (("worker", c.worker_address, internal), ("scheduler", c.scheduler_address, internal),
+                                     ("gateway", f"{c.serving.host}:{c.serving.port}",
+                                      channel_credentials(c.serving.tls, mutual=False))):
             process = subprocess.Popen([sys.executable, "-m", "hetero_infer.cli", name, "--config", self.config_path],
                                        env=self.child_env, preexec_fn=_die_with_parent)
             self.children.append(Child(name, address, process))
             log.info("starting", service=name, pid=process.pid, address=address)
-            wait_healthy(address, c.startup_timeout_s, process)
+            wait_healthy(address, c.startup_timeout_s, process, creds)
             log.info("ready", service=name, address=address)
 
     def wait(self) -> int:
@@ -122,7 +127,8 @@ def serve(config: Config) -> int:
     try:
         supervisor.start()
         log.info("stack ready", grpc=f"{config.serving.host}:{config.serving.port}", model=config.serving.model_name)
-        print(f"hetero-infer ready: gRPC hetero.v1.Inference on {config.serving.host}:{config.serving.port}", flush=True)
+        http = f", OpenAI HTTP on {config.serving.host}:{config.serving.http_port}" if config.serving.http_port else ""
+        print(f"hetero-infer ready: gRPC hetero.v1.Inference on {config.serving.host}:{config.serving.port}{http}", flush=True)
         return supervisor.wait()
     except (RuntimeError, TimeoutError) as exc:
         log.error("stack failed to start", error=str(exc))

@@ -38,6 +38,8 @@ class TokenOutput:
     error: str = ""
     logprobs: list[float] = field(default_factory=list)
     timestamp: float = 0.0
+    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # per token, when asked
+    queue_seconds: float = 0.0  # on the first output: arrival to first admission
 
 
 class Scheduler:
@@ -128,6 +130,8 @@ class Scheduler:
             if n == 0 or not self._admissible(seq, n):
                 break
             self.waiting.popleft()
+            if seq.queue_seconds is None:
+                seq.queue_seconds = time.monotonic() - seq.arrival_time
             self._allocate(seq, n)
             seq.status = SequenceStatus.PREFILL
             self.running.append(seq)
@@ -222,6 +226,12 @@ class Scheduler:
             seq.token_ids.append(token)
             seq.status = SequenceStatus.DECODE
             out = TokenOutput(seq.request_id, [token], timestamp=now, logprobs=[logprobs[i]] if logprobs else [])
+            if seq.sampling.logprobs and result.num_top_logprobs:
+                k, top = seq.sampling.logprobs, slice(i * result.num_top_logprobs, (i + 1) * result.num_top_logprobs)
+                out.top_logprobs = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[top][:k],
+                                                           logprobs=result.top_logprobs[top][:k])]
+            if seq.num_generated == 1:
+                out.queue_seconds = seq.queue_seconds or 0.0
             reason = self._finish_reason(seq, token)
             if reason:
                 self._finish(seq, reason, SequenceStatus.COMPLETED)

@@ -38,6 +38,7 @@ class Sequence:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     arrival_time: float = field(default_factory=time.monotonic)
     last_scheduled_step: int = -1
+    queue_seconds: float | None = None  # arrival to first admission (metrics)
 
     @property
     def num_tokens(self) -> int:

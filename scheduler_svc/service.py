@@ -18,7 +18,8 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop
 from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from hetero_infer.config import Config
 from hetero_infer.errors import HeteroError, UnavailableError
-from hetero_infer.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, error_status, set_serving_aio
+from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status, internal_channel,
+                                      internal_listen_address, server_credentials, set_serving_aio)
 from scheduler_svc.scheduler import Scheduler, TokenOutput
 
 log = structlog.get_logger("scheduler_svc.service")
@@ -32,7 +33,7 @@ def _transient(exc: BaseException) -> bool:
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.channel = grpc.aio.insecure_channel(config.worker_address, options=CHANNEL_OPTIONS)
+        self.channel = internal_channel(config, config.worker_address)
         self.worker = worker_pb2_grpc.WorkerStub(self.channel)
         self.core: Scheduler | None = None
         self.worker_info: worker_pb2.WorkerInfo | None = None
@@ -148,7 +149,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             queue.put_nowait(scheduler_pb2.TokenEvent(
                 request_id=out.request_id, token_ids=out.token_ids, finish_reason=out.finish_reason, error=out.error,
-                logprobs=out.logprobs, token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else []))
+                logprobs=out.logprobs, token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else [],
+                top_logprobs=out.top_logprobs, queue_seconds=out.queue_seconds))
 
 
 async def serve_scheduler(config: Config) -> None:
@@ -156,12 +158,13 @@ async def serve_scheduler(config: Config) -> None:
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
-    if server.add_insecure_port(config.scheduler_address) == 0:
-        raise SystemExit(f"scheduler: cannot bind {config.scheduler_address}; is another process using it?")
+    listen = internal_listen_address(config, config.scheduler_address)
+    if bind(server, listen, server_credentials(config.internal_tls, mutual=True)) == 0:
+        raise SystemExit(f"scheduler: cannot bind {listen}; is another process using it?")
     await server.start()
     await servicer.start()
     await set_serving_aio(health, [SERVICE_NAME])
-    log.info("scheduler serving", address=config.scheduler_address)
+    log.info("scheduler serving", address=listen, mutual_tls=config.internal_tls.enabled)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

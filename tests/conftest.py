@@ -45,6 +45,11 @@ class Stack:
     process: subprocess.Popen[bytes]
     address: str
     channel: grpc.Channel
+    http_port: int = 0  # the OpenAI-style HTTP API of the gateway
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def inference(self) -> inference_pb2_grpc.InferenceStub:
@@ -53,8 +58,9 @@ class Stack:
 
 @contextmanager
 def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0) -> Iterator[Stack]:
-    gateway_port = free_port()
+    gateway_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--serving-port", str(gateway_port),
+           "--serving-http-port", str(http_port),
            "--scheduler-address", f"127.0.0.1:{free_port()}", "--worker-address", f"127.0.0.1:{free_port()}",
            "--log-format", "json", *flags]
     if model is not None:
@@ -65,7 +71,7 @@ def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0) -> Iter
     try:
         wait_healthy(address, timeout_s, process)
         with grpc.insecure_channel(address) as channel:
-            yield Stack(process, address, channel)
+            yield Stack(process, address, channel, http_port)
     finally:
         process.send_signal(signal.SIGTERM)
         try:

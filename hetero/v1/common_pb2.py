@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hetero/v1/common.proto\x12\thetero.v1\"\xce\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1e\n\x16include_special_tokens\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\xfd\x02\n\tPoolStats\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_blocks\x18\x05 \x01(\r\x12\r\n\x05usage\x18\x06 \x01(\x02\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x16\n\x0einternal_waste\x18\x0c \x01(\x02\x12\r\n\x05steps\x18\r \x01(\x04\x12\x13\n\x0bnum_workers\x18\x0e \x01(\r\x12\x16\n\x0enum_workers_up\x18\x0f \x01(\r\x12\x13\n\x0bnum_swapped\x18\x10 \x01(\r\x12\x11\n\tsuspended\x18\x11 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xb5\x01\n\x15KVCacheManagementMode\x12(\n$KV_CACHE_MANAGEMENT_MODE_UNSPECIFIED\x10\x00\x12$\n KV_CACHE_MANAGEMENT_MODE_PERSIST\x10\x01\x12$\n KV_CACHE_MANAGEMENT_MODE_OFFLOAD\x10\x02\x12&\n\"KV_CACHE_MANAGEMENT_MODE_RECOMPUTE\x10\x03\x42V\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hetero/v1/common.proto\x12\thetero.v1\"\xf4\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1e\n\x16include_special_tokens\x18\x0b \x01(\x08\x12$\n\x1ctrack_generated_token_events\x18( \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\":\n\x0bTopLogprobs\x12\x15\n\ttoken_ids\x18\x01 \x03(\rB\x02\x10\x01\x12\x14\n\x08logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\xfd\x02\n\tPoolStats\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_blocks\x18\x05 \x01(\r\x12\r\n\x05usage\x18\x06 \x01(\x02\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x16\n\x0einternal_waste\x18\x0c \x01(\x02\x12\r\n\x05steps\x18\r \x01(\x04\x12\x13\n\x0bnum_workers\x18\x0e \x01(\r\x12\x16\n\x0enum_workers_up\x18\x0f \x01(\r\x12\x13\n\x0bnum_swapped\x18\x10 \x01(\r\x12\x11\n\tsuspended\x18\x11 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xb5\x01\n\x15KVCacheManagementMode\x12(\n$KV_CACHE_MANAGEMENT_MODE_UNSPECIFIED\x10\x00\x12$\n KV_CACHE_MANAGEMENT_MODE_PERSIST\x10\x01\x12$\n KV_CACHE_MANAGEMENT_MODE_OFFLOAD\x10\x02\x12&\n\"KV_CACHE_MANAGEMENT_MODE_RECOMPUTE\x10\x03\x42V\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,14 +32,20 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetero.v1.common_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\022dev.heteroinfer.v1P\001Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1'
-  _globals['_FINISHREASON']._serialized_start=870
-  _globals['_FINISHREASON']._serialized_end=1015
-  _globals['_KVCACHEMANAGEMENTMODE']._serialized_start=1018
-  _globals['_KVCACHEMANAGEMENTMODE']._serialized_end=1199
+  _globals['_TOPLOGPROBS'].fields_by_name['token_ids']._loaded_options = None
+  _globals['_TOPLOGPROBS'].fields_by_name['token_ids']._serialized_options = b'\020\001'
+  _globals['_TOPLOGPROBS'].fields_by_name['logprobs']._loaded_options = None
+  _globals['_TOPLOGPROBS'].fields_by_name['logprobs']._serialized_options = b'\020\001'
+  _globals['_FINISHREASON']._serialized_start=968
+  _globals['_FINISHREASON']._serialized_end=1113
+  _globals['_KVCACHEMANAGEMENTMODE']._serialized_start=1116
+  _globals['_KVCACHEMANAGEMENTMODE']._serialized_end=1297
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=372
-  _globals['_USAGE']._serialized_start=374
-  _globals['_USAGE']._serialized_end=483
-  _globals['_POOLSTATS']._serialized_start=486
-  _globals['_POOLSTATS']._serialized_end=867
+  _globals['_SAMPLINGPARAMS']._serialized_end=410
+  _globals['_TOPLOGPROBS']._serialized_start=412
+  _globals['_TOPLOGPROBS']._serialized_end=470
+  _globals['_USAGE']._serialized_start=472
+  _globals['_USAGE']._serialized_end=581
+  _globals['_POOLSTATS']._serialized_start=584
+  _globals['_POOLSTATS']._serialized_end=965
 # @@protoc_insertion_point(module_scope)

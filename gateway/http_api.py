@@ -1,0 +1,283 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), in the gateway process, on its loop.
+
+Every generation goes through `InferenceServicer.generate`, the path gRPC uses, so both
+APIs validate, tokenize, stop and meter identically. Routes:
+POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
+`stream: true`, ending `data: [DONE]`), GET /v1/models (need an API key when keys are on);
+GET /healthz, /readyz, /metrics (open, for probes and scrapers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+import structlog
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import openai_schema as oa
+from gateway.auth import ApiKeys
+from gateway.metrics import CONTENT_TYPE_LATEST
+from gateway.service import InferenceServicer
+from hetero.v1 import common_pb2, inference_pb2
+from hetero_infer.config import Config
+from hetero_infer.errors import HeteroError, UnavailableError, http_status_for
+
+log = structlog.get_logger("gateway.http_api")
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               409: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "overloaded", 503: "not_ready"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": ERROR_CODES.get(status)}}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status = http_status_for(exc)
+    message = exc.message if isinstance(exc, HeteroError) else f"internal error: {type(exc).__name__}"
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _merged(servicer: InferenceServicer,
+                  requests: list[inference_pb2.GenerateRequest]) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
+    """Run the sub-requests concurrently; yield (index, response) as they come. Errors propagate."""
+    queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, request: inference_pb2.GenerateRequest) -> None:
+        try:
+            async with aclosing(servicer.generate(request)) as responses:
+                async for response in responses:
+                    await queue.put((index, response))
+        except Exception as exc:  # handed to the consumer, which raises it
+            await queue.put((index, exc))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:  # a client that goes away (or an error) cancels every sub-request, aborting them downstream
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class HttpApi:
+    def __init__(self, config: Config, servicer: InferenceServicer, keys: ApiKeys) -> None:
+        self.config = config
+        self.servicer = servicer
+        self.keys = keys
+        self.app = self._build()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="hetero-infer", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(HeteroError)
+        async def on_hetero(_: Request, exc: HeteroError) -> JSONResponse:
+            return error_response(exc)
+
+        @app.exception_handler(RequestValidationError)
+        async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+            first = exc.errors()[0] if exc.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ())[1:])
+            return JSONResponse(error_body(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where or None),
+                                status_code=400)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+            return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+        async def authorized(request: Request) -> None:
+            self.keys.check(request.headers.get("authorization"))
+
+        guarded = [Depends(authorized)]
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=guarded)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=guarded)
+        app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=guarded)
+        app.add_api_route("/healthz", self.healthz, methods=["GET"])
+        app.add_api_route("/readyz", self.readyz, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        return app
+
+    # ------------------------------------------------------------------ probes and metrics
+
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def readyz(self) -> JSONResponse:
+        try:
+            pool = (await self.servicer.scheduler_stats()).pool
+        except HeteroError as exc:
+            return JSONResponse(error_body(503, f"not ready: {exc.message}"), status_code=503)
+        if pool.num_workers_up < 1:
+            return JSONResponse(error_body(503, "not ready: the scheduler has no worker up"), status_code=503)
+        return JSONResponse({"status": "ready", "workers_up": pool.num_workers_up})
+
+    async def metrics(self) -> Response:
+        try:
+            pool: common_pb2.PoolStats | None = (await self.servicer.scheduler_stats()).pool
+        except HeteroError:
+            pool = None  # still serve the gateway's own metrics; hetero_scheduler_up says 0
+        self.servicer.metrics.update_pool(pool)
+        return Response(self.servicer.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> dict[str, Any]:
+        s = self.servicer
+        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": 0, "owned_by": "hetero-infer",
+                                            "max_model_len": s.max_model_len}]}
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, body: oa.CompletionBody) -> Response:
+        rid = uuid.uuid4().hex[:16]
+        requests = oa.completion_requests(body, rid)
+        prompts = len(requests) // body.n
+        if body.stream:
+            return await self._stream(requests, rid, "text_completion", body.include_usage_in_stream, prompts)
+        parts: dict[int, list[inference_pb2.GenerateResponse]] = {i: [] for i in range(len(requests))}
+        async for index, part in _merged(self.servicer, requests):
+            parts[index].append(part)
+        choices = [{"index": i, "text": "".join(p.text for p in ps), "finish_reason": oa.finish_reason(ps[-1].finish_reason),
+                    "stop_reason": ps[-1].stop_reason or None,
+                    "logprobs": oa.completion_logprobs(self.servicer.tokenizer, ps)} for i, ps in parts.items()]
+        answer = oa.envelope("text_completion", rid, self.servicer.model_name, choices)
+        answer["usage"] = oa.usage([ps[-1] for ps in parts.values()], prompts)
+        return JSONResponse(answer)
+
+    async def chat_completions(self, body: oa.ChatBody) -> Response:
+        rid = uuid.uuid4().hex[:16]
+        requests = oa.chat_requests(body, rid)
+        if body.stream:
+            return await self._stream(requests, rid, "chat.completion.chunk", body.include_usage_in_stream, 1)
+        parts: dict[int, list[inference_pb2.GenerateResponse]] = {i: [] for i in range(len(requests))}
+        async for index, part in _merged(self.servicer, requests):
+            parts[index].append(part)
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
+                    "finish_reason": oa.finish_reason(ps[-1].finish_reason), "stop_reason": ps[-1].stop_reason or None,
+                    "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]
+        answer = oa.envelope("chat.completion", rid, self.servicer.model_name, choices)
+        answer["usage"] = oa.usage([ps[-1] for ps in parts.values()])
+        return JSONResponse(answer)
+
+    async def _stream(self, requests: list[inference_pb2.GenerateRequest], rid: str, kind: str, include_usage: bool,
+                      prompts: int) -> Response:
+        """Server-sent events. The first message is awaited before answering, so a bad request still
+        gets its 4xx status (not a 200 stream carrying an error)."""
+        events = _merged(self.servicer, requests)
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            first = None
+        except HeteroError:
+            await events.aclose()
+            raise
+        created, model, chat = int(time.time()), self.servicer.model_name, kind == "chat.completion.chunk"
+        offsets = [0] * len(requests)
+
+        def chunk(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": index, "finish_reason": oa.finish_reason(part.finish_reason)}
+            if chat:
+                delta: dict[str, Any] = {"content": part.text}
+                if first_of_choice:
+                    delta["role"] = "assistant"
+                choice["delta"], choice["logprobs"] = delta, oa.chat_logprobs([part])
+            else:
+                choice["text"] = part.text
+                choice["logprobs"] = oa.completion_logprobs(self.servicer.tokenizer, [part], offsets[index])
+                offsets[index] += len(part.text)
+            if part.stop_reason:
+                choice["stop_reason"] = part.stop_reason
+            return oa.envelope(kind, rid, model, [choice], created)  # type: ignore[arg-type]
+
+        async def body() -> AsyncIterator[bytes]:
+            started: set[int] = set()
+            finals: dict[int, inference_pb2.GenerateResponse] = {}
+            try:
+                pending = [first] if first is not None else []
+                while True:
+                    for index, part in pending:
+                        yield _sse(chunk(index, part, index not in started))
+                        started.add(index)
+                        if part.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                            finals[index] = part
+                    try:
+                        pending = [await anext(events)]
+                    except StopAsyncIteration:
+                        break
+                if include_usage:
+                    done = [finals[i] for i in sorted(finals)]
+                    yield _sse({**oa.envelope(kind, rid, model, [], created), "usage": oa.usage(done, prompts)})  # type: ignore[arg-type]
+            except HeteroError as exc:  # after the 200 went out: report in-band, as OpenAI does
+                yield _sse(error_body(http_status_for(exc), exc.message))
+            finally:
+                await events.aclose()
+            yield _sse("[DONE]")
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn on the gateway's own loop: the gateway owns SIGTERM/SIGINT, not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class RunningHttpServer:
+    def __init__(self, server: _EmbeddedServer, task: asyncio.Task[None]) -> None:
+        self.server, self.task = server, task
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self.task, timeout=10)
+
+
+async def start_http_server(config: Config, servicer: InferenceServicer, keys: ApiKeys) -> RunningHttpServer:
+    api = HttpApi(config, servicer, keys)
+    tls = config.serving.tls
+    # Bind here, so a taken port fails start-up with our message (uvicorn would sys.exit inside a task).
+    host, port = config.serving.host, config.serving.http_port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise SystemExit(f"gateway: cannot bind HTTP {host}:{port} ({exc}); set serving.http_port (0 disables HTTP)")
+    server = _EmbeddedServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
+                                            ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
+                                            timeout_graceful_shutdown=5))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise UnavailableError("HTTP server stopped during start-up")
+        await asyncio.sleep(0.01)
+    log.info("http serving", address=f"{'https' if tls.enabled else 'http'}://{host}:{port}")
+    return RunningHttpServer(server, task)

@@ -1,0 +1,132 @@
+"""Prometheus metrics of the gateway (`hetero_` namespace), served at GET /metrics.
+
+Per-request figures (tokens, TTFT, time per output token, end-to-end latency, queue time)
+are measured here, in the one generation path that gRPC and HTTP share. Pool figures
+(running / waiting / preempted, KV blocks, prefix cache) belong to the scheduler: they are
+read from its GetStats at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP app)
+
+from hetero.v1 import common_pb2
+
+NAMESPACE = "hetero"
+# Seconds; from a fast GPU decode step to a long CPU generation.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+def finish_reason_label(reason: int) -> str:
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+class GatewayMetrics:
+    """One registry per gateway (tests can run several gateways in a process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        ns = NAMESPACE
+        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens of finished requests", namespace=ns, registry=r)
+        self.generation_tokens = Counter("generation_tokens", "Generated tokens", namespace=ns, registry=r)
+        self.cached_prompt_tokens = Counter("cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                            namespace=ns, registry=r)
+        self.requests = Counter("request_success", "Finished requests, by finish reason", ["finish_reason"],
+                                namespace=ns, registry=r)
+        self.request_errors = Counter("request_errors", "Requests that failed, by error type", ["error"],
+                                      namespace=ns, registry=r)
+        self.ttft = Histogram("time_to_first_token_seconds", "Arrival at the gateway to the first token",
+                              namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("time_per_output_token_seconds", "Mean time between tokens after the first, per request",
+                              namespace=ns, registry=r, buckets=TOKEN_LATENCY_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to the last token, by finish reason",
+                             ["finish_reason"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
+        self.queue = Histogram("request_queue_time_seconds", "Scheduler arrival to first admission",
+                               namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
+        self.in_flight = Gauge("gateway_requests_in_flight", "Requests the gateway is streaming", namespace=ns, registry=r)
+        # The scheduler's pool, refreshed by `update_pool` at scrape time.
+        self.running = Gauge("num_requests_running", "Sequences admitted to the engine", namespace=ns, registry=r)
+        self.waiting = Gauge("num_requests_waiting", "Requests waiting for admission", namespace=ns, registry=r)
+        self.swapped = Gauge("num_requests_swapped", "Sequences whose KV blocks are in host memory", namespace=ns, registry=r)
+        self.preempted = Gauge("num_preemptions", "Preemptions since the scheduler started (monotonic)",
+                               namespace=ns, registry=r)
+        self.blocks_used = Gauge("kv_blocks_used", "KV blocks in use", namespace=ns, registry=r)
+        self.blocks_total = Gauge("kv_blocks_total", "KV blocks in the pool", namespace=ns, registry=r)
+        self.usage = Gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1)", namespace=ns, registry=r)
+        self.prefix_queries = Gauge("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (monotonic)",
+                                    namespace=ns, registry=r)
+        self.prefix_hits = Gauge("prefix_cache_hits", "Prompt tokens found in the prefix cache (monotonic)",
+                                 namespace=ns, registry=r)
+        self.workers_up = Gauge("workers_up", "Workers answering the scheduler", namespace=ns, registry=r)
+        self.scheduler_up = Gauge("scheduler_up", "1 when the last GetStats succeeded", namespace=ns, registry=r)
+
+    def update_pool(self, pool: common_pb2.PoolStats | None) -> None:
+        self.scheduler_up.set(0 if pool is None else 1)
+        if pool is None:
+            return
+        self.running.set(pool.num_running)
+        self.waiting.set(pool.num_waiting)
+        self.swapped.set(pool.num_swapped)
+        self.preempted.set(pool.num_preemptions)
+        self.blocks_used.set(pool.used_blocks)
+        self.blocks_total.set(pool.total_blocks)
+        self.usage.set(pool.usage)
+        self.prefix_queries.set(pool.prefix_cache_queries)
+        self.prefix_hits.set(pool.prefix_cache_hits)
+        self.workers_up.set(pool.num_workers_up)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def start_request(self) -> "RequestTimer":
+        self.in_flight.inc()
+        return RequestTimer(self)
+
+
+@dataclass
+class RequestTimer:
+    """Times one request through the generation path; `finish` records it exactly once."""
+
+    metrics: GatewayMetrics
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    tokens: int = 0
+    done: bool = False
+
+    def on_tokens(self, count: int, queue_seconds: float = 0.0) -> None:
+        if not count:
+            return
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.queue.observe(queue_seconds)
+        self.last_token = now
+        self.tokens += count
+        self.metrics.generation_tokens.inc(count)
+
+    def finish(self, reason: int, usage: common_pb2.Usage) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.in_flight.dec()
+        label = finish_reason_label(reason)
+        self.metrics.requests.labels(label).inc()
+        self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self.metrics.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+        self.metrics.e2e.labels(label).observe(time.perf_counter() - self.arrival)
+        if self.tokens > 1 and self.first_token is not None and self.last_token is not None:
+            self.metrics.tpot.observe((self.last_token - self.first_token) / (self.tokens - 1))
+
+    def fail(self, error: BaseException) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.in_flight.dec()
+        self.metrics.request_errors.labels(type(error).__name__).inc()
