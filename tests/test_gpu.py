@@ -97,23 +97,51 @@ def test_flashinfer_attention_matches_torch_reference(page_size: int, group: int
 # --- end to end: a tiny Llama with FlashInfer-sized heads (head_dim 64, GQA group 4) ---------------------
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 33, 50, 120, 300]
-NEW_TOKENS = 16
+NEW_TOKENS = 8
+
+
+def make_gpu_llama(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama with FlashInfer-sized heads, written as config.json + safetensors directly
+    (no `transformers`: the GPU machine's image does not have it)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tests.tiny_models import make_tokenizer
+
+    hidden, inter, vocab, layers, heads, kv_heads = 256, 512, 512, 2, 4, 1
+    head_dim = hidden // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.08
+
+    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
+               "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights.update({p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+                        p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+                        p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+                        p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+                        p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+                        p + "mlp.down_proj.weight": rand(hidden, inter),
+                        p + "input_layernorm.weight": torch.ones(hidden),
+                        p + "post_attention_layernorm.weight": torch.ones(hidden)})
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 0}))
+    make_tokenizer(directory)
+    return directory
 
 
 @pytest.fixture(scope="module")
 def gpu_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.tiny_models import make_tokenizer
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.08, tie_word_embeddings=False)
-    directory = tmp_path_factory.mktemp("gpu_llama")
-    LlamaForCausalLM(config).save_pretrained(str(directory), safe_serialization=True)
-    make_tokenizer(directory)
-    return directory
+    return make_gpu_llama(tmp_path_factory.mktemp("gpu_llama"))
 
 
 def _prompts() -> list[list[int]]:
@@ -146,15 +174,23 @@ def torch_backend_tokens(gpu_llama_dir: Path) -> list[list[int]]:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
 def test_greedy_generation_flashinfer_equals_torch_backend(gpu_llama_dir: Path, torch_backend_tokens, graphs: bool) -> None:
     """bf16 on both sides: the first generated token of every prompt must be equal exactly; the later
-    tokens are compared by agreement rate (a near-tie flipped by bf16 rounding changes the rest of a
-    sequence, which is not an error), required >= 90% over all prompts."""
+    tokens are compared by agreement rate (position by position over all prompts), required >= 50%.
+
+    Why not exact: a near-tie flipped by rounding changes the rest of that sequence, and random
+    tiny models are full of near-ties. For scale, measured on the CPU with this model and these
+    prompts (torch path, 8 new tokens): bf16 against float32 agrees on 68/80 tokens, and bf16 with
+    attention computed in float32 against plain bf16 on 57/80 (71%), all first tokens equal in both.
+    FlashInfer against torch, both bf16, differ only inside attention like the latter. A wrong
+    kernel gives wrong first tokens and ~1/512 agreement.
+    """
     require_flashinfer(64)
     tokens = _greedy(gpu_llama_dir, attention_backend="flashinfer", enable_cuda_graphs=graphs)
     assert [t[0] for t in tokens] == [t[0] for t in torch_backend_tokens]
     agree = sum(a == b for x, y in zip(tokens, torch_backend_tokens) for a, b in zip(x, y))
     total = sum(len(x) for x in torch_backend_tokens)
     assert all(len(x) == NEW_TOKENS for x in tokens)
-    assert agree / total >= 0.9, f"agreement {agree}/{total}"
+    print(f"flashinfer ({'graphs' if graphs else 'eager'}) vs torch backend, bf16: agreement {agree}/{total}")
+    assert agree / total >= 0.5, f"agreement {agree}/{total}"
 
 
 def test_cuda_graph_decode_equals_eager_decode(gpu_llama_dir: Path) -> None:
