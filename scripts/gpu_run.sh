@@ -33,7 +33,9 @@ fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$carry}  # JIT cache: $carry/.cache/flashinfer
-"$PY" - <<'PYEOF' 2>&1 | tee "$out/gpu_env.txt"
+# FlashInfer's JIT needs nvcc (CUDA_HOME, PATH or /usr/local/cuda) and ninja on this machine.
+{ echo "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo 'not found')"; } | tee "$out/gpu_env.txt"
+"$PY" - <<'PYEOF' 2>&1 | tee -a "$out/gpu_env.txt"
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
 if torch.cuda.is_available():
