@@ -28,7 +28,7 @@ target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp31
 "$PY" -m pip download --no-deps "${target[@]}" -d "$work/wheels" \
     "grpcio>=1.85,<1.86" "grpcio-health-checking>=1.85,<1.86" "protobuf>=7.35.1,<8" "structlog>=24.1" \
     "tokenizers>=0.19" "safetensors>=0.4" "jinja2>=3.1" markupsafe "tenacity>=8.2" \
-    "pytest>=8" pluggy iniconfig pygments "pytest-timeout>=2.3"
+    "pytest>=8" pluggy iniconfig pygments "pytest-timeout>=2.3" "typing-extensions>=4.12"
 ls -l "$work/wheels"
 mkdir -p "$carry"
 rm -rf "$carry/wheels.tar.xz" "$carry/site" "$carry/wheels"

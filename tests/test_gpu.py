@@ -228,7 +228,10 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_llama_dir: Path) -> None:
         runner.kv_cache[:, slot_blocks, :, slot_offsets] = 0
         graph = runner.graphs.run(table, ids, positions).clone()
     assert graph.shape == eager.shape
-    torch.testing.assert_close(runner.kv_cache[:, used], cache_after_eager[:, used], rtol=0, atol=0)
+    # Layer 0's new K/V come from the embeddings alone: bitwise equal. Deeper layers' depend on the
+    # attention below them, which the graph-mode kernel may split differently: close, not equal.
+    torch.testing.assert_close(runner.kv_cache[0, used], cache_after_eager[0, used], rtol=0, atol=0)
+    assert relative_error(runner.kv_cache[:, used], cache_after_eager[:, used]) < 1e-2
     assert relative_error(graph, eager) < 1e-2
     # Same greedy token wherever the eager logits are not a near-tie (bf16 kernels may split differently).
     top2 = eager.topk(2, dim=-1).values
