@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.checkpoint import ModelConfig
-from kernels import AttentionBackend, write_kv
+from kernels import AttentionBackend
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -107,7 +107,7 @@ class LlamaModel:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self._rope(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
             k = self._rope(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
-            write_kv(kv_cache[i], k, v.view(t, c.num_key_value_heads, c.head_dim), slots)
+            attention.write_kv(kv_cache[i], k, v.view(t, c.num_key_value_heads, c.head_dim), slots)
             attn = attention.run(q, kv_cache[i]).reshape(t, self.q_size)
             hidden = residual + F.linear(attn, layer["o"])
             residual = hidden

@@ -17,6 +17,8 @@ import structlog
 import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel
 from gpu_worker.sampler import SamplingBatch, sample, top_logprobs
 from hetero.v1 import worker_pb2
@@ -67,12 +69,19 @@ class ModelRunner:
         del weights
         elem = torch.empty(0, dtype=self.dtype).element_size()
         self.bytes_per_block = mc.num_hidden_layers * 2 * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
-        budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
-        self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
-        self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
-                                          mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-        self.attention = create_attention_backend(config.attention_backend, mc.num_attention_heads,
-                                                  mc.num_key_value_heads, mc.head_dim, self.device)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":  # GPU path (issue 4): sized from free memory after a warm-up pass
+            cuda = prepare_cuda_worker(self.model, config, self.device, self.dtype, self.block_size,
+                                       self.bytes_per_block, self.max_positions)
+            self.num_blocks, self.kv_cache, self.attention, self.graphs = (cuda.num_blocks, cuda.kv_cache,
+                                                                           cuda.attention, cuda.graphs)
+        else:
+            budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
+            self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
+            self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
+                                              mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+            self.attention = create_attention_backend(config.attention_backend, mc.num_attention_heads,
+                                                      mc.num_key_value_heads, mc.head_dim, self.device, self.dtype)
         self.sequences: dict[int, SequenceState] = {}
         self.steps = 0
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
@@ -134,11 +143,14 @@ class ModelRunner:
         positions, slots = table.token_positions()
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample]
         logits_rows = table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1
-        self.attention.plan(table)
         flat_inputs = np.fromiter((t for chunk in inputs for t in chunk), dtype=np.int64, count=table.num_tokens)
-        logits = self.model.forward(
-            torch.from_numpy(flat_inputs).to(self.device), torch.from_numpy(positions).to(self.device),
-            torch.from_numpy(slots).to(self.device), self.kv_cache, self.attention, logits_rows.to(self.device))
+        if self.graphs is not None and self.graphs.can_run(table):  # decode-only step: replay a CUDA graph
+            logits = self.graphs.run(table, flat_inputs, positions)[logits_rows.to(self.device)]
+        else:
+            self.attention.plan(table)
+            logits = self.model.forward(
+                torch.from_numpy(flat_inputs).to(self.device), torch.from_numpy(positions).to(self.device),
+                torch.from_numpy(slots).to(self.device), self.kv_cache, self.attention, logits_rows.to(self.device))
         for state, n in zip(states, qo_lens):
             state.num_computed += n
         if sample_idx:

@@ -92,6 +92,11 @@ class Config:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
     num_threads: int = 0  # torch threads in the worker; 0 = all cores
+    # --- GPU path (issue 4) ---
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of free device memory (after weights + warm-up) for the KV cache
+    enable_cuda_graphs: bool = True  # CUDA + flashinfer: replay captured graphs for decode-only steps
+    num_cuda_graphs: int | None = None  # Megatron's name: at most this many captured batch sizes; None = the whole ladder
+    use_cuda_graphs_for_non_decode_steps: bool = False  # Megatron's name; steps with prompt chunks always run eagerly here
     # --- services ---
     serving: ServingConfig = field(default_factory=ServingConfig)
     scheduler_address: str = "127.0.0.1:50052"
@@ -132,6 +137,14 @@ class Config:
                "must be auto, torch or flashinfer")
         _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be positive")
         _check(self.num_threads >= 0, "num_threads", self.num_threads, "must be >= 0 (0 = all cores)")
+        # --- GPU path (issue 4) ---
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization,
+               "must be a fraction in (0, 1]")
+        _check(self.num_cuda_graphs is None or self.num_cuda_graphs >= 1, "num_cuda_graphs", self.num_cuda_graphs,
+               "must be >= 1, or unset for one graph per padded batch size (use enable_cuda_graphs=false to turn graphs off)")
+        _check(not self.use_cuda_graphs_for_non_decode_steps, "use_cuda_graphs_for_non_decode_steps",
+               self.use_cuda_graphs_for_non_decode_steps,
+               "is not available in this version (only decode-only steps are captured); set it to false")
         _check(1 <= self.serving.port <= 65535, "serving.port", self.serving.port, "must be a TCP port (1-65535)")
         _check(bool(self.serving.model_name), "serving.model_name", self.serving.model_name, "must not be empty")
         backend = self.serving.backend

@@ -1,6 +1,7 @@
 """Attention backends behind one interface, with FlashInfer's page-table metadata for all.
 
-A backend has `plan(PageTable)` (once per step) and `run(q, layer_kv_cache)` (once per layer).
+A backend has `plan(PageTable)` (once per step), then per layer `write_kv(layer_cache, k, v,
+slots)` (the step's new K/V into the paged cache) and `run(q, layer_kv_cache)`.
 """
 
 from __future__ import annotations
@@ -9,9 +10,14 @@ from typing import Protocol
 
 import torch
 
+import structlog
+
 from kernels.cache_ops import allocate_kv_cache, copy_blocks, write_kv
+from kernels.flashinfer_backend import flashinfer_unavailable_reason
 from kernels.page_table import PageTable
 from kernels.torch_attention import TorchPagedAttention
+
+log = structlog.get_logger("kernels")
 
 
 class AttentionBackend(Protocol):
@@ -19,19 +25,44 @@ class AttentionBackend(Protocol):
 
     def plan(self, table: PageTable) -> None: ...
 
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None: ...
+
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor: ...
 
 
+def select_attention_backend(name: str, device: torch.device | str, head_dim: int,
+                             dtype: torch.dtype | None = None) -> tuple[str, str | None]:
+    """(backend name, why FlashInfer is not used or None). `auto` -> flashinfer when it can serve, else torch.
+
+    Raises ValueError when `flashinfer` is forced but cannot serve (the message says why).
+    """
+    if name not in ("auto", "torch", "flashinfer"):
+        raise ValueError(f"attention_backend {name!r} is unknown; use auto, torch or flashinfer")
+    if name == "torch":
+        return "torch", "attention_backend is torch"
+    reason = flashinfer_unavailable_reason(torch.device(device), head_dim, dtype)
+    if reason is None:
+        return "flashinfer", None
+    if name == "flashinfer":
+        raise ValueError(f"attention_backend 'flashinfer' cannot be used: {reason}; use 'torch' or 'auto'")
+    return "torch", reason
+
+
 def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                             device: torch.device | str) -> AttentionBackend:
+                             device: torch.device | str, dtype: torch.dtype | None = None,
+                             workspace: torch.Tensor | None = None) -> AttentionBackend:
     """`auto` picks FlashInfer on a CUDA device of sm75+ when it is importable, else torch."""
     device = torch.device(device)
-    if name == "auto":
-        name = "torch"
-    if name == "torch":
-        return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device)
-    raise ValueError(f"attention_backend {name!r} is not available on this machine; use 'torch' or 'auto'")
+    chosen, reason = select_attention_backend(name, device, head_dim, dtype)
+    if chosen == "flashinfer":
+        from kernels.flashinfer_backend import FlashInferPagedAttention
+
+        return FlashInferPagedAttention(num_qo_heads, num_kv_heads, head_dim, device,
+                                        dtype=dtype or torch.bfloat16, workspace=workspace)
+    if device.type == "cuda":
+        log.warning("attention on CUDA uses the torch reference (slow)", reason=reason)
+    return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device)
 
 
 __all__ = ["AttentionBackend", "PageTable", "TorchPagedAttention", "allocate_kv_cache", "copy_blocks",
-           "create_attention_backend", "write_kv"]
+           "create_attention_backend", "select_attention_backend", "write_kv"]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.cache_ops import write_kv
 from kernels.page_table import PageTable
 
 
@@ -103,6 +104,9 @@ class TorchPagedAttention:
                 mask = (torch.arange(kv_len)[None, :] <= q_pos).to(self.device)
             pages = torch.from_numpy(kv_indices[kv_indptr[i]:kv_indptr[i + 1]].astype(np.int64)).to(self.device)
             self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, pages, mask))
+
+    def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        write_kv(kv_cache, key, value, slots)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] and one layer's cache [blocks, 2, bs, Hkv, D] -> attention output [T, Hq, D]."""

@@ -1,0 +1,262 @@
+"""GPU benchmark: bandwidth, decode tokens/s with and without CUDA graphs, TTFT, roofline, attention kernels.
+
+    python benchmarks/gpu_bench.py [--batch-sizes 1,16,64,256] [--context 1000] [--json out.json]
+
+Builds a Llama-shaped model of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden
+2048, 32 query / 8 KV heads of 64, MLP 8192, vocabulary 128256, tied embeddings) with random
+bf16 weights on the device (nothing is downloaded), and measures, on the worker's own code
+(`LlamaModel`, the FlashInfer backend, `DecodeGraphs`):
+
+- device-to-device copy bandwidth (bytes read + written per second);
+- decode tokens/s at each batch size, every sequence with `--context` cached tokens, eager and
+  with CUDA graphs; each step includes plan(), the forward pass and a greedy argmax read back to
+  the host, as the worker does;
+- the fraction of the bandwidth roofline: (weight bytes + KV bytes read) per step / step time /
+  measured bandwidth;
+- time to first token of a 2,000-token prompt (one prefill step + argmax);
+- FlashInfer decode attention (one layer) against the torch reference at batch 64, same context.
+
+On a machine without a CUDA device it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from gpu_worker.checkpoint import ModelConfig  # noqa: E402
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache  # noqa: E402
+from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
+
+DTYPE = torch.bfloat16
+BLOCK_SIZE = 16
+LLAMA_1B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                       rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
+                       tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=())
+
+
+def cuda_time(fn, iters: int) -> float:
+    """Seconds per call, by CUDA events around `iters` calls (after the caller's warm-up)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / iters
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30) -> float:
+    """Bytes moved (read + written) per second by a device-to-device copy."""
+    src = torch.empty(nbytes // 2, dtype=DTYPE, device=device).normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    return 2 * nbytes / cuda_time(lambda: dst.copy_(src), 20)
+
+
+def random_weights(c: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.empty(*shape, dtype=DTYPE, device=device).normal_(std=0.02)
+
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    w = {"model.embed_tokens.weight": rand(c.vocab_size, c.hidden_size),
+         "model.norm.weight": torch.ones(c.hidden_size, dtype=DTYPE, device=device)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": rand(q, c.hidden_size), p + "self_attn.k_proj.weight": rand(kv, c.hidden_size),
+                  p + "self_attn.v_proj.weight": rand(kv, c.hidden_size), p + "self_attn.o_proj.weight": rand(c.hidden_size, q),
+                  p + "mlp.gate_proj.weight": rand(c.intermediate_size, c.hidden_size),
+                  p + "mlp.up_proj.weight": rand(c.intermediate_size, c.hidden_size),
+                  p + "mlp.down_proj.weight": rand(c.hidden_size, c.intermediate_size),
+                  p + "input_layernorm.weight": torch.ones(c.hidden_size, dtype=DTYPE, device=device),
+                  p + "post_attention_layernorm.weight": torch.ones(c.hidden_size, dtype=DTYPE, device=device)})
+    return w
+
+
+def model_bytes(model) -> int:
+    tensors = [model.embed, model.final_norm] + [t for layer in model.layers for t in layer.values() if t is not None]
+    if model.lm_head is not model.embed:
+        tensors.append(model.lm_head)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def decode_table(batch: int, context: int, first_block: int) -> PageTable:
+    """`batch` sequences of `context` cached tokens + the one decoded now, on consecutive blocks."""
+    pages = -(-(context + 1) // BLOCK_SIZE)
+    tables = [np.arange(first_block + i * pages, first_block + (i + 1) * pages, dtype=np.int32) for i in range(batch)]
+    return PageTable.build(tables, np.ones(batch), np.full(batch, context + 1), BLOCK_SIZE)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", default="1,16,64,256")
+    parser.add_argument("--context", type=int, default=1000, help="cached tokens per sequence in decode steps")
+    parser.add_argument("--prompt", type=int, default=2000, help="prompt tokens for time to first token")
+    parser.add_argument("--steps", type=int, default=30, help="measured decode steps per configuration")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device is visible; this benchmark runs only on a GPU machine "
+              "(see the README's GPU section: scripts/gpu_carry.sh, then scripts/gpu_run.sh there).")
+        return 0
+    device = torch.device("cuda")
+    reason = flashinfer_unavailable_reason(device, LLAMA_1B.head_dim, DTYPE)
+    if reason is not None:
+        print(f"gpu_bench: FlashInfer cannot run here ({reason}); install it as scripts/gpu_run.sh does.")
+        return 1
+    import flashinfer
+
+    from gpu_worker.cuda_graphs import DecodeGraphs
+    from gpu_worker.model import LlamaModel
+    from kernels.flashinfer_backend import FlashInferGraphDecode, FlashInferPagedAttention
+
+    torch.manual_seed(0)
+    cfg = LLAMA_1B
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    results: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                     "flashinfer": flashinfer.__version__, "context": args.context}
+    print(f"device: {results['device']}  torch {torch.__version__}  flashinfer {flashinfer.__version__}")
+
+    bandwidth = copy_bandwidth(device)
+    results["copy_bandwidth_gbs"] = bandwidth / 1e9
+    print(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s")
+
+    with torch.inference_mode():
+        started = time.perf_counter()
+        max_positions = max(args.context + args.steps + 8, args.prompt + 8)
+        model = LlamaModel(cfg, random_weights(cfg, device), device, DTYPE, max_positions)
+        torch.cuda.empty_cache()
+        weight_bytes = model_bytes(model)
+        results["parameters"] = weight_bytes // 2
+        print(f"model: {weight_bytes / 2 / 1e9:.2f}B parameters, {weight_bytes / 2**30:.2f} GiB bf16 "
+              f"(built in {time.perf_counter() - started:.1f} s)")
+
+        pages_per_seq = -(-(args.context + 1) // BLOCK_SIZE)
+        max_batch = max(batch_sizes + [64])
+        num_blocks = max(max_batch * pages_per_seq, -(-args.prompt // BLOCK_SIZE)) + 1
+        kv = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim,
+                               DTYPE, device).normal_()
+        pad_block = num_blocks - 1
+        kv_bytes_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+        attention = FlashInferPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device,
+                                             DTYPE)
+        started = time.perf_counter()
+        jit_table = decode_table(1, 15, 0)
+        attention.plan(jit_table)
+        jit_pos, jit_slots = jit_table.token_positions()
+        model.forward(torch.zeros(1, dtype=torch.int64, device=device), torch.from_numpy(jit_pos).to(device),
+                      torch.from_numpy(jit_slots).to(device), kv, attention, torch.zeros(1, dtype=torch.int64, device=device))
+        torch.cuda.synchronize()
+        print(f"first FlashInfer decode step (JIT compile or cache load): {time.perf_counter() - started:.1f} s")
+
+        rows: list[dict] = []
+        print(f"\ndecode, {args.context} cached tokens per sequence (each step: plan + forward + argmax to host)")
+        print(f"{'batch':>6} {'graphs':>7} {'step ms':>9} {'tok/s':>10} {'GB/step':>8} {'roofline':>9}")
+        for b in batch_sizes:
+            table = decode_table(b, args.context, 0)
+            positions, slots = table.token_positions()
+            ids = np.random.default_rng(b).integers(0, cfg.vocab_size, b)
+            ids_dev, pos_dev = torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device)
+            slots_dev, rows_dev = torch.from_numpy(slots).to(device), torch.arange(b, device=device)
+            graphs = DecodeGraphs(model, kv, [b], pad_block, BLOCK_SIZE,
+                                  lambda bs: FlashInferGraphDecode(bs, torch.zeros(bs * pages_per_seq, dtype=torch.int32,
+                                                                                   device=device),
+                                                                   cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                                   cfg.head_dim, device, DTYPE, attention.workspace))
+            graphs.capture()
+
+            def eager_step() -> list[int]:
+                attention.plan(table)
+                return model.forward(ids_dev, pos_dev, slots_dev, kv, attention, rows_dev).argmax(-1).tolist()
+
+            def graph_step() -> list[int]:
+                return graphs.run(table, ids, positions).argmax(-1).tolist()
+
+            step_bytes = weight_bytes + b * (args.context + 1) * kv_bytes_per_token
+            for use_graphs, step in ((False, eager_step), (True, graph_step)):
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(args.steps):
+                    step()
+                seconds = (time.perf_counter() - started) / args.steps
+                row = {"batch": b, "graphs": use_graphs, "step_ms": seconds * 1e3, "tokens_per_s": b / seconds,
+                       "bytes_per_step": step_bytes, "roofline_fraction": step_bytes / seconds / bandwidth}
+                rows.append(row)
+                print(f"{b:>6} {'on' if use_graphs else 'off':>7} {row['step_ms']:>9.2f} {row['tokens_per_s']:>10.0f} "
+                      f"{step_bytes / 1e9:>8.2f} {row['roofline_fraction']:>8.0%}")
+            print(f"{'':>6} graph capture {graphs.capture_seconds:.2f} s")
+        results["decode"] = rows
+
+        # Time to first token: one prefill step of the whole prompt, then the argmax on the host.
+        prompt_table = PageTable.build([np.arange(-(-args.prompt // BLOCK_SIZE), dtype=np.int32)],
+                                       np.array([args.prompt]), np.array([args.prompt]), BLOCK_SIZE)
+        p_pos, p_slots = prompt_table.token_positions()
+        p_ids = torch.randint(0, cfg.vocab_size, (args.prompt,), device=device)
+        last = torch.tensor([args.prompt - 1], device=device)
+
+        def first_token() -> int:
+            attention.plan(prompt_table)
+            logits = model.forward(p_ids, torch.from_numpy(p_pos).to(device), torch.from_numpy(p_slots).to(device),
+                                   kv, attention, last)
+            return int(logits.argmax(-1).item())
+
+        first_token()
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            first_token()
+            times.append(time.perf_counter() - started)
+        results["ttft_ms"] = statistics.median(times) * 1e3
+        print(f"\ntime to first token, {args.prompt}-token prompt: {results['ttft_ms']:.1f} ms (median of 5)")
+
+        # Attention kernels alone: one layer, batch 64 decode, same context.
+        b = 64
+        table = decode_table(b, args.context, 0)
+        q = torch.randn(b, cfg.num_attention_heads, cfg.head_dim, dtype=DTYPE, device=device)
+        layer = kv[0]
+        attention.plan(table)
+        for _ in range(3):
+            attention.run(q, layer)
+        fi_seconds = cuda_time(lambda: attention.run(q, layer), 100)
+        reference = TorchPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device)
+        reference.plan(table)
+        for _ in range(2):
+            reference.run(q, layer)
+        torch_seconds = cuda_time(lambda: reference.run(q, layer), 10)
+        results["attention_us"] = {"flashinfer": fi_seconds * 1e6, "torch": torch_seconds * 1e6}
+        print(f"decode attention, batch {b} x {args.context + 1} tokens, one layer: FlashInfer {fi_seconds * 1e6:.1f} us, "
+              f"torch reference {torch_seconds * 1e6:.1f} us ({torch_seconds / fi_seconds:.1f}x)")
+
+    by = {(r["batch"], r["graphs"]): r for r in rows}
+    checks = []
+    if (64, True) in by:
+        checks.append(("decode batch 64 with graphs >= 60% of the roofline", by[(64, True)]["roofline_fraction"] >= 0.6))
+    checks.append(("FlashInfer attention >= 3x the torch reference at batch 64", torch_seconds / fi_seconds >= 3))
+    if (1, True) in by:
+        checks.append(("graphs >= 1.3x eager at batch 1",
+                       by[(1, False)]["step_ms"] / by[(1, True)]["step_ms"] >= 1.3))
+    results["targets"] = {name: ok for name, ok in checks}
+    print("\ntargets:")
+    for name, ok in checks:
+        print(f"  [{'met' if ok else 'MISSED'}] {name}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""CUDA graphs for decode-only steps (Megatron's `num_cuda_graphs`).
+
+A decode step of B sequences is padded to the smallest captured batch size >= B; the padded
+rows are dummy one-token sequences whose single page is a scratch block the scheduler never
+hands out, so their K/V writes land nowhere that matters. Per captured size the graph owns
+static input buffers (token ids, positions, slots) and its output logits; `plan()` runs
+outside the graph before each replay and fills the attention's fixed page-table buffers.
+Steps with a prompt chunk, or more sequences than the largest size, run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import structlog
+import torch
+
+from kernels.page_table import PageTable
+
+log = structlog.get_logger("gpu_worker.cuda_graphs")
+
+
+def graph_batch_sizes(max_batch_size: int, num_cuda_graphs: int | None = None) -> list[int]:
+    """The padded batch sizes to capture: 1, 2, 4, 8, 16, 24, 32, ... (steps of 8), and max_batch_size.
+
+    With `num_cuda_graphs` = N smaller than that ladder, N sizes spread evenly over it are kept,
+    always including the largest (so every batch up to max_batch_size still has a graph).
+    """
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, not {max_batch_size}")
+    ladder = sorted({s for s in (1, 2, 4, 8) if s < max_batch_size} | set(range(16, max_batch_size, 8))
+                    | {max_batch_size})
+    if num_cuda_graphs is None or num_cuda_graphs >= len(ladder):
+        return ladder
+    if num_cuda_graphs < 1:
+        raise ValueError(f"num_cuda_graphs must be >= 1, not {num_cuda_graphs}")
+    if num_cuda_graphs == 1:
+        return [ladder[-1]]
+    picks = np.linspace(0, len(ladder) - 1, num_cuda_graphs).round().astype(int)
+    return sorted({ladder[i] for i in picks})
+
+
+def padded_batch_size(batch_size: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= batch_size, or None when the batch is larger than every graph."""
+    i = bisect.bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) else None
+
+
+def pad_decode_table(table: PageTable, padded: int, pad_block: int) -> PageTable:
+    """Append padded - B dummy decode sequences (one token, one page: `pad_block`) to a decode-only table."""
+    extra = padded - table.batch_size
+    if extra < 0:
+        raise ValueError(f"cannot pad a batch of {table.batch_size} down to {padded}")
+    if extra == 0:
+        return table
+    num_pages = int(table.kv_indptr[-1])
+    return PageTable(
+        qo_indptr=torch.cat([table.qo_indptr, table.qo_indptr[-1] + torch.arange(1, extra + 1, dtype=torch.int32)]),
+        kv_indptr=torch.cat([table.kv_indptr, num_pages + torch.arange(1, extra + 1, dtype=torch.int32)]),
+        kv_indices=torch.cat([table.kv_indices, torch.full((extra,), pad_block, dtype=torch.int32)]),
+        kv_last_page_len=torch.cat([table.kv_last_page_len, torch.ones(extra, dtype=torch.int32)]),
+        block_size=table.block_size,
+        qo_lens=np.concatenate([table.qo_lens, np.ones(extra, dtype=np.int64)]),
+        kv_lens=np.concatenate([table.kv_lens, np.ones(extra, dtype=np.int64)]),
+    )
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    attention: object  # a FlashInferGraphDecode for this batch size
+    input_ids: torch.Tensor  # int64 [bs]
+    positions: torch.Tensor  # int64 [bs]
+    slots: torch.Tensor  # int64 [bs] (the torch write path's argument; the FlashInfer write ignores it)
+    logits: torch.Tensor  # float32 [bs, vocab]: the graph's output
+
+
+class DecodeGraphs:
+    """Captured decode graphs, one per padded batch size, sharing one memory pool."""
+
+    def __init__(self, model, kv_cache: torch.Tensor, sizes: list[int], pad_block: int, block_size: int,
+                 make_attention: Callable[[int], object]) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = sorted(sizes)
+        self.pad_block = pad_block
+        self.block_size = block_size
+        self.make_attention = make_attention
+        self.graphs: dict[int, _Graph] = {}
+        self.capture_seconds = 0.0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        started = time.perf_counter()
+        pool = None
+        device = self.kv_cache.device
+        # Largest first: the smaller graphs then fit in the pool the largest one reserved.
+        for bs in reversed(self.sizes):
+            attention = self.make_attention(bs)
+            input_ids = torch.zeros(bs, dtype=torch.int64, device=device)
+            positions = torch.zeros(bs, dtype=torch.int64, device=device)
+            slots = torch.full((bs,), self.pad_block * self.block_size, dtype=torch.int64, device=device)
+            rows = torch.arange(bs, dtype=torch.int64, device=device)
+            dummy = pad_decode_table(PageTable.build([], np.zeros(0), np.zeros(0), self.block_size), bs, self.pad_block)
+            attention.plan(dummy)
+
+            def forward() -> torch.Tensor:
+                return self.model.forward(input_ids, positions, slots, self.kv_cache, attention, rows)
+
+            # One eager run on a side stream first (lazy initialization, cuBLAS workspaces), as
+            # torch.cuda.graphs asks; then capture.
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                forward()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = forward()
+            pool = graph.pool()
+            self.graphs[bs] = _Graph(graph, attention, input_ids, positions, slots, logits)
+        torch.cuda.synchronize(device)
+        self.capture_seconds = time.perf_counter() - started
+        log.info("cuda graphs captured", batch_sizes=self.sizes, seconds=round(self.capture_seconds, 2))
+
+    def can_run(self, table: PageTable) -> bool:
+        return bool((table.qo_lens == 1).all()) and padded_batch_size(table.batch_size, self.sizes) is not None
+
+    def run(self, table: PageTable, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """Replay the graph for a decode-only step; logits [B, vocab] for every sequence of the table."""
+        b = table.batch_size
+        bs = padded_batch_size(b, self.sizes)
+        if bs is None or not bool((table.qo_lens == 1).all()):
+            raise ValueError(f"no graph serves a step of {b} sequences with {table.num_tokens} tokens")
+        g = self.graphs[bs]
+        padded = pad_decode_table(table, bs, self.pad_block)
+        g.attention.plan(padded)
+        ids = np.zeros(bs, dtype=np.int64)
+        ids[:b] = input_ids
+        pos = np.zeros(bs, dtype=np.int64)
+        pos[:b] = positions
+        g.input_ids.copy_(torch.from_numpy(ids), non_blocking=True)
+        g.positions.copy_(torch.from_numpy(pos), non_blocking=True)
+        g.graph.replay()
+        return g.logits[:b]

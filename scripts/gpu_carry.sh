@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Prepare, on a machine with the package registries, what the offline GPU machine needs for the
+# FlashInfer path: flashinfer-python (a JIT-only wheel) and apache-tvm-ffi, plus the project's own
+# runtime and test dependencies that the GPU image lacks (it has torch, numpy, packaging, requests,
+# tqdm, nvidia-ml-py, ninja), all for CPython 3.12 manylinux x86_64. The wheels are repacked as one
+# xz-compressed tree, .flashinfer_carry/wheels.tar.xz (git-ignored, about 26 MiB: under the 64 MiB
+# the device tool carries), which travels with the working tree; scripts/gpu_run.sh turns it back
+# into wheels there and installs them with `pip install --no-index --no-deps --target`.
+#
+#   bash scripts/gpu_carry.sh            # then carry .flashinfer_carry/wheels.tar.xz with the tree
+#   FLASHINFER_VERSION=... PYTHON=... bash scripts/gpu_carry.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FLASHINFER_VERSION=${FLASHINFER_VERSION:-0.7.2.post1}
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+carry=.flashinfer_carry
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+# FlashInfer and its FFI layer. Its other declared dependencies (cuda-python, cuda-tile, cutlass-dsl,
+# cudnn-frontend, nccl4py, einops, tabulate, click) are not needed to import it and JIT-compile
+# the paged attention kernels used here: left out to stay under the carry limit.
+"$PY" -m pip download --no-deps "${target[@]}" -d "$work/wheels" \
+    "flashinfer-python==$FLASHINFER_VERSION" "apache-tvm-ffi>=0.1.11,<0.2"
+# What the worker, the GPU tests and the benchmark import beyond the GPU image (pins from pyproject.toml).
+"$PY" -m pip download --no-deps "${target[@]}" -d "$work/wheels" \
+    "grpcio>=1.85,<1.86" "grpcio-health-checking>=1.85,<1.86" "protobuf>=7.35.1,<8" "structlog>=24.1" \
+    "tokenizers>=0.19" "safetensors>=0.4" "jinja2>=3.1" markupsafe "tenacity>=8.2" \
+    "pytest>=8" pluggy iniconfig pygments "pytest-timeout>=2.3" "typing-extensions>=4.12"
+ls -l "$work/wheels"
+mkdir -p "$carry"
+rm -rf "$carry/wheels.tar.xz" "$carry/site" "$carry/wheels"
+"$PY" scripts/wheel_tree.py pack "$work/wheels" "$carry/wheels.tar.xz"
+size=$(stat -c %s "$carry/wheels.tar.xz")
+if [ "$size" -gt $((60 * 1024 * 1024)) ]; then
+    echo "gpu_carry: $carry/wheels.tar.xz is $((size / 1048576)) MiB, too close to the 64 MiB carry limit" >&2
+    exit 1
+fi
+echo "gpu_carry: ready. Carry $carry (git-ignored) with the working tree, then run: bash scripts/gpu_run.sh"

@@ -1,0 +1,41 @@
+"""The GPU carry's wheel repacking: wheels -> one xz tree -> the same wheels (file contents and modes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import zipfile
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location("wheel_tree", Path(__file__).parent.parent / "scripts" / "wheel_tree.py")
+wheel_tree = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wheel_tree)
+
+
+def _make_wheel(path: Path, files: dict[str, tuple[bytes, int]]) -> None:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, (data, mode) in files.items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = mode << 16
+            zf.writestr(info, data)
+
+
+def _contents(path: Path) -> dict[str, tuple[bytes, int]]:
+    with zipfile.ZipFile(path) as zf:
+        return {i.filename: (zf.read(i), (i.external_attr >> 16) & 0o777) for i in zf.infolist() if not i.is_dir()}
+
+
+def test_wheels_survive_the_round_trip(tmp_path: Path) -> None:
+    wheels = tmp_path / "in"
+    wheels.mkdir()
+    a = {"pkg/__init__.py": (b"x = 1\n" * 1000, 0o644), "pkg/tool.so": (bytes(range(256)) * 40, 0o755),
+         "pkg-1.0.dist-info/METADATA": (b"Name: pkg\nVersion: 1.0\n", 0o644)}
+    b = {"other/data/include/a.h": (b"#pragma once\n", 0o644), "other-2.0.dist-info/RECORD": (b"", 0o644)}
+    _make_wheel(wheels / "pkg-1.0-py3-none-any.whl", a)
+    _make_wheel(wheels / "other-2.0-cp312-cp312-manylinux_2_17_x86_64.whl", b)
+    archive = tmp_path / "wheels.tar.xz"
+    wheel_tree.pack(wheels, archive)
+    back = tmp_path / "out"
+    wheel_tree.unpack(archive, back)
+    assert sorted(p.name for p in back.iterdir()) == sorted(p.name for p in wheels.iterdir())
+    assert _contents(back / "pkg-1.0-py3-none-any.whl") == a
+    assert _contents(back / "other-2.0-cp312-cp312-manylinux_2_17_x86_64.whl") == b
