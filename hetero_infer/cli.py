@@ -22,7 +22,11 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("serve", "run gateway, scheduler and worker as separate processes"),
                        ("gateway", "run the public gRPC gateway"), ("scheduler", "run the scheduler service"),
                        ("worker", "run one model worker")):
-        add_config_arguments(sub.add_parser(name, help=text, description=text))
+        service = sub.add_parser(name, help=text, description=text)
+        add_config_arguments(service)
+        if name == "worker":  # set per process by `serve` for tensor-parallel ranks; not configuration
+            service.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank of this process")
+            service.add_argument("--tp-init-file", default=None, help="torch.distributed rendezvous file of the group")
     gen = sub.add_parser("generate", help="print one completion (in-process engine)")
     gen.add_argument("--input", required=True, help="the prompt")
     gen.add_argument("--max-tokens", type=int, default=100)
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             from gpu_worker.service import serve_worker
 
-            serve_worker(config)
+            serve_worker(config, args.tp_rank, args.tp_init_file)
         elif args.command == "scheduler":
             from scheduler_svc.service import serve_scheduler
 

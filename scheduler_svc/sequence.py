@@ -38,6 +38,7 @@ class Sequence:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     arrival_time: float = field(default_factory=time.monotonic)
     last_scheduled_step: int = -1
+    deadline: float | None = None  # time.monotonic() after which the request is dropped (the caller's gRPC deadline)
 
     @property
     def num_tokens(self) -> int:
