@@ -36,6 +36,7 @@ log = structlog.get_logger("scheduler_svc.service")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 FR = common_pb2
 # Finish reasons that end the Submit call with a gRPC status instead of a last event.
+DEADLINE_MARGIN_S = 0.1
 STATUS_FOR_REASON = {FR.FINISH_REASON_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -213,7 +214,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         with structlog.contextvars.bound_contextvars(request_id=rid):
             stream = self.streams.get(rid)
             remaining = context.time_remaining()
-            deadline = None if remaining is None else time.monotonic() + remaining
+            # A little before gRPC's own deadline, so the request ends here (finish reason DEADLINE,
+            # blocks freed) rather than by the caller's cancellation racing it.
+            deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
             if stream is None:
                 try:
                     self._admit(request, deadline)
