@@ -11,6 +11,7 @@ running it; the other ranks serve nothing and run every plan they receive.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 from concurrent import futures
@@ -22,6 +23,7 @@ from gpu_worker.runner import ModelRunner, resolve_device
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2, worker_pb2_grpc
 from hetero_infer.config import Config
+from hetero_infer.errors import HeteroError
 from hetero_infer.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, error_status, set_serving
 
 log = structlog.get_logger("gpu_worker.service")
@@ -44,6 +46,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     future.set_result(self.runner.execute(plan))
                 except Exception as exc:  # reported to the scheduler, which resets this worker's state
                     log.exception("step failed", step_id=plan.step_id)
+                    if self.runner.tp.enabled and not isinstance(exc, HeteroError):
+                        # A collective failed: another rank is gone and this group cannot compute any
+                        # more. Exit, so the scheduler sees the replica die (its requests are recomputed
+                        # elsewhere or after the restart) instead of failing them.
+                        log.error("tensor-parallel group broken; exiting", rank=0)
+                        os._exit(70)
                     future.set_exception(exc)
 
     def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:

@@ -83,6 +83,7 @@ class Supervisor:
         self.config = config
         self.children: list[Child] = []
         self.groups: list[WorkerGroup] = []
+        self.stopping = False
         self.tp_dir = tempfile.mkdtemp(prefix="hetero-tp-")
         # Children read the resolved config from a file; HETERO_* variables are not passed on,
         # or they would override what the CLI flags already decided here.
@@ -105,7 +106,14 @@ class Supervisor:
             log.info("starting", service="worker", replica=group.replica, rank=rank, pid=process.pid, address=group.address)
         group.started_at = time.monotonic()
 
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stopping = True
+
     def start(self) -> None:
+        # Handlers first: a SIGTERM during start-up must still stop the children in order
+        # (the default action would kill this process and, through PDEATHSIG, all of them at once).
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
         c = self.config
         self.groups = [WorkerGroup(i, address) for i, address in enumerate(c.replica_addresses())]
         for group in self.groups:
@@ -120,6 +128,8 @@ class Supervisor:
             log.info("starting", service=name, pid=process.pid, address=address)
             wait_healthy(address, c.startup_timeout_s, process)
             log.info("ready", service=name, address=address)
+            if self.stopping:
+                return
 
     def _check_workers(self) -> None:
         """Restart a replica whose worker process died (its other ranks are stopped first)."""
@@ -141,15 +151,7 @@ class Supervisor:
 
     def wait(self) -> int:
         """Block until a signal or until a child exits; return the exit code for `serve`."""
-        stopping = False
-
-        def on_signal(signum: int, _frame: object) -> None:
-            nonlocal stopping
-            stopping = True
-
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-        while not stopping:
+        while not self.stopping:
             for child in self.children:
                 if child.process.poll() is not None:
                     log.error("service exited; stopping the stack", service=child.name, code=child.process.returncode)

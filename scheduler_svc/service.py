@@ -25,7 +25,7 @@ import structlog
 
 from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_infer.config import Config
-from hetero_infer.errors import HeteroError, OverloadedError, UnavailableError
+from hetero_infer.errors import DuplicateRequestError, HeteroError, OverloadedError, UnavailableError
 from hetero_infer.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, error_status, set_serving_aio
 from scheduler_svc.replica import Replica
 from scheduler_svc.router import Router
@@ -45,6 +45,7 @@ class RequestStream:
     """One generation's events so far and the Submit calls following it."""
 
     request_id: str
+    fingerprint: bytes  # the SubmitRequest: a re-attaching Submit must be the same request
     history: list[scheduler_pb2.TokenEvent] = field(default_factory=list)
     listeners: list[asyncio.Queue[scheduler_pb2.TokenEvent]] = field(default_factory=list)
     finished: bool = False
@@ -217,13 +218,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             # A little before gRPC's own deadline, so the request ends here (finish reason DEADLINE,
             # blocks freed) rather than by the caller's cancellation racing it.
             deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
+            fingerprint = request.SerializeToString(deterministic=True)
             if stream is None:
                 try:
                     self._admit(request, deadline)
                 except HeteroError as exc:
                     await context.abort(*error_status(exc))
-                stream = self.streams[rid] = RequestStream(rid)
+                stream = self.streams[rid] = RequestStream(rid, fingerprint)
                 log.debug("submitted", prompt_tokens=len(request.prompt_token_ids))
+            elif stream.fingerprint != fingerprint:
+                await context.abort(*error_status(DuplicateRequestError(
+                    f"request_id {rid!r} is in flight with a different prompt or parameters; use a unique id per request")))
             else:
                 log.info("submit for a request in flight: re-attached to its stream")
             queue = stream.attach()

@@ -111,8 +111,25 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir: Path) -> None:
         tokens = list(next(call).token_ids)
         stack.process.send_signal(signal.SIGTERM)
         last = None
-        for msg in call:
-            tokens.extend(msg.token_ids)
-            last = msg
+        started = time.monotonic()
+        try:
+            for msg in call:
+                tokens.extend(msg.token_ids)
+                last = msg
+        except grpc.RpcError as exc:
+            raise AssertionError(f"stream broken after {time.monotonic() - started:.1f} s, {len(tokens)} tokens") from exc
         assert len(tokens) == 120 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert stack.process.wait(60) == 0
+
+
+def test_same_request_id_with_another_prompt_is_refused(stack: Stack, scheduler_address: str) -> None:
+    params = common_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(scheduler_address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        first = scheduler.Submit(scheduler_pb2.SubmitRequest(request_id="taken", prompt_token_ids=[1, 2, 3], params=params))
+        next(first)
+        with pytest.raises(grpc.RpcError) as info:
+            next(scheduler.Submit(scheduler_pb2.SubmitRequest(request_id="taken", prompt_token_ids=[4, 5], params=params)))
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        first.cancel()
+    assert wait_idle(stack).used_blocks == 0
