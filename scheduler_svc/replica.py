@@ -37,7 +37,7 @@ def transient(exc: BaseException) -> bool:
 
 class Replica:
     def __init__(self, index: int, address: str, config: Config, dispatch: Callable[[list[TokenOutput]], None],
-                 lost: Callable["[Replica, list[Sequence]]", None], joined: Callable[["Replica"], None]) -> None:
+                 lost: Callable[["Replica", list[Sequence]], None], joined: Callable[["Replica"], None]) -> None:
         self.index = index
         self.address = address
         self.config = config
