@@ -98,15 +98,32 @@ class Replica:
         log.error("replica down", replica=self.index, address=self.address, reason=reason, moved_sequences=len(seqs))
         self._lost(self, seqs)
 
-    async def _probe(self) -> bool:
-        """Is the worker alive? Health, retried on transient failures."""
+    async def _probe(self) -> worker_pb2.WorkerInfo | None:
+        """Is the worker alive? Describe, retried on transient failures; None when it stays unreachable."""
         try:
             async for attempt in self._retrying():
                 with attempt:
-                    await self.stub.Health(worker_pb2.HealthRequest(), timeout=2.0)
-            return True
+                    return await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=2.0)
         except grpc.aio.AioRpcError:
-            return False
+            return None
+        return None
+
+    def _recover(self, info: worker_pb2.WorkerInfo | None, reason: str) -> None:
+        """After a lost step or a failed health check: recompute here, start afresh, or go down."""
+        assert self.core is not None
+        if info is None:
+            self._go_down(reason)
+            return
+        seqs = self.core.take_all_for_recompute()
+        if self.info is None or info.pid != self.info.pid:
+            # A new worker process answered (restarted): its KV cache is empty; a fresh pool.
+            self._join(info)
+        assert self.core is not None
+        for seq in seqs:  # the worker's state is unknown: reset it and recompute here
+            self.core.adopt(seq)
+        self._reset_worker = True
+        self.wake.set()
+        log.info("worker answered again; sequences recomputed", replica=self.index, sequences=len(seqs), pid=info.pid)
 
     async def _watch(self) -> None:
         """Probe an idle replica that is up; re-Describe one that is down until it rejoins."""
@@ -117,9 +134,12 @@ class Replica:
                 if time.monotonic() - self._last_ok < interval:
                     continue  # steps are succeeding; a failing step reports itself
                 async with self._lock:
-                    if self.up and not await self._probe():
-                        self._go_down("health check failed")
-                    elif self.up:
+                    if not self.up:
+                        continue
+                    info = await self._probe()
+                    if info is None or self.info is None or info.pid != self.info.pid:
+                        self._recover(info, "health check failed")
+                    else:
                         self._last_ok = time.monotonic()
             else:
                 try:
@@ -188,11 +208,5 @@ class Replica:
 
     async def _step_lost(self, core: Scheduler, error: str) -> None:
         log.warning("step lost; probing the worker", replica=self.index, error=error)
-        if await self._probe():
-            seqs = core.take_all_for_recompute()
-            for seq in seqs:  # the worker is alive but its state is unknown: reset it and recompute here
-                core.adopt(seq)
-            self._reset_worker = True
-            log.info("worker answered again; sequences recomputed", replica=self.index, sequences=len(seqs))
-        else:
-            self._go_down(f"worker unreachable after {self.config.max_retry_attempts} retries: {error}")
+        info = await self._probe()
+        self._recover(info, f"worker unreachable after {self.config.max_retry_attempts} retries: {error}")
