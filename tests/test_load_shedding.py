@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import Stack, free_port, run_stack
@@ -110,6 +111,19 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir: Path) -> None:
         call = stack.inference.Generate(request(120, "draining"))
         tokens = list(next(call).token_ids)
         stack.process.send_signal(signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(stack.channel)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the gateway reports NOT_SERVING while it drains
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status != health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                break
+            time.sleep(0.02)
+        time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as refused:  # ... and refuses new calls
+            stack.inference.Complete(request(2, "too-late"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         last = None
         started = time.monotonic()
         try:
