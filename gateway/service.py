@@ -21,6 +21,7 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from gateway.auth import ApiKeyInterceptor, ApiKeys
+from gateway.command_bridge import CommandBridge, TextBackend, bridge_prompt
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.requests import PreparedRequest, check_model, prepare, render_chat
 from gateway.text_stream import TextStream
@@ -28,7 +29,8 @@ from gateway.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from hetero_infer import __version__
 from hetero_infer.config import Config
-from hetero_infer.errors import ExecutionError, HeteroError, OverloadedError, ValidationError, from_grpc_error
+from hetero_infer.errors import (ExecutionError, HeteroError, OverloadedError, UnavailableError, ValidationError,
+                                 from_grpc_error)
 from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_channel, server_credentials, set_serving_aio)
 from hetero_infer.model_files import resolve_model_path
@@ -56,8 +58,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self.metrics = GatewayMetrics()
         self.in_flight = 0  # generations streaming now (gRPC and HTTP), for serving.max_concurrent_requests
+        # The command bridge answers every request (primary) or those the scheduler cannot (fallback).
+        backend = config.serving.backend
+        self.bridge: TextBackend | None = CommandBridge(backend) if backend.command and backend.command.program else None
+        self.bridge_is_primary = backend.kind == "command_bridge"
+        self.bridge_is_fallback = backend.fallback == "command_bridge"
+
+    def _retrying(self) -> AsyncRetrying:
+        """Transient (UNAVAILABLE) failures: at most max_retry_attempts retries, exponential backoff with jitter."""
+        return AsyncRetrying(stop=stop_after_attempt(self.config.max_retry_attempts + 1), reraise=True,
+                             wait=wait_exponential_jitter(initial=self.config.retry_backoff_s, max=1.0),
+                             retry=retry_if_exception(_transient))
 
     async def start(self) -> None:
+        if self.bridge_is_primary:
+            return
         try:
             stats = await self._scheduler_stats()
             self.max_model_len = stats.max_model_len
@@ -70,9 +85,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def _scheduler_stats(self) -> scheduler_pb2.SchedulerStats:
         try:
-            async for attempt in AsyncRetrying(stop=stop_after_attempt(self.config.max_retry_attempts + 1),
-                                               wait=wait_exponential_jitter(0.1, 1.0), retry=retry_if_exception(_transient),
-                                               reraise=True):
+            async for attempt in self._retrying():
                 with attempt:
                     return await self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
         except grpc.aio.AioRpcError as exc:
@@ -81,27 +94,45 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     # ------------------------------------------------------------------ generation
 
-    async def _events(self, prepared: PreparedRequest, params: common_pb2.SamplingParams) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        """The scheduler's token events; connection failures before the first event are retried."""
+    async def _events(self, prepared: PreparedRequest, params: common_pb2.SamplingParams,
+                      timeout: float | None = None) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """The scheduler's token events. Failing to reach it (before the first event) is retried;
+        the scheduler treats a repeated request id as the same request, so a retry never starts
+        a second generation. `timeout` (the client's remaining time) becomes the Submit deadline."""
         submit = scheduler_pb2.SubmitRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
                                              params=params)
-        for attempt in range(self.config.max_retry_attempts + 1):
-            call = self.scheduler.Submit(submit)
-            received = False
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        call: grpc.aio.UnaryStreamCall | None = None
+        attempts = 0
+        try:
             try:
-                async for event in call:
-                    received = True
+                async for attempt in self._retrying():
+                    with attempt:
+                        if call is not None:
+                            call.cancel()
+                        attempts += 1
+                        call = self.scheduler.Submit(
+                            submit, timeout=None if deadline is None else max(0.001, deadline - loop.time()))
+                        event = await call.read()
+                while event is not grpc.aio.EOF:
                     yield event
-                return
+                    event = await call.read()
             except grpc.aio.AioRpcError as exc:
-                if received or not _transient(exc) or attempt == self.config.max_retry_attempts:
-                    raise from_grpc_error(exc, "scheduler") from exc
-                await asyncio.sleep(min(1.0, 0.1 * 2**attempt))
-            finally:
+                error = from_grpc_error(exc, "scheduler")
+                if isinstance(error, UnavailableError):
+                    error = UnavailableError(f"{error.message} (after {attempts} attempt(s); max_retry_attempts is "
+                                             f"{self.config.max_retry_attempts})")
+                raise error from exc
+        finally:
+            if call is not None:
                 call.cancel()  # no-op when finished; aborts the request downstream otherwise
 
-    async def generate(self, request: inference_pb2.GenerateRequest) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """The one generation path, shared by gRPC (Generate, Complete) and the HTTP API; metered."""
+    async def generate(self, request: inference_pb2.GenerateRequest,
+                       timeout: float | None = None) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The one generation path, shared by gRPC (Generate, Complete) and the HTTP API; metered.
+
+        `timeout` is the client's remaining time (gRPC deadline); it becomes the Submit deadline."""
         limit = self.config.serving.max_concurrent_requests
         if limit and self.in_flight >= limit:
             self.metrics.request_errors.labels(OverloadedError.__name__).inc()
@@ -110,7 +141,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.in_flight += 1
         timer = self.metrics.start_request()
         try:
-            async with aclosing(self._generate(request, timer)) as responses:
+            async with aclosing(self._generate(request, timer, timeout)) as responses:
                 async for response in responses:
                     yield response
         except BaseException as exc:  # errors, and a client going away (GeneratorExit, CancelledError)
@@ -119,33 +150,67 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         finally:
             self.in_flight -= 1
 
-    async def _generate(self, request: inference_pb2.GenerateRequest,
-                        timer: RequestTimer) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def _generate(self, request: inference_pb2.GenerateRequest, timer: RequestTimer,
+                        timeout: float | None = None) -> AsyncIterator[inference_pb2.GenerateResponse]:
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         started = time.perf_counter()
         prepared = prepare(request, self.tokenizer, self.model_name, self.max_model_len, request_id)
-        stream = TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling)
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
-        finish = FINISHED
-        # aclosing: leaving the loop early (stop string) closes the generator at once, which
-        # cancels the Submit call and so ends the request downstream.
-        async with aclosing(self._events(prepared, request.params)) as events:
-            async for event in events:
-                usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.cached_prompt_tokens)
-                usage.completion_tokens += len(event.token_ids)
-                timer.on_tokens(len(event.token_ids), event.queue_seconds)
-                response = self._response(request_id, event, stream, request.params)
-                finish = response.finish_reason
-                if finish != FINISHED:
-                    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                    response.usage.CopyFrom(usage)
-                    timer.finish(finish, usage)
+        if self.bridge_is_primary:
+            async for response in self._bridge_responses(request, prepared, usage, timer):
                 yield response
-                if finish != FINISHED:
-                    break
+            return
+        stream = TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling)
+        finish = FINISHED
+        received = False
+        try:
+            # aclosing: leaving the loop early (stop string) closes the generator at once, which
+            # cancels the Submit call and so ends the request downstream.
+            async with aclosing(self._events(prepared, request.params, timeout)) as events:
+                async for event in events:
+                    received = True
+                    usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.cached_prompt_tokens)
+                    usage.completion_tokens += len(event.token_ids)
+                    timer.on_tokens(len(event.token_ids), event.queue_seconds)
+                    response = self._response(request_id, event, stream, request.params)
+                    finish = response.finish_reason
+                    if finish != FINISHED:
+                        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                        response.usage.CopyFrom(usage)
+                        timer.finish(finish, usage)
+                    yield response
+                    if finish != FINISHED:
+                        break
+        except UnavailableError as exc:
+            if received or not self.bridge_is_fallback:
+                raise
+            log.warning("scheduler unavailable after retries; answering with the command bridge", error=exc.message)
+            async for response in self._bridge_responses(request, prepared, usage, timer):
+                yield response
+            return
         log.info("finished", finish_reason=common_pb2.FinishReason.Name(finish), prompt_tokens=usage.prompt_tokens,
                  completion_tokens=usage.completion_tokens, seconds=round(time.perf_counter() - started, 3))
+
+    async def _bridge_responses(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
+                                usage: common_pb2.Usage, timer: RequestTimer) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The command bridge's text as responses marked backend="command_bridge"."""
+        assert self.bridge is not None
+        text: list[str] = []
+        async for chunk in self.bridge.stream(prepared.request_id, bridge_prompt(request, self.tokenizer),
+                                              prepared.sampling, self.model_name):
+            text.append(chunk.text)
+            response = inference_pb2.GenerateResponse(request_id=prepared.request_id, text=chunk.text,
+                                                      model=self.model_name, backend=self.bridge.name)
+            if chunk.finished:
+                response.finish_reason = common_pb2.FINISH_REASON_LENGTH if chunk.truncated else common_pb2.FINISH_REASON_STOP
+                usage.completion_tokens = len(self.tokenizer.encode("".join(text), add_special_tokens=False))
+                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                response.usage.CopyFrom(usage)
+                timer.on_tokens(usage.completion_tokens)
+                timer.finish(response.finish_reason, usage)
+            yield response
+        log.info("finished", backend=self.bridge.name, completion_tokens=usage.completion_tokens)
 
     def _response(self, request_id: str, event: scheduler_pb2.TokenEvent, stream: TextStream,
                   params: common_pb2.SamplingParams) -> inference_pb2.GenerateResponse:
@@ -178,7 +243,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            async for response in self.generate(request):
+            async for response in self.generate(request, context.time_remaining()):
                 yield response
         except HeteroError as exc:
             log.info("request failed", error=exc.message, code=error_status(exc)[0].name)
@@ -189,7 +254,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Complete(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> inference_pb2.GenerateResponse:
         answer = inference_pb2.GenerateResponse()
         try:
-            async for part in self.generate(request):
+            async for part in self.generate(request, context.time_remaining()):
                 answer.request_id, answer.model, answer.backend = part.request_id, part.model, part.backend
                 answer.text += part.text
                 answer.token_ids.extend(part.token_ids)
@@ -231,6 +296,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return inference_pb2.ListModelsResponse(models=[card])
 
     async def GetServerInfo(self, request: inference_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ServerInfo:
+        if self.bridge_is_primary:
+            return inference_pb2.ServerInfo(version=__version__, model=self.model_name, backend="command_bridge")
         try:
             stats = await self._scheduler_stats()
         except HeteroError as exc:
@@ -264,8 +331,10 @@ async def serve_gateway(config: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # Drain: report NOT_SERVING, refuse new calls, give in-flight ones drain_grace_s to finish.
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
+    log.info("draining", grace_s=config.drain_grace_s)
     if http is not None:
         await http.stop()
-    await server.stop(grace=5)
+    await server.stop(grace=config.drain_grace_s)
     log.info("gateway stopped")

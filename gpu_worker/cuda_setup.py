@@ -50,7 +50,7 @@ def _warm_up(model, attention: AttentionBackend, num_tokens: int, rows: int, blo
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    scratch = allocate_kv_cache(mc.num_hidden_layers, pages, block_size, mc.num_key_value_heads, mc.head_dim,
+    scratch = allocate_kv_cache(mc.num_hidden_layers, pages, block_size, model.num_kv_heads, mc.head_dim,
                                 model.dtype, device)
     scratch_bytes = scratch.numel() * scratch.element_size()
     table_pages = np.arange(pages, dtype=np.int32)
@@ -75,7 +75,8 @@ def _warm_up(model, attention: AttentionBackend, num_tokens: int, rows: int, blo
 def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torch.dtype, block_size: int,
                         bytes_per_block: int, max_positions: int) -> CudaWorker:
     mc = model.config
-    attention = create_attention_backend(config.attention_backend, mc.num_attention_heads, mc.num_key_value_heads,
+    # The heads this rank holds (all of them without tensor parallelism).
+    attention = create_attention_backend(config.attention_backend, model.num_heads, model.num_kv_heads,
                                          mc.head_dim, device, dtype=dtype)
     warm_tokens = max(1, min(config.max_total_tokens, max_positions - 1))
     rows = min(config.max_batch_size, warm_tokens)
@@ -91,7 +92,7 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
                           f"({free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after weights, "
                           f"{activation / 2**30:.2f} GiB activations); raise it or lower max_total_tokens")
     pad_block = num_blocks  # one extra block, never reported to the scheduler
-    kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, block_size, mc.num_key_value_heads,
+    kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, block_size, model.num_kv_heads,
                                  mc.head_dim, dtype, device)
     graphs = None
     if not config.enable_cuda_graphs:
@@ -113,7 +114,7 @@ def _capture_graphs(model, attention, kv_cache: torch.Tensor, config: Config, pa
     kv_indices = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=kv_cache.device)
 
     def make_attention(bs: int) -> FlashInferGraphDecode:
-        return FlashInferGraphDecode(bs, kv_indices, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+        return FlashInferGraphDecode(bs, kv_indices, model.num_heads, model.num_kv_heads, mc.head_dim,
                                      kv_cache.device, model.dtype, attention.workspace)
 
     graphs = DecodeGraphs(model, kv_cache, sizes, pad_block, block_size, make_attention)

@@ -3,6 +3,10 @@
 Every scheduled token of every sequence goes through one forward pass: the linear layers
 see one [num_tokens, hidden] matrix with no padding; only attention is per sequence, and
 it goes through a paged backend from `kernels/`.
+
+With tensor parallelism each rank holds a slice of the heads (q/k/v, o_proj) and of the
+MLP's intermediate size (gate/up, down_proj); the partial sums after o_proj and down_proj
+are all-reduced across ranks (see gpu_worker/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.checkpoint import ModelConfig
+from gpu_worker.tensor_parallel import TensorParallel
 from kernels import AttentionBackend
 
 
@@ -42,14 +47,20 @@ class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here is trained)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 max_positions: int) -> None:
+                 max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.tp = tp
         c = config
+        tp.check_divides(num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                         intermediate_size=c.intermediate_size)
+        self.num_heads = c.num_attention_heads // tp.size  # on this rank
+        self.num_kv_heads = c.num_key_value_heads // tp.size
 
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+        def w(name: str, shard=None) -> torch.Tensor:
+            tensor = weights[name] if shard is None else shard(weights[name])
+            return tensor.to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
         self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
@@ -58,25 +69,26 @@ class LlamaModel:
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             # q, k, v fused into one matrix and gate, up into another: two matmuls instead of five.
+            # Under tensor parallelism each is this rank's slice (rows: heads / intermediate features).
             qkv_bias = None
             if c.attention_bias:
-                qkv_bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                qkv_bias = torch.cat([w(p + f"self_attn.{n}_proj.bias", tp.rows) for n in "qkv"])
             self.layers.append({
                 "input_norm": w(p + "input_layernorm.weight"),
-                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight", tp.rows) for n in "qkv"]),
                 "qkv_bias": qkv_bias,
-                "o": w(p + "self_attn.o_proj.weight"),
+                "o": w(p + "self_attn.o_proj.weight", tp.columns),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "down": w(p + "mlp.down_proj.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight", tp.rows), w(p + "mlp.up_proj.weight", tp.rows)]),
+                "down": w(p + "mlp.down_proj.weight", tp.columns),
             })
         positions = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(c))
         # cos/sin tables for rotate-half RoPE (the HF layout), computed once in float64.
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
-        self.q_size = c.num_attention_heads * c.head_dim
-        self.kv_size = c.num_key_value_heads * c.head_dim
+        self.q_size = self.num_heads * c.head_dim
+        self.kv_size = self.num_kv_heads * c.head_dim
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -105,14 +117,14 @@ class LlamaModel:
             x = self._rms_norm(hidden, layer["input_norm"])
             qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rope(q.view(t, c.num_attention_heads, c.head_dim), cos, sin)
-            k = self._rope(k.view(t, c.num_key_value_heads, c.head_dim), cos, sin)
-            attention.write_kv(kv_cache[i], k, v.view(t, c.num_key_value_heads, c.head_dim), slots)
+            q = self._rope(q.view(t, self.num_heads, c.head_dim), cos, sin)
+            k = self._rope(k.view(t, self.num_kv_heads, c.head_dim), cos, sin)
+            attention.write_kv(kv_cache[i], k, v.view(t, self.num_kv_heads, c.head_dim), slots)
             attn = attention.run(q, kv_cache[i]).reshape(t, self.q_size)
-            hidden = residual + F.linear(attn, layer["o"])
+            hidden = residual + self.tp.all_reduce(F.linear(attn, layer["o"]))
             residual = hidden
             x = self._rms_norm(hidden, layer["post_norm"])
             gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer["down"])
+            hidden = residual + self.tp.all_reduce(F.linear(F.silu(gate) * up, layer["down"]))
         last = self._rms_norm(hidden[logits_rows], self.final_norm)
         return F.linear(last, self.lm_head).float()

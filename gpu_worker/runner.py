@@ -21,6 +21,7 @@ from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel
 from gpu_worker.sampler import SamplingBatch, sample, top_logprobs
+from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
 from hetero_infer.config import Config
 from hetero_infer.errors import ExecutionError
@@ -53,22 +54,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tp: TensorParallel = TensorParallel()) -> None:
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        if self.device.type == "cpu":  # tensor-parallel ranks share the cores
+            torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // tp.size))
         self.model_path = resolve_model_path(config.model)
         started = time.perf_counter()
         self.model_config, weights = load_checkpoint(self.model_path)
         mc: ModelConfig = self.model_config
         self.block_size = config.block_size
         self.max_positions = min(config.max_model_len, mc.max_position_embeddings)
-        self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions)
+        self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp)
         del weights
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        self.bytes_per_block = mc.num_hidden_layers * 2 * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        kv_heads = self.model.num_kv_heads  # this rank's share
+        self.bytes_per_block = mc.num_hidden_layers * 2 * self.block_size * kv_heads * mc.head_dim * elem
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":  # GPU path (issue 4): sized from free memory after a warm-up pass
             cuda = prepare_cuda_worker(self.model, config, self.device, self.dtype, self.block_size,
@@ -79,9 +82,9 @@ class ModelRunner:
             budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
             self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
             self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
-                                              mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
-            self.attention = create_attention_backend(config.attention_backend, mc.num_attention_heads,
-                                                      mc.num_key_value_heads, mc.head_dim, self.device, self.dtype)
+                                              kv_heads, mc.head_dim, self.dtype, self.device)
+            self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
+                                                      kv_heads, mc.head_dim, self.device, self.dtype)
         self.sequences: dict[int, SequenceState] = {}
         self.steps = 0
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
@@ -97,7 +100,8 @@ class ModelRunner:
             max_position_embeddings=mc.max_position_embeddings, eos_token_ids=list(mc.eos_token_ids),
             block_size=self.block_size, num_blocks=self.num_blocks, device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."), attention_backend=self.attention.name,
-            kv_cache_bytes=self.num_blocks * self.bytes_per_block,
+            kv_cache_bytes=self.num_blocks * self.bytes_per_block * self.tp.size,
+            pid=os.getpid(), tensor_parallel_size=self.tp.size,
         )
 
     def _apply_diffs(self, plan: worker_pb2.StepPlan) -> None:
@@ -164,6 +168,7 @@ class ModelRunner:
                 want_logprobs=any(st.sampling.logprobs is not None for st in sampled),
             )
             tokens, logprobs = sample(logits, batch)
+            tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
             token_list = tokens.tolist()
             for st, tok in zip(sampled, token_list):
                 st.token_ids.append(tok)

@@ -4,10 +4,14 @@ A synchronous gRPC server whose handler threads only hand step plans to the main
 which runs every forward pass: measured on the 2-core CPU path, the same decode step is
 ~40% slower when torch runs it from a secondary thread. One model thread also serializes
 the steps, so no lock is needed around the runner.
+
+Tensor parallel: rank 0 serves gRPC and broadcasts each plan to the other ranks before
+running it; the other ranks serve nothing and run every plan they receive.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 from concurrent import futures
@@ -15,9 +19,11 @@ from concurrent import futures
 import grpc
 import structlog
 
-from gpu_worker.runner import ModelRunner
+from gpu_worker.runner import ModelRunner, resolve_device
+from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2, worker_pb2_grpc
 from hetero_infer.config import Config
+from hetero_infer.errors import HeteroError
 from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_listen_address, server_credentials, set_serving)
 
@@ -36,9 +42,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             plan, future = item
             if future.set_running_or_notify_cancel():
                 try:
+                    if self.runner.tp.enabled:
+                        self.runner.tp.broadcast_plan(plan.SerializeToString())
                     future.set_result(self.runner.execute(plan))
                 except Exception as exc:  # reported to the scheduler, which resets this worker's state
                     log.exception("step failed", step_id=plan.step_id)
+                    if self.runner.tp.enabled and not isinstance(exc, HeteroError):
+                        # A collective failed: another rank is gone and this group cannot compute any
+                        # more. Exit, so the scheduler sees the replica die (its requests are recomputed
+                        # elsewhere or after the restart) instead of failing them.
+                        log.error("tensor-parallel group broken; exiting", rank=0)
+                        os._exit(70)
                     future.set_exception(exc)
 
     def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
@@ -57,8 +71,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.HealthResponse(ready=True, steps=self.runner.steps, num_sequences=len(self.runner.sequences))
 
 
-def serve_worker(config: Config) -> None:
-    runner = ModelRunner(config)
+def run_follower_rank(runner: ModelRunner) -> None:
+    """A tensor-parallel rank other than 0: run every plan rank 0 broadcasts, until it sends None."""
+    log.info("tensor-parallel rank ready", rank=runner.tp.rank, size=runner.tp.size)
+    while True:
+        try:
+            data = runner.tp.broadcast_plan(None)
+        except RuntimeError as exc:  # rank 0 is gone: nothing left to do here
+            log.error("lost rank 0; exiting", error=str(exc))
+            return
+        if data is None:
+            return
+        plan = worker_pb2.StepPlan.FromString(data)
+        try:
+            runner.execute(plan)
+        except Exception:  # rank 0 reports the same failure to the scheduler
+            log.exception("step failed", step_id=plan.step_id, rank=runner.tp.rank)
+
+
+def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = None) -> None:
+    tp = TensorParallel.initialize(tp_rank, config.tensor_parallel_size, tp_init_file, resolve_device(config.device))
+    runner = ModelRunner(config, tp)
+    if tp.rank > 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        run_follower_rank(runner)
+        tp.shutdown()
+        return
     servicer = WorkerServicer(runner)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -76,6 +114,12 @@ def serve_worker(config: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
     servicer.run_model_loop()
+    if tp.enabled:
+        try:
+            tp.broadcast_plan(None)  # the other ranks stop too
+            tp.shutdown()
+        except RuntimeError:
+            pass  # a rank already exited
     set_serving(health, [SERVICE_NAME], serving=False)
     server.stop(grace=2).wait()
     log.info("worker stopped")

@@ -24,7 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("serve", "run gateway, scheduler and worker as separate processes"),
                        ("gateway", "run the public gRPC gateway"), ("scheduler", "run the scheduler service"),
                        ("worker", "run one model worker")):
-        add_config_arguments(sub.add_parser(name, help=text, description=text))
+        service = sub.add_parser(name, help=text, description=text)
+        add_config_arguments(service)
+        if name == "worker":  # set per process by `serve` for tensor-parallel ranks; not configuration
+            service.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank of this process")
+            service.add_argument("--tp-init-file", default=None, help="torch.distributed rendezvous file of the group")
     health = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 = SERVING)")
     health.add_argument("address", help="host:port")
     health.add_argument("--service", default="", help="service name (default: the whole server)")
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             from gpu_worker.service import serve_worker
 
-            serve_worker(config)
+            serve_worker(config, args.tp_rank, args.tp_init_file)
         elif args.command == "scheduler":
             from scheduler_svc.service import serve_scheduler
 

@@ -33,6 +33,11 @@ class BackendConfig:
     # "command_bridge": run `command` per request.
     kind: str = "scheduler"
     command: CommandConfig | None = None
+    # --- scale and resilience (issue 6) ---
+    # "none" | "command_bridge": answer with `command` when the scheduler stays unreachable after retries.
+    fallback: str = "none"
+    command_timeout_s: float = 60.0  # the bridge program is killed after this many seconds
+    command_max_output_bytes: int = 1_000_000  # stdout beyond this is cut (finish_reason LENGTH) and the program killed
 
 
 # --- interfaces (issue 5) ---
@@ -105,6 +110,18 @@ class Config:
     # --- interfaces (issue 5) ---
     internal_bind_host: str | None = None  # scheduler/worker listen here (e.g. 0.0.0.0 in containers), same port
     internal_tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS: gateway->scheduler->worker
+    # --- scale and resilience (issue 6) ---
+    data_parallel_size: int = 1  # worker replicas, each with its own block pool in the scheduler
+    tensor_parallel_size: int = 1  # worker processes per replica (attention heads and MLP split across ranks)
+    # Comma-separated rank-0 addresses of the replicas; empty = worker_address, then the next ports.
+    worker_addresses: str = ""
+    routing_policy: str = "round_robin"  # round_robin | longest_prefix | first_prefix_block (load breaks ties)
+    restart_workers: bool = True  # `serve` restarts a worker process that died
+    health_check_interval_s: float = 0.5  # how often the scheduler probes each worker replica
+    worker_recovery_timeout_s: float = 30.0  # requests wait this long for a replica to come back, then UNAVAILABLE
+    retry_backoff_s: float = 0.05  # first retry delay of internal calls (exponential with jitter, capped at 1 s)
+    max_queued_requests: int = 1024  # waiting (not admitted) requests; beyond it Submit answers RESOURCE_EXHAUSTED
+    drain_grace_s: float = 10.0  # on SIGTERM, in-flight requests get this long to finish
     # --- logging ---
     log_level: str = "info"
     log_format: str = "auto"  # auto (console on a terminal, JSON otherwise) | json | console
@@ -152,9 +169,6 @@ class Config:
                "must be scheduler (alias local_engine) or command_bridge")
         _check(backend.kind != "command_bridge" or (backend.command is not None and bool(backend.command.program)),
                "serving.backend.command.program", None, "is required when serving.backend.kind is command_bridge")
-        # The bridge backend is specified (seed README) but not served yet: refuse rather than ignore it.
-        _check(backend.kind != "command_bridge", "serving.backend.kind", backend.kind,
-               "is not available in this version; use scheduler")
         for key in ("scheduler_address", "worker_address"):
             value = getattr(self, key)
             _check(":" in value and value.rsplit(":", 1)[1].isdigit(), key, value, "must be host:port")
@@ -177,11 +191,45 @@ class Config:
                 _check(not path or Path(path).is_file(), f"{key}.{name}", path, "must be an existing PEM file")
         _check(not self.internal_tls.enabled or bool(self.internal_tls.ca_file), "internal_tls.ca_file",
                self.internal_tls.ca_file, "is required with internal_tls.cert_file (mutual TLS checks the peer's certificate)")
+        self._validate_resilience()
         _check(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be positive")
         _check(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", self.log_level,
                "must be debug, info, warning or error")
         _check(self.log_format in ("auto", "json", "console"), "log_format", self.log_format, "must be auto, json or console")
         return self
+
+    def _validate_resilience(self) -> None:
+        # --- scale and resilience (issue 6) ---
+        backend = self.serving.backend
+        _check(backend.fallback in ("none", "command_bridge"), "serving.backend.fallback", backend.fallback,
+               "must be none or command_bridge")
+        _check(backend.fallback == "none" or (backend.command is not None and bool(backend.command.program)),
+               "serving.backend.command.program", None, "is required when serving.backend.fallback is command_bridge")
+        _check(backend.command_timeout_s > 0, "serving.backend.command_timeout_s", backend.command_timeout_s, "must be positive")
+        _check(backend.command_max_output_bytes > 0, "serving.backend.command_max_output_bytes",
+               backend.command_max_output_bytes, "must be positive")
+        _check(self.data_parallel_size >= 1, "data_parallel_size", self.data_parallel_size, "must be >= 1")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
+        addresses = self.replica_addresses()
+        for value in addresses:
+            _check(":" in value and value.rsplit(":", 1)[1].isdigit(), "worker_addresses", self.worker_addresses,
+                   "must be comma-separated host:port entries")
+        _check(len(addresses) == self.data_parallel_size, "worker_addresses", self.worker_addresses,
+               f"must list data_parallel_size ({self.data_parallel_size}) addresses")
+        _check(self.routing_policy in ("round_robin", "longest_prefix", "first_prefix_block"), "routing_policy",
+               self.routing_policy, "must be round_robin, longest_prefix or first_prefix_block")
+        _check(self.health_check_interval_s > 0, "health_check_interval_s", self.health_check_interval_s, "must be positive")
+        _check(self.worker_recovery_timeout_s >= 0, "worker_recovery_timeout_s", self.worker_recovery_timeout_s, "must be >= 0")
+        _check(self.retry_backoff_s >= 0, "retry_backoff_s", self.retry_backoff_s, "must be >= 0")
+        _check(self.max_queued_requests >= 1, "max_queued_requests", self.max_queued_requests, "must be >= 1")
+        _check(self.drain_grace_s >= 0, "drain_grace_s", self.drain_grace_s, "must be >= 0")
+
+    def replica_addresses(self) -> list[str]:
+        """The gRPC address of each worker replica (its tensor-parallel rank 0)."""
+        if self.worker_addresses.strip():
+            return [a.strip() for a in self.worker_addresses.split(",") if a.strip()]
+        host, port = self.worker_address.rsplit(":", 1)
+        return [f"{host}:{int(port) + i}" for i in range(self.data_parallel_size)]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -73,6 +73,26 @@ class DuplicateRequestError(HeteroError):
     http_status = 409
 
 
+# --- scale and resilience (issue 6) ---
+
+class DeadlineExceededError(HeteroError):
+    """The request's deadline (the caller's gRPC timeout, or the bridge's timeout) passed first."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
+
+class CommandBridgeError(ExecutionError):
+    """The command bridge program failed (non-zero exit); the message carries its stderr tail."""
+
+
+class CommandBridgeNotFoundError(HeteroError):
+    """The configured bridge program does not exist or is not executable: a deployment problem."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 500
+
+
 def grpc_status_for(error: BaseException) -> grpc.StatusCode:
     return error.grpc_code if isinstance(error, HeteroError) else grpc.StatusCode.INTERNAL
 
@@ -88,6 +108,7 @@ _FROM_GRPC: dict[grpc.StatusCode, type[HeteroError]] = {
     grpc.StatusCode.ALREADY_EXISTS: DuplicateRequestError,
     grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
 }
 
 

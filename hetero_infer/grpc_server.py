@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -90,9 +90,10 @@ def internal_listen_address(config: Config, address: str) -> str:
     return address
 
 
-def internal_channel(config: Config, address: str) -> grpc.aio.Channel:
+def internal_channel(config: Config, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
     """An asyncio channel to an internal service (scheduler, worker), with mutual TLS when configured."""
     creds = channel_credentials(config.internal_tls, mutual=True)
+    options = CHANNEL_OPTIONS if options is None else options
     if creds is None:
-        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)

@@ -1,9 +1,12 @@
 """`hetero-infer serve`: the three services as child processes on loopback, started in order.
 
-Worker first (loads the model), then the scheduler (sizes its pool from the worker), then
-the gateway; each must answer its gRPC health check before the next starts. Ctrl-C or
-SIGTERM stops them in reverse order; children also get SIGTERM if this process dies
-(PR_SET_PDEATHSIG), so no orphans are left behind.
+Workers first (they load the model): `data_parallel_size` replicas of `tensor_parallel_size`
+processes each; then the scheduler (sizes each replica's pool from its worker), then the
+gateway; each must answer its gRPC health check before the next starts. A worker process
+that dies is restarted (with the rest of its tensor-parallel group) unless
+`restart_workers` is false; the scheduler notices it rejoin. Ctrl-C or SIGTERM stops the
+services in reverse order, each draining within `drain_grace_s`; children also get SIGTERM
+if this process dies (PR_SET_PDEATHSIG), so no orphans are left behind.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -62,10 +66,28 @@ class Child:
     process: subprocess.Popen[bytes]
 
 
+@dataclass
+class WorkerGroup:
+    """One data-parallel replica: its tensor-parallel ranks, rank 0 serving gRPC at `address`."""
+
+    replica: int
+    address: str
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    started_at: float = 0.0
+    restarts: int = 0
+    given_up: bool = False
+
+    def exited(self) -> subprocess.Popen[bytes] | None:
+        return next((p for p in self.processes if p.poll() is not None), None)
+
+
 class Supervisor:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.children: list[Child] = []
+        self.groups: list[WorkerGroup] = []
+        self.stopping = False
+        self.tp_dir = tempfile.mkdtemp(prefix="hetero-tp-")
         # Children read the resolved config from a file; HETERO_* variables are not passed on,
         # or they would override what the CLI flags already decided here.
         fd, self.config_path = tempfile.mkstemp(prefix="hetero-config-", suffix=".json")
@@ -73,10 +95,37 @@ class Supervisor:
             json.dump(config.to_dict(), f)
         self.child_env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
 
+    def _start_group(self, group: WorkerGroup) -> None:
+        tp = self.config.tensor_parallel_size
+        init_file = os.path.join(self.tp_dir, f"replica{group.replica}-{group.restarts}")
+        group.processes = []
+        for rank in range(tp):
+            cmd = [sys.executable, "-m", "hetero_infer.cli", "worker", "--config", self.config_path,
+                   "--worker-address", group.address]
+            if tp > 1:
+                cmd += ["--tp-rank", str(rank), "--tp-init-file", init_file]
+            process = subprocess.Popen(cmd, env=self.child_env, preexec_fn=_die_with_parent)
+            group.processes.append(process)
+            log.info("starting", service="worker", replica=group.replica, rank=rank, pid=process.pid, address=group.address)
+        group.started_at = time.monotonic()
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.stopping = True
+
     def start(self) -> None:
+        # Handlers first: a SIGTERM during start-up must still stop the children in order
+        # (the default action would kill this process and, through PDEATHSIG, all of them at once).
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
         c = self.config
         internal = channel_credentials(c.internal_tls, mutual=True)
-        for name, address, creds in (("worker", c.worker_address, internal), ("scheduler", c.scheduler_address, internal),
+        self.groups = [WorkerGroup(i, address) for i, address in enumerate(c.replica_addresses())]
+        for group in self.groups:
+            self._start_group(group)
+        for group in self.groups:
+            wait_healthy(group.address, c.startup_timeout_s, group.processes[0], internal)
+            log.info("ready", service="worker", replica=group.replica, address=group.address)
+        for name, address, creds in (("scheduler", c.scheduler_address, internal),
                                      ("gateway", f"{c.serving.host}:{c.serving.port}",
                                       channel_credentials(c.serving.tls, mutual=False))):
             process = subprocess.Popen([sys.executable, "-m", "hetero_infer.cli", name, "--config", self.config_path],
@@ -85,41 +134,67 @@ class Supervisor:
             log.info("starting", service=name, pid=process.pid, address=address)
             wait_healthy(address, c.startup_timeout_s, process, creds)
             log.info("ready", service=name, address=address)
+            if self.stopping:
+                return
+
+    def _check_workers(self) -> None:
+        """Restart a replica whose worker process died (its other ranks are stopped first)."""
+        for group in self.groups:
+            if group.given_up or (dead := group.exited()) is None:
+                continue
+            if not self.config.restart_workers:
+                log.error("worker exited; not restarting (restart_workers is false)", replica=group.replica,
+                          pid=dead.pid, code=dead.returncode)
+                group.given_up = True
+                _stop_processes([p for p in group.processes if p.poll() is None], grace_s=2.0)
+                continue
+            if time.monotonic() - group.started_at < 1.0:
+                continue  # at most one restart a second: a worker that cannot start must not spin
+            log.error("worker exited; restarting it", replica=group.replica, pid=dead.pid, code=dead.returncode)
+            _stop_processes([p for p in group.processes if p.poll() is None], grace_s=2.0)
+            group.restarts += 1
+            self._start_group(group)
 
     def wait(self) -> int:
         """Block until a signal or until a child exits; return the exit code for `serve`."""
-        stopping = False
-
-        def on_signal(signum: int, _frame: object) -> None:
-            nonlocal stopping
-            stopping = True
-
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-        while not stopping:
+        while not self.stopping:
             for child in self.children:
                 if child.process.poll() is not None:
                     log.error("service exited; stopping the stack", service=child.name, code=child.process.returncode)
                     return 1
+            self._check_workers()
             time.sleep(0.2)
         return 0
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self) -> None:
+        # Gateway, then scheduler, each draining in-flight requests; then every worker at once.
+        grace_s = self.config.drain_grace_s + 5.0
         for child in reversed(self.children):
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-                try:
-                    child.process.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    log.warning("killing service that did not stop in time", service=child.name)
-                    child.process.kill()
-                    child.process.wait()
+            _stop_processes([child.process], grace_s)
+        _stop_processes([p for g in self.groups for p in g.processes], grace_s=10.0)
         self.children.clear()
+        self.groups.clear()
+        shutil.rmtree(self.tp_dir, ignore_errors=True)
         try:
             os.unlink(self.config_path)
         except FileNotFoundError:
             pass
         log.info("stack stopped")
+
+
+def _stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM, wait up to grace_s, then SIGKILL what is left."""
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("killing a process that did not stop in time", pid=p.pid)
+            p.kill()
+            p.wait()
 
 
 def serve(config: Config) -> int:

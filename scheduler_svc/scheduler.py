@@ -270,6 +270,36 @@ class Scheduler:
         self.requests.pop(seq.request_id, None)
         self.sequences.pop(seq.seq_id, None)
 
+    # ---------------------------------------------------------------- scale and resilience (issue 6)
+    # Moving sequences off a worker that failed: they are recomputed from their prompt plus the
+    # tokens already produced (as after a recompute preemption), here or on another replica.
+
+    def take_all_for_recompute(self) -> list[Sequence]:
+        """Remove every unfinished sequence, blocks freed, in arrival order; the worker's state is void."""
+        seqs = sorted(self.requests.values(), key=lambda s: s.arrival_time)
+        for seq in seqs:
+            self.pool.release(seq.block_table)
+            seq.block_table = []
+            seq.num_computed = 0
+            seq.num_blocks_sent = 0
+            seq.on_worker = False
+            seq.status = SequenceStatus.PENDING
+        self.waiting.clear()
+        self.running.clear()
+        self.requests.clear()
+        self.sequences.clear()
+        self._released.clear()
+        self._in_flight = []
+        return seqs
+
+    def adopt(self, seq: Sequence) -> None:
+        """Queue a sequence taken from a replica (possibly this one) for recompute, under a new seq id."""
+        seq.seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        self.requests[seq.request_id] = seq
+        self.sequences[seq.seq_id] = seq
+        self.waiting.append(seq)
+
     # ---------------------------------------------------------------- stats
 
     def pool_stats(self) -> common_pb2.PoolStats:

@@ -39,6 +39,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     last_scheduled_step: int = -1
     queue_seconds: float | None = None  # arrival to first admission (metrics)
+    deadline: float | None = None  # time.monotonic() after which the request is dropped (the caller's gRPC deadline)
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,16 @@
-"""The scheduler process: `hetero.v1.Scheduler` over gRPC, driving the worker step by step.
+"""The scheduler process: `hetero.v1.Scheduler` over gRPC, driving one or more worker replicas.
 
-One asyncio loop owns everything: Submit handlers add requests and wait on their event
-queues; the engine loop plans a step, awaits the worker's result, and dispatches token
-events. No locks are needed because the core `Scheduler` only runs on this loop.
+One asyncio loop owns everything: Submit handlers route a request to a replica (data
+parallel: each replica has its own core `Scheduler` and block pool) and wait on its event
+stream; each replica's engine loop plans a step, awaits its worker and publishes token
+events. No locks are needed around the core schedulers because they only run on this loop.
+
+Resilience: a request id names one generation. A Submit for an id already in flight
+re-attaches to that generation (it replays the events so far, then follows) instead of
+starting another, so the gateway can retry a Submit whose connection broke. When a replica's
+worker dies, its sequences are recomputed on another replica from the tokens they already
+produced (their streams go on without a gap or a repeat), or wait up to
+`worker_recovery_timeout_s` for a replica to come back, then end with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -10,147 +18,275 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_exponential_jitter
 
-from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_infer.config import Config
-from hetero_infer.errors import HeteroError, UnavailableError
-from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status, internal_channel,
+from hetero_infer.errors import DuplicateRequestError, HeteroError, OverloadedError, UnavailableError
+from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_listen_address, server_credentials, set_serving_aio)
-from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.replica import Replica
+from scheduler_svc.router import Router
+from scheduler_svc.scheduler import TokenOutput
+from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.service")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+FR = common_pb2
+# Finish reasons that end the Submit call with a gRPC status instead of a last event.
+DEADLINE_MARGIN_S = 0.1
+STATUS_FOR_REASON = {FR.FINISH_REASON_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
-def _transient(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+@dataclass
+class RequestStream:
+    """One generation's events so far and the Submit calls following it."""
+
+    request_id: str
+    fingerprint: bytes  # the SubmitRequest: a re-attaching Submit must be the same request
+    history: list[scheduler_pb2.TokenEvent] = field(default_factory=list)
+    listeners: list[asyncio.Queue[scheduler_pb2.TokenEvent]] = field(default_factory=list)
+    finished: bool = False
+    status: grpc.StatusCode | None = None  # end the calls with this status instead of the last event
+
+    def attach(self) -> asyncio.Queue[scheduler_pb2.TokenEvent]:
+        queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
+        for event in self.history:
+            queue.put_nowait(event)
+        self.listeners.append(queue)
+        return queue
+
+    def publish(self, event: scheduler_pb2.TokenEvent) -> None:
+        self.history.append(event)
+        for queue in self.listeners:
+            queue.put_nowait(event)
+
+
+@dataclass
+class Orphan:
+    """A sequence with no replica to run on (all down), waiting for one to come back."""
+
+    seq: Sequence
+    since: float
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.channel = internal_channel(config, config.worker_address)
-        self.worker = worker_pb2_grpc.WorkerStub(self.channel)
-        self.core: Scheduler | None = None
-        self.worker_info: worker_pb2.WorkerInfo | None = None
-        self.streams: dict[str, asyncio.Queue[scheduler_pb2.TokenEvent]] = {}
-        self._wake = asyncio.Event()
-        self._loop_task: asyncio.Task[None] | None = None
-        self._reset_worker = False
+        self.replicas = [Replica(i, address, config, self._dispatch, self._replica_lost, self._replica_joined)
+                         for i, address in enumerate(config.replica_addresses())]
+        self.router = Router(config.routing_policy, config.block_size, len(self.replicas))
+        self.streams: dict[str, RequestStream] = {}
+        self.orphans: dict[str, Orphan] = {}
+        self.all_down_since: float | None = None
+        self.num_rejected_queue_full = 0
+        self.num_recovered_sequences = 0
+        self.num_deadline_exceeded = 0  # orphans and callers gone past their deadline (replicas count their own)
+        self._orphan_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Wait for the worker, size the block pool from what it reports, start the engine loop."""
-        async for attempt in AsyncRetrying(stop=stop_after_delay(self.config.startup_timeout_s),
-                                           wait=wait_exponential_jitter(0.2, 2.0), retry=retry_if_exception(_transient),
-                                           reraise=True):
-            with attempt:
-                info = await self.worker.Describe(worker_pb2.DescribeRequest(), timeout=10)
-        self.worker_info = info
-        num_blocks = min(self.config.max_num_blocks, info.num_blocks)
-        max_model_len = min(self.config.max_model_len, info.max_position_embeddings)
-        self.core = Scheduler(self.config, num_blocks, tuple(info.eos_token_ids), max_model_len)
-        self._loop_task = asyncio.create_task(self._engine_loop())
-        log.info("scheduler ready", worker=self.config.worker_address, num_blocks=num_blocks,
-                 max_model_len=max_model_len, device=info.device)
+        """Wait for the workers (at least one must answer), then start the engine loops and watches."""
+        results = await asyncio.gather(*(r.connect(self.config.startup_timeout_s) for r in self.replicas),
+                                       return_exceptions=True)
+        for replica, result in zip(self.replicas, results):
+            if isinstance(result, BaseException):
+                log.error("worker replica not ready at start", replica=replica.index, address=replica.address, error=str(result))
+        if not any(r.up for r in self.replicas):
+            raise RuntimeError(f"no worker replica answered within startup_timeout_s ({self.config.startup_timeout_s:g} s)")
+        for replica in self.replicas:
+            replica.start_tasks()
+        self._orphan_task = asyncio.create_task(self._orphan_watch())
+        first = next(r for r in self.replicas if r.up)
+        log.info("scheduler ready", replicas=len(self.replicas), replicas_up=sum(r.up for r in self.replicas),
+                 routing=self.config.routing_policy, num_blocks=first.core.pool.num_blocks if first.core else 0)
 
-    # ------------------------------------------------------------------ RPCs
+    # ------------------------------------------------------------------ routing and recovery
 
-    async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
-        assert self.core is not None
-        rid = request.request_id
-        with structlog.contextvars.bound_contextvars(request_id=rid):
-            try:
-                seq = self.core.add_request(rid, list(request.prompt_token_ids), request.params)
-            except HeteroError as exc:
-                await context.abort(*error_status(exc))
-            queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
-            self.streams[rid] = queue
-            self._wake.set()
-            log.debug("submitted", prompt_tokens=seq.prompt_len)
-            finished = False
-            try:
-                while not finished:
-                    event = await queue.get()
-                    finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                    yield event
-            finally:
-                self.streams.pop(rid, None)
-                if not finished:  # the caller went away: free the request's blocks now
-                    self.core.abort(rid)
-                    log.info("aborted by caller")
+    def _up(self) -> list[Replica]:
+        return [r for r in self.replicas if r.up]
 
-    async def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
-        assert self.core is not None
-        reason = request.reason or common_pb2.FINISH_REASON_ABORT
-        found = self.core.abort(request.request_id, reason)
-        queue = self.streams.get(request.request_id)
-        if found and queue is not None:
-            queue.put_nowait(scheduler_pb2.TokenEvent(request_id=request.request_id, finish_reason=reason))
-        return scheduler_pb2.AbortResponse(found=found)
+    def _place(self, seq: Sequence) -> bool:
+        """Queue a sequence on a replica chosen by the routing policy; False when none is up."""
+        up = self._up()
+        if not up:
+            return False
+        decision = self.router.choose(seq.token_ids, [r.index for r in up], {r.index: r.load for r in up})
+        replica = self.replicas[decision.replica]
+        assert replica.core is not None
+        replica.core.adopt(seq)
+        replica.wake.set()
+        return True
 
-    async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
-        assert self.core is not None and self.worker_info is not None
-        pool = self.core.pool_stats()
-        pool.num_workers = 1
-        pool.num_workers_up = 1
-        return scheduler_pb2.SchedulerStats(pool=pool, model=self.worker_info.model_name,
-                                            max_model_len=self.core.max_model_len,
-                                            attention_backend=self.worker_info.attention_backend,
-                                            device=self.worker_info.device)
+    def _replica_lost(self, replica: Replica, seqs: list[Sequence]) -> None:
+        self.router.forget(replica.index)
+        if not self._up() and self.all_down_since is None:
+            self.all_down_since = time.monotonic()
+        now = time.monotonic()
+        for seq in seqs:
+            self.num_recovered_sequences += 1
+            if not self._place(seq):
+                self.orphans[seq.request_id] = Orphan(seq, now)
 
-    # ------------------------------------------------------------------ engine loop
+    def _replica_joined(self, replica: Replica) -> None:
+        self.router.forget(replica.index)
+        if replica.core is not None:
+            self.router.set_capacity(replica.index, replica.core.pool.num_blocks)
+        self.all_down_since = None
+        for request_id in list(self.orphans):
+            self._place(self.orphans.pop(request_id).seq)
 
-    async def _engine_loop(self) -> None:
-        assert self.core is not None
-        core = self.core
+    def _waiting_count(self) -> int:
+        return sum(len(r.core.waiting) for r in self.replicas if r.up and r.core is not None) + len(self.orphans)
+
+    def _find(self, request_id: str) -> Replica | None:
+        return next((r for r in self.replicas if r.core is not None and request_id in r.core.requests), None)
+
+    def _end(self, request_id: str, reason: int, error: str = "", status: grpc.StatusCode | None = None) -> None:
+        """End a request wherever it is (a replica or the orphans) and tell its listeners."""
+        replica = self._find(request_id)
+        if replica is not None and replica.core is not None:
+            replica.core.abort(request_id, reason)
+        self.orphans.pop(request_id, None)
+        stream = self.streams.get(request_id)
+        if stream is not None and not stream.finished:
+            stream.status = status
+            self._dispatch([TokenOutput(request_id, finish_reason=reason, error=error)])
+
+    async def _orphan_watch(self) -> None:
+        """Orphans past their deadline, or waiting longer than worker_recovery_timeout_s, end here."""
         while True:
-            if not core.has_pending_work():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            plan = core.schedule()
-            if self._reset_worker:
-                plan.reset = True
-                self._reset_worker = False
-            if not plan.scheduled:
-                # Nothing fits right now (e.g. all waiting requests blocked on memory): yield.
-                await asyncio.sleep(0.005)
-                continue
-            started = time.perf_counter()
-            try:
-                result = await self._execute(plan)
-            except Exception as exc:  # the step is lost: fail its requests, reset the worker
-                message = str(exc.details()) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                log.error("step failed", step_id=plan.step_id, error=message)
-                self._dispatch(core.fail_all(f"worker step failed: {message}"))
-                self._reset_worker = True
-                continue
-            self._dispatch(core.process_result(result))
-            log.debug("step", step_id=plan.step_id, sequences=len(plan.scheduled), forward_s=round(result.forward_seconds, 4),
-                      step_s=round(time.perf_counter() - started, 4))
-            await asyncio.sleep(0)  # let Submit/Abort handlers run between steps
-
-    async def _execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        async for attempt in AsyncRetrying(stop=stop_after_attempt(self.config.max_retry_attempts + 1),
-                                           wait=wait_exponential_jitter(0.05, 1.0), retry=retry_if_exception(_transient),
-                                           reraise=True):
-            with attempt:
-                return await self.worker.ExecuteStep(plan, timeout=300)
-        raise UnavailableError("unreachable")
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            for request_id, orphan in list(self.orphans.items()):
+                if orphan.seq.deadline is not None and orphan.seq.deadline <= now:
+                    self.num_deadline_exceeded += 1
+                    self._end(request_id, FR.FINISH_REASON_DEADLINE, "the request's deadline passed",
+                              grpc.StatusCode.DEADLINE_EXCEEDED)
+                elif now - orphan.since > self.config.worker_recovery_timeout_s:
+                    self._end(request_id, FR.FINISH_REASON_ERROR,
+                              f"no worker replica came back within worker_recovery_timeout_s "
+                              f"({self.config.worker_recovery_timeout_s:g} s)", grpc.StatusCode.UNAVAILABLE)
 
     def _dispatch(self, outputs: list[TokenOutput]) -> None:
         for out in outputs:
-            queue = self.streams.get(out.request_id)
-            if queue is None:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
                 continue
-            queue.put_nowait(scheduler_pb2.TokenEvent(
+            finished = out.finish_reason != FR.FINISH_REASON_UNSPECIFIED
+            if finished and stream.status is None:
+                stream.status = STATUS_FOR_REASON.get(out.finish_reason)
+            stream.publish(scheduler_pb2.TokenEvent(
                 request_id=out.request_id, token_ids=out.token_ids, finish_reason=out.finish_reason, error=out.error,
                 logprobs=out.logprobs, token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else [],
                 top_logprobs=out.top_logprobs, queue_seconds=out.queue_seconds))
+            if finished:
+                stream.finished = True
+                self.streams.pop(out.request_id, None)
+
+    # ------------------------------------------------------------------ RPCs
+
+    def _admit(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> None:
+        """Validate, bound the queue, and queue the request on a replica (or park it while all are down)."""
+        if self._waiting_count() >= self.config.max_queued_requests:
+            self.num_rejected_queue_full += 1
+            raise OverloadedError(f"the waiting queue is full ({self.config.max_queued_requests} requests, "
+                                  "max_queued_requests); retry later")
+        prompt = list(request.prompt_token_ids)
+        up = self._up()
+        if up:
+            decision = self.router.choose(prompt, [r.index for r in up], {r.index: r.load for r in up})
+            replica = self.replicas[decision.replica]
+            assert replica.core is not None
+            replica.core.add_request(request.request_id, prompt, request.params).deadline = deadline
+            replica.wake.set()
+            return
+        if self.all_down_since is None or time.monotonic() - self.all_down_since > self.config.worker_recovery_timeout_s:
+            raise UnavailableError("no worker replica is up (worker_recovery_timeout_s passed); check the worker processes")
+        # Every replica is down but may come back: validate with a replica's core, then park the request.
+        core = next(r.core for r in self.replicas if r.core is not None)
+        seq = core.add_request(request.request_id, prompt, request.params)
+        core.take_all_for_recompute()  # the down replica's core is empty but for this one sequence
+        seq.deadline = deadline
+        self.orphans[seq.request_id] = Orphan(seq, time.monotonic())
+
+    async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            stream = self.streams.get(rid)
+            remaining = context.time_remaining()
+            # A little before gRPC's own deadline, so the request ends here (finish reason DEADLINE,
+            # blocks freed) rather than by the caller's cancellation racing it.
+            deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
+            fingerprint = request.SerializeToString(deterministic=True)
+            if stream is None:
+                try:
+                    self._admit(request, deadline)
+                except HeteroError as exc:
+                    await context.abort(*error_status(exc))
+                stream = self.streams[rid] = RequestStream(rid, fingerprint)
+                log.debug("submitted", prompt_tokens=len(request.prompt_token_ids))
+            elif stream.fingerprint != fingerprint:
+                await context.abort(*error_status(DuplicateRequestError(
+                    f"request_id {rid!r} is in flight with a different prompt or parameters; use a unique id per request")))
+            else:
+                log.info("submit for a request in flight: re-attached to its stream")
+            queue = stream.attach()
+            done = False
+            try:
+                while not done:
+                    event = await queue.get()
+                    done = event.finish_reason != FR.FINISH_REASON_UNSPECIFIED
+                    if done and stream.status is not None:
+                        await context.abort(stream.status, event.error or FR.FinishReason.Name(event.finish_reason))
+                    yield event
+            finally:
+                stream.listeners.remove(queue)
+                if not stream.finished and not stream.listeners:
+                    # The last caller went away (cancelled, or its deadline passed): free the blocks now.
+                    passed = deadline is not None and time.monotonic() >= deadline
+                    if passed:
+                        self.num_deadline_exceeded += 1
+                    self._end(rid, FR.FINISH_REASON_DEADLINE if passed else FR.FINISH_REASON_ABORT)
+                    self.streams.pop(rid, None)
+                    log.info("deadline passed" if passed else "aborted by caller")
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+        reason = request.reason or FR.FINISH_REASON_ABORT
+        found = self._find(request.request_id) is not None or request.request_id in self.orphans
+        if found:
+            self._end(request.request_id, reason)
+        return scheduler_pb2.AbortResponse(found=found)
+
+    async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
+        total = common_pb2.PoolStats()
+        replicas = []
+        for r in self.replicas:
+            pool = r.core.pool_stats() if r.core is not None else common_pb2.PoolStats()
+            replicas.append(scheduler_pb2.ReplicaStatus(index=r.index, address=r.address, up=r.up,
+                                                        pid=r.info.pid if r.info else 0, pool=pool))
+            for name in ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting",
+                         "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_swapped"):
+                setattr(total, name, getattr(total, name) + getattr(pool, name))
+            total.steps = max(total.steps, pool.steps)
+            total.block_size = pool.block_size or total.block_size
+            total.num_deadline_exceeded += r.num_deadline_exceeded
+        total.usage = total.used_blocks / total.total_blocks if total.total_blocks else 0.0
+        total.num_waiting += len(self.orphans)
+        total.num_workers = len(self.replicas)
+        total.num_workers_up = len(self._up())
+        total.num_deadline_exceeded += self.num_deadline_exceeded
+        total.num_rejected_queue_full = self.num_rejected_queue_full
+        total.num_recovered_sequences = self.num_recovered_sequences
+        total.routing_prefix_blocks_queried = self.router.blocks_queried
+        total.routing_prefix_blocks_hit = self.router.blocks_hit
+        info = next((r.info for r in self.replicas if r.info is not None), None)
+        max_model_len = next((r.core.max_model_len for r in self.replicas if r.core is not None), self.config.max_model_len)
+        return scheduler_pb2.SchedulerStats(pool=total, model=info.model_name if info else "", max_model_len=max_model_len,
+                                            attention_backend=info.attention_backend if info else "",
+                                            device=info.device if info else "", replicas=replicas)
 
 
 async def serve_scheduler(config: Config) -> None:
@@ -170,6 +306,8 @@ async def serve_scheduler(config: Config) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    # Drain: report NOT_SERVING, refuse new calls, let in-flight ones finish within drain_grace_s.
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
-    await server.stop(grace=2)
+    log.info("draining", grace_s=config.drain_grace_s, in_flight=len(servicer.streams))
+    await server.stop(grace=config.drain_grace_s)
     log.info("scheduler stopped")

@@ -67,8 +67,9 @@ def test_seed_backend_spelling_and_command(tmp_path) -> None:
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"serving": {"backend": {"kind": "command_bridge", "command": {
         "program": "/bin/sh", "args": ["-c", "printf 'bridge:%s' \"$HETERO_PROMPT\""]}}}}))
-    with pytest.raises(ConfigError, match="not available"):  # parsed and checked, not served yet
-        load_config(path, env={})
+    backend = load_config(path, env={}).serving.backend
+    assert backend.kind == "command_bridge" and backend.command.program == "/bin/sh"
+    assert backend.command.args[0] == "-c"
     assert load_config(env={"HETERO_SERVING_BACKEND_KIND": "local_engine"}).serving.backend.kind == "scheduler"
 
 
@@ -88,3 +89,17 @@ def test_round_trip_through_file(tmp_path) -> None:
     path.write_text(json.dumps(c.to_dict()))
     assert load_config(path, env={}) == c
     assert Config().validate() == Config()
+
+
+def test_resilience_keys_are_validated() -> None:
+    c = load_config(env={}, cli_overrides={"data_parallel_size": 2, "worker_address": "127.0.0.1:7000"})
+    assert c.replica_addresses() == ["127.0.0.1:7000", "127.0.0.1:7001"]
+    c = load_config(env={}, cli_overrides={"data_parallel_size": 2, "worker_addresses": "h:1, h:2"})
+    assert c.replica_addresses() == ["h:1", "h:2"]
+    for overrides, key in (({"data_parallel_size": 2, "worker_addresses": "h:1"}, "worker_addresses"),
+                           ({"routing_policy": "random"}, "routing_policy"),
+                           ({"max_queued_requests": 0}, "max_queued_requests"),
+                           ({"serving.backend.fallback": "command_bridge"}, "serving.backend.command.program"),
+                           ({"serving.backend.fallback": "maybe"}, "serving.backend.fallback")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(env={}, cli_overrides=overrides)

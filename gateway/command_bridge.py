@@ -1,0 +1,149 @@
+"""The command bridge backend: an external program answers a request instead of the engine.
+
+The program runs once per request as an argv list (never through a shell), with the prompt
+in `HETERO_PROMPT` and the sampling parameters in `HETERO_*` variables; its stdout is
+streamed back as text. A timeout, an output cap and a non-zero exit (reported with the
+tail of its stderr) bound what a misbehaving program can do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import os
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+import structlog
+
+from hetero_infer.config import BackendConfig
+from hetero_infer.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError
+from hetero_infer.sampling import Sampling
+
+log = structlog.get_logger("gateway.command_bridge")
+STDERR_TAIL_BYTES = 2000
+READ_CHUNK_BYTES = 4096
+
+
+@dataclass
+class TextChunk:
+    """A piece of a backend's answer; the last one has `finished` set (and `truncated` when cut)."""
+
+    text: str
+    finished: bool = False
+    truncated: bool = False
+
+
+class TextBackend(Protocol):
+    """A backend that answers with text (the engine path answers with token ids instead)."""
+
+    name: str
+
+    def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str) -> AsyncIterator[TextChunk]: ...
+
+
+def bridge_environment(request_id: str, prompt: str, sampling: Sampling, model: str) -> dict[str, str]:
+    """The program's environment: ours minus our own HETERO_* settings, plus the request's."""
+    if "\x00" in prompt:
+        raise ValidationError("prompt holds a NUL character, which the command bridge cannot pass in HETERO_PROMPT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
+    env.update({
+        "HETERO_PROMPT": prompt,
+        "HETERO_REQUEST_ID": request_id,
+        "HETERO_MODEL": model,
+        "HETERO_MAX_TOKENS": str(sampling.max_tokens),
+        "HETERO_TEMPERATURE": repr(float(sampling.temperature)),
+        "HETERO_TOP_P": repr(float(sampling.top_p)),
+        "HETERO_TOP_K": str(sampling.top_k),
+        "HETERO_STOP": json.dumps(list(sampling.stop)),
+    })
+    if sampling.seed is not None:
+        env["HETERO_SEED"] = str(sampling.seed)
+    return env
+
+
+class CommandBridge:
+    name = "command_bridge"
+
+    def __init__(self, backend: BackendConfig) -> None:
+        assert backend.command is not None and backend.command.program
+        self.program = backend.command.program
+        self.args = list(backend.command.args)
+        self.timeout_s = backend.command_timeout_s
+        self.max_output_bytes = backend.command_max_output_bytes
+
+    async def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str) -> AsyncIterator[TextChunk]:
+        env = bridge_environment(request_id, prompt, sampling, model)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                self.program, *self.args, env=env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            raise CommandBridgeNotFoundError(
+                f"command bridge program {self.program!r} cannot be run ({exc.strerror or exc}); "
+                "fix serving.backend.command.program") from exc
+        assert process.stdout is not None and process.stderr is not None
+        stderr_task = asyncio.create_task(self._stderr_tail(process.stderr))
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        written = 0
+        finished = False
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                data = await asyncio.wait_for(process.stdout.read(READ_CHUNK_BYTES), remaining)
+                if not data:
+                    break
+                if written + len(data) > self.max_output_bytes:
+                    data = data[: self.max_output_bytes - written]
+                    text = decoder.decode(data)  # a character cut by the cap is dropped, not replaced
+                    log.warning("bridge output over the cap; program killed", max_output_bytes=self.max_output_bytes)
+                    finished = True
+                    yield TextChunk(text, finished=True, truncated=True)
+                    return
+                written += len(data)
+                text = decoder.decode(data)
+                if text:
+                    yield TextChunk(text)
+            code = await asyncio.wait_for(process.wait(), max(0.1, deadline - loop.time()))
+            tail = await stderr_task
+            if code != 0:
+                raise CommandBridgeError(f"command bridge program {self.program!r} exited with code {code}; "
+                                         f"stderr tail: {tail or '(empty)'}")
+            finished = True
+            yield TextChunk(decoder.decode(b"", final=True), finished=True)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"command bridge program {self.program!r} ran longer than "
+                                        f"serving.backend.command_timeout_s ({self.timeout_s:g} s); raise it or fix "
+                                        "the program") from None
+        finally:
+            if process.returncode is None:  # timeout, output cap, or the client went away
+                process.kill()
+                await process.wait()
+            if not stderr_task.done():
+                stderr_task.cancel()
+            if not finished:
+                log.info("bridge request ended early", pid=process.pid)
+
+    @staticmethod
+    async def _stderr_tail(stream: asyncio.StreamReader) -> str:
+        tail = b""
+        while chunk := await stream.read(READ_CHUNK_BYTES):
+            tail = (tail + chunk)[-STDERR_TAIL_BYTES:]
+        return tail.decode("utf-8", errors="replace").strip()
+
+
+def bridge_prompt(request, tokenizer) -> str:  # request: inference_pb2.GenerateRequest; tokenizer: TextTokenizer
+    """The prompt as text for the program: as sent, the rendered chat, or decoded token ids."""
+    from gateway.requests import render_chat
+
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return request.prompt
+    if kind == "chat":
+        return render_chat(tokenizer, request.chat)
+    return tokenizer.decode(list(request.prompt_token_ids.ids))

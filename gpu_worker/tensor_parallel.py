@@ -1,0 +1,81 @@
+"""Tensor parallelism inside one replica: ranks split attention heads and the MLP (Megatron style).
+
+q/k/v and gate/up are column-parallel (each rank holds a slice of heads / of the
+intermediate size); o_proj and down_proj are row-parallel, followed by an all_reduce sum.
+Every rank holds the KV cache of its own KV heads. Rank 0 serves gRPC and broadcasts each
+step plan to the other ranks; all ranks run the same step; rank 0's sampled tokens are
+broadcast so every rank appends the same token even when sampling is random.
+Collectives go through torch.distributed (gloo on the CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hetero_infer.errors import ConfigError
+
+# A rank that died leaves the others blocked in a collective: fail instead of hanging for 30 min.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    @staticmethod
+    def initialize(rank: int, size: int, init_file: str | None, device: torch.device) -> "TensorParallel":
+        if size > 1:
+            if not init_file:
+                raise ConfigError("tensor_parallel_size > 1 needs --tp-init-file (hetero-infer serve passes it)")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        return TensorParallel(rank, size)
+
+    def check_divides(self, **dims: int) -> None:
+        for name, value in dims.items():
+            if value % self.size:
+                raise ConfigError(f"config key 'tensor_parallel_size' = {self.size} must divide the model's {name} ({value})")
+
+    def rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the output features (column-parallel layer; also for biases)."""
+        if not self.enabled:
+            return weight
+        n = weight.shape[0] // self.size
+        return weight[self.rank * n:(self.rank + 1) * n]
+
+    def columns(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the input features (row-parallel layer)."""
+        if not self.enabled:
+            return weight
+        n = weight.shape[1] // self.size
+        return weight[:, self.rank * n:(self.rank + 1) * n]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(x)
+        return x
+
+    def broadcast_plan(self, plan: bytes | None) -> bytes | None:
+        """Rank 0 sends the serialized step plan (None = stop); every rank returns it."""
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.broadcast(tokens, src=0)
+        return tokens
+
+    def shutdown(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()

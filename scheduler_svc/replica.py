@@ -1,0 +1,212 @@
+"""One worker replica as the scheduler service sees it: its own core `Scheduler` (block pool,
+queues), its engine loop, and a health watch that notices when the worker dies or comes back.
+
+A step that fails with a transient error (UNAVAILABLE: the worker died, the connection
+reset) is never re-sent as is: the worker may have applied part of it. Instead the replica
+probes the worker (retried with backoff); if it answers, its state is reset and every
+sequence is recomputed from the tokens already produced; if not, the replica is marked
+down and its sequences go back to the service to be recomputed elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import grpc
+import structlog
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from hetero_infer.config import Config
+from hetero_infer.grpc_server import CHANNEL_OPTIONS, internal_channel
+from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.sequence import Sequence
+
+log = structlog.get_logger("scheduler_svc.replica")
+# Reconnect to a restarted worker quickly (gRPC's default backoff grows to minutes).
+REPLICA_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
+                           ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
+STEP_TIMEOUT_S = 300.0
+
+
+def transient(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class Replica:
+    def __init__(self, index: int, address: str, config: Config, dispatch: Callable[[list[TokenOutput]], None],
+                 lost: Callable[["Replica", list[Sequence]], None], joined: Callable[["Replica"], None]) -> None:
+        self.index = index
+        self.address = address
+        self.config = config
+        self._dispatch = dispatch
+        self._lost = lost
+        self._joined = joined
+        self.channel = internal_channel(config, address, REPLICA_CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+        self.core: Scheduler | None = None
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.up = False
+        self.wake = asyncio.Event()
+        self._up_event = asyncio.Event()
+        self._lock = asyncio.Lock()  # one lifecycle change or step at a time
+        self._reset_worker = False
+        self._last_ok = 0.0
+        self.num_deadline_exceeded = 0
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def _retrying(self) -> AsyncRetrying:
+        return AsyncRetrying(stop=stop_after_attempt(self.config.max_retry_attempts + 1), reraise=True,
+                             wait=wait_exponential_jitter(initial=self.config.retry_backoff_s, max=1.0),
+                             retry=retry_if_exception(transient))
+
+    @property
+    def load(self) -> int:
+        return len(self.core.running) + len(self.core.waiting) if self.core is not None else 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def connect(self, timeout_s: float) -> None:
+        """Wait for the worker at start-up; raise if it does not answer within timeout_s."""
+        info = await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=timeout_s, wait_for_ready=True)
+        self._join(info)
+
+    def start_tasks(self) -> None:
+        self.tasks = [asyncio.create_task(self._engine_loop()), asyncio.create_task(self._watch())]
+
+    def _join(self, info: worker_pb2.WorkerInfo) -> None:
+        """A worker (new or restarted) answered Describe: a fresh pool sized from what it reports."""
+        self.info = info
+        num_blocks = min(self.config.max_num_blocks, info.num_blocks)
+        max_model_len = min(self.config.max_model_len, info.max_position_embeddings)
+        self.core = Scheduler(self.config, num_blocks, tuple(info.eos_token_ids), max_model_len)
+        self._reset_worker = True  # a worker that was merely unreachable may still hold old sequences
+        self.up = True
+        self._last_ok = time.monotonic()
+        self._up_event.set()
+        self.wake.set()
+        log.info("replica up", replica=self.index, address=self.address, pid=info.pid, num_blocks=num_blocks)
+        self._joined(self)
+
+    def _go_down(self, reason: str) -> None:
+        assert self.core is not None
+        self.up = False
+        self._up_event.clear()
+        seqs = self.core.take_all_for_recompute()
+        log.error("replica down", replica=self.index, address=self.address, reason=reason, moved_sequences=len(seqs))
+        self._lost(self, seqs)
+
+    async def _probe(self) -> worker_pb2.WorkerInfo | None:
+        """Is the worker alive? Describe, retried on transient failures; None when it stays unreachable."""
+        try:
+            async for attempt in self._retrying():
+                with attempt:
+                    return await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return None
+        return None
+
+    def _recover(self, info: worker_pb2.WorkerInfo | None, reason: str) -> None:
+        """After a lost step or a failed health check: recompute here, start afresh, or go down."""
+        assert self.core is not None
+        if info is None:
+            self._go_down(reason)
+            return
+        seqs = self.core.take_all_for_recompute()
+        if self.info is None or info.pid != self.info.pid:
+            # A new worker process answered (restarted): its KV cache is empty; a fresh pool.
+            self._join(info)
+        assert self.core is not None
+        for seq in seqs:  # the worker's state is unknown: reset it and recompute here
+            self.core.adopt(seq)
+        self._reset_worker = True
+        self.wake.set()
+        log.info("worker answered again; sequences recomputed", replica=self.index, sequences=len(seqs), pid=info.pid)
+
+    async def _watch(self) -> None:
+        """Probe an idle replica that is up; re-Describe one that is down until it rejoins."""
+        interval = self.config.health_check_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            if self.up:
+                if time.monotonic() - self._last_ok < interval:
+                    continue  # steps are succeeding; a failing step reports itself
+                async with self._lock:
+                    if not self.up:
+                        continue
+                    info = await self._probe()
+                    if info is None or self.info is None or info.pid != self.info.pid:
+                        self._recover(info, "health check failed")
+                    else:
+                        self._last_ok = time.monotonic()
+            else:
+                try:
+                    info = await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=2.0)
+                except grpc.aio.AioRpcError:
+                    continue
+                async with self._lock:
+                    if not self.up:
+                        self._join(info)
+
+    # ------------------------------------------------------------------ engine loop
+
+    def expire_deadlines(self) -> None:
+        assert self.core is not None
+        now = time.monotonic()
+        expired = [s.request_id for s in self.core.requests.values() if s.deadline is not None and s.deadline <= now]
+        for request_id in expired:
+            self.core.abort(request_id, common_pb2.FINISH_REASON_DEADLINE)
+            self.num_deadline_exceeded += 1
+        if expired:
+            log.info("deadline passed; requests dropped", replica=self.index, count=len(expired))
+            self._dispatch([TokenOutput(rid, finish_reason=common_pb2.FINISH_REASON_DEADLINE,
+                                        error="the request's deadline passed") for rid in expired])
+
+    async def _engine_loop(self) -> None:
+        while True:
+            if not self.up:
+                await self._up_event.wait()
+                continue
+            assert self.core is not None
+            self.expire_deadlines()
+            if not self.core.has_pending_work():
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            async with self._lock:
+                if not self.up:
+                    continue
+                scheduled = await self._step(self.core)
+            # Nothing fits right now (e.g. waiting requests blocked on memory): yield a moment.
+            await asyncio.sleep(0 if scheduled else 0.005)
+
+    async def _step(self, core: Scheduler) -> bool:
+        plan = core.schedule()
+        if not plan.scheduled:
+            return False
+        if self._reset_worker:
+            plan.reset = True
+            self._reset_worker = False
+        started = time.perf_counter()
+        try:
+            result = await self.stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if transient(exc):
+                await self._step_lost(core, exc.details() or "UNAVAILABLE")
+            else:  # the worker could not run the step: fail its requests, reset its state
+                log.error("step failed", replica=self.index, step_id=plan.step_id, error=exc.details())
+                self._dispatch(core.fail_all(f"worker step failed: {exc.details()}"))
+                self._reset_worker = True
+            return True
+        self._last_ok = time.monotonic()
+        self._dispatch(core.process_result(result))
+        log.debug("step", replica=self.index, step_id=plan.step_id, sequences=len(plan.scheduled),
+                  forward_s=round(result.forward_seconds, 4), step_s=round(time.perf_counter() - started, 4))
+        return True
+
+    async def _step_lost(self, core: Scheduler, error: str) -> None:
+        log.warning("step lost; probing the worker", replica=self.index, error=error)
+        info = await self._probe()
+        self._recover(info, f"worker unreachable after {self.config.max_retry_attempts} retries: {error}")

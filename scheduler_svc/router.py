@@ -1,0 +1,106 @@
+"""Data-parallel routing: which worker replica a new request goes to.
+
+Policies (Megatron's names): `round_robin`; `longest_prefix`, the replica that holds the
+longest run of the prompt's leading full blocks; `first_prefix_block`, a replica that holds
+the prompt's first full block. Load (running + waiting sequences) breaks ties.
+
+Each replica's prefix content is tracked here by the router's own index: the chained hashes
+of the full prompt blocks routed to that replica, capped at the replica's pool size (oldest
+forgotten first). It approximates what the replica's prefix cache would hold; the hit rate
+it reports is "of the prompt's full blocks, how many were already routed to the chosen
+replica", not the prefix cache's own hit rate.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+ROOT_HASH = 0x9E3779B97F4A7C15
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks: block i's hash covers every token up to its end."""
+    hashes: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start:start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class PrefixIndex:
+    """One replica's routed prompt blocks, least recently used first."""
+
+    capacity: int
+    entries: OrderedDict[int, None] = field(default_factory=OrderedDict)
+
+    def matched(self, hashes: list[int]) -> int:
+        """How many leading blocks of the prompt this replica holds."""
+        n = 0
+        for h in hashes:
+            if h not in self.entries:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: list[int]) -> None:
+        for h in hashes:
+            self.entries[h] = None
+            self.entries.move_to_end(h)
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+@dataclass
+class RouteDecision:
+    replica: int
+    prompt_blocks: int  # full blocks in the prompt
+    matched_blocks: int  # of which the chosen replica already held (router index)
+
+
+class Router:
+    def __init__(self, policy: str, block_size: int, num_replicas: int, capacity_blocks: int = 1 << 16) -> None:
+        if policy not in ("round_robin", "longest_prefix", "first_prefix_block"):
+            raise ValueError(f"unknown routing policy {policy!r}")
+        self.policy = policy
+        self.block_size = block_size
+        self.indexes = [PrefixIndex(capacity_blocks) for _ in range(num_replicas)]
+        self._next = 0
+        self.blocks_queried = 0
+        self.blocks_hit = 0
+
+    def set_capacity(self, replica: int, capacity_blocks: int) -> None:
+        self.indexes[replica].capacity = max(1, capacity_blocks)
+
+    def forget(self, replica: int) -> None:
+        """The replica lost its KV cache (failed or restarted)."""
+        self.indexes[replica].clear()
+
+    def choose(self, token_ids: Sequence[int], candidates: list[int], loads: dict[int, int]) -> RouteDecision:
+        """Pick one of `candidates` (replica indexes that are up) and record the prompt there."""
+        if not candidates:
+            raise ValueError("no replica to route to")
+        hashes = block_hashes(token_ids, self.block_size)
+        matched = {r: self.indexes[r].matched(hashes) for r in candidates}
+        rotation = {r: (r - self._next) % len(self.indexes) for r in candidates}  # round-robin order as last tie-break
+        if self.policy == "round_robin":
+            chosen = min(candidates, key=lambda r: rotation[r])
+        elif self.policy == "longest_prefix":
+            chosen = min(candidates, key=lambda r: (-matched[r], loads.get(r, 0), rotation[r]))
+        else:  # first_prefix_block
+            chosen = min(candidates, key=lambda r: (-min(matched[r], 1), loads.get(r, 0), rotation[r]))
+        self._next = (chosen + 1) % len(self.indexes)
+        self.indexes[chosen].add(hashes)
+        self.blocks_queried += len(hashes)
+        self.blocks_hit += matched[chosen]
+        return RouteDecision(chosen, len(hashes), matched[chosen])
+
+    @property
+    def hit_rate(self) -> float:
+        return self.blocks_hit / self.blocks_queried if self.blocks_queried else 0.0

@@ -1,0 +1,149 @@
+"""Bounded queue, deadlines, idempotent Submit and SIGTERM drain on the real three-process stack."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.conftest import Stack, free_port, run_stack
+from tests.test_resilience import pool, wait_idle
+
+pytestmark = pytest.mark.slow
+LONG = 400  # tokens: seconds of work on the tiny model
+
+
+def request(max_tokens: int, request_id: str = "", first: int = 5) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(request_id=request_id,
+                                         prompt_token_ids=inference_pb2.TokenIds(ids=[first, 6, 7, 8]),
+                                         params=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                          ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def scheduler_address() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path, scheduler_address: str):
+    # Two sequences run at once; two more may wait; everything beyond is refused.
+    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--max-num-seqs", "2",
+                   "--max-queued-requests", "2", "--scheduler-address", scheduler_address,
+                   "--log-level", "warning") as s:
+        yield s
+
+
+def occupy(stack: Stack, count: int) -> list:
+    """Start `count` long streams and wait until each produced a token (so they hold their slot)."""
+    calls = [stack.inference.Generate(request(LONG, f"busy-{i}-{time.monotonic_ns()}")) for i in range(count)]
+    for call in calls:
+        next(call)
+    return calls
+
+
+def test_queue_full_is_resource_exhausted(stack: Stack) -> None:
+    running = occupy(stack, 2)
+    waiting = [stack.inference.Generate(request(4, f"wait-{i}")) for i in range(2)]
+    deadline = time.monotonic() + 20
+    while pool(stack).num_waiting < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool(stack).num_waiting == 2
+    with pytest.raises(grpc.RpcError) as info:
+        stack.inference.Complete(request(4, "one-too-many"))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queued_requests" in info.value.details()
+    assert pool(stack).num_rejected_queue_full >= 1
+    for call in running:
+        call.cancel()
+    for call in waiting:  # the queued ones are served once the slots free up
+        assert sum(len(m.token_ids) for m in call) == 4
+    assert wait_idle(stack).used_blocks == 0
+
+
+def test_deadline_while_queued_and_while_running(stack: Stack) -> None:
+    before = pool(stack).num_deadline_exceeded
+    running = occupy(stack, 2)
+    # Queued behind the two long ones: its deadline passes before it is admitted.
+    with pytest.raises(grpc.RpcError) as info:
+        list(stack.inference.Generate(request(4, "queued-deadline"), timeout=1.0))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    for call in running:
+        call.cancel()
+    wait_idle(stack)
+    # Running: a generation far longer than its deadline.
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stack.inference.Generate(request(LONG, "running-deadline"), timeout=1.0))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 10
+    p = wait_idle(stack)
+    assert p.used_blocks == 0
+    assert p.num_deadline_exceeded >= before + 2  # the scheduler dropped both with its own finish reason
+
+
+def test_resubmitting_a_request_id_in_flight_reattaches_without_a_second_generation(stack: Stack,
+                                                                                    scheduler_address: str) -> None:
+    submit = scheduler_pb2.SubmitRequest(request_id="same-id", prompt_token_ids=[9, 8, 7, 6],
+                                         params=common_pb2.SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    with grpc.insecure_channel(scheduler_address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        first = scheduler.Submit(submit)
+        head = next(first)  # generating
+        second = scheduler.Submit(submit)  # e.g. a retry after the first call's connection broke
+        second_events = []
+        second_events.append(next(second))
+        assert scheduler.GetStats(scheduler_pb2.GetStatsRequest()).pool.num_running == 1  # one generation
+        first_ids = list(head.token_ids) + [t for e in first for t in e.token_ids]
+        second_ids = [t for e in second_events for t in e.token_ids] + [t for e in second for t in e.token_ids]
+    assert len(first_ids) == 40 and second_ids == first_ids  # the second call replays, then follows
+    assert wait_idle(stack).used_blocks == 0
+
+
+def test_sigterm_drains_in_flight_requests(tiny_llama_dir: Path) -> None:
+    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--log-level", "warning") as stack:
+        call = stack.inference.Generate(request(120, "draining"))
+        tokens = list(next(call).token_ids)
+        stack.process.send_signal(signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(stack.channel)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the gateway reports NOT_SERVING while it drains
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status != health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                break
+            time.sleep(0.02)
+        time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as refused:  # ... and refuses new calls
+            stack.inference.Complete(request(2, "too-late"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        last = None
+        started = time.monotonic()
+        try:
+            for msg in call:
+                tokens.extend(msg.token_ids)
+                last = msg
+        except grpc.RpcError as exc:
+            raise AssertionError(f"stream broken after {time.monotonic() - started:.1f} s, {len(tokens)} tokens") from exc
+        assert len(tokens) == 120 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert stack.process.wait(60) == 0
+
+
+def test_same_request_id_with_another_prompt_is_refused(stack: Stack, scheduler_address: str) -> None:
+    params = common_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(scheduler_address) as channel:
+        scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        first = scheduler.Submit(scheduler_pb2.SubmitRequest(request_id="taken", prompt_token_ids=[1, 2, 3], params=params))
+        next(first)
+        with pytest.raises(grpc.RpcError) as info:
+            next(scheduler.Submit(scheduler_pb2.SubmitRequest(request_id="taken", prompt_token_ids=[4, 5], params=params)))
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        first.cancel()
+    assert wait_idle(stack).used_blocks == 0

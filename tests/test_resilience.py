@@ -1,0 +1,140 @@
+"""Fault tests on the real three-process stack: worker replicas killed with SIGKILL mid-generation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
+from tests.conftest import Stack, free_port, run_stack
+from tests.test_correctness import make_prompts
+
+pytestmark = pytest.mark.slow
+NUM_STREAMS = 32
+MAX_TOKENS = 60
+
+
+def requests() -> list[inference_pb2.GenerateRequest]:
+    prompts = [p for seed in range(4) for p in make_prompts(seed=seed)][:NUM_STREAMS]
+    return [inference_pb2.GenerateRequest(request_id=f"r{i}", prompt_token_ids=inference_pb2.TokenIds(ids=p),
+                                          params=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                                           ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+def worker_pid(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10).pid
+
+
+def run_streams(stack: Stack, on_progress=None, timeout_s: float = 120.0) -> dict[int, tuple[list[int], object]]:
+    """Run every request as a stream in its own thread; returns {i: (token ids, None | grpc.StatusCode)}."""
+    results: dict[int, tuple[list[int], object]] = {}
+    received = [0]
+    lock = threading.Lock()
+
+    def run(i: int, request: inference_pb2.GenerateRequest) -> None:
+        tokens: list[int] = []
+        try:
+            for msg in stack.inference.Generate(request, timeout=timeout_s):
+                tokens.extend(msg.token_ids)
+                with lock:
+                    received[0] += len(msg.token_ids)
+                    total = received[0]
+                if on_progress is not None:
+                    on_progress(total)
+            results[i] = (tokens, None)
+        except grpc.RpcError as exc:
+            results[i] = (tokens, exc.code())
+
+    threads = [threading.Thread(target=run, args=(i, r)) for i, r in enumerate(requests())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 10)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    return results
+
+
+def killer(pid_of, after_tokens: int):
+    """An on_progress callback that SIGKILLs the worker once `after_tokens` tokens were streamed."""
+    done = threading.Event()
+
+    def on_progress(total: int) -> None:
+        if total >= after_tokens and not done.is_set():
+            done.set()
+            os.kill(pid_of(), signal.SIGKILL)
+    return on_progress, done
+
+
+def pool(stack: Stack) -> common_pb2.PoolStats:
+    return stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest(), timeout=10).pool
+
+
+def wait_idle(stack: Stack, timeout_s: float = 20.0) -> common_pb2.PoolStats:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        p = pool(stack)
+        if (p.used_blocks, p.num_running, p.num_waiting) == (0, 0, 0) or time.monotonic() > deadline:
+            return p
+        time.sleep(0.1)
+
+
+def stack_flags(addresses: list[str], *extra: str) -> list[str]:
+    return ["--block-size", "5", "--max-model-len", "512", "--log-level", "warning",
+            "--data-parallel-size", str(len(addresses)), "--worker-addresses", ",".join(addresses), *extra]
+
+
+def test_one_of_two_replicas_killed_streams_complete_unchanged(tiny_llama_dir: Path) -> None:
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    with run_stack(tiny_llama_dir, *stack_flags(addresses, "--restart-workers", "false")) as stack:
+        reference = run_streams(stack)
+        assert all(code is None for _, code in reference.values())
+        victim = worker_pid(addresses[1])
+        on_progress, killed = killer(lambda: victim, after_tokens=NUM_STREAMS * 5)
+        disturbed = run_streams(stack, on_progress)
+        assert killed.is_set()
+        assert {i: r for i, r in disturbed.items()} == reference  # same ids, no error, nothing lost or repeated
+        p = wait_idle(stack)
+        assert (p.used_blocks, p.num_workers, p.num_workers_up) == (0, 2, 1)
+        assert p.num_recovered_sequences > 0  # some streams really moved to the surviving replica
+
+
+def test_only_replica_killed_and_restarted_streams_complete_unchanged(tiny_llama_dir: Path) -> None:
+    addresses = [f"127.0.0.1:{free_port()}"]
+    with run_stack(tiny_llama_dir, *stack_flags(addresses, "--worker-recovery-timeout-s", "60")) as stack:
+        reference = run_streams(stack)
+        victim = worker_pid(addresses[0])
+        on_progress, killed = killer(lambda: victim, after_tokens=NUM_STREAMS * 5)
+        disturbed = run_streams(stack, on_progress, timeout_s=180)
+        assert killed.is_set()
+        assert disturbed == reference
+        assert worker_pid(addresses[0]) != victim  # serve started a new worker, which rejoined
+        p = wait_idle(stack)
+        assert (p.used_blocks, p.num_workers_up) == (0, 1)
+
+
+def test_only_replica_killed_not_restarted_every_stream_ends_unavailable(tiny_llama_dir: Path) -> None:
+    addresses = [f"127.0.0.1:{free_port()}"]
+    flags = stack_flags(addresses, "--restart-workers", "false", "--worker-recovery-timeout-s", "2",
+                        "--max-retry-attempts", "2")
+    with run_stack(tiny_llama_dir, *flags) as stack:
+        victim = worker_pid(addresses[0])
+        on_progress, killed = killer(lambda: victim, after_tokens=NUM_STREAMS * 3)
+        started = time.monotonic()
+        results = run_streams(stack, on_progress, timeout_s=60)
+        elapsed = time.monotonic() - started
+        assert killed.is_set()
+        assert {code for _, code in results.values()} == {grpc.StatusCode.UNAVAILABLE}
+        assert elapsed < 40, f"streams took {elapsed:.1f} s to fail"  # recovery window + retries, not a hang
+        with pytest.raises(grpc.RpcError) as info:  # later requests fail fast
+            stack.inference.Complete(requests()[0], timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        p = wait_idle(stack)
+        assert (p.used_blocks, p.num_running, p.num_waiting, p.num_workers_up) == (0, 0, 0, 0)
