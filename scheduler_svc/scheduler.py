@@ -98,14 +98,14 @@ class Scheduler:
         self.waiting.append(seq)
         return seq
 
-    def abort(self, request_id: str, reason: int = FR.FINISH_REASON_ABORT, index: int | None = None) -> bool:
-        """End a request's samples (or only sample `index`); False when none is in flight."""
+    def abort(self, request_id: str, reason: int = FR.FINISH_REASON_ABORT, index: int | None = None) -> list[int]:
+        """End a request's samples (or only sample `index`); return the indices ended (empty: none in flight)."""
         seqs = [s for s in self.samples.get(request_id, []) if index is None or s.index == index]
         status = SequenceStatus.COMPLETED if reason != FR.FINISH_REASON_ERROR else SequenceStatus.FAILED
         for seq in seqs:
             seq.pending_forks = 0
             self._finish(seq, reason, status)
-        return bool(seqs)
+        return [seq.index for seq in seqs]
 
     def has_pending_work(self) -> bool:
         return not self.suspended and bool(self.waiting or self.running or self.swapped)

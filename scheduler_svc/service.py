@@ -40,6 +40,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._reset_worker = False
+        self._step_lock = asyncio.Lock()  # Suspend waits for the step in flight to end
 
     async def start(self) -> None:
         """Wait for the worker, size the block pool from what it reports, start the engine loop."""
@@ -63,7 +64,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         rid = request.request_id
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
-                seq = self.core.add_request(rid, list(request.prompt_token_ids), request.params)
+                seq = self.core.add_request(rid, list(request.prompt_token_ids), request.params, request.cache_salt)
             except HeteroError as exc:
                 await context.abort(*error_status(exc))
             queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
@@ -71,10 +72,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._wake.set()
             log.debug("submitted", prompt_tokens=seq.prompt_len)
             finished = False
+            open_samples = set(range(seq.sampling.n))  # the stream ends when every sample has finished
             try:
                 while not finished:
                     event = await queue.get()
-                    finished = event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    if event.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        if event.index not in open_samples:
+                            continue  # already ended (e.g. aborted while its last step ran)
+                        open_samples.discard(event.index)
+                    finished = not open_samples
                     yield event
             finally:
                 self.streams.pop(rid, None)
@@ -85,11 +91,43 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
         assert self.core is not None
         reason = request.reason or common_pb2.FINISH_REASON_ABORT
-        found = self.core.abort(request.request_id, reason)
+        ended = self.core.abort(request.request_id, reason, request.index if request.HasField("index") else None)
         queue = self.streams.get(request.request_id)
-        if found and queue is not None:
-            queue.put_nowait(scheduler_pb2.TokenEvent(request_id=request.request_id, finish_reason=reason))
-        return scheduler_pb2.AbortResponse(found=found)
+        for index in ended if queue is not None else []:
+            queue.put_nowait(scheduler_pb2.TokenEvent(request_id=request.request_id, finish_reason=reason, index=index))
+        return scheduler_pb2.AbortResponse(found=bool(ended))
+
+    async def Suspend(self, request: scheduler_pb2.SuspendRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SuspendResponse:
+        """Pause after the step in flight; the worker keeps, offloads or drops its KV cache."""
+        assert self.core is not None
+        mode = request.mode or common_pb2.KVCacheManagementMode.Value(
+            "KV_CACHE_MANAGEMENT_MODE_" + self.config.kv_cache_management_mode.upper())
+        name = common_pb2.KVCacheManagementMode.Name(mode).removeprefix("KV_CACHE_MANAGEMENT_MODE_").lower()
+        async with self._step_lock:
+            if self.core.suspended:
+                return scheduler_pb2.SuspendResponse(mode=mode)
+            self.core.suspend(name)
+            try:
+                answer = await self.worker.SuspendKVCache(worker_pb2.SuspendKVCacheRequest(mode=mode), timeout=300)
+            except grpc.aio.AioRpcError as exc:
+                self.core.resume()
+                self._wake.set()
+                await context.abort(exc.code(), f"worker could not suspend its KV cache: {exc.details()}")
+        log.info("engine suspended", mode=name, released_bytes=answer.released_bytes)
+        return scheduler_pb2.SuspendResponse(mode=mode, released_bytes=answer.released_bytes)
+
+    async def Resume(self, request: scheduler_pb2.ResumeRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.ResumeResponse:
+        assert self.core is not None
+        async with self._step_lock:
+            if self.core.suspended:
+                try:
+                    await self.worker.ResumeKVCache(worker_pb2.ResumeKVCacheRequest(), timeout=300)
+                except grpc.aio.AioRpcError as exc:
+                    await context.abort(exc.code(), f"worker could not resume its KV cache: {exc.details()}")
+                self.core.resume()
+        self._wake.set()
+        log.info("engine resumed")
+        return scheduler_pb2.ResumeResponse()
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
         assert self.core is not None and self.worker_info is not None
@@ -111,27 +149,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            plan = core.schedule()
-            if self._reset_worker:
-                plan.reset = True
-                self._reset_worker = False
-            if not plan.scheduled:
-                # Nothing fits right now (e.g. all waiting requests blocked on memory): yield.
-                await asyncio.sleep(0.005)
-                continue
-            started = time.perf_counter()
-            try:
-                result = await self._execute(plan)
-            except Exception as exc:  # the step is lost: fail its requests, reset the worker
-                message = str(exc.details()) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                log.error("step failed", step_id=plan.step_id, error=message)
-                self._dispatch(core.fail_all(f"worker step failed: {message}"))
-                self._reset_worker = True
-                continue
-            self._dispatch(core.process_result(result))
-            log.debug("step", step_id=plan.step_id, sequences=len(plan.scheduled), forward_s=round(result.forward_seconds, 4),
-                      step_s=round(time.perf_counter() - started, 4))
-            await asyncio.sleep(0)  # let Submit/Abort handlers run between steps
+            async with self._step_lock:
+                ran = await self._step(core)
+            # Nothing fits right now (e.g. all waiting requests blocked on memory): yield a moment.
+            await asyncio.sleep(0 if ran else 0.005)  # let Submit/Abort/Suspend handlers run between steps
+
+    async def _step(self, core: Scheduler) -> bool:
+        """Plan, execute and apply one step; False when nothing could be scheduled."""
+        if not core.has_pending_work():
+            return False
+        plan = core.schedule()
+        if self._reset_worker:
+            plan.reset = True
+            self._reset_worker = False
+        if not plan.scheduled:
+            return False
+        started = time.perf_counter()
+        try:
+            result = await self._execute(plan)
+        except Exception as exc:  # the step is lost: fail its requests, reset the worker
+            message = str(exc.details()) if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.error("step failed", step_id=plan.step_id, error=message)
+            self._dispatch(core.fail_all(f"worker step failed: {message}"))
+            self._reset_worker = True
+            return True
+        self._dispatch(core.process_result(result))
+        log.debug("step", step_id=plan.step_id, sequences=len(plan.scheduled), forward_s=round(result.forward_seconds, 4),
+                  step_s=round(time.perf_counter() - started, 4))
+        return True
 
     async def _execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         async for attempt in AsyncRetrying(stop=stop_after_attempt(self.config.max_retry_attempts + 1),
@@ -148,6 +193,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             queue.put_nowait(scheduler_pb2.TokenEvent(
                 request_id=out.request_id, token_ids=out.token_ids, finish_reason=out.finish_reason, error=out.error,
+                index=out.index, cached_prompt_tokens=out.cached_prompt_tokens,
                 logprobs=out.logprobs, token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else []))
 
 
