@@ -1,6 +1,6 @@
 """KV cache depth, each feature off and on, side by side, in one run (in-process engine).
 
-    python benchmarks/kv_cache.py [--model PATH] [--rate 4] [--requests 64] [--parts abcd]
+    python benchmarks/kv_cache.py [--model random-llama|smollm2|PATH] [--rate 4] [--requests 64] [--parts abcd]
 
 (a) prefix caching: `--requests` requests sharing a 512-token system prompt, each with its own
     32-token question, arriving at `--rate` requests/s; prompt tokens actually computed, time
@@ -11,8 +11,10 @@
     completes with no errors (and the same tokens as with a big pool), number of preemptions.
 (d) internal waste at block sizes 8, 16, 32 for prompts of 100-1,000 tokens (block pool only).
 
-The model is SmolLM2-135M-Instruct (float32, CPU) unless `--model` names another checkpoint.
-Timings on a shared 2-core machine are noisy; the token counts are exact.
+The model is by default a seeded random Llama (8 layers, hidden 256, GQA 8/4 heads, built in a
+temporary directory in seconds): SmolLM2-135M (`--model smollm2`) computes ~40 prompt tokens/s on
+the shared 2-core machine, too slow for (a) with caching off (35k prompt tokens). Timings on a
+shared machine are noisy; the token counts are exact.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import statistics
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -41,8 +43,27 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
+VOCAB = 40000
+
+
 def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 40000) for _ in range(n)]  # clear of SmolLM2's special tokens
+    return [rng.randrange(100, VOCAB) for _ in range(n)]  # clear of SmolLM2's special tokens
+
+
+def random_llama(directory: Path) -> Path:
+    """A moderately sized seeded random Llama with a real BPE tokenizer (tests/tiny_models.py's)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_models import make_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                         bos_token_id=1, eos_token_id=0, tie_word_embeddings=False, torch_dtype="float32")
+    LlamaForCausalLM(config).eval().save_pretrained(str(directory), safe_serialization=True)
+    make_tokenizer(directory, vocab_size=384)
+    return directory
 
 
 class Counted:
@@ -208,8 +229,14 @@ def main() -> None:
     from gateway.tokenizer import load_tokenizer
     from gpu_worker.runner import ModelRunner
 
+    global VOCAB
     configure_logging("warning", "console", "bench")
     parts = ARGS.parts
+    if ARGS.model == "smollm2":
+        ARGS.model = None
+    elif ARGS.model == "random-llama":
+        ARGS.model = str(random_llama(Path(tempfile.mkdtemp(prefix="kv-bench-"))))
+        VOCAB = 384
     lines = []
     if set(parts) & set("abc"):
         runner = ModelRunner(Config(model=ARGS.model, max_num_blocks=1024, max_model_len=2560).validate())
@@ -232,7 +259,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default="random-llama", help="random-llama (default) | smollm2 | a checkpoint path")
     parser.add_argument("--rate", type=float, default=4.0, help="(a) request arrivals per second")
     parser.add_argument("--requests", type=int, default=64, help="(a) requests")
     parser.add_argument("--chunk", type=int, default=Config().max_prefill_chunk_tokens, help="(b) prefill chunk cap")

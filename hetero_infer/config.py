@@ -65,7 +65,7 @@ class Config:
     # --- KV cache depth (issue 3) ---
     enable_prefix_caching: bool = True  # reuse cached full blocks of identical prompt prefixes
     prefix_caching_eviction_policy: str = "lru"  # ref_zero | lru (Megatron's PrefixCachingEvictionPolicy)
-    max_prefill_chunk_tokens: int = 512  # one request's prompt tokens per step at most (chunked prefill; 0 = budget)
+    max_prefill_chunk_tokens: int = 256  # one request's prompt tokens per step at most (chunked prefill; 0 = budget)
     preemption_mode: str = "recompute"  # recompute | swap (alias offload): what happens to a victim's KV blocks
     kv_cache_management_mode: str = "persist"  # persist | offload | recompute: the KV cache while suspended
     # --- model and worker ---

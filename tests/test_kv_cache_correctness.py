@@ -142,3 +142,20 @@ def test_suspend_resume_mid_decode_matches(tiny_llama_dir: Path, reference, mode
     done.update({r.request_id: r for r in eng.run()})
     assert [done[i].output_token_ids for i in ids] == reference
     assert eng.get_memory_stats().used_blocks == 0
+
+
+def test_qwen2_everything_at_once_matches(tiny_qwen2_dir: Path) -> None:
+    """Qwen2 (q/k/v biases): lru cache hits, a chunk cap, swap preemption and n = 2, together."""
+    prompts = shared_prefix_prompts()
+    ref = hf_greedy(tiny_qwen2_dir, prompts)
+    eng = engine(tiny_qwen2_dir, block_size=4, max_num_blocks=40, memory_threshold=1.0, preemption_mode="swap",
+                 max_prefill_chunk_tokens=8)
+    params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, n=2)
+    for _ in range(2):  # the second pass hits the cache left by the first
+        ids = [eng.submit_request(p, params) for p in prompts]
+        samples: dict[str, dict[int, list[int]]] = {}
+        for r in eng.run():
+            samples.setdefault(r.request_id, {})[r.index] = r.output_token_ids
+        assert [samples[i] for i in ids] == [{0: r, 1: r} for r in ref]
+    stats = eng.get_memory_stats()
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0 and stats.used_blocks == 0
