@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from gateway.requests import PreparedRequest, prepare
+from gateway.requests import prepare
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from gpu_worker.runner import ModelRunner
@@ -98,7 +98,6 @@ class InferenceEngine:
         self.scheduler = Scheduler(self.config, min(self.config.max_num_blocks, info.num_blocks),
                                    tuple(info.eos_token_ids), min(self.config.max_model_len, info.max_position_embeddings))
         self._pending: dict[tuple[str, int], _Pending] = {}  # (request id, sample index)
-        self._prepared: dict[str, PreparedRequest] = {}
         self._ids = itertools.count()
         self.last_step_outputs: list[TokenOutput] = []  # tokens of the latest step (benchmarks time them)
 
@@ -118,7 +117,6 @@ class InferenceEngine:
             request.prompt_token_ids.ids.extend(prompt)
         prepared = prepare(request, self.tokenizer, "", self.scheduler.max_model_len, request_id)
         self.scheduler.add_request(request_id, prepared.prompt_token_ids, request.params, cache_salt)
-        self._prepared[request_id] = prepared
         for index in range(prepared.sampling.n):
             self._pending[(request_id, index)] = _Pending(
                 prepared.prompt_token_ids, TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling))
@@ -186,7 +184,5 @@ class InferenceEngine:
 
     def _complete(self, key: tuple[str, int], reason: int) -> CompletedRequest:
         p = self._pending.pop(key)
-        if not any(k[0] == key[0] for k in self._pending):
-            self._prepared.pop(key[0], None)
         return CompletedRequest(key[0], p.prompt_token_ids, p.output_token_ids, p.text, _REASONS[reason],
                                 index=key[1], cached_prompt_tokens=p.cached_prompt_tokens)
