@@ -27,7 +27,8 @@ from hetero_infer.errors import DuplicateRequestError, ValidationError
 from hetero_infer.sampling import resolve
 from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
 from scheduler_svc.prefix_cache import extend_hashes
-from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.sequence import Sequence, SequenceStatus, fork_sample
+from scheduler_svc.stats import pool_stats
 
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
@@ -381,20 +382,9 @@ class Scheduler:
         seq.num_registered = full
 
     def _fork(self, parent: Sequence) -> None:
-        """Samples 1..n-1 of a request whose prompt is computed: they share its prompt blocks and
-        recompute only the last prompt token (into a private copy of its block) to draw their own first token."""
-        prompt_blocks = -(-parent.prompt_len // self.block_size)
+        """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
         for index in range(1, parent.pending_forks + 1):
-            params = common_pb2.SamplingParams()
-            params.CopyFrom(parent.params)
-            if params.HasField("seed"):  # distinct but reproducible samples
-                params.seed = (params.seed + index * 7919) % 2**64
-            child = Sequence(self._next_seq_id, parent.request_id, parent.token_ids[:parent.prompt_len], parent.prompt_len,
-                             parent.sampling, params, index=index, cache_salt=parent.cache_salt,
-                             status=SequenceStatus.DECODE, block_table=parent.block_table[:prompt_blocks],
-                             num_computed=parent.prompt_len - 1, block_hashes=list(parent.block_hashes),
-                             num_registered=min(parent.num_registered, (parent.prompt_len - 1) // self.block_size),
-                             cached_prompt_tokens=parent.cached_prompt_tokens)
+            child = fork_sample(parent, index, self._next_seq_id, self.block_size)
             self._next_seq_id += 1
             for b in child.block_table:
                 self.pool.share(b)
@@ -445,18 +435,4 @@ class Scheduler:
     # ---------------------------------------------------------------- stats
 
     def pool_stats(self) -> common_pb2.PoolStats:
-        fill: dict[int, int] = {}  # block -> tokens it holds (shared blocks counted once)
-        for seq in self.running:
-            for i, b in enumerate(seq.block_table):
-                fill[b] = max(fill.get(b, 0), min(self.block_size, max(0, seq.num_tokens - i * self.block_size)))
-        allocated_slots = len(fill) * self.block_size
-        held_tokens = sum(fill.values())
-        used = self.pool.num_used
-        return common_pb2.PoolStats(
-            block_size=self.block_size, total_blocks=self.pool.num_blocks, used_blocks=used,
-            free_blocks=self.pool.num_free, cached_blocks=self.pool.num_cached_free, usage=used / self.pool.num_blocks,
-            num_running=len(self.running), num_waiting=len(self.waiting), num_preemptions=self.num_preemptions,
-            internal_waste=(allocated_slots - held_tokens) / allocated_slots if allocated_slots else 0.0,
-            steps=self.step_id, prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
-            num_swapped=len(self.swapped), suspended=self.suspended,
-        )
+        return pool_stats(self)

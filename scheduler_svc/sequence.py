@@ -65,3 +65,23 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+
+def fork_sample(parent: Sequence, index: int, seq_id: int, block_size: int) -> Sequence:
+    """Sample `index` of the parent's request, forked once the parent's prompt is computed.
+
+    It holds the parent's prompt blocks (the caller takes the references) and recomputes
+    only the last prompt token, to draw its own first token; that write lands in a shared
+    block, so the scheduler copies the block first (copy-on-write).
+    """
+    params = common_pb2.SamplingParams()
+    params.CopyFrom(parent.params)
+    if params.HasField("seed"):  # distinct but reproducible samples
+        params.seed = (params.seed + index * 7919) % 2**64
+    prompt_blocks = -(-parent.prompt_len // block_size)
+    return Sequence(seq_id, parent.request_id, parent.token_ids[:parent.prompt_len], parent.prompt_len, parent.sampling,
+                    params, index=index, cache_salt=parent.cache_salt, status=SequenceStatus.DECODE,
+                    block_table=parent.block_table[:prompt_blocks], num_computed=parent.prompt_len - 1,
+                    block_hashes=list(parent.block_hashes),
+                    num_registered=min(parent.num_registered, (parent.prompt_len - 1) // block_size),
+                    cached_prompt_tokens=parent.cached_prompt_tokens)
