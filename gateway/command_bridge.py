@@ -123,6 +123,10 @@ class CommandBridge:
         finally:
             if process.returncode is None:  # timeout, output cap, or the client went away
                 process.kill()
+                # Read stdout to its end: a pipe whose reading is paused (a full buffer) never
+                # reports EOF, and asyncio's wait() waits for every pipe to close.
+                while await process.stdout.read(READ_CHUNK_BYTES):
+                    pass
                 await process.wait()
             if not stderr_task.done():
                 stderr_task.cancel()

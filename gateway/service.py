@@ -95,12 +95,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     # ------------------------------------------------------------------ generation
 
     async def _events(self, prepared: PreparedRequest, params: common_pb2.SamplingParams,
-                      timeout: float | None = None) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+                      timeout: float | None = None, cache_salt: str = "") -> AsyncIterator[scheduler_pb2.TokenEvent]:
         """The scheduler's token events. Failing to reach it (before the first event) is retried;
         the scheduler treats a repeated request id as the same request, so a retry never starts
         a second generation. `timeout` (the client's remaining time) becomes the Submit deadline."""
         submit = scheduler_pb2.SubmitRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                                             params=params)
+                                             params=params, cache_salt=cache_salt)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         call: grpc.aio.UnaryStreamCall | None = None
@@ -152,6 +152,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def _generate(self, request: inference_pb2.GenerateRequest, timer: RequestTimer,
                         timeout: float | None = None) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The request's messages; with n > 1 the samples' messages interleave, each with its `index`.
+
+        Each sample has its own detokenizer and stop-string state. A sample that matches a
+        stop string is aborted downstream alone; the stream ends when every sample has finished,
+        and the last message carries `usage` for all samples.
+        """
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         started = time.perf_counter()
@@ -161,26 +167,34 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for response in self._bridge_responses(request, prepared, usage, timer):
                 yield response
             return
-        stream = TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling)
+        n = prepared.sampling.n
+        streams = {i: TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling) for i in range(n)}
         finish = FINISHED
         received = False
         try:
             # aclosing: leaving the loop early (stop string) closes the generator at once, which
             # cancels the Submit call and so ends the request downstream.
-            async with aclosing(self._events(prepared, request.params, timeout)) as events:
+            async with aclosing(self._events(prepared, request.params, timeout, request.cache_salt)) as events:
                 async for event in events:
                     received = True
+                    stream = streams.get(event.index)
+                    if stream is None:
+                        continue  # this sample already ended (stop string) before its abort landed
                     usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, event.cached_prompt_tokens)
                     usage.completion_tokens += len(event.token_ids)
                     timer.on_tokens(len(event.token_ids), event.queue_seconds)
                     response = self._response(request_id, event, stream, request.params)
                     finish = response.finish_reason
                     if finish != FINISHED:
-                        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                        response.usage.CopyFrom(usage)
-                        timer.finish(finish, usage)
+                        del streams[event.index]
+                        if n > 1 and response.stop_reason and streams:  # only this sample ends
+                            await self._abort_sample(request_id, event.index)
+                        if not streams:
+                            usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                            response.usage.CopyFrom(usage)
+                            timer.finish(finish, usage)
                     yield response
-                    if finish != FINISHED:
+                    if not streams:
                         break
         except UnavailableError as exc:
             if received or not self.bridge_is_fallback:
@@ -190,7 +204,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 yield response
             return
         log.info("finished", finish_reason=common_pb2.FinishReason.Name(finish), prompt_tokens=usage.prompt_tokens,
-                 completion_tokens=usage.completion_tokens, seconds=round(time.perf_counter() - started, 3))
+                 completion_tokens=usage.completion_tokens, n=n, seconds=round(time.perf_counter() - started, 3))
+
+    async def _abort_sample(self, request_id: str, index: int) -> None:
+        try:
+            await self.scheduler.Abort(scheduler_pb2.AbortRequest(
+                request_id=request_id, reason=common_pb2.FINISH_REASON_STOP, index=index), timeout=10)
+        except grpc.aio.AioRpcError as exc:  # the sample runs on to its max_tokens; its tokens are dropped here
+            log.warning("could not abort a stopped sample", index=index, error=exc.details())
 
     async def _bridge_responses(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
                                 usage: common_pb2.Usage, timer: RequestTimer) -> AsyncIterator[inference_pb2.GenerateResponse]:
@@ -219,7 +240,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise ExecutionError(event.error or "generation failed")
         delta = stream.push(list(event.token_ids))
         response = inference_pb2.GenerateResponse(
-            request_id=request_id, text=delta.text, token_ids=event.token_ids, model=self.model_name, backend="scheduler")
+            request_id=request_id, text=delta.text, token_ids=event.token_ids, model=self.model_name,
+            backend="scheduler", index=event.index)
         if params.track_generated_token_events:
             response.token_timestamps.extend(event.token_timestamps)
         if params.HasField("logprobs"):
@@ -252,9 +274,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             structlog.contextvars.unbind_contextvars("request_id")
 
     async def Complete(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> inference_pb2.GenerateResponse:
-        answer = inference_pb2.GenerateResponse()
+        """The whole answer at once. With n > 1 the top-level fields are sample 0 and `choices`
+        holds every sample (index 0..n-1); `usage` counts all samples."""
+        answers: dict[int, inference_pb2.GenerateResponse] = {}
+        usage = common_pb2.Usage()
         try:
             async for part in self.generate(request, context.time_remaining()):
+                answer = answers.setdefault(part.index, inference_pb2.GenerateResponse(index=part.index))
                 answer.request_id, answer.model, answer.backend = part.request_id, part.model, part.backend
                 answer.text += part.text
                 answer.token_ids.extend(part.token_ids)
@@ -263,13 +289,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 answer.top_logprobs.extend(part.top_logprobs)
                 if part.finish_reason != FINISHED:
                     answer.finish_reason, answer.stop_reason = part.finish_reason, part.stop_reason
-                    answer.usage.CopyFrom(part.usage)
+                if part.HasField("usage"):
+                    usage.CopyFrom(part.usage)
         except HeteroError as exc:
             log.info("request failed", error=exc.message)
             await context.abort(*error_status(exc))
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
-        return answer
+        result = inference_pb2.GenerateResponse()
+        if answers:
+            result.CopyFrom(answers[min(answers)])
+        result.usage.CopyFrom(usage)
+        if len(answers) > 1:
+            for index in sorted(answers):
+                result.choices.append(answers[index])
+        return result
 
     # ------------------------------------------------------------------ the rest of the API
 

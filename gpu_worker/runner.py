@@ -28,6 +28,7 @@ from hetero_infer.errors import ExecutionError
 from hetero_infer.model_files import resolve_model_path
 from hetero_infer.sampling import Sampling, resolve
 from kernels import PageTable, allocate_kv_cache, copy_blocks, create_attention_backend
+from kernels.cache_ops import swap_in_blocks, swap_out_blocks
 
 log = structlog.get_logger("gpu_worker.runner")
 
@@ -38,7 +39,7 @@ class SequenceState:
     sampling: Sampling
     num_generated: int
     block_table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    num_computed: int = 0  # tokens whose K/V is in the cache
+    num_computed: int = -1  # tokens whose K/V is in the cache; -1: new, take the plan's count (prefix-cache hits)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,6 +87,9 @@ class ModelRunner:
             self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                       kv_heads, mc.head_dim, self.device, self.dtype)
         self.sequences: dict[int, SequenceState] = {}
+        self.swapped: dict[int, torch.Tensor] = {}  # seq id -> its blocks in host memory (preemption by swap)
+        self._suspended_kv: torch.Tensor | None = None  # the KV cache in host memory while suspended (offload)
+        self._suspend_mode = ""
         self.steps = 0
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
@@ -105,16 +109,66 @@ class ModelRunner:
         )
 
     def _apply_diffs(self, plan: worker_pb2.StepPlan) -> None:
+        # The order is the contract's (worker.proto, StepPlan): reset, released, swap_out, swap_in, copies, new.
+        if self._suspend_mode:
+            raise ExecutionError(f"step {plan.step_id}: the KV cache is suspended; call ResumeKVCache first")
         if plan.reset:
             self.sequences.clear()
+            self.swapped.clear()
         for seq_id in plan.released_seq_ids:
             self.sequences.pop(seq_id, None)
+            self.swapped.pop(seq_id, None)
+        for swap in plan.swap_out:
+            state = self._state(plan, swap.seq_id)
+            self.swapped[swap.seq_id] = swap_out_blocks(self.kv_cache, torch.tensor(list(swap.block_ids), device=self.device))
+            state.block_table = np.zeros(0, dtype=np.int32)
+        for swap in plan.swap_in:
+            state, host = self._state(plan, swap.seq_id), self.swapped.pop(swap.seq_id, None)
+            if host is None or host.shape[1] != len(swap.block_ids):
+                raise ExecutionError(f"step {plan.step_id}: sequence {swap.seq_id} has no swapped blocks of that count")
+            swap_in_blocks(self.kv_cache, host, torch.tensor(list(swap.block_ids), device=self.device))
+            state.block_table = np.asarray(swap.block_ids, dtype=np.int32)
         if plan.block_copies:
             src = torch.tensor([c.src for c in plan.block_copies], device=self.device)
             dst = torch.tensor([c.dst for c in plan.block_copies], device=self.device)
             copy_blocks(self.kv_cache, src, dst)
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = SequenceState(list(new.token_ids), resolve(new.params), new.num_generated)
+
+    def _state(self, plan: worker_pb2.StepPlan, seq_id: int) -> SequenceState:
+        state = self.sequences.get(seq_id)
+        if state is None:
+            raise ExecutionError(f"step {plan.step_id}: sequence {seq_id} is unknown to this worker")
+        return state
+
+    # ------------------------------------------------------------------ suspend / resume
+
+    def suspend_kv_cache(self, mode: str) -> int:
+        """Release the KV cache's device memory: `persist` keeps it, `offload` moves it to host
+        memory, `recompute` drops it (the scheduler re-queues its sequences). Returns bytes released."""
+        if self._suspend_mode:
+            return 0
+        released = 0
+        if mode in ("offload", "recompute"):
+            released = self.kv_cache.numel() * self.kv_cache.element_size()
+            self._suspended_kv = self.kv_cache.to("cpu", copy=True) if mode == "offload" else None
+            self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self._suspend_mode = mode
+        log.info("kv cache suspended", mode=mode, released_bytes=released)
+        return released
+
+    def resume_kv_cache(self) -> None:
+        mode, self._suspend_mode = self._suspend_mode, ""
+        if mode == "offload" and self._suspended_kv is not None:
+            self.kv_cache = self._suspended_kv.to(self.device)
+        elif mode == "recompute":
+            mc = self.model_config
+            self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
+                                              mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self._suspended_kv = None
+        log.info("kv cache resumed", mode=mode or "none")
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
@@ -129,8 +183,14 @@ class ModelRunner:
             state = self.sequences.get(s.seq_id)
             if state is None:
                 raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} is unknown to this worker")
+            if s.block_table_edits:  # copy-on-write: the copies were made in _apply_diffs
+                state.block_table = state.block_table.copy()
+                for edit in s.block_table_edits:
+                    state.block_table[edit.index] = edit.block_id
             if s.new_block_ids:
                 state.block_table = np.concatenate([state.block_table, np.asarray(s.new_block_ids, dtype=np.int32)])
+            if state.num_computed < 0:  # new: the leading tokens came from the prefix cache
+                state.num_computed = s.num_cached_tokens
             if s.num_cached_tokens != state.num_computed:
                 raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} has {state.num_computed} cached tokens, "
                                      f"the plan says {s.num_cached_tokens}")

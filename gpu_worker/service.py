@@ -15,13 +15,14 @@ import os
 import queue
 import signal
 from concurrent import futures
+from typing import Any, Callable
 
 import grpc
 import structlog
 
 from gpu_worker.runner import ModelRunner, resolve_device
 from gpu_worker.tensor_parallel import TensorParallel
-from hetero.v1 import worker_pb2, worker_pb2_grpc
+from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.config import Config
 from hetero_infer.errors import HeteroError
 from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
@@ -34,19 +35,17 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.steps: queue.Queue[tuple[worker_pb2.StepPlan, futures.Future[worker_pb2.StepResult]] | None] = queue.Queue()
+        self.steps: queue.Queue[tuple[str, Callable[[], Any], futures.Future[Any]] | None] = queue.Queue()
 
     def run_model_loop(self) -> None:
-        """Run on the main thread until `None` arrives: execute each queued plan in order."""
+        """Run on the main thread until `None` arrives: run each queued call (steps, suspend, resume) in order."""
         while (item := self.steps.get()) is not None:
-            plan, future = item
+            what, call, future = item
             if future.set_running_or_notify_cancel():
                 try:
-                    if self.runner.tp.enabled:
-                        self.runner.tp.broadcast_plan(plan.SerializeToString())
-                    future.set_result(self.runner.execute(plan))
+                    future.set_result(call())
                 except Exception as exc:  # reported to the scheduler, which resets this worker's state
-                    log.exception("step failed", step_id=plan.step_id)
+                    log.exception("call failed", call=what)
                     if self.runner.tp.enabled and not isinstance(exc, HeteroError):
                         # A collective failed: another rank is gone and this group cannot compute any
                         # more. Exit, so the scheduler sees the replica die (its requests are recomputed
@@ -55,17 +54,37 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         os._exit(70)
                     future.set_exception(exc)
 
-    def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
-        return self.runner.describe()
-
-    def ExecuteStep(self, plan: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
-        future: futures.Future[worker_pb2.StepResult] = futures.Future()
-        self.steps.put((plan, future))
+    def _on_model_thread(self, what: str, call: Callable[[], Any], context: grpc.ServicerContext) -> Any:
+        future: futures.Future[Any] = futures.Future()
+        self.steps.put((what, call, future))
         try:
             return future.result()
         except Exception as exc:
             context.abort(*error_status(exc))
             raise  # unreachable: abort raises
+
+    def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
+        return self.runner.describe()
+
+    def ExecuteStep(self, plan: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
+        return self._on_model_thread(f"step {plan.step_id}", lambda: self._execute_step(plan), context)
+
+    def _execute_step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        if self.runner.tp.enabled:  # every rank runs the same plan on its shard of heads
+            self.runner.tp.broadcast_plan(plan.SerializeToString())
+        return self.runner.execute(plan)
+
+    def SuspendKVCache(self, request: worker_pb2.SuspendKVCacheRequest,
+                       context: grpc.ServicerContext) -> worker_pb2.SuspendKVCacheResponse:
+        mode = common_pb2.KVCacheManagementMode.Name(request.mode or common_pb2.KV_CACHE_MANAGEMENT_MODE_PERSIST)
+        name = mode.removeprefix("KV_CACHE_MANAGEMENT_MODE_").lower()
+        released = self._on_model_thread("suspend", lambda: self.runner.suspend_kv_cache(name), context)
+        return worker_pb2.SuspendKVCacheResponse(released_bytes=released)
+
+    def ResumeKVCache(self, request: worker_pb2.ResumeKVCacheRequest,
+                      context: grpc.ServicerContext) -> worker_pb2.ResumeKVCacheResponse:
+        self._on_model_thread("resume", self.runner.resume_kv_cache, context)
+        return worker_pb2.ResumeKVCacheResponse()
 
     def Health(self, request: worker_pb2.HealthRequest, context: grpc.ServicerContext) -> worker_pb2.HealthResponse:
         return worker_pb2.HealthResponse(ready=True, steps=self.runner.steps, num_sequences=len(self.runner.sequences))

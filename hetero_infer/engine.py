@@ -21,7 +21,8 @@ from gateway.tokenizer import TextTokenizer, load_tokenizer
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.config import Config
-from scheduler_svc.scheduler import Scheduler
+from hetero_infer.errors import ValidationError
+from scheduler_svc.scheduler import Scheduler, TokenOutput
 
 
 @dataclass
@@ -34,11 +35,12 @@ class GenerationParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # parallel samples; each finishes as its own CompletedRequest (same request_id, index 0..n-1)
 
     def to_proto(self) -> common_pb2.SamplingParams:
         p = common_pb2.SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                       top_k=self.top_k, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                      ignore_eos=self.ignore_eos)
+                                      ignore_eos=self.ignore_eos, n=self.n)
         if self.seed is not None:
             p.seed = self.seed
         return p
@@ -51,6 +53,8 @@ class CompletedRequest:
     output_token_ids: list[int]
     output_text: str
     finish_reason: str  # stop | length | abort | error
+    index: int = 0  # which sample (n > 1)
+    cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
     def generated_tokens(self) -> int:
@@ -63,6 +67,12 @@ class MemoryStats:
     used_blocks: int
     free_blocks: int
     num_sequences: int
+    cached_blocks: int = 0  # free blocks still holding a prefix-cache entry
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which found
+    num_preemptions: int = 0
+    num_swapped: int = 0
+    internal_waste: float = 0.0
 
 
 @dataclass
@@ -71,6 +81,7 @@ class _Pending:
     stream: TextStream
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    cached_prompt_tokens: int = 0
 
 
 _REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -86,11 +97,12 @@ class InferenceEngine:
         info = self.runner.describe()
         self.scheduler = Scheduler(self.config, min(self.config.max_num_blocks, info.num_blocks),
                                    tuple(info.eos_token_ids), min(self.config.max_model_len, info.max_position_embeddings))
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[tuple[str, int], _Pending] = {}  # (request id, sample index)
         self._ids = itertools.count()
+        self.last_step_outputs: list[TokenOutput] = []  # tokens of the latest step (benchmarks time them)
 
     def submit_request(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
-                       request_id: str | None = None, chat: bool = False) -> str:
+                       request_id: str | None = None, chat: bool = False, cache_salt: str = "") -> str:
         """Queue a prompt (text, chat-formatted text or token ids); return its request id.
 
         Raises ValidationError for bad input, like the gateway does.
@@ -104,18 +116,34 @@ class InferenceEngine:
         else:
             request.prompt_token_ids.ids.extend(prompt)
         prepared = prepare(request, self.tokenizer, "", self.scheduler.max_model_len, request_id)
-        self.scheduler.add_request(request_id, prepared.prompt_token_ids, request.params)
-        self._pending[request_id] = _Pending(prepared.prompt_token_ids,
-                                             TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling))
+        self.scheduler.add_request(request_id, prepared.prompt_token_ids, request.params, cache_salt)
+        for index in range(prepared.sampling.n):
+            self._pending[(request_id, index)] = _Pending(
+                prepared.prompt_token_ids, TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling))
         return request_id
 
     def abort(self, request_id: str) -> list[CompletedRequest]:
         if self.scheduler.abort(request_id):
-            return [self._complete(request_id, common_pb2.FINISH_REASON_ABORT)]
+            keys = [k for k in self._pending if k[0] == request_id]
+            return [self._complete(k, common_pb2.FINISH_REASON_ABORT) for k in keys]
         return []
 
     def has_pending_work(self) -> bool:
         return self.scheduler.has_pending_work()
+
+    def suspend(self, mode: str | None = None) -> int:
+        """Pause after the current step and release the KV cache's memory as `mode` says
+        (persist | offload | recompute; default: config.kv_cache_management_mode). Requests in
+        flight stay queued and continue after `resume()`. Returns the bytes released."""
+        mode = mode or self.config.kv_cache_management_mode
+        if mode not in ("persist", "offload", "recompute"):
+            raise ValidationError(f"suspend mode must be persist, offload or recompute (got {mode!r})")
+        self.scheduler.suspend(mode)
+        return self.runner.suspend_kv_cache(mode)
+
+    def resume(self) -> None:
+        self.runner.resume_kv_cache()
+        self.scheduler.resume()
 
     def step(self) -> list[CompletedRequest]:
         """Run one engine step; return the requests that finished in it."""
@@ -124,17 +152,20 @@ class InferenceEngine:
             return []
         result = self.runner.execute(plan)
         completed = []
-        for out in self.scheduler.process_result(result):
-            pending = self._pending[out.request_id]
+        self.last_step_outputs = self.scheduler.process_result(result)
+        for out in self.last_step_outputs:
+            key = (out.request_id, out.index)
+            pending = self._pending[key]
             pending.output_token_ids.extend(out.token_ids)
+            pending.cached_prompt_tokens = max(pending.cached_prompt_tokens, out.cached_prompt_tokens)
             delta = pending.stream.push(out.token_ids)
             pending.text += delta.text
             if delta.stopped:
-                self.scheduler.abort(out.request_id, common_pb2.FINISH_REASON_STOP)
-                completed.append(self._complete(out.request_id, common_pb2.FINISH_REASON_STOP))
+                self.scheduler.abort(out.request_id, common_pb2.FINISH_REASON_STOP, index=out.index)
+                completed.append(self._complete(key, common_pb2.FINISH_REASON_STOP))
             elif out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                 pending.text += pending.stream.finish()
-                completed.append(self._complete(out.request_id, out.finish_reason))
+                completed.append(self._complete(key, out.finish_reason))
         return completed
 
     def run(self) -> list[CompletedRequest]:
@@ -145,9 +176,13 @@ class InferenceEngine:
         return completed
 
     def get_memory_stats(self) -> MemoryStats:
-        pool = self.scheduler.pool
-        return MemoryStats(pool.num_blocks, pool.num_used, pool.num_free, len(self.scheduler.running))
+        st = self.scheduler.pool_stats()
+        return MemoryStats(st.total_blocks, st.used_blocks, st.free_blocks, len(self.scheduler.running),
+                           cached_blocks=st.cached_blocks, prefix_cache_queries=st.prefix_cache_queries,
+                           prefix_cache_hits=st.prefix_cache_hits, num_preemptions=st.num_preemptions,
+                           num_swapped=st.num_swapped, internal_waste=st.internal_waste)
 
-    def _complete(self, request_id: str, reason: int) -> CompletedRequest:
-        p = self._pending.pop(request_id)
-        return CompletedRequest(request_id, p.prompt_token_ids, p.output_token_ids, p.text, _REASONS[reason])
+    def _complete(self, key: tuple[str, int], reason: int) -> CompletedRequest:
+        p = self._pending.pop(key)
+        return CompletedRequest(key[0], p.prompt_token_ids, p.output_token_ids, p.text, _REASONS[reason],
+                                index=key[1], cached_prompt_tokens=p.cached_prompt_tokens)

@@ -15,7 +15,7 @@ DEFAULT_MAX_TOKENS = 100
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 MAX_STOP_STRINGS = 16
-MAX_N = 1  # parallel sampling (n > 1) is not served yet
+MAX_N = 16  # parallel samples of one prompt (they share the prompt's KV blocks)
 MAX_LOGPROBS = 20
 
 
@@ -69,7 +69,7 @@ def validate(params: common_pb2.SamplingParams, vocab_size: int | None = None) -
     if vocab_size is not None and any(t >= vocab_size for t in s.stop_token_ids):
         raise ValidationError(f"params.stop_token_ids must be < the vocabulary size {vocab_size}")
     if not 1 <= s.n <= MAX_N:
-        raise ValidationError(f"params.n must be in 1..{MAX_N} (got {s.n}); request several completions separately")
+        raise ValidationError(f"params.n must be in 1..{MAX_N} (got {s.n})")
     if s.logprobs is not None and s.logprobs > MAX_LOGPROBS:
         raise ValidationError(f"params.logprobs must be <= {MAX_LOGPROBS} (got {s.logprobs})")
     return s

@@ -24,3 +24,15 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     """Copy whole blocks (all layers) src[i] -> dst[i]: copy-on-write and swap-in use it."""
     if src.numel():
         kv_cache[:, dst] = kv_cache[:, src]
+
+
+def swap_out_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """A copy of whole blocks (all layers) in host memory: [layers, len(block_ids), 2, block_size, heads, dim]."""
+    host = kv_cache[:, block_ids].to("cpu", copy=True)
+    return host.pin_memory() if kv_cache.is_cuda else host
+
+
+def swap_in_blocks(kv_cache: torch.Tensor, host: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Write blocks saved by `swap_out_blocks` into (possibly other) device blocks."""
+    if block_ids.numel():
+        kv_cache[:, block_ids] = host.to(kv_cache.device, non_blocking=True)

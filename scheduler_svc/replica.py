@@ -150,19 +150,46 @@ class Replica:
                     if not self.up:
                         self._join(info)
 
+    # ------------------------------------------------------------------ suspend / resume
+
+    async def suspend(self, mode: int) -> int:
+        """After the step in flight: stop planning, and have the worker keep, offload or drop its KV
+        cache (`mode`, a KVCacheManagementMode). Returns the bytes of device memory released."""
+        name = common_pb2.KVCacheManagementMode.Name(mode).removeprefix("KV_CACHE_MANAGEMENT_MODE_").lower()
+        async with self._lock:
+            if self.core is None or self.core.suspended:
+                return 0
+            self.core.suspend(name)
+            try:
+                answer = await self.stub.SuspendKVCache(worker_pb2.SuspendKVCacheRequest(mode=mode), timeout=STEP_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                self.core.resume()
+                self.wake.set()
+                raise
+        return answer.released_bytes
+
+    async def resume(self) -> None:
+        async with self._lock:
+            if self.core is not None and self.core.suspended:
+                await self.stub.ResumeKVCache(worker_pb2.ResumeKVCacheRequest(), timeout=STEP_TIMEOUT_S)
+                self.core.resume()
+        self.wake.set()
+
     # ------------------------------------------------------------------ engine loop
 
     def expire_deadlines(self) -> None:
         assert self.core is not None
         now = time.monotonic()
         expired = [s.request_id for s in self.core.requests.values() if s.deadline is not None and s.deadline <= now]
+        outputs = []
         for request_id in expired:
-            self.core.abort(request_id, common_pb2.FINISH_REASON_DEADLINE)
+            for index in self.core.abort(request_id, common_pb2.FINISH_REASON_DEADLINE):
+                outputs.append(TokenOutput(request_id, finish_reason=common_pb2.FINISH_REASON_DEADLINE,
+                                           error="the request's deadline passed", index=index))
             self.num_deadline_exceeded += 1
         if expired:
             log.info("deadline passed; requests dropped", replica=self.index, count=len(expired))
-            self._dispatch([TokenOutput(rid, finish_reason=common_pb2.FINISH_REASON_DEADLINE,
-                                        error="the request's deadline passed") for rid in expired])
+            self._dispatch(outputs)
 
     async def _engine_loop(self) -> None:
         while True:
@@ -184,7 +211,8 @@ class Replica:
 
     async def _step(self, core: Scheduler) -> bool:
         plan = core.schedule()
-        if not plan.scheduled:
+        if not (plan.scheduled or plan.swap_out or plan.swap_in or plan.block_copies):
+            # Nothing to compute or move (released ids wait in the core for the next plan).
             return False
         if self._reset_worker:
             plan.reset = True

@@ -1,12 +1,16 @@
 """Continuous batching: one StepPlan per engine step, within a token and sequence budget.
 
-Each step: running decodes first (one token each), then unfinished prompt chunks, then
-new requests admitted from the waiting queue while blocks stay under `memory_threshold`.
-New requests join the running batch at the next step; finished ones leave it and free
-their blocks at once. When blocks run out mid-decode, the newest running sequence is
-preempted: its blocks are freed and it is re-queued at the front to be recomputed from
-its prompt plus the tokens it already produced, so its stream neither loses nor repeats
-a token. The scheduler never touches tensors: it sends block ids and token counts.
+Each step: running decodes first (one token each), then unfinished prompt chunks (at most
+`max_prefill_chunk_tokens` per request, so a long prompt cannot stall the decodes), then
+swapped-out sequences are brought back, then new requests are admitted from the waiting
+queue while blocks stay under `memory_threshold`. A new request first takes the longest run
+of its full blocks found in the prefix cache and computes only the rest (always at least its
+last token). When blocks run out mid-decode, the newest running sequence is preempted:
+`recompute` frees its blocks and re-queues it at the front (prompt plus the tokens it already
+produced), `swap` has the worker copy its blocks to host memory and brings them back later;
+either way its stream neither loses nor repeats a token. A request with n > 1 samples forks
+after its prompt: the samples share the prompt blocks, and a shared block is copied before a
+sample writes into it. The scheduler never touches tensors: it sends block ids and counts.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from hetero_infer.config import Config
 from hetero_infer.errors import DuplicateRequestError, ValidationError
 from hetero_infer.sampling import resolve
 from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
-from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.prefix_cache import extend_hashes
+from scheduler_svc.sequence import Sequence, SequenceStatus, fork_sample
+from scheduler_svc.stats import pool_stats
 
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
@@ -40,28 +46,40 @@ class TokenOutput:
     timestamp: float = 0.0
     top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # per token, when asked
     queue_seconds: float = 0.0  # on the first output: arrival to first admission
+    index: int = 0  # sample index (n > 1)
+    cached_prompt_tokens: int = 0  # set on a sample's first output
 
 
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.pool = BlockPool(num_blocks)
+        self.prefix_caching = config.enable_prefix_caching
+        self.pool = BlockPool(num_blocks, cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
-        self.requests: dict[str, Sequence] = {}
+        self.swapped: deque[Sequence] = deque()  # preempted to host memory, oldest first
+        self.requests: dict[str, Sequence] = {}  # request id -> sample 0, while any sample is alive
+        self.samples: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.sequences: dict[int, Sequence] = {}  # by seq_id: how worker results find their sequence
         self._released: list[int] = []  # seq ids the worker should forget at the next step
+        self._swap_out: list[worker_pb2.SwapBlocks] = []
+        self._block_copies: list[worker_pb2.BlockCopy] = []
         self._next_seq_id = 0
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found in the cache
+        self.suspended = False
         self._in_flight: list[worker_pb2.ScheduledSequence] = []
 
     # ---------------------------------------------------------------- requests in and out
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: common_pb2.SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: common_pb2.SamplingParams,
+                    cache_salt: str = "") -> Sequence:
         if request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight; use a unique id per request")
         if not prompt_token_ids:
@@ -69,31 +87,53 @@ class Scheduler:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValidationError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
                                   "and at least one token must be generated: shorten the prompt")
-        needed = -(-(len(prompt_token_ids) + 1) // self.block_size)
+        sampling = resolve(params)
+        needed = -(-(len(prompt_token_ids) + 1) // self.block_size) + (sampling.n - 1)
         if needed > self.pool.num_blocks:
             raise ValidationError(f"prompt needs {needed} KV blocks but the pool has {self.pool.num_blocks}; "
-                                  "shorten the prompt or raise max_num_blocks")
-        seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), resolve(params), params)
+                                  "shorten the prompt, lower n or raise max_num_blocks")
+        seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
+                       cache_salt=cache_salt, pending_forks=sampling.n - 1)
         self._next_seq_id += 1
         self.requests[request_id] = seq
+        self.samples[request_id] = [seq]
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
         return seq
 
-    def abort(self, request_id: str, reason: int = FR.FINISH_REASON_ABORT) -> bool:
-        seq = self.requests.get(request_id)
-        if seq is None:
-            return False
-        self._finish(seq, reason, SequenceStatus.COMPLETED if reason != FR.FINISH_REASON_ERROR else SequenceStatus.FAILED)
-        return True
+    def abort(self, request_id: str, reason: int = FR.FINISH_REASON_ABORT, index: int | None = None) -> list[int]:
+        """End a request's samples (or only sample `index`); return the indices ended (empty: none in flight)."""
+        seqs = [s for s in self.samples.get(request_id, []) if index is None or s.index == index]
+        status = SequenceStatus.COMPLETED if reason != FR.FINISH_REASON_ERROR else SequenceStatus.FAILED
+        for seq in seqs:
+            seq.pending_forks = 0
+            self._finish(seq, reason, status)
+        return [seq.index for seq in seqs]
 
     def has_pending_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return not self.suspended and bool(self.waiting or self.running or self.swapped)
+
+    # ---------------------------------------------------------------- suspend / resume
+
+    def suspend(self, mode: str) -> None:
+        """Pause planning. `recompute`: the worker drops its KV tensor, so every running sequence
+        is re-queued for recomputation and the prefix cache is forgotten."""
+        self.suspended = True
+        if mode == "recompute":
+            for seq in reversed(list(self.running)):
+                self._preempt_recompute(seq)
+            self.pool.clear_cache()
+        log.info("suspended", mode=mode, waiting=len(self.waiting), swapped=len(self.swapped))
+
+    def resume(self) -> None:
+        self.suspended = False
 
     # ---------------------------------------------------------------- planning
 
     def schedule(self) -> worker_pb2.StepPlan:
         """Decide this step's batch. Blocks for the scheduled tokens are allocated here."""
+        if self.suspended:
+            return worker_pb2.StepPlan(step_id=self.step_id)
         self.step_id += 1
         plan = worker_pb2.StepPlan(step_id=self.step_id)
         token_budget = self.config.max_total_tokens
@@ -107,115 +147,211 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.DECODE:  # preempted by an earlier iteration
                 continue
-            if not self._reserve(seq, 1, protect=[s for s, _ in scheduled]):
+            n = seq.num_uncomputed  # 1, or a forked sample recomputing its last prompt token
+            if n > token_budget or not self._reserve(seq, n, protect=[s for s, _ in scheduled]):
                 continue
-            scheduled.append((seq, 1))
+            scheduled.append((seq, n))
             seq_budget -= 1
-            token_budget -= 1
+            token_budget -= n
 
         # 2. Prompts already admitted and partly computed (chunked prefill).
         for seq in [s for s in self.running if s.status is SequenceStatus.PREFILL]:
             if seq_budget == 0 or token_budget == 0:
                 break
+            if seq.status is not SequenceStatus.PREFILL:
+                continue
             n = self._chunk(seq, token_budget)
             if n and self._reserve(seq, n, protect=[s for s, _ in scheduled]):
                 scheduled.append((seq, n))
                 seq_budget -= 1
                 token_budget -= n
 
-        # 3. Admit waiting requests (FIFO; the head waits if it does not fit, keeping order).
-        while self.waiting and seq_budget > 0 and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # 3. Swapped-out sequences come back before anything new is admitted. Not while a block
+        # copy is pending: a swap-in lands before the copies on the worker and could overwrite a source.
+        while self.swapped and not self._block_copies and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if seq.num_swapped_blocks + 1 > self.pool.num_free:
+                break
+            self.swapped.popleft()
+            seq.block_table = self.pool.allocate(seq.num_swapped_blocks)
+            seq.num_blocks_sent = len(seq.block_table)
+            seq.num_registered = 0
+            plan.swap_in.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=seq.block_table))
+            seq.status, seq.swapped_status = seq.swapped_status or SequenceStatus.DECODE, None
+            self.running.append(seq)
+
+        # 4. Admit waiting requests (FIFO; the head waits if it does not fit, keeping order).
+        while (self.waiting and not self.swapped and seq_budget > 0 and token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            n = self._chunk(seq, token_budget)
-            if n == 0 or not self._admissible(seq, n):
+            hits = self._match_prefix(seq)
+            n = self._chunk(seq, token_budget, num_computed=len(hits) * self.block_size)
+            if n == 0 or not self._admissible(seq, hits, n):
                 break
             self.waiting.popleft()
-            if seq.queue_seconds is None:
-                seq.queue_seconds = time.monotonic() - seq.arrival_time
+            self._admit(seq, hits)
             self._allocate(seq, n)
-            seq.status = SequenceStatus.PREFILL
             self.running.append(seq)
             scheduled.append((seq, n))
             seq_budget -= 1
             token_budget -= n
 
-        plan.released_seq_ids.extend(self._released)
-        self._released.clear()
+        if scheduled or plan.swap_in or self._swap_out or self._block_copies:
+            # A plan with nothing to compute or move is not sent: released ids wait for the next one.
+            plan.released_seq_ids.extend(self._released)
+            self._released.clear()
+        plan.swap_out.extend(self._swap_out)
+        plan.block_copies.extend(self._block_copies)
+        self._swap_out.clear()
+        self._block_copies.clear()
         for seq, n in scheduled:
             if not seq.on_worker:
                 plan.new_sequences.append(worker_pb2.NewSequence(
                     seq_id=seq.seq_id, token_ids=seq.token_ids, params=seq.params, num_generated=seq.num_generated))
                 seq.on_worker = True
-            plan.scheduled.append(worker_pb2.ScheduledSequence(
+            entry = worker_pb2.ScheduledSequence(
                 seq_id=seq.seq_id, num_tokens=n, new_block_ids=seq.block_table[seq.num_blocks_sent:],
-                sample=seq.num_computed + n == seq.num_tokens, num_cached_tokens=seq.num_computed))
+                sample=seq.num_computed + n == seq.num_tokens, num_cached_tokens=seq.num_computed)
+            for index, block_id in seq.pending_edits:
+                entry.block_table_edits.add(index=index, block_id=block_id)
+            seq.pending_edits.clear()
+            plan.scheduled.append(entry)
             seq.num_blocks_sent = len(seq.block_table)
             seq.last_scheduled_step = self.step_id
         self._in_flight = list(plan.scheduled)
         return plan
 
-    def _chunk(self, seq: Sequence, token_budget: int) -> int:
+    def _chunk(self, seq: Sequence, token_budget: int, num_computed: int | None = None) -> int:
         """How many of the sequence's uncomputed tokens fit this step (0 = none)."""
-        remaining = seq.num_uncomputed
-        if remaining <= token_budget:
-            return remaining
-        return token_budget if self.config.enable_chunked_prefill else 0
+        remaining = seq.num_tokens - (seq.num_computed if num_computed is None else num_computed)
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= token_budget else 0
+        cap = self.config.max_prefill_chunk_tokens or token_budget
+        return min(remaining, token_budget, cap)
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed: int | None = None,
+                       num_blocks: int | None = None) -> int:
+        total = (seq.num_computed if num_computed is None else num_computed) + num_new_tokens
+        return max(0, -(-total // self.block_size) - (len(seq.block_table) if num_blocks is None else num_blocks))
 
-    def _admissible(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self._blocks_needed(seq, num_new_tokens)
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest run of this sequence's leading full blocks.
+
+        At most (tokens - 1) // block_size blocks: the last token is always computed (its
+        logits are needed), and its block is never a shared cached one.
+        """
+        if not self.prefix_caching or seq.block_table:
+            return []
+        usable = (seq.num_tokens - 1) // self.block_size
+        extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, usable, seq.cache_salt)
+        hits = []
+        for i in range(usable):
+            b = self.pool.lookup(seq.block_hashes[i], tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def _admissible(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # cached-free blocks leave the free list
+        needed = revived + self._blocks_needed(seq, num_new_tokens, len(hits) * self.block_size, len(hits))
         if needed > self.pool.num_free:
             return False
         if not self.running:
             return True  # never let the threshold starve an idle engine
         return self.pool.num_used + needed <= self.config.memory_threshold * self.pool.num_blocks
 
+    def _admit(self, seq: Sequence, hits: list[int]) -> None:
+        for b in hits:
+            self.pool.touch(b)
+        seq.block_table = list(hits)
+        seq.num_computed = len(hits) * self.block_size
+        seq.num_registered = len(hits)
+        seq.status = SequenceStatus.PREFILL
+        if seq.queue_seconds is None:  # arrival to first admission (metrics)
+            seq.queue_seconds = time.monotonic() - seq.arrival_time
+        if seq.cached_prompt_tokens is None:  # count a prompt once, not again after a preemption
+            seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
+            if self.prefix_caching:
+                self.prefix_cache_queries += seq.prompt_len
+                self.prefix_cache_hits += seq.cached_prompt_tokens
+
     def _allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         seq.block_table.extend(self.pool.allocate(self._blocks_needed(seq, num_new_tokens)))
 
+    def _copy_on_write(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give the sequence private copies of the shared blocks it is about to write into."""
+        first, last = seq.num_computed // self.block_size, (seq.num_computed + num_new_tokens - 1) // self.block_size
+        shared = [i for i in range(first, last + 1) if self.pool.ref_counts[seq.block_table[i]] > 1]
+        if len(shared) > self.pool.num_free:
+            raise OutOfBlocksError(f"copy-on-write needs {len(shared)} blocks, {self.pool.num_free} free")
+        for i in shared:
+            src, (dst,) = seq.block_table[i], self.pool.allocate(1)
+            self._block_copies.append(worker_pb2.BlockCopy(src=src, dst=dst))
+            self.pool.release([src])
+            seq.block_table[i] = dst
+            if i < seq.num_blocks_sent:
+                seq.pending_edits.append((i, dst))
+
     def _reserve(self, seq: Sequence, num_new_tokens: int, protect: list[Sequence]) -> bool:
-        """Allocate blocks for the next tokens, preempting the newest other sequences if needed.
+        """Allocate (and copy-on-write) blocks for the next tokens, preempting the newest others if needed.
 
         Returns False when `seq` itself had to be preempted (nothing else could give way).
         """
         while True:
             try:
                 self._allocate(seq, num_new_tokens)
+                self._copy_on_write(seq, num_new_tokens)
                 return True
             except OutOfBlocksError:
                 victim = next((s for s in reversed(self.running) if s is not seq and s not in protect), None)
+                self._preempt(victim or seq)
                 if victim is None:
-                    self._preempt(seq)
                     return False
-                self._preempt(victim)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: free the blocks, re-queue at the front with all tokens so far."""
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and seq.on_worker and seq.num_computed > 0:
+            self._preempt_swap(seq)
+        else:
+            self._preempt_recompute(seq)
+
+    def _preempt_recompute(self, seq: Sequence) -> None:
+        """Free the blocks, re-queue at the front with all tokens so far."""
         self.running.remove(seq)
         self.pool.release(seq.block_table)
-        seq.block_table = []
-        seq.num_computed = 0
-        seq.num_blocks_sent = 0
+        seq.block_table, seq.pending_edits = [], []
+        seq.num_computed = seq.num_blocks_sent = seq.num_registered = 0
         if seq.on_worker:
             self._released.append(seq.seq_id)
             seq.on_worker = False
         seq.status = SequenceStatus.PENDING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-        log.info("preempted", request_id=seq.request_id, tokens=seq.num_tokens, free_blocks=self.pool.num_free)
+        log.info("preempted", mode="recompute", request_id=seq.request_id, tokens=seq.num_tokens, free_blocks=self.pool.num_free)
+
+    def _preempt_swap(self, seq: Sequence) -> None:
+        """The worker copies the blocks holding K/V to host memory; the device blocks are freed."""
+        self.running.remove(seq)
+        held = -(-seq.num_computed // self.block_size)
+        self._swap_out.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=seq.block_table[:held]))
+        self.pool.release(seq.block_table)
+        seq.block_table, seq.pending_edits = [], []
+        seq.num_swapped_blocks, seq.num_blocks_sent = held, 0
+        seq.swapped_status, seq.status = seq.status, SequenceStatus.SWAPPED
+        self.swapped.append(seq)
+        self.num_swap_outs += 1
+        log.info("preempted", mode="swap", request_id=seq.request_id, blocks=held, free_blocks=self.pool.num_free)
 
     # ---------------------------------------------------------------- results
 
     def process_result(self, result: worker_pb2.StepResult) -> list[TokenOutput]:
-        """Apply one step's sampled tokens; return per-request outputs (finished ones included)."""
+        """Apply one step's sampled tokens; return per-sample outputs (finished ones included)."""
         now = time.time()
         for s in self._in_flight:
             seq = self.sequences.get(s.seq_id)
             if seq is not None and seq.status in (SequenceStatus.PREFILL, SequenceStatus.DECODE):
                 seq.num_computed += s.num_tokens
+                self._register_full_blocks(seq)
         self._in_flight = []
         outputs: list[TokenOutput] = []
         logprobs = list(result.logprobs)
@@ -223,15 +359,20 @@ class Scheduler:
             seq = self.sequences.get(seq_id)
             if seq is None or seq.status.finished:
                 continue  # aborted while the step ran
+            if seq.pending_forks:
+                self._fork(seq)
             seq.token_ids.append(token)
             seq.status = SequenceStatus.DECODE
-            out = TokenOutput(seq.request_id, [token], timestamp=now, logprobs=[logprobs[i]] if logprobs else [])
+            out = TokenOutput(seq.request_id, [token], timestamp=now, logprobs=[logprobs[i]] if logprobs else [],
+                              index=seq.index)
             if seq.sampling.logprobs and result.num_top_logprobs:
                 k, top = seq.sampling.logprobs, slice(i * result.num_top_logprobs, (i + 1) * result.num_top_logprobs)
                 out.top_logprobs = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[top][:k],
                                                            logprobs=result.top_logprobs[top][:k])]
-            if seq.num_generated == 1:
+            if not seq.first_output_sent:
+                out.cached_prompt_tokens = seq.cached_prompt_tokens or 0
                 out.queue_seconds = seq.queue_seconds or 0.0
+                seq.first_output_sent = True
             reason = self._finish_reason(seq, token)
             if reason:
                 self._finish(seq, reason, SequenceStatus.COMPLETED)
@@ -239,12 +380,37 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        if not self.prefix_caching:
+            return
+        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered:
+            return
+        extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, full, seq.cache_salt)
+        bs = self.block_size
+        for i in range(seq.num_registered, full):
+            self.pool.register(seq.block_table[i], seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        seq.num_registered = full
+
+    def _fork(self, parent: Sequence) -> None:
+        """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
+        for index in range(1, parent.pending_forks + 1):
+            child = fork_sample(parent, index, self._next_seq_id, self.block_size)
+            self._next_seq_id += 1
+            for b in child.block_table:
+                self.pool.share(b)
+            self.sequences[child.seq_id] = child
+            self.samples[parent.request_id].append(child)
+            self.running.append(child)
+        parent.pending_forks = 0
+
     def fail_all(self, error: str) -> list[TokenOutput]:
         """A step failed beyond retries: every admitted request ends with an error."""
         outputs = []
-        for seq in list(self.requests.values()):
-            self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
-            outputs.append(TokenOutput(seq.request_id, finish_reason=FR.FINISH_REASON_ERROR, error=error))
+        for rid, seqs in list(self.samples.items()):
+            for seq in list(seqs):
+                self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
+                outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error, index=seq.index))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> int:
@@ -256,60 +422,60 @@ class Scheduler:
         return FR.FINISH_REASON_UNSPECIFIED
 
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
-        seq.status = status
-        seq.finish_reason = reason
-        if seq in self.running:
+        if seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        seq.status = status
+        seq.finish_reason = reason
         self.pool.release(seq.block_table)
         seq.block_table = []
         if seq.on_worker:
             self._released.append(seq.seq_id)
             seq.on_worker = False
-        self.requests.pop(seq.request_id, None)
         self.sequences.pop(seq.seq_id, None)
+        live = self.samples.get(seq.request_id, [])
+        if seq in live:
+            live.remove(seq)
+        if not live:
+            self.samples.pop(seq.request_id, None)
+            self.requests.pop(seq.request_id, None)
 
     # ---------------------------------------------------------------- scale and resilience (issue 6)
     # Moving sequences off a worker that failed: they are recomputed from their prompt plus the
     # tokens already produced (as after a recompute preemption), here or on another replica.
 
     def take_all_for_recompute(self) -> list[Sequence]:
-        """Remove every unfinished sequence, blocks freed, in arrival order; the worker's state is void."""
-        seqs = sorted(self.requests.values(), key=lambda s: s.arrival_time)
+        """Remove every unfinished sample, blocks freed, in arrival order; the worker's state is void.
+
+        The prefix cache is forgotten too: a step that failed half-way may have written into blocks."""
+        seqs = sorted((s for samples in self.samples.values() for s in samples), key=lambda s: (s.arrival_time, s.index))
         for seq in seqs:
             self.pool.release(seq.block_table)
-            seq.block_table = []
-            seq.num_computed = 0
-            seq.num_blocks_sent = 0
+            seq.block_table, seq.pending_edits = [], []
+            seq.num_computed = seq.num_blocks_sent = seq.num_registered = seq.num_swapped_blocks = 0
             seq.on_worker = False
-            seq.status = SequenceStatus.PENDING
-        self.waiting.clear()
-        self.running.clear()
-        self.requests.clear()
-        self.sequences.clear()
-        self._released.clear()
+            seq.status, seq.swapped_status = SequenceStatus.PENDING, None
+        for queue in (self.waiting, self.running, self.swapped, self.requests, self.samples, self.sequences,
+                      self._released, self._swap_out, self._block_copies):
+            queue.clear()
         self._in_flight = []
+        self.pool.clear_cache()
         return seqs
 
     def adopt(self, seq: Sequence) -> None:
-        """Queue a sequence taken from a replica (possibly this one) for recompute, under a new seq id."""
+        """Queue a sample taken from a replica (possibly this one) for recompute, under a new seq id."""
         seq.seq_id = self._next_seq_id
         self._next_seq_id += 1
-        self.requests[seq.request_id] = seq
+        self.samples.setdefault(seq.request_id, []).append(seq)
+        if seq.index == 0 or seq.request_id not in self.requests:
+            self.requests[seq.request_id] = seq
         self.sequences[seq.seq_id] = seq
         self.waiting.append(seq)
 
     # ---------------------------------------------------------------- stats
 
     def pool_stats(self) -> common_pb2.PoolStats:
-        allocated_slots = sum(len(s.block_table) for s in self.running) * self.block_size
-        held_tokens = sum(min(s.num_tokens, len(s.block_table) * self.block_size) for s in self.running)
-        used = self.pool.num_used
-        return common_pb2.PoolStats(
-            block_size=self.block_size, total_blocks=self.pool.num_blocks, used_blocks=used,
-            free_blocks=self.pool.num_free, cached_blocks=0, usage=used / self.pool.num_blocks,
-            num_running=len(self.running), num_waiting=len(self.waiting), num_preemptions=self.num_preemptions,
-            internal_waste=(allocated_slots - held_tokens) / allocated_slots if allocated_slots else 0.0,
-            steps=self.step_id,
-        )
+        return pool_stats(self)

@@ -1,4 +1,8 @@
-"""A request's sequence as the scheduler sees it: token ids, block table, state."""
+"""A request's sequence as the scheduler sees it: token ids, block table, state.
+
+A request with `n > 1` samples is one Sequence per sample: sample 0 computes the prompt,
+then forks the others, which share its prompt blocks by reference (copy-on-write).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ class SequenceStatus(enum.Enum):
     PENDING = "pending"  # waiting for admission (new, or preempted for recompute)
     PREFILL = "prefill"  # admitted, prompt not fully in the KV cache yet
     DECODE = "decode"  # generating one token per step
+    SWAPPED = "swapped"  # preempted; its KV blocks are in the worker's host memory
     COMPLETED = "completed"
     FAILED = "failed"
 
@@ -30,11 +35,21 @@ class Sequence:
     prompt_len: int
     sampling: Sampling
     params: common_pb2.SamplingParams  # forwarded to the worker as given
+    index: int = 0  # which sample of the request (n > 1)
+    cache_salt: str = ""
+    pending_forks: int = 0  # samples still to fork from this one once its prompt is computed
     status: SequenceStatus = SequenceStatus.PENDING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V is in the cache
     num_blocks_sent: int = 0  # prefix of block_table the worker already has
     on_worker: bool = False  # the worker holds this sequence's state
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of full blocks so far
+    num_registered: int = 0  # leading blocks of block_table offered to the prefix cache
+    pending_edits: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write table edits to send
+    swapped_status: SequenceStatus | None = None  # status to return to after a swap-in
+    num_swapped_blocks: int = 0  # blocks the worker holds in host memory for this sequence
+    cached_prompt_tokens: int | None = None  # prefix-cache hit at first admission (None: not admitted yet)
+    first_output_sent: bool = False
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     arrival_time: float = field(default_factory=time.monotonic)
     last_scheduled_step: int = -1
@@ -52,3 +67,23 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+
+def fork_sample(parent: Sequence, index: int, seq_id: int, block_size: int) -> Sequence:
+    """Sample `index` of the parent's request, forked once the parent's prompt is computed.
+
+    It holds the parent's prompt blocks (the caller takes the references) and recomputes
+    only the last prompt token, to draw its own first token; that write lands in a shared
+    block, so the scheduler copies the block first (copy-on-write).
+    """
+    params = common_pb2.SamplingParams()
+    params.CopyFrom(parent.params)
+    if params.HasField("seed"):  # distinct but reproducible samples
+        params.seed = (params.seed + index * 7919) % 2**64
+    prompt_blocks = -(-parent.prompt_len // block_size)
+    return Sequence(seq_id, parent.request_id, parent.token_ids[:parent.prompt_len], parent.prompt_len, parent.sampling,
+                    params, index=index, cache_salt=parent.cache_salt, status=SequenceStatus.DECODE,
+                    block_table=parent.block_table[:prompt_blocks], num_computed=parent.prompt_len - 1,
+                    block_hashes=list(parent.block_hashes),
+                    num_registered=min(parent.num_registered, (parent.prompt_len - 1) // block_size),
+                    cached_prompt_tokens=parent.cached_prompt_tokens)

@@ -49,6 +49,7 @@ class RequestStream:
     fingerprint: bytes  # the SubmitRequest: a re-attaching Submit must be the same request
     history: list[scheduler_pb2.TokenEvent] = field(default_factory=list)
     listeners: list[asyncio.Queue[scheduler_pb2.TokenEvent]] = field(default_factory=list)
+    open_samples: set[int] = field(default_factory=lambda: {0})  # n > 1: the stream ends when every sample has
     finished: bool = False
     status: grpc.StatusCode | None = None  # end the calls with this status instead of the last event
 
@@ -67,9 +68,9 @@ class RequestStream:
 
 @dataclass
 class Orphan:
-    """A sequence with no replica to run on (all down), waiting for one to come back."""
+    """A request's samples with no replica to run on (all down), waiting for one to come back."""
 
-    seq: Sequence
+    seqs: list[Sequence]
     since: float
 
 
@@ -108,15 +109,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _up(self) -> list[Replica]:
         return [r for r in self.replicas if r.up]
 
-    def _place(self, seq: Sequence) -> bool:
-        """Queue a sequence on a replica chosen by the routing policy; False when none is up."""
+    def _place(self, seqs: list[Sequence]) -> bool:
+        """Queue a request's samples on one replica chosen by the routing policy; False when none is up."""
         up = self._up()
         if not up:
             return False
-        decision = self.router.choose(seq.token_ids, [r.index for r in up], {r.index: r.load for r in up})
+        decision = self.router.choose(seqs[0].token_ids, [r.index for r in up], {r.index: r.load for r in up})
         replica = self.replicas[decision.replica]
         assert replica.core is not None
-        replica.core.adopt(seq)
+        for seq in seqs:
+            replica.core.adopt(seq)
         replica.wake.set()
         return True
 
@@ -125,10 +127,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if not self._up() and self.all_down_since is None:
             self.all_down_since = time.monotonic()
         now = time.monotonic()
-        for seq in seqs:
-            self.num_recovered_sequences += 1
-            if not self._place(seq):
-                self.orphans[seq.request_id] = Orphan(seq, now)
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in seqs:  # a request's samples stay together (aborts and stats find them on one replica)
+            by_request.setdefault(seq.request_id, []).append(seq)
+        for request_id, samples in by_request.items():
+            self.num_recovered_sequences += len(samples)
+            if not self._place(samples):
+                self.orphans[request_id] = Orphan(samples, now)
 
     def _replica_joined(self, replica: Replica) -> None:
         self.router.forget(replica.index)
@@ -136,7 +141,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.router.set_capacity(replica.index, replica.core.pool.num_blocks)
         self.all_down_since = None
         for request_id in list(self.orphans):
-            self._place(self.orphans.pop(request_id).seq)
+            self._place(self.orphans.pop(request_id).seqs)
 
     def _waiting_count(self) -> int:
         return sum(len(r.core.waiting) for r in self.replicas if r.up and r.core is not None) + len(self.orphans)
@@ -144,16 +149,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _find(self, request_id: str) -> Replica | None:
         return next((r for r in self.replicas if r.core is not None and request_id in r.core.requests), None)
 
-    def _end(self, request_id: str, reason: int, error: str = "", status: grpc.StatusCode | None = None) -> None:
-        """End a request wherever it is (a replica or the orphans) and tell its listeners."""
+    def _end(self, request_id: str, reason: int, error: str = "", status: grpc.StatusCode | None = None,
+             index: int | None = None) -> None:
+        """End a request (or one of its samples) wherever it is, a replica or the orphans, and tell its listeners."""
         replica = self._find(request_id)
         if replica is not None and replica.core is not None:
-            replica.core.abort(request_id, reason)
-        self.orphans.pop(request_id, None)
+            replica.core.abort(request_id, reason, index)
+        orphan = self.orphans.get(request_id)
+        if orphan is not None:
+            orphan.seqs = [s for s in orphan.seqs if index is not None and s.index != index]
+            if not orphan.seqs:
+                del self.orphans[request_id]
         stream = self.streams.get(request_id)
         if stream is not None and not stream.finished:
             stream.status = status
-            self._dispatch([TokenOutput(request_id, finish_reason=reason, error=error)])
+            ended = sorted(stream.open_samples) if index is None else [index]
+            self._dispatch([TokenOutput(request_id, finish_reason=reason, error=error, index=i) for i in ended])
 
     async def _orphan_watch(self) -> None:
         """Orphans past their deadline, or waiting longer than worker_recovery_timeout_s, end here."""
@@ -161,7 +172,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(0.1)
             now = time.monotonic()
             for request_id, orphan in list(self.orphans.items()):
-                if orphan.seq.deadline is not None and orphan.seq.deadline <= now:
+                if orphan.seqs[0].deadline is not None and orphan.seqs[0].deadline <= now:
                     self.num_deadline_exceeded += 1
                     self._end(request_id, FR.FINISH_REASON_DEADLINE, "the request's deadline passed",
                               grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -175,20 +186,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
-            finished = out.finish_reason != FR.FINISH_REASON_UNSPECIFIED
-            if finished and stream.status is None:
-                stream.status = STATUS_FOR_REASON.get(out.finish_reason)
+            ends_sample = out.finish_reason != FR.FINISH_REASON_UNSPECIFIED
+            if ends_sample:
+                if out.index not in stream.open_samples:
+                    continue  # that sample already ended (e.g. aborted while its last step ran)
+                stream.open_samples.discard(out.index)
+                if stream.status is None:
+                    stream.status = STATUS_FOR_REASON.get(out.finish_reason)
             stream.publish(scheduler_pb2.TokenEvent(
                 request_id=out.request_id, token_ids=out.token_ids, finish_reason=out.finish_reason, error=out.error,
-                logprobs=out.logprobs, token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else [],
+                index=out.index, cached_prompt_tokens=out.cached_prompt_tokens, logprobs=out.logprobs,
+                token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else [],
                 top_logprobs=out.top_logprobs, queue_seconds=out.queue_seconds))
-            if finished:
+            if ends_sample and not stream.open_samples:
                 stream.finished = True
                 self.streams.pop(out.request_id, None)
 
     # ------------------------------------------------------------------ RPCs
 
-    def _admit(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> None:
+    def _admit(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
         """Validate, bound the queue, and queue the request on a replica (or park it while all are down)."""
         if self._waiting_count() >= self.config.max_queued_requests:
             self.num_rejected_queue_full += 1
@@ -200,17 +216,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             decision = self.router.choose(prompt, [r.index for r in up], {r.index: r.load for r in up})
             replica = self.replicas[decision.replica]
             assert replica.core is not None
-            replica.core.add_request(request.request_id, prompt, request.params).deadline = deadline
+            seq = replica.core.add_request(request.request_id, prompt, request.params, request.cache_salt)
+            seq.deadline = deadline
             replica.wake.set()
-            return
+            return seq
         if self.all_down_since is None or time.monotonic() - self.all_down_since > self.config.worker_recovery_timeout_s:
             raise UnavailableError("no worker replica is up (worker_recovery_timeout_s passed); check the worker processes")
         # Every replica is down but may come back: validate with a replica's core, then park the request.
         core = next(r.core for r in self.replicas if r.core is not None)
-        seq = core.add_request(request.request_id, prompt, request.params)
+        seq = core.add_request(request.request_id, prompt, request.params, request.cache_salt)
         core.take_all_for_recompute()  # the down replica's core is empty but for this one sequence
         seq.deadline = deadline
-        self.orphans[seq.request_id] = Orphan(seq, time.monotonic())
+        self.orphans[seq.request_id] = Orphan([seq], time.monotonic())
+        return seq
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -223,10 +241,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             fingerprint = request.SerializeToString(deterministic=True)
             if stream is None:
                 try:
-                    self._admit(request, deadline)
+                    seq = self._admit(request, deadline)
                 except HeteroError as exc:
                     await context.abort(*error_status(exc))
-                stream = self.streams[rid] = RequestStream(rid, fingerprint)
+                stream = self.streams[rid] = RequestStream(rid, fingerprint, open_samples=set(range(seq.sampling.n)))
                 log.debug("submitted", prompt_tokens=len(request.prompt_token_ids))
             elif stream.fingerprint != fingerprint:
                 await context.abort(*error_status(DuplicateRequestError(
@@ -234,11 +252,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             else:
                 log.info("submit for a request in flight: re-attached to its stream")
             queue = stream.attach()
+            open_samples = set(stream.open_samples) | {e.index for e in stream.history if e.finish_reason}
             done = False
             try:
                 while not done:
                     event = await queue.get()
-                    done = event.finish_reason != FR.FINISH_REASON_UNSPECIFIED
+                    if event.finish_reason != FR.FINISH_REASON_UNSPECIFIED:
+                        open_samples.discard(event.index)
+                    done = not open_samples
                     if done and stream.status is not None:
                         await context.abort(stream.status, event.error or FR.FinishReason.Name(event.finish_reason))
                     yield event
@@ -255,14 +276,43 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
         reason = request.reason or FR.FINISH_REASON_ABORT
+        index = request.index if request.HasField("index") else None
+        stream = self.streams.get(request.request_id)
         found = self._find(request.request_id) is not None or request.request_id in self.orphans
+        if index is not None:
+            found = found and stream is not None and index in stream.open_samples
         if found:
-            self._end(request.request_id, reason)
+            self._end(request.request_id, reason, index=index)
         return scheduler_pb2.AbortResponse(found=found)
+
+    async def Suspend(self, request: scheduler_pb2.SuspendRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SuspendResponse:
+        """Pause every replica after its step in flight; the workers keep, offload or drop their KV caches."""
+        mode = request.mode or FR.KVCacheManagementMode.Value(
+            "KV_CACHE_MANAGEMENT_MODE_" + self.config.kv_cache_management_mode.upper())
+        released = 0
+        try:
+            for replica in self._up():
+                released += await replica.suspend(mode)
+        except grpc.aio.AioRpcError as exc:
+            for replica in self._up():
+                await replica.resume()
+            await context.abort(exc.code(), f"a worker could not suspend its KV cache: {exc.details()}")
+        log.info("engine suspended", mode=FR.KVCacheManagementMode.Name(mode), released_bytes=released)
+        return scheduler_pb2.SuspendResponse(mode=mode, released_bytes=released)
+
+    async def Resume(self, request: scheduler_pb2.ResumeRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.ResumeResponse:
+        try:
+            for replica in self._up():
+                await replica.resume()
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), f"a worker could not resume its KV cache: {exc.details()}")
+        log.info("engine resumed")
+        return scheduler_pb2.ResumeResponse()
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
         total = common_pb2.PoolStats()
         replicas = []
+        waste_weighted = 0.0  # internal waste of the replicas, weighted by their used blocks
         for r in self.replicas:
             pool = r.core.pool_stats() if r.core is not None else common_pb2.PoolStats()
             replicas.append(scheduler_pb2.ReplicaStatus(index=r.index, address=r.address, up=r.up,
@@ -273,8 +323,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             total.steps = max(total.steps, pool.steps)
             total.block_size = pool.block_size or total.block_size
             total.num_deadline_exceeded += r.num_deadline_exceeded
+            total.suspended = total.suspended or (r.core is not None and r.core.suspended)
+            waste_weighted += pool.internal_waste * pool.used_blocks
         total.usage = total.used_blocks / total.total_blocks if total.total_blocks else 0.0
-        total.num_waiting += len(self.orphans)
+        total.internal_waste = waste_weighted / total.used_blocks if total.used_blocks else 0.0
+        total.num_waiting += sum(len(o.seqs) for o in self.orphans.values())
         total.num_workers = len(self.replicas)
         total.num_workers_up = len(self._up())
         total.num_deadline_exceeded += self.num_deadline_exceeded

@@ -103,3 +103,19 @@ def test_resilience_keys_are_validated() -> None:
                            ({"serving.backend.fallback": "maybe"}, "serving.backend.fallback")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(env={}, cli_overrides=overrides)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    ({"prefix_caching_eviction_policy": "fifo"}, "prefix_caching_eviction_policy"),
+    ({"max_prefill_chunk_tokens": -1}, "max_prefill_chunk_tokens"),
+    ({"preemption_mode": "drop"}, "preemption_mode"),
+    ({"kv_cache_management_mode": "swap"}, "kv_cache_management_mode"),
+])
+def test_kv_cache_keys_are_validated(overrides: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        Config(**overrides).validate()
+
+
+def test_offload_is_the_seed_name_of_swap_preemption() -> None:
+    assert Config(preemption_mode="offload").validate().preemption_mode == "swap"
+    assert load_config(None, {"HETERO_PREFIX_CACHING_EVICTION_POLICY": "ref_zero"}, {}).prefix_caching_eviction_policy == "ref_zero"

@@ -60,18 +60,28 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "sample", "num_cached_tokens")
+    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "sample", "num_cached_tokens", "block_table_edits")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_EDITS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     num_cached_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    block_table_edits: _containers.RepeatedCompositeFieldContainer[BlockTableEdit]
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., block_table_edits: _Optional[_Iterable[_Union[BlockTableEdit, _Mapping]]] = ...) -> None: ...
+
+class BlockTableEdit(_message.Message):
+    __slots__ = ("index", "block_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    block_id: int
+    def __init__(self, index: _Optional[int] = ..., block_id: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
