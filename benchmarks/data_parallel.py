@@ -11,7 +11,7 @@ with `data_parallel_size` replicas.
 The hit rate printed is the router's own figure: of the prompts' full KV blocks, the
 fraction already routed to the chosen replica (the router's per-replica index of chained
 block hashes). It stands for the prefix cache's hit rate; the pool's real prefix-cache
-counters are printed beside it (zero until prefix caching is enabled in the scheduler).
+counters (prefix caching is on by default) are printed beside it.
 Without --model, a tiny seeded Llama is built in a temporary directory.
 """
 

@@ -100,11 +100,11 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
     elif attention.name != "flashinfer":
         log.info("cuda graphs off", reason="decode graphs need the flashinfer backend")
     else:
-        graphs = _capture_graphs(model, attention, kv_cache, config, pad_block, block_size, max_positions)
+        graphs = capture_decode_graphs(model, attention, kv_cache, config, pad_block, block_size, max_positions)
     return CudaWorker(attention, kv_cache, num_blocks, graphs, seconds)
 
 
-def _capture_graphs(model, attention, kv_cache: torch.Tensor, config: Config, pad_block: int, block_size: int,
+def capture_decode_graphs(model, attention, kv_cache: torch.Tensor, config: Config, pad_block: int, block_size: int,
                     max_positions: int) -> DecodeGraphs:
     from kernels.flashinfer_backend import FlashInferGraphDecode
 

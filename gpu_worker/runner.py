@@ -90,6 +90,8 @@ class ModelRunner:
         self.swapped: dict[int, torch.Tensor] = {}  # seq id -> its blocks in host memory (preemption by swap)
         self._suspended_kv: torch.Tensor | None = None  # the KV cache in host memory while suspended (offload)
         self._suspend_mode = ""
+        self._kv_shape: tuple[int, ...] = tuple(self.kv_cache.shape)
+        self._recapture_graphs = False
         self.steps = 0
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
@@ -151,8 +153,11 @@ class ModelRunner:
         released = 0
         if mode in ("offload", "recompute"):
             released = self.kv_cache.numel() * self.kv_cache.element_size()
+            self._kv_shape = tuple(self.kv_cache.shape)
             self._suspended_kv = self.kv_cache.to("cpu", copy=True) if mode == "offload" else None
             self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
+            # CUDA graphs captured the cache's address: drop them now, capture again on resume.
+            self._recapture_graphs, self.graphs = self.graphs is not None, None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         self._suspend_mode = mode
@@ -164,9 +169,12 @@ class ModelRunner:
         if mode == "offload" and self._suspended_kv is not None:
             self.kv_cache = self._suspended_kv.to(self.device)
         elif mode == "recompute":
-            mc = self.model_config
-            self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
-                                              mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+            self.kv_cache = torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device)
+        if mode in ("offload", "recompute") and self._recapture_graphs:
+            from gpu_worker.cuda_setup import capture_decode_graphs
+
+            self.graphs = capture_decode_graphs(self.model, self.attention, self.kv_cache, self.config,
+                                                self.kv_cache.shape[1] - 1, self.block_size, self.max_positions)
         self._suspended_kv = None
         log.info("kv cache resumed", mode=mode or "none")
 
