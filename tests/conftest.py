@@ -73,9 +73,14 @@ def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0) -> Iter
         with grpc.insecure_channel(address) as channel:
             yield Stack(process, address, channel, http_port)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
+
+
+def stop_process(process: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM (the stack drains and stops its children), then SIGKILL after the grace period."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

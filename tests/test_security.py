@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import ssl
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from hetero_infer.supervisor import wait_healthy
 from tests.certs import Pki, make_pki
-from tests.conftest import REPO_ROOT, free_port
+from tests.conftest import REPO_ROOT, free_port, stop_process
 
 pytestmark = pytest.mark.slow
 KEY, FILE_KEY, WRONG = "sk-test-7f3a9c", "sk-from-file-51d2", "sk-wrong-0000"
@@ -65,12 +64,7 @@ def secure_stack(tiny_llama_dir: Path, pki: Pki, tmp_path_factory: pytest.TempPa
             wait_healthy(f"127.0.0.1:{grpc_port}", 240, process, grpc.ssl_channel_credentials(pki.ca_file.read_bytes()))
             yield SecureStack(pki, grpc_port, http_port, worker_address, log_file)
         finally:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop_process(process)
 
 
 def _complete(channel: grpc.Channel, key: str | None) -> inference_pb2.GenerateResponse:
