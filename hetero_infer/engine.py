@@ -22,7 +22,7 @@ from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.config import Config
 from hetero_infer.errors import ValidationError
-from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
 
 
 @dataclass
@@ -148,7 +148,7 @@ class InferenceEngine:
     def step(self) -> list[CompletedRequest]:
         """Run one engine step; return the requests that finished in it."""
         plan = self.scheduler.schedule()
-        if not plan.scheduled:
+        if not plan_needs_worker(plan):
             return []
         result = self.runner.execute(plan)
         completed = []

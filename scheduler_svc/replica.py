@@ -21,7 +21,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.config import Config
 from hetero_infer.grpc_server import CHANNEL_OPTIONS, internal_channel
-from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
 from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.replica")
@@ -211,8 +211,7 @@ class Replica:
 
     async def _step(self, core: Scheduler) -> bool:
         plan = core.schedule()
-        if not (plan.scheduled or plan.swap_out or plan.swap_in or plan.block_copies):
-            # Nothing to compute or move (released ids wait in the core for the next plan).
+        if not plan_needs_worker(plan):
             return False
         if self._reset_worker:
             plan.reset = True

@@ -50,6 +50,14 @@ class TokenOutput:
     cached_prompt_tokens: int = 0  # set on a sample's first output
 
 
+def plan_needs_worker(plan: worker_pb2.StepPlan) -> bool:
+    """Whether a plan must reach the worker: tokens to compute, or blocks to swap or copy.
+
+    A swap-in alone must be sent even when nothing is computed this step: the sequence's
+    block table and K/V arrive with it."""
+    return bool(plan.scheduled or plan.swap_out or plan.swap_in or plan.block_copies)
+
+
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         self.config = config
@@ -57,7 +65,13 @@ class Scheduler:
         self.prefix_caching = config.enable_prefix_caching
         self.pool = BlockPool(num_blocks, cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_model_len = max_model_len
+        capacity = num_blocks * self.block_size
+        if max_model_len > capacity:
+            # A sequence longer than the whole pool could never be scheduled: it would preempt
+            # itself forever. It stops with finish reason length at the pool's capacity instead.
+            log.warning("max_model_len lowered to the KV pool's capacity", max_model_len=max_model_len,
+                        capacity=capacity, hint="raise max_num_blocks or the KV memory budget")
+        self.max_model_len = min(max_model_len, capacity)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.swapped: deque[Sequence] = deque()  # preempted to host memory, oldest first
@@ -170,7 +184,8 @@ class Scheduler:
         # copy is pending: a swap-in lands before the copies on the worker and could overwrite a source.
         while self.swapped and not self._block_copies and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            if seq.num_swapped_blocks + 1 > self.pool.num_free:
+            next_token_blocks = -(-(seq.num_computed + 1) // self.block_size)
+            if max(seq.num_swapped_blocks, next_token_blocks) > self.pool.num_free:
                 break
             self.swapped.popleft()
             seq.block_table = self.pool.allocate(seq.num_swapped_blocks)
@@ -196,10 +211,6 @@ class Scheduler:
             seq_budget -= 1
             token_budget -= n
 
-        if scheduled or plan.swap_in or self._swap_out or self._block_copies:
-            # A plan with nothing to compute or move is not sent: released ids wait for the next one.
-            plan.released_seq_ids.extend(self._released)
-            self._released.clear()
         plan.swap_out.extend(self._swap_out)
         plan.block_copies.extend(self._block_copies)
         self._swap_out.clear()
@@ -218,6 +229,10 @@ class Scheduler:
             plan.scheduled.append(entry)
             seq.num_blocks_sent = len(seq.block_table)
             seq.last_scheduled_step = self.step_id
+        if plan_needs_worker(plan):
+            # A plan with nothing to compute or move is not sent: released ids wait for the next one.
+            plan.released_seq_ids.extend(self._released)
+            self._released.clear()
         self._in_flight = list(plan.scheduled)
         return plan
 

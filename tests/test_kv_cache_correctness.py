@@ -159,3 +159,24 @@ def test_qwen2_everything_at_once_matches(tiny_qwen2_dir: Path) -> None:
         assert [samples[i] for i in ids] == [{0: r, 1: r} for r in ref]
     stats = eng.get_memory_stats()
     assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0 and stats.used_blocks == 0
+
+
+def test_swap_in_alone_reaches_the_worker_and_the_pool_caps_the_length(tiny_llama_dir: Path) -> None:
+    """A step whose only work is a swap-in must still be sent: the K/V and block table arrive with it.
+
+    Three blocks of 4 tokens: both 4-token prompts fit; at the first decode the newer one needs a
+    block that is not there and swaps itself out; the older one finishes; the next step has
+    nothing to compute, only the swap-in. The survivor then stops at the pool's 12 tokens
+    (finish reason length) instead of preempting itself forever."""
+    prompts = [p[:4] for p in make_prompts()[2:4]]
+    reference = hf_greedy(tiny_llama_dir, prompts, new_tokens=10)
+    eng = engine(tiny_llama_dir, block_size=4, max_num_blocks=3, memory_threshold=1.0, preemption_mode="swap",
+                 enable_prefix_caching=False)
+    assert eng.scheduler.max_model_len == 12
+    first = eng.submit_request(prompts[0], GenerationParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    second = eng.submit_request(prompts[1], GenerationParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    done = {r.request_id: r for r in eng.run()}
+    assert eng.scheduler.num_swap_outs > 0
+    assert done[first].output_token_ids == reference[0][:2]
+    assert done[second].output_token_ids == reference[1][:8] and done[second].finish_reason == "length"
+    assert eng.get_memory_stats().used_blocks == 0
