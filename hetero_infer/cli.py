@@ -16,6 +16,7 @@ import sys
 from hetero_infer.config import add_config_arguments, config_from_args
 from hetero_infer.errors import HeteroError
 from hetero_infer.log import configure_logging
+from hetero_infer.supervision import die_with_parent
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("worker", "run one model worker")):
         service = sub.add_parser(name, help=text, description=text)
         add_config_arguments(service)
+        if name != "serve":  # set by `serve` on its children; not configuration
+            service.add_argument("--supervisor-pid", type=int, default=None,
+                                 help="exit (SIGTERM) when this process, the `serve` that started us, dies")
         if name == "worker":  # set per process by `serve` for tensor-parallel ranks; not configuration
             service.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank of this process")
             service.add_argument("--tp-init-file", default=None, help="torch.distributed rendezvous file of the group")
@@ -101,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetero-infer: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format, service=args.command)
+    if getattr(args, "supervisor_pid", None) is not None and not die_with_parent(args.supervisor_pid):
+        return 1  # `serve` is already gone: nothing to serve for
     try:
         if args.command == "serve":
             from hetero_infer.supervisor import serve

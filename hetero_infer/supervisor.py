@@ -6,12 +6,12 @@ gateway; each must answer its gRPC health check before the next starts. A worker
 that dies is restarted (with the rest of its tensor-parallel group) unless
 `restart_workers` is false; the scheduler notices it rejoin. Ctrl-C or SIGTERM stops the
 services in reverse order, each draining within `drain_grace_s`; children also get SIGTERM
-if this process dies (PR_SET_PDEATHSIG), so no orphans are left behind.
+if this process dies (each child asks for PR_SET_PDEATHSIG itself: see supervision.py), so no
+orphans are left behind.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -30,14 +30,6 @@ from hetero_infer.config import Config
 from hetero_infer.grpc_server import channel_credentials
 
 log = structlog.get_logger("hetero_infer.supervisor")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the supervisor's own signal handling still stops the children
 
 
 def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None,
@@ -101,10 +93,10 @@ class Supervisor:
         group.processes = []
         for rank in range(tp):
             cmd = [sys.executable, "-m", "hetero_infer.cli", "worker", "--config", self.config_path,
-                   "--worker-address", group.address]
+                   "--worker-address", group.address, "--supervisor-pid", str(os.getpid())]
             if tp > 1:
                 cmd += ["--tp-rank", str(rank), "--tp-init-file", init_file]
-            process = subprocess.Popen(cmd, env=self.child_env, preexec_fn=_die_with_parent)
+            process = subprocess.Popen(cmd, env=self.child_env)
             group.processes.append(process)
             log.info("starting", service="worker", replica=group.replica, rank=rank, pid=process.pid, address=group.address)
         group.started_at = time.monotonic()
@@ -128,8 +120,8 @@ class Supervisor:
         for name, address, creds in (("scheduler", c.scheduler_address, internal),
                                      ("gateway", f"{c.serving.host}:{c.serving.port}",
                                       channel_credentials(c.serving.tls, mutual=False))):
-            process = subprocess.Popen([sys.executable, "-m", "hetero_infer.cli", name, "--config", self.config_path],
-                                       env=self.child_env, preexec_fn=_die_with_parent)
+            process = subprocess.Popen([sys.executable, "-m", "hetero_infer.cli", name, "--config", self.config_path,
+                                        "--supervisor-pid", str(os.getpid())], env=self.child_env)
             self.children.append(Child(name, address, process))
             log.info("starting", service=name, pid=process.pid, address=address)
             wait_healthy(address, c.startup_timeout_s, process, creds)
