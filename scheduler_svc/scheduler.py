@@ -439,6 +439,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
+            # A swap-out not sent yet is moot, and the worker forgets released ids before swapping.
+            self._swap_out = [sw for sw in self._swap_out if sw.seq_id != seq.seq_id]
         elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
