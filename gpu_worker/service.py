@@ -36,6 +36,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.steps: queue.Queue[tuple[str, Callable[[], Any], futures.Future[Any]] | None] = queue.Queue()
+        self.stopping = False
 
     def run_model_loop(self) -> None:
         """Run on the main thread until `None` arrives: run each queued call (steps, suspend, resume) in order."""
@@ -53,18 +54,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         log.error("tensor-parallel group broken; exiting", rank=0)
                         os._exit(70)
                     future.set_exception(exc)
+        # Stopping: calls still queued are cancelled, not left blocking their handler threads.
+        self.stopping = True
+        while not self.steps.empty():
+            if (item := self.steps.get_nowait()) is not None:
+                item[2].cancel()
 
     def _on_model_thread(self, what: str, call: Callable[[], Any], context: grpc.ServicerContext) -> Any:
+        if self.stopping:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is stopping")
         future: futures.Future[Any] = futures.Future()
         self.steps.put((what, call, future))
         try:
             return future.result()
+        except futures.CancelledError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is stopping")
+            raise
         except Exception as exc:
             context.abort(*error_status(exc))
             raise  # unreachable: abort raises
 
     def Describe(self, request: worker_pb2.DescribeRequest, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
-        return self.runner.describe()
+        # On the model thread, behind any step: a worker whose model is stuck (a hung step) does
+        # not answer, so the scheduler keeps its replica down instead of sending it more work.
+        return self._on_model_thread("describe", self.runner.describe, context)
 
     def ExecuteStep(self, plan: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
         return self._on_model_thread(f"step {plan.step_id}", lambda: self._execute_step(plan), context)

@@ -125,6 +125,7 @@ class Config:
     restart_workers: bool = True  # `serve` restarts a worker process that died
     health_check_interval_s: float = 0.5  # how often the scheduler probes each worker replica
     worker_recovery_timeout_s: float = 30.0  # requests wait this long for a replica to come back, then UNAVAILABLE
+    worker_step_timeout_s: float = 300.0  # a step (or suspend/resume) not answered by then fails its requests: a hung worker
     retry_backoff_s: float = 0.05  # first retry delay of internal calls (exponential with jitter, capped at 1 s)
     max_queued_requests: int = 1024  # waiting (not admitted) requests; beyond it Submit answers RESOURCE_EXHAUSTED
     drain_grace_s: float = 10.0  # on SIGTERM, in-flight requests get this long to finish
@@ -236,6 +237,7 @@ class Config:
                self.routing_policy, "must be round_robin, longest_prefix or first_prefix_block")
         _check(self.health_check_interval_s > 0, "health_check_interval_s", self.health_check_interval_s, "must be positive")
         _check(self.worker_recovery_timeout_s >= 0, "worker_recovery_timeout_s", self.worker_recovery_timeout_s, "must be >= 0")
+        _check(self.worker_step_timeout_s > 0, "worker_step_timeout_s", self.worker_step_timeout_s, "must be positive")
         _check(self.retry_backoff_s >= 0, "retry_backoff_s", self.retry_backoff_s, "must be >= 0")
         _check(self.max_queued_requests >= 1, "max_queued_requests", self.max_queued_requests, "must be >= 1")
         _check(self.drain_grace_s >= 0, "drain_grace_s", self.drain_grace_s, "must be >= 0")

@@ -28,7 +28,6 @@ log = structlog.get_logger("scheduler_svc.replica")
 # Reconnect to a restarted worker quickly (gRPC's default backoff grows to minutes).
 REPLICA_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
                            ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
-STEP_TIMEOUT_S = 300.0
 
 
 def transient(exc: BaseException) -> bool:
@@ -161,7 +160,7 @@ class Replica:
                 return 0
             self.core.suspend(name)
             try:
-                answer = await self.stub.SuspendKVCache(worker_pb2.SuspendKVCacheRequest(mode=mode), timeout=STEP_TIMEOUT_S)
+                answer = await self.stub.SuspendKVCache(worker_pb2.SuspendKVCacheRequest(mode=mode), timeout=self.config.worker_step_timeout_s)
             except grpc.aio.AioRpcError:
                 self.core.resume()
                 self.wake.set()
@@ -171,7 +170,7 @@ class Replica:
     async def resume(self) -> None:
         async with self._lock:
             if self.core is not None and self.core.suspended:
-                await self.stub.ResumeKVCache(worker_pb2.ResumeKVCacheRequest(), timeout=STEP_TIMEOUT_S)
+                await self.stub.ResumeKVCache(worker_pb2.ResumeKVCacheRequest(), timeout=self.config.worker_step_timeout_s)
                 self.core.resume()
         self.wake.set()
 
@@ -218,10 +217,15 @@ class Replica:
             self._reset_worker = False
         started = time.perf_counter()
         try:
-            result = await self.stub.ExecuteStep(plan, timeout=STEP_TIMEOUT_S)
+            result = await self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if transient(exc):
                 await self._step_lost(core, exc.details() or "UNAVAILABLE")
+            elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # Alive but hung: its sequences move on (another replica, or this one once it
+                # answers Describe again, which waits behind the stuck step).
+                self._go_down(f"no answer to step {plan.step_id} within worker_step_timeout_s "
+                              f"({self.config.worker_step_timeout_s} s): worker hung")
             else:  # the worker could not run the step: fail its requests, reset its state
                 log.error("step failed", replica=self.index, step_id=plan.step_id, error=exc.details())
                 self._dispatch(core.fail_all(f"worker step failed: {exc.details()}"))

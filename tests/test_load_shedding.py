@@ -1,4 +1,5 @@
-"""Bounded queue, deadlines, idempotent Submit and SIGTERM drain on the real three-process stack."""
+"""Bounded queue, deadlines, idempotent Submit, SIGTERM drain and no orphans after a SIGKILL of
+`serve`, on the real three-process stack."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -106,7 +108,9 @@ def test_resubmitting_a_request_id_in_flight_reattaches_without_a_second_generat
 
 
 def test_sigterm_drains_in_flight_requests(tiny_llama_dir: Path) -> None:
-    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--log-level", "warning") as stack:
+    # A grace far above the stream's needs: a loaded CI machine must not turn a drain into a cut.
+    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--log-level", "warning",
+                   "--drain-grace-s", "120") as stack:
         call = stack.inference.Generate(request(120, "draining"))
         tokens = list(next(call).token_ids)
         stack.process.send_signal(signal.SIGTERM)
@@ -133,6 +137,17 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir: Path) -> None:
             raise AssertionError(f"stream broken after {time.monotonic() - started:.1f} s, {len(tokens)} tokens") from exc
         assert len(tokens) == 120 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert stack.process.wait(60) == 0
+
+
+def test_killing_serve_leaves_no_orphans(tiny_llama_dir: Path) -> None:
+    """SIGKILL gives `serve` no chance to stop its children: each asked the kernel to be told."""
+    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--log-level", "warning") as stack:
+        children = psutil.Process(stack.process.pid).children()
+        assert len(children) == 3  # worker, scheduler, gateway
+        stack.process.kill()
+        stack.process.wait(10)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"orphans: {[p.pid for p in alive]}"
 
 
 def test_same_request_id_with_another_prompt_is_refused(stack: Stack, scheduler_address: str) -> None:

@@ -138,3 +138,35 @@ def test_only_replica_killed_not_restarted_every_stream_ends_unavailable(tiny_ll
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         p = wait_idle(stack)
         assert (p.used_blocks, p.num_running, p.num_waiting, p.num_workers_up) == (0, 0, 0, 0)
+
+
+def test_hung_replica_sequences_move_on_and_it_rejoins_when_it_answers(tiny_llama_dir: Path) -> None:
+    """SIGSTOP one of two workers mid-generation (alive but silent: no connection error, no exit).
+    After worker_step_timeout_s its streams move to the other replica and complete unchanged; it
+    stays down while silent, rejoins after SIGCONT, and serves again."""
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    flags = stack_flags(addresses, "--restart-workers", "false", "--worker-step-timeout-s", "3")
+    with run_stack(tiny_llama_dir, *flags) as stack:
+        reference = run_streams(stack)
+        victim = worker_pid(addresses[1])
+        stopped = threading.Event()
+
+        def on_progress(total: int) -> None:
+            if total >= NUM_STREAMS * 5 and not stopped.is_set():
+                stopped.set()
+                os.kill(victim, signal.SIGSTOP)
+        try:
+            disturbed = run_streams(stack, on_progress)
+            assert stopped.is_set()
+            assert disturbed == reference
+            p = pool(stack)
+            assert p.num_workers_up == 1 and p.num_recovered_sequences > 0
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while pool(stack).num_workers_up < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pool(stack).num_workers_up == 2
+        assert run_streams(stack) == reference
+        p = wait_idle(stack)
+        assert (p.used_blocks, p.num_workers_up) == (0, 2)
