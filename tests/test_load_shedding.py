@@ -15,9 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import Stack, free_port, run_stack
 from tests.test_resilience import pool, wait_idle
+from tests.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
-LONG = 400  # tokens: seconds of work on the tiny model
+LONG = 2000  # tokens: several seconds of work through the stack (400 took ~1 s: too close to a 1 s deadline)
 
 
 def request(max_tokens: int, request_id: str = "", first: int = 5) -> inference_pb2.GenerateRequest:
@@ -33,9 +34,15 @@ def scheduler_address() -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, scheduler_address: str):
+def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Generations long enough to outlast a 1 s deadline (the shared tiny model stops at 512 positions)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4k"), seed=1, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def stack(long_context_llama_dir: Path, scheduler_address: str):
     # Two sequences run at once; two more may wait; everything beyond is refused.
-    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--max-num-seqs", "2",
+    with run_stack(long_context_llama_dir, "--block-size", "5", "--max-model-len", "2048", "--max-num-seqs", "2",
                    "--max-queued-requests", "2", "--scheduler-address", scheduler_address,
                    "--log-level", "warning") as s:
         yield s

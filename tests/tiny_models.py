@@ -63,7 +63,8 @@ def _save(model: torch.nn.Module, directory: Path) -> Path:
     return directory
 
 
-def make_tiny_llama(directory: Path, seed: int = 0, tie_word_embeddings: bool = False) -> Path:
+def make_tiny_llama(directory: Path, seed: int = 0, tie_word_embeddings: bool = False,
+                    max_position_embeddings: int = 512) -> Path:
     """A 2-layer Llama with grouped-query attention (4 query heads share 2 KV heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -75,7 +76,7 @@ def make_tiny_llama(directory: Path, seed: int = 0, tie_word_embeddings: bool = 
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         bos_token_id=1,
