@@ -137,6 +137,11 @@ def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode,
             s.abort(rid, index=None if op[2] < 0 else op[2])
         elif op[0] == "preempt" and s.running and not s._in_flight:
             s._preempt(s.running[op[1] % len(s.running)])
+            # In the service a preemption happens inside schedule(), and a swap-out leaves with
+            # that step's plan: nothing can come between them.
+            plan = s.schedule()
+            if plan_needs_worker(plan):
+                s.process_result(worker.execute(plan))
         elif op[0] == "evict":
             # Another user takes blocks off the free list's head (evicting cached ones) and gives them back.
             taken = s.pool.allocate(min(op[1], s.pool.num_free))
