@@ -10,6 +10,7 @@ GET /healthz, /readyz, /metrics (open, for probes and scrapers).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import socket
@@ -55,9 +56,10 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-async def _merged(servicer: InferenceServicer,
-                  requests: list[inference_pb2.GenerateRequest]) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
-    """Run the sub-requests concurrently; yield (index, response) as they come. Errors propagate."""
+async def _merged(servicer: InferenceServicer, requests: list[inference_pb2.GenerateRequest],
+                  n: int) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
+    """Run the prompts' requests (n samples each) concurrently; yield (choice index, response) as
+    they come, choice index = request index * n + sample index. Errors propagate."""
     queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, request: inference_pb2.GenerateRequest) -> None:
@@ -80,8 +82,8 @@ async def _merged(servicer: InferenceServicer,
             elif isinstance(item, BaseException):
                 raise item
             else:
-                yield index, item
-    finally:  # a client that goes away (or an error) cancels every sub-request, aborting them downstream
+                yield index * n + item.index, item
+    finally:  # a client that goes away (or an error) cancels every request, aborting them downstream
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -156,39 +158,45 @@ class HttpApi:
     async def completions(self, body: oa.CompletionBody) -> Response:
         rid = uuid.uuid4().hex[:16]
         requests = oa.completion_requests(body, rid)
-        prompts = len(requests) // body.n
         if body.stream:
-            return await self._stream(requests, rid, "text_completion", body.include_usage_in_stream, prompts)
-        parts: dict[int, list[inference_pb2.GenerateResponse]] = {i: [] for i in range(len(requests))}
-        async for index, part in _merged(self.servicer, requests):
-            parts[index].append(part)
+            return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream)
+        parts, usages = await self._collect(requests, body.n)
         choices = [{"index": i, "text": "".join(p.text for p in ps), "finish_reason": oa.finish_reason(ps[-1].finish_reason),
                     "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.completion_logprobs(self.servicer.tokenizer, ps)} for i, ps in parts.items()]
         answer = oa.envelope("text_completion", rid, self.servicer.model_name, choices)
-        answer["usage"] = oa.usage([ps[-1] for ps in parts.values()], prompts)
+        answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
     async def chat_completions(self, body: oa.ChatBody) -> Response:
         rid = uuid.uuid4().hex[:16]
-        requests = oa.chat_requests(body, rid)
+        requests = [oa.chat_request(body, rid)]
         if body.stream:
-            return await self._stream(requests, rid, "chat.completion.chunk", body.include_usage_in_stream, 1)
-        parts: dict[int, list[inference_pb2.GenerateResponse]] = {i: [] for i in range(len(requests))}
-        async for index, part in _merged(self.servicer, requests):
-            parts[index].append(part)
+            return await self._stream(requests, body.n, rid, "chat.completion.chunk", body.include_usage_in_stream)
+        parts, usages = await self._collect(requests, body.n)
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
                     "finish_reason": oa.finish_reason(ps[-1].finish_reason), "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]
         answer = oa.envelope("chat.completion", rid, self.servicer.model_name, choices)
-        answer["usage"] = oa.usage([ps[-1] for ps in parts.values()])
+        answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
-    async def _stream(self, requests: list[inference_pb2.GenerateRequest], rid: str, kind: str, include_usage: bool,
-                      prompts: int) -> Response:
+    async def _collect(self, requests: list[inference_pb2.GenerateRequest],
+                       n: int) -> tuple[dict[int, list[inference_pb2.GenerateResponse]], list[common_pb2.Usage]]:
+        """Every choice's messages (by choice index, in order) and each request's usage."""
+        parts: dict[int, list[inference_pb2.GenerateResponse]] = {}
+        usages: list[common_pb2.Usage] = []
+        async for index, part in _merged(self.servicer, requests, n):
+            parts.setdefault(index, []).append(part)
+            if part.HasField("usage"):  # a request's last message: its prompt once, all its samples
+                usages.append(part.usage)
+        return dict(sorted(parts.items())), usages
+
+    async def _stream(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str, kind: str,
+                      include_usage: bool) -> Response:
         """Server-sent events. The first message is awaited before answering, so a bad request still
         gets its 4xx status (not a 200 stream carrying an error)."""
-        events = _merged(self.servicer, requests)
+        events = _merged(self.servicer, requests, n)
         try:
             first = await anext(events)
         except StopAsyncIteration:
@@ -197,7 +205,7 @@ class HttpApi:
             await events.aclose()
             raise
         created, model, chat = int(time.time()), self.servicer.model_name, kind == "chat.completion.chunk"
-        offsets = [0] * len(requests)
+        offsets: dict[int, int] = collections.defaultdict(int)
 
         def chunk(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": index, "finish_reason": oa.finish_reason(part.finish_reason)}
@@ -216,22 +224,21 @@ class HttpApi:
 
         async def body() -> AsyncIterator[bytes]:
             started: set[int] = set()
-            finals: dict[int, inference_pb2.GenerateResponse] = {}
+            usages: list[common_pb2.Usage] = []
             try:
                 pending = [first] if first is not None else []
                 while True:
                     for index, part in pending:
                         yield _sse(chunk(index, part, index not in started))
                         started.add(index)
-                        if part.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                            finals[index] = part
+                        if part.HasField("usage"):
+                            usages.append(part.usage)
                     try:
                         pending = [await anext(events)]
                     except StopAsyncIteration:
                         break
                 if include_usage:
-                    done = [finals[i] for i in sorted(finals)]
-                    yield _sse({**oa.envelope(kind, rid, model, [], created), "usage": oa.usage(done, prompts)})  # type: ignore[arg-type]
+                    yield _sse({**oa.envelope(kind, rid, model, [], created), "usage": oa.usage(usages)})  # type: ignore[arg-type]
             except HeteroError as exc:  # after the 200 went out: report in-band, as OpenAI does
                 yield _sse(error_body(http_status_for(exc), exc.message))
             finally:

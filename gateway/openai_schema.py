@@ -6,9 +6,10 @@ max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, logprobs
 stream_options.include_usage. Extensions (as vLLM names them): top_k, ignore_eos.
 Unknown fields are ignored, as most OpenAI-compatible servers do.
 
-`n` samples are served as n sub-requests of the same prompt with derived request ids
-(`<id>-<i>`) and, when a seed is given, derived seeds (seed + i), so sample i of a seeded
-request is reproducible on its own. Greedy samples are identical, as in OpenAI's API.
+`n` samples go to the engine as one request per prompt with `params.n`, exactly as a gRPC
+client would send them: the samples share the prompt's KV blocks (copy-on-write), and with a
+seed, sample i draws from the same derived seed as gRPC's sample i, so both protocols give the
+same samples. Greedy samples are identical, as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.errors import ValidationError
+from hetero_infer.sampling import MAX_N
 
-MAX_HTTP_N = 16
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_UNSPECIFIED: None}
 
@@ -74,8 +75,10 @@ class ChatBody(_Body):
     top_logprobs: int | None = Field(default=None, ge=0)
 
 
-def _params(body: _Body, max_tokens: int | None, logprobs: int | None, sample: int) -> common_pb2.SamplingParams:
+def _params(body: _Body, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
     p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos)
+    if body.n != 1:
+        p.n = body.n
     if max_tokens is not None:
         p.max_tokens = max_tokens
     if body.temperature is not None:
@@ -85,7 +88,7 @@ def _params(body: _Body, max_tokens: int | None, logprobs: int | None, sample: i
     if body.top_k is not None and body.top_k > 0:
         p.top_k = body.top_k
     if body.seed is not None:
-        p.seed = body.seed + sample
+        p.seed = body.seed
     if body.stop is not None:
         p.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if logprobs is not None:
@@ -94,12 +97,12 @@ def _params(body: _Body, max_tokens: int | None, logprobs: int | None, sample: i
 
 
 def _check_n(body: _Body) -> None:
-    if not 1 <= body.n <= MAX_HTTP_N:
-        raise ValidationError(f"n must be in 1..{MAX_HTTP_N} (got {body.n})")
+    if not 1 <= body.n <= MAX_N:
+        raise ValidationError(f"n must be in 1..{MAX_N} (got {body.n})")
 
 
 def completion_requests(body: CompletionBody, request_id: str) -> list[inference_pb2.GenerateRequest]:
-    """One GenerateRequest per (prompt, sample); choice index = prompt index * n + sample."""
+    """One GenerateRequest per prompt, each asking for n samples; choice index = prompt index * n + sample."""
     _check_n(body)
     if body.echo:
         raise ValidationError("echo is not supported; the prompt is not returned with the completion")
@@ -112,26 +115,25 @@ def completion_requests(body: CompletionBody, request_id: str) -> list[inference
         raise ValidationError("prompt must not be empty")
     requests = []
     for i, prompt in enumerate(prompts):
-        for j in range(body.n):
-            r = inference_pb2.GenerateRequest(request_id=f"{request_id}-{i * body.n + j}", model=body.model or "",
-                                              params=_params(body, body.max_tokens, body.logprobs, j))
-            if isinstance(prompt, str):
-                r.prompt = prompt
-            else:
-                r.prompt_token_ids.ids.extend(prompt)
-            requests.append(r)
+        r = inference_pb2.GenerateRequest(request_id=f"{request_id}-{i}", model=body.model or "",
+                                          params=_params(body, body.max_tokens, body.logprobs))
+        if isinstance(prompt, str):
+            r.prompt = prompt
+        else:
+            r.prompt_token_ids.ids.extend(prompt)
+        requests.append(r)
     return requests
 
 
-def chat_requests(body: ChatBody, request_id: str) -> list[inference_pb2.GenerateRequest]:
+def chat_request(body: ChatBody, request_id: str) -> inference_pb2.GenerateRequest:
     _check_n(body)
     if body.top_logprobs and not body.logprobs:
         raise ValidationError("top_logprobs requires logprobs: true")
     chat = inference_pb2.Chat(messages=[inference_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages])
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return [inference_pb2.GenerateRequest(request_id=f"{request_id}-{j}", model=body.model or "", chat=chat,
-                                          params=_params(body, max_tokens, logprobs, j)) for j in range(body.n)]
+    return inference_pb2.GenerateRequest(request_id=f"{request_id}-0", model=body.model or "", chat=chat,
+                                         params=_params(body, max_tokens, logprobs))
 
 
 # ----------------------------------------------------------------------------- responses
@@ -174,11 +176,11 @@ def chat_logprobs(parts: list[inference_pb2.GenerateResponse]) -> dict[str, Any]
     return {"content": content}
 
 
-def usage(finals: list[inference_pb2.GenerateResponse], prompts: int = 1) -> dict[str, int]:
-    """Prompt tokens count once per distinct prompt (as OpenAI counts n samples), completions add up."""
-    per_prompt = len(finals) // max(prompts, 1) or 1
-    prompt_tokens = sum(f.usage.prompt_tokens for f in finals[::per_prompt])
-    completion = sum(f.usage.completion_tokens for f in finals)
+def usage(per_request: list[common_pb2.Usage]) -> dict[str, int]:
+    """The sum over the prompts' requests. Each request's usage counts its prompt once and the
+    tokens of all its n samples, as OpenAI counts them."""
+    prompt_tokens = sum(u.prompt_tokens for u in per_request)
+    completion = sum(u.completion_tokens for u in per_request)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 

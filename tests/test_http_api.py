@@ -98,6 +98,30 @@ def test_chat_matches_grpc_stream_and_not(stack: Stack, client: openai.OpenAI) -
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_several_prompts_with_n_streamed_and_not(stack: Stack, client: openai.OpenAI) -> None:
+    """Choice index = prompt index * n + sample; usage counts each prompt once and every sample."""
+    first, second = grpc_greedy(stack, 5, prompt="the river"), grpc_greedy(stack, 5, prompt="music and light")
+    expected = [first.text] * 2 + [second.text] * 2
+    prompt_tokens = first.usage.prompt_tokens + second.usage.prompt_tokens
+    kwargs = dict(model=MODEL, prompt=["the river", "music and light"], n=2, max_tokens=5, temperature=0,
+                  extra_body={"ignore_eos": True})
+    out = client.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == expected
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_tokens, 20)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(4)] == expected
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (prompt_tokens, 20)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=4,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len({c.message.content for c in chat.choices}) == 1
+    assert chat.usage.completion_tokens == 12
+
+
 def test_n_seed_and_stop(stack: Stack, client: openai.OpenAI) -> None:
     greedy = client.completions.create(model=MODEL, prompt="the city", max_tokens=6, temperature=0, n=3,
                                        extra_body={"ignore_eos": True})
@@ -109,10 +133,12 @@ def test_n_seed_and_stop(stack: Stack, client: openai.OpenAI) -> None:
     b = client.completions.create(model=MODEL, prompt="the city", max_tokens=6, temperature=1.0, seed=11, n=2,
                                   extra_body={"ignore_eos": True})
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # same seed, same samples
-    # sample i uses seed + i: it equals the gRPC request with that seed
-    params = common_pb2.SamplingParams(max_tokens=6, temperature=1.0, seed=12, ignore_eos=True)
-    second = stack.inference.Complete(inference_pb2.GenerateRequest(prompt="the city", params=params))
-    assert a.choices[1].text == second.text
+    assert len({c.text for c in a.choices}) == 2  # distinct samples
+    # HTTP n is gRPC n: the same seeded request over gRPC gives the same samples
+    params = common_pb2.SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=2, ignore_eos=True)
+    via_grpc = stack.inference.Complete(inference_pb2.GenerateRequest(prompt="the city", params=params))
+    assert [c.text for c in a.choices] == [c.text for c in sorted(via_grpc.choices, key=lambda c: c.index)]
+    assert a.usage.prompt_tokens == via_grpc.usage.prompt_tokens and a.usage.completion_tokens == 12
     # stop: cut before a character of the greedy answer; the same request over gRPC agrees
     full = client.completions.create(model=MODEL, prompt="the city", max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

@@ -51,32 +51,37 @@ def test_interface_config_keys(tmp_path: Path) -> None:
     assert "secret-value" not in str(bad.value)
 
 
-def test_completion_requests_fan_out_n_with_derived_ids_and_seeds() -> None:
+def test_completion_requests_ask_the_engine_for_n_samples_per_prompt() -> None:
     body = oa.CompletionBody(prompt="hi", n=3, seed=5, max_tokens=4, stop="x", logprobs=2, temperature=0.7)
-    reqs = oa.completion_requests(body, "rid")
-    assert [r.request_id for r in reqs] == ["rid-0", "rid-1", "rid-2"]
-    assert [r.params.seed for r in reqs] == [5, 6, 7]
-    p = reqs[0].params
+    (req,) = oa.completion_requests(body, "rid")
+    p = req.params
+    assert req.request_id == "rid-0" and p.n == 3 and p.seed == 5  # the engine derives each sample's seed
     assert p.max_tokens == 4 and list(p.stop) == ["x"] and p.logprobs == 2 and p.temperature == pytest.approx(0.7)
-    assert not p.HasField("top_p") and not p.HasField("n")
+    assert not p.HasField("top_p")
+    assert not oa.completion_requests(oa.CompletionBody(prompt="hi"), "r")[0].params.HasField("n")
     batch = oa.completion_requests(oa.CompletionBody(prompt=["a", "b"], n=2), "r")
-    assert [r.prompt for r in batch] == ["a", "a", "b", "b"]
+    assert [(r.request_id, r.prompt, r.params.n) for r in batch] == [("r-0", "a", 2), ("r-1", "b", 2)]
     ids = oa.completion_requests(oa.CompletionBody(prompt=[5, 6, 7]), "r")
     assert list(ids[0].prompt_token_ids.ids) == [5, 6, 7] and ids[0].params.max_tokens == 16
-    for bad in (oa.CompletionBody(prompt="a", n=0), oa.CompletionBody(prompt="a", echo=True), oa.CompletionBody(prompt=[])):
+    for bad in (oa.CompletionBody(prompt="a", n=0), oa.CompletionBody(prompt="a", n=17),
+                oa.CompletionBody(prompt="a", echo=True), oa.CompletionBody(prompt=[])):
         with pytest.raises(ValidationError):
             oa.completion_requests(bad, "r")
+    # usage: each request counts its prompt once and all its samples; prompts add up
+    usage = oa.usage([common_pb2.Usage(prompt_tokens=3, completion_tokens=8), common_pb2.Usage(prompt_tokens=2, completion_tokens=6)])
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 14, "total_tokens": 19}
 
 
 def test_chat_requests() -> None:
     body = oa.ChatBody(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=9,
                        max_completion_tokens=3, logprobs=True, top_logprobs=4)
-    (req,) = oa.chat_requests(body, "c")
+    req = oa.chat_request(body, "c")
     assert req.chat.messages[0].content == "hi" and req.params.max_tokens == 3 and req.params.logprobs == 4
-    (plain,) = oa.chat_requests(oa.ChatBody(messages=[{"role": "user", "content": "x"}]), "c")
+    plain = oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "x"}]), "c")
     assert not plain.params.HasField("logprobs") and not plain.params.HasField("max_tokens")
+    assert oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "x"}], n=2), "c").params.n == 2
     with pytest.raises(ValidationError, match="top_logprobs"):
-        oa.chat_requests(oa.ChatBody(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "c")
+        oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "c")
     assert oa.finish_reason(common_pb2.FINISH_REASON_STOP) == "stop"
     assert oa.finish_reason(common_pb2.FINISH_REASON_LENGTH) == "length"
 
