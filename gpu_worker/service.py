@@ -5,8 +5,8 @@ which runs every forward pass: measured on the 2-core CPU path, the same decode 
 ~40% slower when torch runs it from a secondary thread. One model thread also serializes
 the steps, so no lock is needed around the runner.
 
-Tensor parallel: rank 0 serves gRPC and broadcasts each plan to the other ranks before
-running it; the other ranks serve nothing and run every plan they receive.
+Tensor parallel: rank 0 serves gRPC and broadcasts each plan, suspend and resume to the other
+ranks before running it; the other ranks serve nothing and run every command they receive.
 """
 
 from __future__ import annotations
@@ -84,19 +84,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _execute_step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         if self.runner.tp.enabled:  # every rank runs the same plan on its shard of heads
-            self.runner.tp.broadcast_plan(plan.SerializeToString())
+            self.runner.tp.broadcast_command(("step", plan.SerializeToString()))
         return self.runner.execute(plan)
+
+    def _suspend(self, mode: str) -> int:
+        tp = self.runner.tp
+        if tp.enabled:  # every rank releases its own shard of the cache
+            tp.broadcast_command(("suspend", mode))
+        # The shards are equal (the KV heads divide evenly), so the group releases size x rank 0's bytes.
+        return self.runner.suspend_kv_cache(mode) * tp.size
+
+    def _resume(self) -> None:
+        if self.runner.tp.enabled:
+            self.runner.tp.broadcast_command(("resume", ""))
+        self.runner.resume_kv_cache()
 
     def SuspendKVCache(self, request: worker_pb2.SuspendKVCacheRequest,
                        context: grpc.ServicerContext) -> worker_pb2.SuspendKVCacheResponse:
         mode = common_pb2.KVCacheManagementMode.Name(request.mode or common_pb2.KV_CACHE_MANAGEMENT_MODE_PERSIST)
         name = mode.removeprefix("KV_CACHE_MANAGEMENT_MODE_").lower()
-        released = self._on_model_thread("suspend", lambda: self.runner.suspend_kv_cache(name), context)
+        released = self._on_model_thread("suspend", lambda: self._suspend(name), context)
         return worker_pb2.SuspendKVCacheResponse(released_bytes=released)
 
     def ResumeKVCache(self, request: worker_pb2.ResumeKVCacheRequest,
                       context: grpc.ServicerContext) -> worker_pb2.ResumeKVCacheResponse:
-        self._on_model_thread("resume", self.runner.resume_kv_cache, context)
+        self._on_model_thread("resume", self._resume, context)
         return worker_pb2.ResumeKVCacheResponse()
 
     def Health(self, request: worker_pb2.HealthRequest, context: grpc.ServicerContext) -> worker_pb2.HealthResponse:
@@ -104,21 +116,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 def run_follower_rank(runner: ModelRunner) -> None:
-    """A tensor-parallel rank other than 0: run every plan rank 0 broadcasts, until it sends None."""
+    """A tensor-parallel rank other than 0: run every command rank 0 broadcasts, until it sends None."""
     log.info("tensor-parallel rank ready", rank=runner.tp.rank, size=runner.tp.size)
     while True:
         try:
-            data = runner.tp.broadcast_plan(None)
+            command = runner.tp.broadcast_command(None)
         except RuntimeError as exc:  # rank 0 is gone: nothing left to do here
             log.error("lost rank 0; exiting", error=str(exc))
             return
-        if data is None:
+        if command is None:
             return
-        plan = worker_pb2.StepPlan.FromString(data)
+        kind, payload = command
         try:
-            runner.execute(plan)
+            if kind == "step":
+                runner.execute(worker_pb2.StepPlan.FromString(payload))  # type: ignore[arg-type]
+            elif kind == "suspend":
+                runner.suspend_kv_cache(str(payload))
+            elif kind == "resume":
+                runner.resume_kv_cache()
+            else:
+                log.error("unknown command from rank 0", command=kind)
         except Exception:  # rank 0 reports the same failure to the scheduler
-            log.exception("step failed", step_id=plan.step_id, rank=runner.tp.rank)
+            log.exception("command failed", command=kind, rank=runner.tp.rank)
 
 
 def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = None) -> None:
@@ -148,7 +167,7 @@ def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = No
     servicer.run_model_loop()
     if tp.enabled:
         try:
-            tp.broadcast_plan(None)  # the other ranks stop too
+            tp.broadcast_command(None)  # the other ranks stop too
             tp.shutdown()
         except RuntimeError:
             pass  # a rank already exited

@@ -3,7 +3,7 @@
 q/k/v and gate/up are column-parallel (each rank holds a slice of heads / of the
 intermediate size); o_proj and down_proj are row-parallel, followed by an all_reduce sum.
 Every rank holds the KV cache of its own KV heads. Rank 0 serves gRPC and broadcasts each
-step plan to the other ranks; all ranks run the same step; rank 0's sampled tokens are
+step plan (and each KV-cache suspend/resume) to the other ranks; all ranks run the same step; rank 0's sampled tokens are
 broadcast so every rank appends the same token even when sampling is random.
 Collectives go through torch.distributed (gloo on the CPU, NCCL on GPUs).
 """
@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 from hetero_infer.errors import ConfigError
+
+# What rank 0 sends the other ranks, in the order it runs them: ("step", serialized StepPlan),
+# ("suspend", mode) or ("resume", ""). Every rank runs each one on its own shard.
+Command = tuple[str, bytes | str]
 
 # A rank that died leaves the others blocked in a collective: fail instead of hanging for 30 min.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -65,9 +69,9 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
-    def broadcast_plan(self, plan: bytes | None) -> bytes | None:
-        """Rank 0 sends the serialized step plan (None = stop); every rank returns it."""
-        box = [plan]
+    def broadcast_command(self, command: Command | None) -> Command | None:
+        """Rank 0 sends the next command (None = stop); every rank returns it."""
+        box = [command]
         dist.broadcast_object_list(box, src=0)
         return box[0]
 

@@ -1,15 +1,17 @@
-"""Tensor parallel 2 on the CPU (gloo): the same greedy token ids as tensor parallel 1."""
+"""Tensor parallel 2 on the CPU (gloo): the same greedy token ids as tensor parallel 1, also
+across a KV-cache suspend/resume, which every rank carries out."""
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
+import grpc
+import psutil
 import pytest
 
-import grpc
-
-from hetero.v1 import inference_pb2, worker_pb2, worker_pb2_grpc
+from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.conftest import free_port, run_stack
 from tests.test_correctness import NEW_TOKENS, engine_greedy, make_prompts
 from tests.test_stack import ids_request, wait_for_idle
@@ -42,3 +44,53 @@ def test_tp2_stack_matches_tp1(model_fixture: str, request: pytest.FixtureReques
         with grpc.insecure_channel(worker) as channel:
             described = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
         assert described.tensor_parallel_size == 2 and described.pid > 0
+
+
+def _rank1_process(serve_pid: int) -> psutil.Process:
+    for child in psutil.Process(serve_pid).children(recursive=True):
+        cmdline = child.cmdline()
+        if "--tp-rank" in cmdline and cmdline[cmdline.index("--tp-rank") + 1] == "1":
+            return child
+    raise AssertionError("no tensor-parallel rank 1 under serve")
+
+
+@pytest.mark.parametrize("mode", ["OFFLOAD", "RECOMPUTE"])
+def test_tp2_suspend_releases_every_rank_and_streams_continue(tiny_llama_dir: Path, mode: str) -> None:
+    prompts = make_prompts()
+    tp1 = engine_greedy(tiny_llama_dir, prompts[6:8], block_size=16)
+    # 32,768 blocks x 4 KiB per rank (2 layers x K/V x 16 slots x 1 KV head x 16 dims x fp32):
+    # 128 MiB a rank, enough for the follower's resident memory to show the release.
+    block_bytes, num_blocks = 2 * 2 * 16 * 1 * 16 * 4, 32768
+    scheduler_address = f"127.0.0.1:{free_port()}"
+    results: dict[int, list[int]] = {}
+    with run_stack(tiny_llama_dir, "--block-size", "16", "--max-num-blocks", str(num_blocks), "--max-model-len", "512",
+                   "--tensor-parallel-size", "2", "--scheduler-address", scheduler_address,
+                   "--log-level", "warning") as stack:
+        follower = _rank1_process(stack.process.pid)
+
+        def run(i: int) -> None:
+            results[i] = [t for m in stack.inference.Generate(ids_request(prompts[i], 200 if i == 7 else NEW_TOKENS),
+                                                              timeout=120) for t in m.token_ids]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (6, 7)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool.num_running < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        rss_before = follower.memory_info().rss
+        with grpc.insecure_channel(scheduler_address) as channel:
+            scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+            answer = scheduler.Suspend(scheduler_pb2.SuspendRequest(
+                mode=common_pb2.KVCacheManagementMode.Value(f"KV_CACHE_MANAGEMENT_MODE_{mode}")), timeout=60)
+            assert answer.released_bytes == 2 * num_blocks * block_bytes  # both ranks' shards
+            if mode == "RECOMPUTE":  # dropped, not copied to host memory: rank 1's memory goes back
+                drop = rss_before - follower.memory_info().rss
+                assert drop > 0.75 * num_blocks * block_bytes, f"rank 1 released only {drop / 2**20:.1f} MiB"
+            scheduler.Resume(scheduler_pb2.ResumeRequest(), timeout=60)
+        for t in threads:
+            t.join(150)
+        assert results[6] == tp1[0]
+        assert len(results[7]) == 200 and results[7][:NEW_TOKENS] == tp1[1]
+        assert wait_for_idle(stack).used_blocks == 0
