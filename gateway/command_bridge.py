@@ -1,8 +1,8 @@
 """The command bridge backend: an external program answers a request instead of the engine.
 
-The program runs once per request as an argv list (never through a shell), with the prompt
-in `HETERO_PROMPT` and the sampling parameters in `HETERO_*` variables; its stdout is
-streamed back as text. A timeout, an output cap and a non-zero exit (reported with the
+The program runs once per request (once per sample when n > 1) as an argv list (never
+through a shell), with the prompt in `HETERO_PROMPT` and the sampling parameters in
+`HETERO_*` variables; its stdout is streamed back as text. A timeout, an output cap and a non-zero exit (reported with the
 tail of its stderr) bound what a misbehaving program can do.
 """
 
@@ -40,10 +40,11 @@ class TextBackend(Protocol):
 
     name: str
 
-    def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str) -> AsyncIterator[TextChunk]: ...
+    def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str,
+               index: int = 0) -> AsyncIterator[TextChunk]: ...
 
 
-def bridge_environment(request_id: str, prompt: str, sampling: Sampling, model: str) -> dict[str, str]:
+def bridge_environment(request_id: str, prompt: str, sampling: Sampling, model: str, index: int = 0) -> dict[str, str]:
     """The program's environment: ours minus our own HETERO_* settings, plus the request's."""
     if "\x00" in prompt:
         raise ValidationError("prompt holds a NUL character, which the command bridge cannot pass in HETERO_PROMPT")
@@ -57,6 +58,7 @@ def bridge_environment(request_id: str, prompt: str, sampling: Sampling, model: 
         "HETERO_TOP_P": repr(float(sampling.top_p)),
         "HETERO_TOP_K": str(sampling.top_k),
         "HETERO_STOP": json.dumps(list(sampling.stop)),
+        "HETERO_SAMPLE_INDEX": str(index),  # which of the request's n samples this run answers
     })
     if sampling.seed is not None:
         env["HETERO_SEED"] = str(sampling.seed)
@@ -73,8 +75,9 @@ class CommandBridge:
         self.timeout_s = backend.command_timeout_s
         self.max_output_bytes = backend.command_max_output_bytes
 
-    async def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str) -> AsyncIterator[TextChunk]:
-        env = bridge_environment(request_id, prompt, sampling, model)
+    async def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str,
+                     index: int = 0) -> AsyncIterator[TextChunk]:
+        env = bridge_environment(request_id, prompt, sampling, model, index)
         try:
             process = await asyncio.create_subprocess_exec(
                 self.program, *self.args, env=env, stdin=asyncio.subprocess.DEVNULL,

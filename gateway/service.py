@@ -10,6 +10,7 @@ request in the scheduler and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import time
 import uuid
@@ -34,6 +35,7 @@ from hetero_infer.errors import (ExecutionError, HeteroError, OverloadedError, U
 from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_channel, server_credentials, set_serving_aio)
 from hetero_infer.model_files import resolve_model_path
+from hetero_infer.sampling import sample_seed
 
 log = structlog.get_logger("gateway.service")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -215,22 +217,30 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def _bridge_responses(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
                                 usage: common_pb2.Usage, timer: RequestTimer) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        """The command bridge's text as responses marked backend="command_bridge"."""
+        """The command bridge's text as responses marked backend="command_bridge". With n > 1 the
+        program runs once per sample, one after another, each with the sample's seed (as the
+        engine derives it) and HETERO_SAMPLE_INDEX; `usage` comes with the last sample's end."""
         assert self.bridge is not None
-        text: list[str] = []
-        async for chunk in self.bridge.stream(prepared.request_id, bridge_prompt(request, self.tokenizer),
-                                              prepared.sampling, self.model_name):
-            text.append(chunk.text)
-            response = inference_pb2.GenerateResponse(request_id=prepared.request_id, text=chunk.text,
-                                                      model=self.model_name, backend=self.bridge.name)
-            if chunk.finished:
-                response.finish_reason = common_pb2.FINISH_REASON_LENGTH if chunk.truncated else common_pb2.FINISH_REASON_STOP
-                usage.completion_tokens = len(self.tokenizer.encode("".join(text), add_special_tokens=False))
-                usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                response.usage.CopyFrom(usage)
-                timer.on_tokens(usage.completion_tokens)
-                timer.finish(response.finish_reason, usage)
-            yield response
+        prompt, sampling, n = bridge_prompt(request, self.tokenizer), prepared.sampling, prepared.sampling.n
+        for index in range(n):
+            if index and sampling.seed is not None:
+                sampling = dataclasses.replace(prepared.sampling, seed=sample_seed(prepared.sampling.seed, index))
+            text: list[str] = []
+            async for chunk in self.bridge.stream(prepared.request_id, prompt, sampling, self.model_name, index):
+                text.append(chunk.text)
+                response = inference_pb2.GenerateResponse(request_id=prepared.request_id, text=chunk.text, index=index,
+                                                          model=self.model_name, backend=self.bridge.name)
+                if chunk.finished:
+                    response.finish_reason = (common_pb2.FINISH_REASON_LENGTH if chunk.truncated
+                                              else common_pb2.FINISH_REASON_STOP)
+                    tokens = len(self.tokenizer.encode("".join(text), add_special_tokens=False))
+                    usage.completion_tokens += tokens
+                    timer.on_tokens(tokens)
+                    if index == n - 1:
+                        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                        response.usage.CopyFrom(usage)
+                        timer.finish(response.finish_reason, usage)
+                yield response
         log.info("finished", backend=self.bridge.name, completion_tokens=usage.completion_tokens)
 
     def _response(self, request_id: str, event: scheduler_pb2.TokenEvent, stream: TextStream,

@@ -34,6 +34,12 @@ class Sampling:
     include_special_tokens: bool
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request: distinct per sample and reproducible.
+    The engine (forked samples) and the command bridge derive it the same way."""
+    return (seed + index * 7919) % 2**64
+
+
 def resolve(params: common_pb2.SamplingParams) -> Sampling:
     """Fill defaults. Does not validate; call `validate` on client input first."""
     return Sampling(

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from hetero.v1 import common_pb2
-from hetero_infer.sampling import Sampling
+from hetero_infer.sampling import Sampling, sample_seed
 
 
 class SequenceStatus(enum.Enum):
@@ -79,7 +79,7 @@ def fork_sample(parent: Sequence, index: int, seq_id: int, block_size: int) -> S
     params = common_pb2.SamplingParams()
     params.CopyFrom(parent.params)
     if params.HasField("seed"):  # distinct but reproducible samples
-        params.seed = (params.seed + index * 7919) % 2**64
+        params.seed = sample_seed(params.seed, index)
     prompt_blocks = -(-parent.prompt_len // block_size)
     return Sequence(seq_id, parent.request_id, parent.token_ids[:parent.prompt_len], parent.prompt_len, parent.sampling,
                     params, index=index, cache_salt=parent.cache_salt, status=SequenceStatus.DECODE,

@@ -18,7 +18,7 @@ from hetero.v1 import common_pb2
 ECHO_ENV = """
 import json, os, sys
 keys = ["HETERO_PROMPT", "HETERO_MAX_TOKENS", "HETERO_TEMPERATURE", "HETERO_TOP_P", "HETERO_TOP_K", "HETERO_SEED",
-        "HETERO_STOP", "HETERO_REQUEST_ID", "HETERO_MODEL"]
+        "HETERO_STOP", "HETERO_REQUEST_ID", "HETERO_MODEL", "HETERO_SAMPLE_INDEX"]
 sys.stdout.write(json.dumps({k: os.environ.get(k) for k in keys}, ensure_ascii=False))
 """
 
@@ -45,7 +45,7 @@ def test_prompt_and_params_pass_intact_through_the_environment(tmp_path: Path) -
     assert (env["HETERO_MAX_TOKENS"], env["HETERO_TOP_K"], env["HETERO_SEED"]) == ("7", "3", "11")
     assert float(env["HETERO_TEMPERATURE"]) == 0.0 and float(env["HETERO_TOP_P"]) == 0.5
     assert json.loads(env["HETERO_STOP"]) == ["END", "x\ny"]
-    assert (env["HETERO_REQUEST_ID"], env["HETERO_MODEL"]) == ("rid-1", "tiny")
+    assert (env["HETERO_REQUEST_ID"], env["HETERO_MODEL"], env["HETERO_SAMPLE_INDEX"]) == ("rid-1", "tiny", "0")
 
 
 def test_stdout_streams_in_pieces(tmp_path: Path) -> None:

@@ -16,11 +16,18 @@ import grpc
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from hetero_infer.sampling import sample_seed
 from hetero_infer.supervisor import wait_healthy
 from tests.conftest import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.slow
-BRIDGE = "import os, sys\nsys.stdout.write('bridge:' + os.environ['HETERO_PROMPT'] + '|' + os.environ['HETERO_MAX_TOKENS'])\n"
+# Echoes the prompt and max_tokens; samples after the first (n > 1) add their index and seed.
+BRIDGE = """import os, sys
+e = os.environ
+sys.stdout.write('bridge:' + e['HETERO_PROMPT'] + '|' + e['HETERO_MAX_TOKENS'])
+if e['HETERO_SAMPLE_INDEX'] != '0':
+    sys.stdout.write('#' + e['HETERO_SAMPLE_INDEX'] + ':' + e.get('HETERO_SEED', '-'))
+"""
 
 
 @contextmanager
@@ -73,3 +80,14 @@ def test_bridge_as_primary_backend(tiny_llama_dir: Path, tmp_path: Path) -> None
         answer = stub.Complete(inference_pb2.GenerateRequest(prompt=PROMPT), timeout=60)
         assert answer.text == f"bridge:{PROMPT}|100" and answer.backend == "command_bridge"
         assert stub.GetServerInfo(inference_pb2.GetServerInfoRequest()).backend == "command_bridge"
+        # n = 3: the program runs once per sample, with the seed the engine would give that sample
+        params = common_pb2.SamplingParams(max_tokens=4, n=3, seed=5)
+        answer = stub.Complete(inference_pb2.GenerateRequest(prompt=PROMPT, params=params), timeout=60)
+        texts = [f"bridge:{PROMPT}|4", f"bridge:{PROMPT}|4#1:{sample_seed(5, 1)}", f"bridge:{PROMPT}|4#2:{sample_seed(5, 2)}"]
+        assert [(c.index, c.text) for c in answer.choices] == list(enumerate(texts))
+        streamed: dict[int, str] = {}
+        for m in stub.Generate(inference_pb2.GenerateRequest(prompt=PROMPT, params=params), timeout=60):
+            streamed[m.index] = streamed.get(m.index, "") + m.text
+            if m.HasField("usage"):
+                assert m.usage.completion_tokens == answer.usage.completion_tokens > 0
+        assert [streamed[i] for i in range(3)] == texts
