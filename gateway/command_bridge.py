@@ -2,8 +2,8 @@
 
 The program runs once per request (once per sample when n > 1) as an argv list (never
 through a shell), with the prompt in `HETERO_PROMPT` and the sampling parameters in
-`HETERO_*` variables; its stdout is streamed back as text. A timeout, an output cap and a non-zero exit (reported with the
-tail of its stderr) bound what a misbehaving program can do.
+`HETERO_*` variables; its stdout is streamed back as text. A timeout, an output cap and a
+non-zero exit (reported with the tail of its stderr) bound what a misbehaving program can do.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 q/k/v and gate/up are column-parallel (each rank holds a slice of heads / of the
 intermediate size); o_proj and down_proj are row-parallel, followed by an all_reduce sum.
 Every rank holds the KV cache of its own KV heads. Rank 0 serves gRPC and broadcasts each
-step plan (and each KV-cache suspend/resume) to the other ranks; all ranks run the same step; rank 0's sampled tokens are
-broadcast so every rank appends the same token even when sampling is random.
+step plan (and each KV-cache suspend/resume) to the other ranks; all ranks run the same
+step; rank 0's sampled tokens are broadcast so every rank appends the same token even when
+sampling is random.
 Collectives go through torch.distributed (gloo on the CPU, NCCL on GPUs).
 """
 
