@@ -66,26 +66,31 @@ def test_n3_streams_three_indexed_samples(stack: Stack, reference) -> None:
     assert wait_for_idle(stack).used_blocks == 0
 
 
-@pytest.mark.parametrize("mode", ["PERSIST", "OFFLOAD", "RECOMPUTE"])
-def test_suspend_resume_over_grpc_mid_stream(stack: Stack, scheduler_address: str, reference, mode: str) -> None:
+def start_streams_to_suspend(stack: Stack, results: dict[int, list[int]]) -> list[threading.Thread]:
+    """Stream prompts 6 (NEW_TOKENS) and 7 (200 tokens, so it is still decoding at a suspend)
+    into `results`; return once a sequence runs."""
     prompts = make_prompts()
-    results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
-        tokens: list[int] = []
-        for msg in stack.inference.Generate(ids_request(prompts[i], 200 if i == 7 else NEW_TOKENS)):
-            tokens.extend(msg.token_ids)
-        results[i] = tokens
+        results[i] = [t for m in stack.inference.Generate(ids_request(prompts[i], 200 if i == 7 else NEW_TOKENS),
+                                                          timeout=120) for t in m.token_ids]
 
+    threads = [threading.Thread(target=run, args=(i,)) for i in (6, 7)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool.num_running < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return threads
+
+
+@pytest.mark.parametrize("mode", ["PERSIST", "OFFLOAD", "RECOMPUTE"])
+def test_suspend_resume_over_grpc_mid_stream(stack: Stack, scheduler_address: str, reference, mode: str) -> None:
+    results: dict[int, list[int]] = {}
     with grpc.insecure_channel(scheduler_address) as channel:
         scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
-        threads = [threading.Thread(target=run, args=(i,)) for i in (6, 7)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool.num_running < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        threads = start_streams_to_suspend(stack, results)
         answer = scheduler.Suspend(scheduler_pb2.SuspendRequest(
             mode=common_pb2.KVCacheManagementMode.Value(f"KV_CACHE_MANAGEMENT_MODE_{mode}")))
         assert (answer.released_bytes > 0) == (mode != "PERSIST")

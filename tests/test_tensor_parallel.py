@@ -4,7 +4,6 @@ across a KV-cache suspend/resume, which every rank carries out."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -14,6 +13,7 @@ import pytest
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.conftest import free_port, run_stack
 from tests.test_correctness import NEW_TOKENS, engine_greedy, make_prompts
+from tests.test_kv_cache_stack import start_streams_to_suspend
 from tests.test_stack import ids_request, wait_for_idle
 
 pytestmark = pytest.mark.slow
@@ -67,18 +67,7 @@ def test_tp2_suspend_releases_every_rank_and_streams_continue(tiny_llama_dir: Pa
                    "--tensor-parallel-size", "2", "--scheduler-address", scheduler_address,
                    "--log-level", "warning") as stack:
         follower = _rank1_process(stack.process.pid)
-
-        def run(i: int) -> None:
-            results[i] = [t for m in stack.inference.Generate(ids_request(prompts[i], 200 if i == 7 else NEW_TOKENS),
-                                                              timeout=120) for t in m.token_ids]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in (6, 7)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool.num_running < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        threads = start_streams_to_suspend(stack, results)
         rss_before = follower.memory_info().rss
         with grpc.insecure_channel(scheduler_address) as channel:
             scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
