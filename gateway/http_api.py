@@ -17,7 +17,7 @@ import socket
 import time
 import uuid
 from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Coroutine
 
 import structlog
 import uvicorn
@@ -89,6 +89,32 @@ async def _merged(servicer: InferenceServicer, requests: list[inference_pb2.Gene
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: what `receive` yields next is
+    the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_client_gone(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Run a non-streaming handler's work, cancelled if its client goes away first: Starlette
+    lets a plain handler run on after a disconnect, which would leave the generation running
+    downstream (streamed answers are cancelled by Starlette itself)."""
+    answer = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if answer.done():
+        return answer.result()
+    answer.cancel()  # unwinds _merged, which cancels the requests and so aborts them downstream
+    with contextlib.suppress(asyncio.CancelledError):
+        await answer
+    log.info("client disconnected; request aborted", path=request.url.path)
+    return Response(status_code=499)  # nobody reads it; the status names what happened in access logs
+
+
 class HttpApi:
     def __init__(self, config: Config, servicer: InferenceServicer, keys: ApiKeys) -> None:
         self.config = config
@@ -155,12 +181,15 @@ class HttpApi:
 
     # ------------------------------------------------------------------ generation
 
-    async def completions(self, body: oa.CompletionBody) -> Response:
+    async def completions(self, body: oa.CompletionBody, request: Request) -> Response:
         rid = uuid.uuid4().hex[:16]
         requests = oa.completion_requests(body, rid)
         if body.stream:
             return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream)
-        parts, usages = await self._collect(requests, body.n)
+        return await _unless_client_gone(request, self._completion(requests, body.n, rid))
+
+    async def _completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
+        parts, usages = await self._collect(requests, n)
         choices = [{"index": i, "text": "".join(p.text for p in ps), "finish_reason": oa.finish_reason(ps[-1].finish_reason),
                     "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.completion_logprobs(self.servicer.tokenizer, ps)} for i, ps in parts.items()]
@@ -168,12 +197,15 @@ class HttpApi:
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
-    async def chat_completions(self, body: oa.ChatBody) -> Response:
+    async def chat_completions(self, body: oa.ChatBody, request: Request) -> Response:
         rid = uuid.uuid4().hex[:16]
         requests = [oa.chat_request(body, rid)]
         if body.stream:
             return await self._stream(requests, body.n, rid, "chat.completion.chunk", body.include_usage_in_stream)
-        parts, usages = await self._collect(requests, body.n)
+        return await _unless_client_gone(request, self._chat_completion(requests, body.n, rid))
+
+    async def _chat_completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
+        parts, usages = await self._collect(requests, n)
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
                     "finish_reason": oa.finish_reason(ps[-1].finish_reason), "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]

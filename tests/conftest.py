@@ -28,6 +28,13 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Generations long enough to outlast a deadline or a client's patience (the shared tiny
+    model stops at 512 positions; 400 tokens take about a second through the stack)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4k"), seed=1, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
 

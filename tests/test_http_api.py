@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.supervisor import wait_healthy
 from tests.conftest import REPO_ROOT, Stack, free_port, run_stack
+from tests.test_stack import wait_for_idle
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default
@@ -77,6 +78,28 @@ def test_stream_is_server_sent_events_ending_done(stack: Stack) -> None:
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
+
+
+def test_http_clients_that_disconnect_abort_their_requests(long_context_llama_dir: Path) -> None:
+    """Closing an SSE stream, or giving up on a JSON answer, ends the generation downstream: the
+    scheduler stops long before 3,000 tokens x n = 2 per request could have been generated."""
+    body = {"prompt": "the river", "max_tokens": 3000, "temperature": 0, "n": 2, "ignore_eos": True}
+    with run_stack(long_context_llama_dir, "--max-model-len", "4096", "--log-level", "warning") as stack:
+        streams = []
+        for _ in range(6):
+            cm = httpx.stream("POST", f"{stack.http_url}/v1/completions", json={**body, "stream": True}, timeout=60)
+            lines = cm.__enter__().iter_lines()  # kept: dropping the iterator would close the stream
+            next(line for line in lines if line.startswith("data: "))  # decoding now
+            streams.append((cm, lines))
+        with httpx.Client(timeout=0.5) as unary, pytest.raises(httpx.ReadTimeout):  # gives up while it runs
+            unary.post(f"{stack.http_url}/v1/completions", json=body)
+        busy = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool
+        assert busy.num_running >= 12 and busy.steps < 1000  # the 6 streams x 2 samples decode
+        for cm, _ in streams:
+            cm.__exit__(None, None, None)
+        pool = wait_for_idle(stack, timeout_s=20)
+        assert (pool.used_blocks, pool.num_running, pool.num_waiting) == (0, 0, 0)
+        assert pool.steps - busy.steps < 1000  # the rest of 3,000 steps was never run
 
 
 def test_chat_matches_grpc_stream_and_not(stack: Stack, client: openai.OpenAI) -> None:

@@ -15,7 +15,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import Stack, free_port, run_stack
 from tests.test_resilience import pool, wait_idle
-from tests.tiny_models import make_tiny_llama
 
 pytestmark = pytest.mark.slow
 LONG = 2000  # tokens: several seconds of work through the stack (400 took ~1 s: too close to a 1 s deadline)
@@ -31,12 +30,6 @@ def request(max_tokens: int, request_id: str = "", first: int = 5) -> inference_
 @pytest.fixture(scope="module")
 def scheduler_address() -> str:
     return f"127.0.0.1:{free_port()}"
-
-
-@pytest.fixture(scope="module")
-def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Generations long enough to outlast a 1 s deadline (the shared tiny model stops at 512 positions)."""
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4k"), seed=1, max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
