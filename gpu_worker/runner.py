@@ -112,11 +112,13 @@ class ModelRunner:
 
     def _apply_diffs(self, plan: worker_pb2.StepPlan) -> None:
         # The order is the contract's (worker.proto, StepPlan): reset, released, swap_out, swap_in, copies, new.
-        if self._suspend_mode:
-            raise ExecutionError(f"step {plan.step_id}: the KV cache is suspended; call ResumeKVCache first")
         if plan.reset:
             self.sequences.clear()
             self.swapped.clear()
+            if self._suspend_mode:  # a new scheduler, which knows nothing of the suspend, owns this worker now
+                self.resume_kv_cache()
+        if self._suspend_mode:
+            raise ExecutionError(f"step {plan.step_id}: the KV cache is suspended; call ResumeKVCache first")
         for seq_id in plan.released_seq_ids:
             self.sequences.pop(seq_id, None)
             self.swapped.pop(seq_id, None)

@@ -123,6 +123,7 @@ class Config:
     worker_addresses: str = ""
     routing_policy: str = "round_robin"  # round_robin | longest_prefix | first_prefix_block (load breaks ties)
     restart_workers: bool = True  # `serve` restarts a worker process that died
+    restart_services: bool = True  # `serve` restarts the scheduler or gateway process when it dies
     health_check_interval_s: float = 0.5  # how often the scheduler probes each worker replica
     worker_recovery_timeout_s: float = 30.0  # requests wait this long for a replica to come back, then UNAVAILABLE
     worker_step_timeout_s: float = 300.0  # a step (or suspend/resume) not answered by then fails its requests: a hung worker

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +20,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 ]
+# Internal links reconnect fast: a restarted scheduler or worker is back within seconds, and
+# gRPC's default backoff (growing to 2 minutes) would keep a healthy peer out of reach.
+INTERNAL_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
+                            ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def add_health_and_reflection(server: grpc.Server | grpc.aio.Server, service_names: Iterable[str],
@@ -90,10 +94,10 @@ def internal_listen_address(config: Config, address: str) -> str:
     return address
 
 
-def internal_channel(config: Config, address: str, options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
+def internal_channel(config: Config, address: str) -> grpc.aio.Channel:
     """An asyncio channel to an internal service (scheduler, worker), with mutual TLS when configured."""
     creds = channel_credentials(config.internal_tls, mutual=True)
-    options = CHANNEL_OPTIONS if options is None else options
+    options = INTERNAL_CHANNEL_OPTIONS
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, creds, options=options)

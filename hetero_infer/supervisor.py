@@ -4,7 +4,10 @@ Workers first (they load the model): `data_parallel_size` replicas of `tensor_pa
 processes each; then the scheduler (sizes each replica's pool from its worker), then the
 gateway; each must answer its gRPC health check before the next starts. A worker process
 that dies is restarted (with the rest of its tensor-parallel group) unless
-`restart_workers` is false; the scheduler notices it rejoin. Ctrl-C or SIGTERM stops the
+`restart_workers` is false; the scheduler notices it rejoin. A scheduler or gateway that dies
+is restarted unless `restart_services` is false (then the stack stops): a new scheduler
+starts with empty queues (the streams it served end with UNAVAILABLE) and resets each
+worker's state before its first step. Ctrl-C or SIGTERM stops the
 services in reverse order, each draining within `drain_grace_s`; children also get SIGTERM
 if this process dies (each child asks for PR_SET_PDEATHSIG itself: see supervision.py), so no
 orphans are left behind.
@@ -55,7 +58,10 @@ def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen[bytes
 class Child:
     name: str
     address: str
+    cmd: list[str]
     process: subprocess.Popen[bytes]
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
 
 
 @dataclass
@@ -120,9 +126,10 @@ class Supervisor:
         for name, address, creds in (("scheduler", c.scheduler_address, internal),
                                      ("gateway", f"{c.serving.host}:{c.serving.port}",
                                       channel_credentials(c.serving.tls, mutual=False))):
-            process = subprocess.Popen([sys.executable, "-m", "hetero_infer.cli", name, "--config", self.config_path,
-                                        "--supervisor-pid", str(os.getpid())], env=self.child_env)
-            self.children.append(Child(name, address, process))
+            cmd = [sys.executable, "-m", "hetero_infer.cli", name, "--config", self.config_path,
+                   "--supervisor-pid", str(os.getpid())]
+            process = subprocess.Popen(cmd, env=self.child_env)
+            self.children.append(Child(name, address, cmd, process))
             log.info("starting", service=name, pid=process.pid, address=address)
             wait_healthy(address, c.startup_timeout_s, process, creds)
             log.info("ready", service=name, address=address)
@@ -147,13 +154,27 @@ class Supervisor:
             group.restarts += 1
             self._start_group(group)
 
+    def _check_services(self) -> bool:
+        """Restart a scheduler or gateway that died; False when one died and may not be restarted."""
+        for child in self.children:
+            if (code := child.process.poll()) is None:
+                continue
+            if not self.config.restart_services:
+                log.error("service exited; stopping the stack (restart_services is false)", service=child.name, code=code)
+                return False
+            if time.monotonic() - child.started_at < 1.0:
+                continue  # at most one restart a second: a service that cannot start must not spin
+            log.error("service exited; restarting it", service=child.name, pid=child.process.pid, code=code)
+            child.process = subprocess.Popen(child.cmd, env=self.child_env)
+            child.started_at, child.restarts = time.monotonic(), child.restarts + 1
+        return True
+
     def wait(self) -> int:
-        """Block until a signal or until a child exits; return the exit code for `serve`."""
+        """Block until a signal, or until a service dies that may not be restarted; return
+        the exit code for `serve`."""
         while not self.stopping:
-            for child in self.children:
-                if child.process.poll() is not None:
-                    log.error("service exited; stopping the stack", service=child.name, code=child.process.returncode)
-                    return 1
+            if not self._check_services():
+                return 1
             self._check_workers()
             time.sleep(0.2)
         return 0

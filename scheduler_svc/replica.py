@@ -20,14 +20,11 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.config import Config
-from hetero_infer.grpc_server import CHANNEL_OPTIONS, internal_channel
+from hetero_infer.grpc_server import internal_channel
 from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
 from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.replica")
-# Reconnect to a restarted worker quickly (gRPC's default backoff grows to minutes).
-REPLICA_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200),
-                           ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def transient(exc: BaseException) -> bool:
@@ -43,7 +40,7 @@ class Replica:
         self._dispatch = dispatch
         self._lost = lost
         self._joined = joined
-        self.channel = internal_channel(config, address, REPLICA_CHANNEL_OPTIONS)
+        self.channel = internal_channel(config, address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self.core: Scheduler | None = None
         self.info: worker_pb2.WorkerInfo | None = None

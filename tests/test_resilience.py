@@ -1,4 +1,5 @@
-"""Fault tests on the real three-process stack: worker replicas killed with SIGKILL mid-generation."""
+"""Fault tests on the real three-process stack: worker replicas (and the scheduler and the
+gateway) killed with SIGKILL mid-generation."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
+from hetero_infer.supervisor import wait_healthy
 from tests.conftest import Stack, free_port, run_stack
 from tests.test_correctness import make_prompts
 
@@ -170,3 +173,48 @@ def test_hung_replica_sequences_move_on_and_it_rejoins_when_it_answers(tiny_llam
         assert run_streams(stack) == reference
         p = wait_idle(stack)
         assert (p.used_blocks, p.num_workers_up) == (0, 2)
+
+
+def service_pid(stack: Stack, name: str) -> int:
+    """The pid of `serve`'s scheduler or gateway child."""
+    for child in psutil.Process(stack.process.pid).children():
+        cmdline = child.cmdline()
+        if "hetero_infer.cli" in cmdline and cmdline[cmdline.index("hetero_infer.cli") + 1] == name:
+            return child.pid
+    raise AssertionError(f"no {name} process under serve")
+
+
+def test_killed_scheduler_and_gateway_are_restarted_and_serve_again(tiny_llama_dir: Path) -> None:
+    """SIGKILL the scheduler mid-generation: its streams end with UNAVAILABLE (each a prefix of
+    its undisturbed output), `serve` starts a new scheduler, which resets the workers and serves
+    the same tokens as before. Then the same for the gateway."""
+    addresses = [f"127.0.0.1:{free_port()}"]
+    with run_stack(tiny_llama_dir, *stack_flags(addresses)) as stack:
+        reference = run_streams(stack)
+        scheduler = service_pid(stack, "scheduler")
+        on_progress, killed = killer(lambda: scheduler, after_tokens=NUM_STREAMS * 5)
+        disturbed = run_streams(stack, on_progress, timeout_s=60)
+        assert killed.is_set()
+        assert {code for _, code in disturbed.values()} <= {None, grpc.StatusCode.UNAVAILABLE}
+        assert any(code == grpc.StatusCode.UNAVAILABLE for _, code in disturbed.values())
+        for i, (tokens, _) in disturbed.items():
+            assert tokens == reference[i][0][:len(tokens)]  # nothing wrong was streamed before the end
+        deadline = time.monotonic() + 60
+        while True:  # the new scheduler comes up within seconds; the gateway reconnects to it
+            try:
+                stack.inference.Complete(requests()[0], timeout=10)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                time.sleep(0.5)
+        assert service_pid(stack, "scheduler") != scheduler
+        assert run_streams(stack) == reference  # the worker's state from the old scheduler was reset
+        assert wait_idle(stack).used_blocks == 0
+
+        gateway = service_pid(stack, "gateway")
+        os.kill(gateway, signal.SIGKILL)
+        time.sleep(0.5)
+        wait_healthy(stack.address, 60)
+        assert service_pid(stack, "gateway") != gateway
+        assert run_streams(stack) == reference
+        assert stack.process.poll() is None  # serve itself never stopped
