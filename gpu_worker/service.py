@@ -21,7 +21,7 @@ import grpc
 import structlog
 
 from gpu_worker.runner import ModelRunner, resolve_device
-from gpu_worker.tensor_parallel import TensorParallel
+from gpu_worker.tensor_parallel import Command, TensorParallel
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.config import Config
 from hetero_infer.errors import HeteroError
@@ -88,16 +88,27 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self.runner.execute(plan)
 
     def _suspend(self, mode: str) -> int:
-        tp = self.runner.tp
-        if tp.enabled:  # every rank releases its own shard of the cache
-            tp.broadcast_command(("suspend", mode))
-        # The shards are equal (the KV heads divide evenly), so the group releases size x rank 0's bytes.
-        return self.runner.suspend_kv_cache(mode) * tp.size
+        return self._on_every_rank(("suspend", mode))
 
     def _resume(self) -> None:
-        if self.runner.tp.enabled:
-            self.runner.tp.broadcast_command(("resume", ""))
-        self.runner.resume_kv_cache()
+        self._on_every_rank(("resume", ""))
+
+    def _on_every_rank(self, command: Command) -> int:
+        """Run a KV-cache suspend or resume on every rank (each holds a shard of the cache) and
+        return the bytes released by all of them, once all are done: a caller that suspends to
+        hand the memory to someone else may do so when this returns."""
+        tp = self.runner.tp
+        if tp.enabled:
+            tp.broadcast_command(command)
+        released, error = 0, None
+        try:
+            released = run_cache_command(self.runner, command)
+        except Exception as exc:  # the other ranks still wait in the collective below
+            error = exc
+        released = tp.sum_over_ranks(released, self.runner.device)
+        if error is not None:
+            raise error
+        return released
 
     def SuspendKVCache(self, request: worker_pb2.SuspendKVCacheRequest,
                        context: grpc.ServicerContext) -> worker_pb2.SuspendKVCacheResponse:
@@ -115,6 +126,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.HealthResponse(ready=True, steps=self.runner.steps, num_sequences=len(self.runner.sequences))
 
 
+def run_cache_command(runner: ModelRunner, command: Command) -> int:
+    """A suspend (returns the bytes released) or a resume (returns 0) on this rank."""
+    kind, payload = command
+    if kind == "suspend":
+        return runner.suspend_kv_cache(str(payload))
+    runner.resume_kv_cache()
+    return 0
+
+
 def run_follower_rank(runner: ModelRunner) -> None:
     """A tensor-parallel rank other than 0: run every command rank 0 broadcasts, until it sends None."""
     log.info("tensor-parallel rank ready", rank=runner.tp.rank, size=runner.tp.size)
@@ -127,17 +147,20 @@ def run_follower_rank(runner: ModelRunner) -> None:
         if command is None:
             return
         kind, payload = command
+        released = 0
         try:
             if kind == "step":
                 runner.execute(worker_pb2.StepPlan.FromString(payload))  # type: ignore[arg-type]
-            elif kind == "suspend":
-                runner.suspend_kv_cache(str(payload))
-            elif kind == "resume":
-                runner.resume_kv_cache()
             else:
-                log.error("unknown command from rank 0", command=kind)
+                released = run_cache_command(runner, command)
         except Exception:  # rank 0 reports the same failure to the scheduler
             log.exception("command failed", command=kind, rank=runner.tp.rank)
+        if kind != "step":  # rank 0 waits for every rank's release (see _on_every_rank)
+            try:
+                runner.tp.sum_over_ranks(released, runner.device)
+            except RuntimeError as exc:
+                log.error("lost rank 0; exiting", error=str(exc))
+                return
 
 
 def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = None) -> None:

@@ -76,6 +76,14 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def sum_over_ranks(self, value: int, device: torch.device) -> int:
+        """Every rank's value added up, on every rank. Also a barrier: it returns once all ranks got here."""
+        if not self.enabled:
+            return value
+        total = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(total)
+        return int(total.item())
+
     def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.enabled:
             dist.broadcast(tokens, src=0)
