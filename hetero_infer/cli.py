@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import sys
 
-from hetero_infer.config import add_config_arguments, config_from_args
+from hetero_infer.config_sources import add_config_arguments, config_from_args
 from hetero_infer.errors import HeteroError
 from hetero_infer.log import configure_logging
 from hetero_infer.supervision import die_with_parent

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hetero_infer.config import PRESETS, Config, add_config_arguments, config_from_args, config_keys, load_config
+from hetero_infer.config import PRESETS, Config
+from hetero_infer.config_sources import add_config_arguments, config_from_args, config_keys, load_config
 from hetero_infer.errors import ConfigError
 
 

@@ -13,7 +13,8 @@ from gateway.auth import ApiKeys
 from gateway.metrics import GatewayMetrics
 from gpu_worker.sampler import top_logprobs
 from hetero.v1 import common_pb2
-from hetero_infer.config import Config, load_config
+from hetero_infer.config import Config
+from hetero_infer.config_sources import load_config
 from hetero_infer.errors import AuthenticationError, ConfigError, ValidationError
 
 
