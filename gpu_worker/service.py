@@ -87,12 +87,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.runner.tp.broadcast_command(("step", plan.SerializeToString()))
         return self.runner.execute(plan)
 
-    def _suspend(self, mode: str) -> int:
-        return self._on_every_rank(("suspend", mode))
-
-    def _resume(self) -> None:
-        self._on_every_rank(("resume", ""))
-
     def _on_every_rank(self, command: Command) -> int:
         """Run a KV-cache suspend or resume on every rank (each holds a shard of the cache) and
         return the bytes released by all of them, once all are done: a caller that suspends to
@@ -114,12 +108,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                        context: grpc.ServicerContext) -> worker_pb2.SuspendKVCacheResponse:
         mode = common_pb2.KVCacheManagementMode.Name(request.mode or common_pb2.KV_CACHE_MANAGEMENT_MODE_PERSIST)
         name = mode.removeprefix("KV_CACHE_MANAGEMENT_MODE_").lower()
-        released = self._on_model_thread("suspend", lambda: self._suspend(name), context)
+        released = self._on_model_thread("suspend", lambda: self._on_every_rank(("suspend", name)), context)
         return worker_pb2.SuspendKVCacheResponse(released_bytes=released)
 
     def ResumeKVCache(self, request: worker_pb2.ResumeKVCacheRequest,
                       context: grpc.ServicerContext) -> worker_pb2.ResumeKVCacheResponse:
-        self._on_model_thread("resume", self._resume, context)
+        self._on_model_thread("resume", lambda: self._on_every_rank(("resume", "")), context)
         return worker_pb2.ResumeKVCacheResponse()
 
     def Health(self, request: worker_pb2.HealthRequest, context: grpc.ServicerContext) -> worker_pb2.HealthResponse:

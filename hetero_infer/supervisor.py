@@ -61,7 +61,6 @@ class Child:
     cmd: list[str]
     process: subprocess.Popen[bytes]
     started_at: float = field(default_factory=time.monotonic)
-    restarts: int = 0
 
 
 @dataclass
@@ -166,7 +165,7 @@ class Supervisor:
                 continue  # at most one restart a second: a service that cannot start must not spin
             log.error("service exited; restarting it", service=child.name, pid=child.process.pid, code=code)
             child.process = subprocess.Popen(child.cmd, env=self.child_env)
-            child.started_at, child.restarts = time.monotonic(), child.restarts + 1
+            child.started_at = time.monotonic()
         return True
 
     def wait(self) -> int:
