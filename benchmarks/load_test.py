@@ -24,19 +24,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 from tests.conftest import Stack, run_stack  # noqa: E402
-
-
-def gateway_process(stack: Stack) -> psutil.Process:
-    for child in psutil.Process(stack.process.pid).children(recursive=True):
-        if "gateway" in child.cmdline():
-            return child
-    raise RuntimeError("gateway process not found under the serve process")
 
 
 async def load(address: str, streams: int, seconds: float, vocab: int, seed: int) -> tuple[Counter, int, list[float]]:
@@ -106,7 +98,7 @@ def main() -> int:
     with run_stack(model, "--block-size", "16", "--max-model-len", "512", "--log-level", "warning",
                    "--max-num-seqs", str(args.max_num_seqs), "--max-queued-requests", str(args.max_queued_requests),
                    "--max-batch-size", str(args.max_num_seqs)) as stack:
-        gateway = gateway_process(stack)
+        gateway = stack.service_process("gateway")
         print(f"load test: {args.streams} concurrent streams x {args.seconds:g} s, {args.runs} runs; max_num_seqs "
               f"{args.max_num_seqs}, max_queued_requests {args.max_queued_requests}; gateway pid {gateway.pid}, "
               f"RSS at start {gateway.memory_info().rss / 2**20:.1f} MiB")

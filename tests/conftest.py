@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 import grpc
+import psutil
 import pytest
 
 from hetero.v1 import inference_pb2_grpc
@@ -61,6 +62,18 @@ class Stack:
     @property
     def inference(self) -> inference_pb2_grpc.InferenceStub:
         return inference_pb2_grpc.InferenceStub(self.channel)
+
+    def service_process(self, name: str, tp_rank: int = 0) -> psutil.Process:
+        """The child of `serve` running `hetero-infer <name>` (gateway, scheduler, worker; a worker's
+        tensor-parallel rank by `tp_rank`)."""
+        for child in psutil.Process(self.process.pid).children():
+            cmdline = child.cmdline()
+            if "hetero_infer.cli" not in cmdline or cmdline[cmdline.index("hetero_infer.cli") + 1] != name:
+                continue
+            rank = int(cmdline[cmdline.index("--tp-rank") + 1]) if "--tp-rank" in cmdline else 0
+            if rank == tp_rank:
+                return child
+        raise AssertionError(f"no {name} process (rank {tp_rank}) under serve")
 
 
 @contextmanager

@@ -3,6 +3,7 @@ checked against the gRPC path; plus /metrics, probes and OpenAI error shapes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -85,18 +86,17 @@ def test_http_clients_that_disconnect_abort_their_requests(long_context_llama_di
     scheduler stops long before 3,000 tokens x n = 2 per request could have been generated."""
     body = {"prompt": "the river", "max_tokens": 3000, "temperature": 0, "n": 2, "ignore_eos": True}
     with run_stack(long_context_llama_dir, "--max-model-len", "4096", "--log-level", "warning") as stack:
-        streams = []
-        for _ in range(6):
-            cm = httpx.stream("POST", f"{stack.http_url}/v1/completions", json={**body, "stream": True}, timeout=60)
-            lines = cm.__enter__().iter_lines()  # kept: dropping the iterator would close the stream
-            next(line for line in lines if line.startswith("data: "))  # decoding now
-            streams.append((cm, lines))
-        with httpx.Client(timeout=0.5) as unary, pytest.raises(httpx.ReadTimeout):  # gives up while it runs
-            unary.post(f"{stack.http_url}/v1/completions", json=body)
-        busy = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool
-        assert busy.num_running >= 12 and busy.steps < 1000  # the 6 streams x 2 samples decode
-        for cm, _ in streams:
-            cm.__exit__(None, None, None)
+        with contextlib.ExitStack() as open_streams:
+            lines = []  # kept: dropping an iterator would close its stream
+            for _ in range(6):
+                response = open_streams.enter_context(
+                    httpx.stream("POST", f"{stack.http_url}/v1/completions", json={**body, "stream": True}, timeout=60))
+                lines.append(response.iter_lines())
+                next(line for line in lines[-1] if line.startswith("data: "))  # decoding now
+            with httpx.Client(timeout=0.5) as unary, pytest.raises(httpx.ReadTimeout):  # gives up while it runs
+                unary.post(f"{stack.http_url}/v1/completions", json=body)
+            busy = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool
+            assert busy.num_running >= 12 and busy.steps < 1000  # the 6 streams x 2 samples decode
         pool = wait_for_idle(stack, timeout_s=20)
         assert (pool.used_blocks, pool.num_running, pool.num_waiting) == (0, 0, 0)
         assert pool.steps - busy.steps < 1000  # the rest of 3,000 steps was never run

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
@@ -175,15 +174,6 @@ def test_hung_replica_sequences_move_on_and_it_rejoins_when_it_answers(tiny_llam
         assert (p.used_blocks, p.num_workers_up) == (0, 2)
 
 
-def service_pid(stack: Stack, name: str) -> int:
-    """The pid of `serve`'s scheduler or gateway child."""
-    for child in psutil.Process(stack.process.pid).children():
-        cmdline = child.cmdline()
-        if "hetero_infer.cli" in cmdline and cmdline[cmdline.index("hetero_infer.cli") + 1] == name:
-            return child.pid
-    raise AssertionError(f"no {name} process under serve")
-
-
 def test_killed_scheduler_and_gateway_are_restarted_and_serve_again(tiny_llama_dir: Path) -> None:
     """SIGKILL the scheduler mid-generation: its streams end with UNAVAILABLE (each a prefix of
     its undisturbed output), `serve` starts a new scheduler, which resets the workers and serves
@@ -191,7 +181,7 @@ def test_killed_scheduler_and_gateway_are_restarted_and_serve_again(tiny_llama_d
     addresses = [f"127.0.0.1:{free_port()}"]
     with run_stack(tiny_llama_dir, *stack_flags(addresses)) as stack:
         reference = run_streams(stack)
-        scheduler = service_pid(stack, "scheduler")
+        scheduler = stack.service_process("scheduler").pid
         on_progress, killed = killer(lambda: scheduler, after_tokens=NUM_STREAMS * 5)
         disturbed = run_streams(stack, on_progress, timeout_s=60)
         assert killed.is_set()
@@ -207,14 +197,14 @@ def test_killed_scheduler_and_gateway_are_restarted_and_serve_again(tiny_llama_d
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
                 time.sleep(0.5)
-        assert service_pid(stack, "scheduler") != scheduler
+        assert stack.service_process("scheduler").pid != scheduler
         assert run_streams(stack) == reference  # the worker's state from the old scheduler was reset
         assert wait_idle(stack).used_blocks == 0
 
-        gateway = service_pid(stack, "gateway")
+        gateway = stack.service_process("gateway").pid
         os.kill(gateway, signal.SIGKILL)
         time.sleep(0.5)
         wait_healthy(stack.address, 60)
-        assert service_pid(stack, "gateway") != gateway
+        assert stack.service_process("gateway").pid != gateway
         assert run_streams(stack) == reference
         assert stack.process.poll() is None  # serve itself never stopped

@@ -7,7 +7,6 @@ import threading
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -46,14 +45,6 @@ def test_tp2_stack_matches_tp1(model_fixture: str, request: pytest.FixtureReques
         assert described.tensor_parallel_size == 2 and described.pid > 0
 
 
-def _rank1_process(serve_pid: int) -> psutil.Process:
-    for child in psutil.Process(serve_pid).children(recursive=True):
-        cmdline = child.cmdline()
-        if "--tp-rank" in cmdline and cmdline[cmdline.index("--tp-rank") + 1] == "1":
-            return child
-    raise AssertionError("no tensor-parallel rank 1 under serve")
-
-
 @pytest.mark.parametrize("mode", ["OFFLOAD", "RECOMPUTE"])
 def test_tp2_suspend_releases_every_rank_and_streams_continue(tiny_llama_dir: Path, mode: str) -> None:
     prompts = make_prompts()
@@ -66,7 +57,7 @@ def test_tp2_suspend_releases_every_rank_and_streams_continue(tiny_llama_dir: Pa
     with run_stack(tiny_llama_dir, "--block-size", "16", "--max-num-blocks", str(num_blocks), "--max-model-len", "512",
                    "--tensor-parallel-size", "2", "--scheduler-address", scheduler_address,
                    "--log-level", "warning") as stack:
-        follower = _rank1_process(stack.process.pid)
+        follower = stack.service_process("worker", tp_rank=1)
         threads = start_streams_to_suspend(stack, results)
         rss_before = follower.memory_info().rss
         with grpc.insecure_channel(scheduler_address) as channel:
