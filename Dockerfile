@@ -8,6 +8,7 @@ WORKDIR /app
 RUN pip install "torch>=2.4,<2.14" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY hetero ./hetero
+COPY hetero_common ./hetero_common
 COPY hetero_infer ./hetero_infer
 COPY gateway ./gateway
 COPY scheduler_svc ./scheduler_svc

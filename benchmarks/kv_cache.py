@@ -31,9 +31,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, worker_pb2  # noqa: E402
-from hetero_infer.config import Config  # noqa: E402
+from hetero_common.config import Config  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
-from hetero_infer.log import configure_logging  # noqa: E402
+from hetero_common.log import configure_logging  # noqa: E402
 from scheduler_svc.scheduler import Scheduler  # noqa: E402
 
 

@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
-from hetero_infer.config import Config  # noqa: E402
+from hetero_common.config import Config  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
-from hetero_infer.log import configure_logging  # noqa: E402
-from hetero_infer.model_files import resolve_model_path  # noqa: E402
+from hetero_common.log import configure_logging  # noqa: E402
+from hetero_common.model_files import resolve_model_path  # noqa: E402
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:

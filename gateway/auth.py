@@ -15,8 +15,8 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from hetero_infer.config import Config
-from hetero_infer.errors import AuthenticationError
+from hetero_common.config import Config
+from hetero_common.errors import AuthenticationError
 
 # gRPC methods that never need a key.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")

@@ -17,9 +17,9 @@ from typing import AsyncIterator, Protocol
 
 import structlog
 
-from hetero_infer.config import BackendConfig
-from hetero_infer.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError
-from hetero_infer.sampling import Sampling
+from hetero_common.config import BackendConfig
+from hetero_common.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError
+from hetero_common.sampling import Sampling
 
 log = structlog.get_logger("gateway.command_bridge")
 STDERR_TAIL_BYTES = 2000

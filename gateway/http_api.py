@@ -31,8 +31,8 @@ from gateway.auth import ApiKeys
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.service import InferenceServicer
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.config import Config
-from hetero_infer.errors import HeteroError, UnavailableError, http_status_for
+from hetero_common.config import Config
+from hetero_common.errors import HeteroError, UnavailableError, http_status_for
 
 log = structlog.get_logger("gateway.http_api")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",

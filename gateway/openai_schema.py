@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.errors import ValidationError
-from hetero_infer.sampling import MAX_N
+from hetero_common.errors import ValidationError
+from hetero_common.sampling import MAX_N
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_UNSPECIFIED: None}

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from gateway.tokenizer import TextTokenizer
 from hetero.v1 import inference_pb2
-from hetero_infer.errors import ModelNotFoundError, ValidationError
-from hetero_infer.sampling import Sampling, validate
+from hetero_common.errors import ModelNotFoundError, ValidationError
+from hetero_common.sampling import Sampling, validate
 
 MAX_REQUEST_ID_LEN = 128
 

@@ -28,14 +28,14 @@ from gateway.requests import PreparedRequest, check_model, prepare, render_chat
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from hetero_infer import __version__
-from hetero_infer.config import Config
-from hetero_infer.errors import (ExecutionError, HeteroError, OverloadedError, UnavailableError, ValidationError,
+from hetero_common import __version__
+from hetero_common.config import Config
+from hetero_common.errors import (ExecutionError, HeteroError, OverloadedError, UnavailableError, ValidationError,
                                  from_grpc_error)
-from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
+from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_channel, server_credentials, set_serving_aio)
-from hetero_infer.model_files import resolve_model_path
-from hetero_infer.sampling import sample_seed
+from hetero_common.model_files import resolve_model_path
+from hetero_common.sampling import sample_seed
 
 log = structlog.get_logger("gateway.service")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop_strings import StopStringMatcher
 from gateway.tokenizer import TextTokenizer
-from hetero_infer.sampling import Sampling
+from hetero_common.sampling import Sampling
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from hetero_infer.model_files import ModelFileError, read_gguf_metadata, read_json, token_ids
+from hetero_common.model_files import ModelFileError, read_gguf_metadata, read_json, token_ids
 
 
 class TokenizerError(ModelFileError):

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hetero_infer.model_files import ModelFileError, read_json, token_ids
+from hetero_common.model_files import ModelFileError, read_json, token_ids
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 

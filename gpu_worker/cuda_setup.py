@@ -16,8 +16,8 @@ import structlog
 import torch
 
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from hetero_infer.config import Config
-from hetero_infer.errors import ConfigError
+from hetero_common.config import Config
+from hetero_common.errors import ConfigError
 from kernels import AttentionBackend, PageTable, allocate_kv_cache, create_attention_backend
 
 log = structlog.get_logger("gpu_worker.cuda_setup")

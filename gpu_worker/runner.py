@@ -23,10 +23,10 @@ from gpu_worker.model import LlamaModel
 from gpu_worker.sampler import SamplingBatch, sample, top_logprobs
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
-from hetero_infer.config import Config
-from hetero_infer.errors import ExecutionError
-from hetero_infer.model_files import resolve_model_path
-from hetero_infer.sampling import Sampling, resolve
+from hetero_common.config import Config
+from hetero_common.errors import ExecutionError
+from hetero_common.model_files import resolve_model_path
+from hetero_common.sampling import Sampling, resolve
 from kernels import PageTable, allocate_kv_cache, copy_blocks, create_attention_backend
 from kernels.cache_ops import swap_in_blocks, swap_out_blocks
 

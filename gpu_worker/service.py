@@ -23,9 +23,9 @@ import structlog
 from gpu_worker.runner import ModelRunner, resolve_device
 from gpu_worker.tensor_parallel import Command, TensorParallel
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from hetero_infer.config import Config
-from hetero_infer.errors import HeteroError
-from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
+from hetero_common.config import Config
+from hetero_common.errors import HeteroError
+from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_listen_address, server_credentials, set_serving)
 
 log = structlog.get_logger("gpu_worker.service")

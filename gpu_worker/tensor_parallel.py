@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hetero_infer.errors import ConfigError
+from hetero_common.errors import ConfigError
 
 # What rank 0 sends the other ranks, in the order it runs them: ("step", serialized StepPlan),
 # ("suspend", mode) or ("resume", ""). Every rank runs each one on its own shard.

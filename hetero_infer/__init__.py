@@ -1,3 +1,8 @@
-"""hetero-infer: shared pieces of the services (config, errors, logging, CLI, in-process engine)."""
+"""hetero-infer, the product: CLI, supervisor, in-process engine, config sources, bench, protogen.
 
-__version__ = "0.1.0"
+It sits on top of the services (`gateway`, `scheduler_svc`, `gpu_worker`, `kernels`) and the
+shared base (`hetero_common`); nothing below imports from it."""
+
+from hetero_common import __version__
+
+__all__ = ["__version__"]

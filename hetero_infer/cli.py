@@ -14,9 +14,9 @@ import asyncio
 import sys
 
 from hetero_infer.config_sources import add_config_arguments, config_from_args
-from hetero_infer.errors import HeteroError
-from hetero_infer.log import configure_logging
-from hetero_infer.supervision import die_with_parent
+from hetero_common.errors import HeteroError
+from hetero_common.log import configure_logging
+from hetero_infer.parent_death import die_with_parent
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,8 +72,8 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from hetero_infer.config import TLSConfig
-    from hetero_infer.grpc_server import channel_credentials
+    from hetero_common.config import TLSConfig
+    from hetero_common.grpc_server import channel_credentials
 
     tls = TLSConfig(cert_file=args.tls_cert, key_file=args.tls_key, ca_file=args.tls_ca)
     creds = channel_credentials(tls, mutual=True) if args.tls_cert else (

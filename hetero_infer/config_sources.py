@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from hetero_infer.config import PRESETS, CommandConfig, Config
-from hetero_infer.errors import ConfigError
+from hetero_common.config import PRESETS, CommandConfig, Config
+from hetero_common.errors import ConfigError
 
 # Short spellings users know from the seed docs.
 ENV_ALIASES = {"HETERO_MAX_BLOCKS": "max_num_blocks"}

@@ -20,8 +20,8 @@ from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.config import Config
-from hetero_infer.errors import ValidationError
+from hetero_common.config import Config
+from hetero_common.errors import ValidationError
 from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
 
 

@@ -9,7 +9,7 @@ is restarted unless `restart_services` is false (then the stack stops): a new sc
 starts with empty queues (the streams it served end with UNAVAILABLE) and resets each
 worker's state before its first step. Ctrl-C or SIGTERM stops the
 services in reverse order, each draining within `drain_grace_s`; children also get SIGTERM
-if this process dies (each child asks for PR_SET_PDEATHSIG itself: see supervision.py), so no
+if this process dies (each child asks for PR_SET_PDEATHSIG itself: see parent_death.py), so no
 orphans are left behind.
 """
 
@@ -29,8 +29,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hetero_infer.config import Config
-from hetero_infer.grpc_server import channel_credentials
+from hetero_common.config import Config
+from hetero_common.grpc_server import channel_credentials
 
 log = structlog.get_logger("hetero_infer.supervisor")
 

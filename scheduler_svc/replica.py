@@ -19,8 +19,8 @@ import structlog
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from hetero_infer.config import Config
-from hetero_infer.grpc_server import internal_channel
+from hetero_common.config import Config
+from hetero_common.grpc_server import internal_channel
 from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
 from scheduler_svc.sequence import Sequence
 

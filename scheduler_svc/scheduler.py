@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from hetero.v1 import common_pb2, worker_pb2
-from hetero_infer.config import Config
-from hetero_infer.errors import DuplicateRequestError, ValidationError
-from hetero_infer.sampling import resolve
+from hetero_common.config import Config
+from hetero_common.errors import DuplicateRequestError, ValidationError
+from hetero_common.sampling import resolve
 from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
 from scheduler_svc.prefix_cache import extend_hashes
 from scheduler_svc.sequence import Sequence, SequenceStatus, fork_sample

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from hetero.v1 import common_pb2
-from hetero_infer.sampling import Sampling, sample_seed
+from hetero_common.sampling import Sampling, sample_seed
 
 
 class SequenceStatus(enum.Enum):

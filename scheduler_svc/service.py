@@ -24,9 +24,9 @@ import grpc
 import structlog
 
 from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from hetero_infer.config import Config
-from hetero_infer.errors import DuplicateRequestError, HeteroError, OverloadedError, UnavailableError
-from hetero_infer.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
+from hetero_common.config import Config
+from hetero_common.errors import DuplicateRequestError, HeteroError, OverloadedError, UnavailableError
+from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_listen_address, server_credentials, set_serving_aio)
 from scheduler_svc.replica import Replica
 from scheduler_svc.router import Router

@@ -19,7 +19,7 @@ from gpu_worker.checkpoint import (
     expected_tensor_names,
     load_checkpoint,
 )
-from hetero_infer.model_files import default_model_path
+from hetero_common.model_files import default_model_path
 from tests.tiny_models import make_tiny_llama, make_tiny_qwen2
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from gateway.command_bridge import CommandBridge, TextChunk
-from hetero_infer.config import BackendConfig, CommandConfig
-from hetero_infer.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError
-from hetero_infer.sampling import resolve
+from hetero_common.config import BackendConfig, CommandConfig
+from hetero_common.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError
+from hetero_common.sampling import resolve
 from hetero.v1 import common_pb2
 
 ECHO_ENV = """

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hetero_infer.config import PRESETS, Config
+from hetero_common.config import PRESETS, Config
 from hetero_infer.config_sources import add_config_arguments, config_from_args, config_keys, load_config
-from hetero_infer.errors import ConfigError
+from hetero_common.errors import ConfigError
 
 
 def test_seed_defaults() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetero_infer.config import Config
+from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 33, 50]

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from hetero_infer.sampling import sample_seed
+from hetero_common.sampling import sample_seed
 from hetero_infer.supervisor import wait_healthy
 from tests.conftest import REPO_ROOT, free_port
 

@@ -150,7 +150,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _greedy(model_dir: Path, **overrides) -> list[list[int]]:
-    from hetero_infer.config import Config
+    from hetero_common.config import Config
     from hetero_infer.engine import GenerationParams, InferenceEngine
 
     config = Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16, max_total_tokens=256,
@@ -198,7 +198,7 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_llama_dir: Path) -> None:
     K/V writes equal the eager FlashInfer forward's on the same cache."""
     require_flashinfer(64)
     from gpu_worker.runner import ModelRunner
-    from hetero_infer.config import Config
+    from hetero_common.config import Config
 
     runner = ModelRunner(Config(model=str(gpu_llama_dir), device="cuda", dtype="bfloat16", block_size=16,
                                 max_batch_size=8, max_total_tokens=256, attention_backend="flashinfer",

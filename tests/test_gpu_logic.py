@@ -14,7 +14,7 @@ import torch
 from gpu_worker.cuda_graphs import graph_batch_sizes, pad_decode_table, padded_batch_size
 from gpu_worker.cuda_setup import kv_blocks_for_memory
 from hetero_infer.config_sources import load_config
-from hetero_infer.errors import ConfigError
+from hetero_common.errors import ConfigError
 from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, select_attention_backend
 from kernels.flashinfer_backend import append_indices, decode_uses_tensor_cores, flashinfer_unavailable_reason
 

@@ -13,9 +13,9 @@ from gateway.auth import ApiKeys
 from gateway.metrics import GatewayMetrics
 from gpu_worker.sampler import top_logprobs
 from hetero.v1 import common_pb2
-from hetero_infer.config import Config
+from hetero_common.config import Config
 from hetero_infer.config_sources import load_config
-from hetero_infer.errors import AuthenticationError, ConfigError, ValidationError
+from hetero_common.errors import AuthenticationError, ConfigError, ValidationError
 
 
 def test_api_keys(tmp_path: Path) -> None:

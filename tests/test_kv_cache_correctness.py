@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero_infer.config import Config
+from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
 from tests.test_correctness import NEW_TOKENS, hf_greedy, make_prompts
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetero.v1 import common_pb2, worker_pb2
-from hetero_infer.config import Config
+from hetero_common.config import Config
 from scheduler_svc.block_pool import BlockPool
 from scheduler_svc.scheduler import Scheduler, plan_needs_worker
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.protogen import stale_files
-from hetero_infer.sampling import resolve
+from hetero_common.sampling import resolve
 
 
 def test_generated_stubs_are_up_to_date() -> None:

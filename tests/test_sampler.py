@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.sampler import SamplingBatch, sample
-from hetero_infer.config import Config
+from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
 
 

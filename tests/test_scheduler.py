@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from hetero.v1 import common_pb2, worker_pb2
-from hetero_infer.config import Config
-from hetero_infer.errors import DuplicateRequestError, ValidationError
+from hetero_common.config import Config
+from hetero_common.errors import DuplicateRequestError, ValidationError
 from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SequenceStatus

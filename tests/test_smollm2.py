@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gateway.tokenizer import load_tokenizer
-from hetero_infer.config import Config
+from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.model_files import default_model_path
+from hetero_common.model_files import default_model_path
 from tests.conftest import REPO_ROOT, run_stack
 
 pytestmark = pytest.mark.slow

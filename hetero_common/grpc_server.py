@@ -9,8 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hetero_infer.config import Config, TLSConfig
-from hetero_infer.errors import HeteroError, grpc_status_for
+from hetero_common.config import Config, TLSConfig
+from hetero_common.errors import HeteroError, grpc_status_for
 
 # Large enough for a step plan with thousands of prompt tokens; protobuf's own limit is 2 GiB.
 MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024

@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from hetero_infer.errors import ConfigError
+from hetero_common.errors import ConfigError
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero.v1 import common_pb2
-from hetero_infer.errors import ValidationError
+from hetero_common.errors import ValidationError
 
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_TEMPERATURE = 1.0

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetero_infer.errors import ConfigError
+from hetero_common.errors import ConfigError
 
 
 @dataclass
