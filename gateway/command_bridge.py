@@ -146,7 +146,7 @@ class CommandBridge:
 
 def bridge_prompt(request, tokenizer) -> str:  # request: inference_pb2.GenerateRequest; tokenizer: TextTokenizer
     """The prompt as text for the program: as sent, the rendered chat, or decoded token ids."""
-    from gateway.requests import render_chat
+    from gateway.validation import render_chat
 
     kind = request.WhichOneof("input")
     if kind == "prompt":

@@ -15,15 +15,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP app)
 
 from hetero.v1 import common_pb2
+from hetero_common.finish_reasons import finish_reason_name
 
 NAMESPACE = "hetero"
 # Seconds; from a fast GPU decode step to a long CPU generation.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
-
-
-def finish_reason_label(reason: int) -> str:
-    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 class GatewayMetrics:
@@ -116,7 +113,7 @@ class RequestTimer:
             return
         self.done = True
         self.metrics.in_flight.dec()
-        label = finish_reason_label(reason)
+        label = finish_reason_name(reason)
         self.metrics.requests.labels(label).inc()
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(usage.cached_prompt_tokens)

@@ -22,10 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from gateway.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
+from hetero_common.finish_reasons import finish_reason_name, is_finished
 from hetero_common.sampling import MAX_N
 
-FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-          common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_UNSPECIFIED: None}
+# The finish reasons OpenAI clients know; any other (error, deadline) is reported as "error".
+OPENAI_FINISH_REASONS = ("stop", "length", "abort")
 
 
 class _Body(BaseModel):
@@ -139,7 +140,11 @@ def chat_request(body: ChatBody, request_id: str) -> inference_pb2.GenerateReque
 # ----------------------------------------------------------------------------- responses
 
 def finish_reason(reason: int) -> str | None:
-    return FINISH.get(reason, "error")
+    """The OpenAI `finish_reason`: None while the choice runs on."""
+    if not is_finished(reason):
+        return None
+    name = finish_reason_name(reason)
+    return name if name in OPENAI_FINISH_REASONS else "error"
 
 
 def completion_logprobs(tokenizer: TextTokenizer, parts: list[inference_pb2.GenerateResponse],

@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from gateway.auth import ApiKeyInterceptor, ApiKeys
 from gateway.command_bridge import CommandBridge, TextBackend, bridge_prompt
 from gateway.metrics import GatewayMetrics, RequestTimer
-from gateway.requests import PreparedRequest, check_model, prepare, render_chat
+from gateway.validation import PreparedRequest, check_model, prepare, render_chat
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc

@@ -15,7 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from gateway.requests import prepare
+from gateway.validation import prepare
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer, load_tokenizer
 from gpu_worker.runner import ModelRunner

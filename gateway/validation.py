@@ -1,4 +1,5 @@
-"""Turning a GenerateRequest into token ids and validated sampling parameters (gateway only)."""
+"""Request validation: a GenerateRequest checked field by field and turned into token ids and
+sampling parameters (gateway only)."""
 
 from __future__ import annotations
 
