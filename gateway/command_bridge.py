@@ -4,22 +4,28 @@ The program runs once per request (once per sample when n > 1) as an argv list (
 through a shell), with the prompt in `HETERO_PROMPT` and the sampling parameters in
 `HETERO_*` variables; its stdout is streamed back as text. A timeout, an output cap and a
 non-zero exit (reported with the tail of its stderr) bound what a misbehaving program can do.
+`CommandBridgeBackend` puts the program behind the gateway's backend interface.
 """
 
 from __future__ import annotations
 
 import asyncio
 import codecs
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator
 
 import structlog
 
+from gateway.backend import SampleOutput
+from gateway.tokenizer import TextTokenizer
+from gateway.validation import PreparedRequest, render_chat
+from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import BackendConfig
 from hetero_common.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError
-from hetero_common.sampling import Sampling
+from hetero_common.sampling import Sampling, sample_seed
 
 log = structlog.get_logger("gateway.command_bridge")
 STDERR_TAIL_BYTES = 2000
@@ -33,15 +39,6 @@ class TextChunk:
     text: str
     finished: bool = False
     truncated: bool = False
-
-
-class TextBackend(Protocol):
-    """A backend that answers with text (the engine path answers with token ids instead)."""
-
-    name: str
-
-    def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str,
-               index: int = 0) -> AsyncIterator[TextChunk]: ...
 
 
 def bridge_environment(request_id: str, prompt: str, sampling: Sampling, model: str, index: int = 0) -> dict[str, str]:
@@ -144,13 +141,47 @@ class CommandBridge:
         return tail.decode("utf-8", errors="replace").strip()
 
 
-def bridge_prompt(request, tokenizer) -> str:  # request: inference_pb2.GenerateRequest; tokenizer: TextTokenizer
+def bridge_prompt(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer) -> str:
     """The prompt as text for the program: as sent, the rendered chat, or decoded token ids."""
-    from gateway.validation import render_chat
-
     kind = request.WhichOneof("input")
     if kind == "prompt":
         return request.prompt
     if kind == "chat":
         return render_chat(tokenizer, request.chat)
     return tokenizer.decode(list(request.prompt_token_ids.ids))
+
+
+class CommandBridgeBackend:
+    """The program's text as responses marked backend="command_bridge". With n > 1 the program
+    runs once per sample, one after another, each with the sample's seed (as the engine derives
+    it) and HETERO_SAMPLE_INDEX. Stop strings are the program's to honour (HETERO_STOP)."""
+
+    def __init__(self, bridge: CommandBridge, tokenizer: TextTokenizer, model_name: str) -> None:
+        self.bridge = bridge
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    async def max_model_len(self) -> int | None:
+        return None  # the program's model is its own business
+
+    async def server_info(self) -> inference_pb2.ServerInfo:
+        return inference_pb2.ServerInfo(backend=self.bridge.name)
+
+    async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
+                       timeout: float | None) -> AsyncIterator[SampleOutput]:
+        # `timeout` is not passed on: serving.backend.command_timeout_s bounds each run.
+        prompt, sampling = bridge_prompt(request, self.tokenizer), prepared.sampling
+        for index in range(sampling.n):
+            if index and sampling.seed is not None:
+                sampling = dataclasses.replace(prepared.sampling, seed=sample_seed(prepared.sampling.seed, index))
+            text: list[str] = []
+            async for chunk in self.bridge.stream(prepared.request_id, prompt, sampling, self.model_name, index):
+                text.append(chunk.text)
+                response = inference_pb2.GenerateResponse(request_id=prepared.request_id, text=chunk.text, index=index,
+                                                          model=self.model_name, backend=self.bridge.name)
+                tokens = 0
+                if chunk.finished:  # the program's text has no token ids: count the sample's by encoding it
+                    response.finish_reason = (common_pb2.FINISH_REASON_LENGTH if chunk.truncated
+                                              else common_pb2.FINISH_REASON_STOP)
+                    tokens = len(self.tokenizer.encode("".join(text), add_special_tokens=False))
+                yield SampleOutput(response, tokens)

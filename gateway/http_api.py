@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), in the gateway process, on its loop.
+"""The OpenAI-compatible HTTP API's routes (FastAPI), in the gateway process, on its loop.
 
-Every generation goes through `InferenceServicer.generate`, the path gRPC uses, so both
+Every generation goes through `Generation.generate`, the path gRPC uses, so both
 APIs validate, tokenize, stop and meter identically. Routes:
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 `stream: true`, ending `data: [DONE]`), GET /v1/models (need an API key when keys are on);
@@ -9,18 +9,12 @@ GET /healthz, /readyz, /metrics (open, for probes and scrapers).
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
 import json
-import socket
 import time
 import uuid
-from contextlib import aclosing
-from typing import Any, AsyncIterator, Coroutine
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-import structlog
-import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,13 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import openai_schema as oa
 from gateway.auth import ApiKeys
+from gateway.generation import Generation
+from gateway.http_streams import merged, unless_client_gone
 from gateway.metrics import CONTENT_TYPE_LATEST
-from gateway.service import InferenceServicer
-from hetero.v1 import common_pb2, inference_pb2
-from hetero_common.config import Config
-from hetero_common.errors import HeteroError, UnavailableError, http_status_for
+from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
+from hetero_common.errors import HeteroError, http_status_for
 
-log = structlog.get_logger("gateway.http_api")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                409: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "overloaded", 503: "not_ready"}
@@ -56,70 +49,12 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-async def _merged(servicer: InferenceServicer, requests: list[inference_pb2.GenerateRequest],
-                  n: int) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
-    """Run the prompts' requests (n samples each) concurrently; yield (choice index, response) as
-    they come, choice index = request index * n + sample index. Errors propagate."""
-    queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, request: inference_pb2.GenerateRequest) -> None:
-        try:
-            async with aclosing(servicer.generate(request)) as responses:
-                async for response in responses:
-                    await queue.put((index, response))
-        except Exception as exc:  # handed to the consumer, which raises it
-            await queue.put((index, exc))
-            return
-        await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index * n + item.index, item
-    finally:  # a client that goes away (or an error) cancels every request, aborting them downstream
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _client_gone(request: Request) -> None:
-    """Return when the client disconnects (the body has been read: what `receive` yields next is
-    the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_client_gone(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
-    """Run a non-streaming handler's work, cancelled if its client goes away first: Starlette
-    lets a plain handler run on after a disconnect, which would leave the generation running
-    downstream (streamed answers are cancelled by Starlette itself)."""
-    answer = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_client_gone(request))
-    try:
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if answer.done():
-        return answer.result()
-    answer.cancel()  # unwinds _merged, which cancels the requests and so aborts them downstream
-    with contextlib.suppress(asyncio.CancelledError):
-        await answer
-    log.info("client disconnected; request aborted", path=request.url.path)
-    return Response(status_code=499)  # nobody reads it; the status names what happened in access logs
-
-
 class HttpApi:
-    def __init__(self, config: Config, servicer: InferenceServicer, keys: ApiKeys) -> None:
-        self.config = config
-        self.servicer = servicer
+    def __init__(self, generation: Generation, keys: ApiKeys,
+                 scheduler_stats: Callable[[], Awaitable[scheduler_pb2.SchedulerStats]]) -> None:
+        self.generation = generation
         self.keys = keys
+        self.scheduler_stats = scheduler_stats  # readiness and pool metrics are the scheduler's
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -159,7 +94,7 @@ class HttpApi:
 
     async def readyz(self) -> JSONResponse:
         try:
-            pool = (await self.servicer.scheduler_stats()).pool
+            pool = (await self.scheduler_stats()).pool
         except HeteroError as exc:
             return JSONResponse(error_body(503, f"not ready: {exc.message}"), status_code=503)
         if pool.num_workers_up < 1:
@@ -168,16 +103,16 @@ class HttpApi:
 
     async def metrics(self) -> Response:
         try:
-            pool: common_pb2.PoolStats | None = (await self.servicer.scheduler_stats()).pool
+            pool: common_pb2.PoolStats | None = (await self.scheduler_stats()).pool
         except HeteroError:
             pool = None  # still serve the gateway's own metrics; hetero_scheduler_up says 0
-        self.servicer.metrics.update_pool(pool)
-        return Response(self.servicer.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        self.generation.metrics.update_pool(pool)
+        return Response(self.generation.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict[str, Any]:
-        s = self.servicer
-        return {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": 0, "owned_by": "hetero-infer",
-                                            "max_model_len": s.max_model_len}]}
+        g = self.generation
+        return {"object": "list", "data": [{"id": g.model_name, "object": "model", "created": 0, "owned_by": "hetero-infer",
+                                            "max_model_len": g.max_model_len}]}
 
     # ------------------------------------------------------------------ generation
 
@@ -186,14 +121,14 @@ class HttpApi:
         requests = oa.completion_requests(body, rid)
         if body.stream:
             return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream)
-        return await _unless_client_gone(request, self._completion(requests, body.n, rid))
+        return await unless_client_gone(request, self._completion(requests, body.n, rid))
 
     async def _completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
         parts, usages = await self._collect(requests, n)
         choices = [{"index": i, "text": "".join(p.text for p in ps), "finish_reason": oa.finish_reason(ps[-1].finish_reason),
                     "stop_reason": ps[-1].stop_reason or None,
-                    "logprobs": oa.completion_logprobs(self.servicer.tokenizer, ps)} for i, ps in parts.items()]
-        answer = oa.envelope("text_completion", rid, self.servicer.model_name, choices)
+                    "logprobs": oa.completion_logprobs(self.generation.tokenizer, ps)} for i, ps in parts.items()]
+        answer = oa.envelope("text_completion", rid, self.generation.model_name, choices)
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
@@ -202,14 +137,14 @@ class HttpApi:
         requests = [oa.chat_request(body, rid)]
         if body.stream:
             return await self._stream(requests, body.n, rid, "chat.completion.chunk", body.include_usage_in_stream)
-        return await _unless_client_gone(request, self._chat_completion(requests, body.n, rid))
+        return await unless_client_gone(request, self._chat_completion(requests, body.n, rid))
 
     async def _chat_completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
         parts, usages = await self._collect(requests, n)
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
                     "finish_reason": oa.finish_reason(ps[-1].finish_reason), "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]
-        answer = oa.envelope("chat.completion", rid, self.servicer.model_name, choices)
+        answer = oa.envelope("chat.completion", rid, self.generation.model_name, choices)
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
@@ -218,7 +153,7 @@ class HttpApi:
         """Every choice's messages (by choice index, in order) and each request's usage."""
         parts: dict[int, list[inference_pb2.GenerateResponse]] = {}
         usages: list[common_pb2.Usage] = []
-        async for index, part in _merged(self.servicer, requests, n):
+        async for index, part in merged(self.generation, requests, n):
             parts.setdefault(index, []).append(part)
             if part.HasField("usage"):  # a request's last message: its prompt once, all its samples
                 usages.append(part.usage)
@@ -228,7 +163,7 @@ class HttpApi:
                       include_usage: bool) -> Response:
         """Server-sent events. The first message is awaited before answering, so a bad request still
         gets its 4xx status (not a 200 stream carrying an error)."""
-        events = _merged(self.servicer, requests, n)
+        events = merged(self.generation, requests, n)
         try:
             first = await anext(events)
         except StopAsyncIteration:
@@ -236,7 +171,7 @@ class HttpApi:
         except HeteroError:
             await events.aclose()
             raise
-        created, model, chat = int(time.time()), self.servicer.model_name, kind == "chat.completion.chunk"
+        created, model, chat = int(time.time()), self.generation.model_name, kind == "chat.completion.chunk"
         offsets: dict[int, int] = collections.defaultdict(int)
 
         def chunk(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> dict[str, Any]:
@@ -248,7 +183,7 @@ class HttpApi:
                 choice["delta"], choice["logprobs"] = delta, oa.chat_logprobs([part])
             else:
                 choice["text"] = part.text
-                choice["logprobs"] = oa.completion_logprobs(self.servicer.tokenizer, [part], offsets[index])
+                choice["logprobs"] = oa.completion_logprobs(self.generation.tokenizer, [part], offsets[index])
                 offsets[index] += len(part.text)
             if part.stop_reason:
                 choice["stop_reason"] = part.stop_reason
@@ -278,45 +213,3 @@ class HttpApi:
             yield _sse("[DONE]")
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn on the gateway's own loop: the gateway owns SIGTERM/SIGINT, not uvicorn."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
-        yield
-
-
-class RunningHttpServer:
-    def __init__(self, server: _EmbeddedServer, task: asyncio.Task[None]) -> None:
-        self.server, self.task = server, task
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(self.task, timeout=10)
-
-
-async def start_http_server(config: Config, servicer: InferenceServicer, keys: ApiKeys) -> RunningHttpServer:
-    api = HttpApi(config, servicer, keys)
-    tls = config.serving.tls
-    # Bind here, so a taken port fails start-up with our message (uvicorn would sys.exit inside a task).
-    host, port = config.serving.host, config.serving.http_port
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        raise SystemExit(f"gateway: cannot bind HTTP {host}:{port} ({exc}); set serving.http_port (0 disables HTTP)")
-    server = _EmbeddedServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
-                                            ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
-                                            timeout_graceful_shutdown=5))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if task.done():
-            task.result()
-            raise UnavailableError("HTTP server stopped during start-up")
-        await asyncio.sleep(0.01)
-    log.info("http serving", address=f"{'https' if tls.enabled else 'http'}://{host}:{port}")
-    return RunningHttpServer(server, task)

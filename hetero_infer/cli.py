@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
             asyncio.run(serve_scheduler(config))
         elif args.command == "gateway":
-            from gateway.service import serve_gateway
+            from gateway.server import serve_gateway
 
             asyncio.run(serve_gateway(config))
         elif args.command == "generate":

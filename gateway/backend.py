@@ -1,0 +1,44 @@
+"""The backend interface: what answers a validated request, in text, one sample's message at a time.
+
+Two backends implement it: the scheduler (`scheduler_backend.py`, token ids detokenized in
+the gateway) and the command bridge (`command_bridge.py`, a program that answers in text);
+`fallback.py` chains them. The generation path (`generation.py`) sees only this interface:
+it meters, counts usage and ends the request, whichever backend answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from gateway.validation import PreparedRequest
+from hetero.v1 import inference_pb2
+
+
+@dataclass
+class SampleOutput:
+    """One client message of one sample (`response.index`), plus what it adds to usage and metrics.
+
+    The sample's last message carries its `finish_reason`; a backend yields nothing for a
+    sample after that."""
+
+    response: inference_pb2.GenerateResponse
+    generated_tokens: int = 0  # tokens this message accounts for
+    cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (the request's, not a sum)
+    queue_seconds: float = 0.0  # scheduler arrival to first admission; read with the first tokens
+
+
+class Backend(Protocol):
+    async def max_model_len(self) -> int | None:
+        """The served model's context length, when the backend knows it (asked once, at start)."""
+        ...
+
+    async def server_info(self) -> inference_pb2.ServerInfo:
+        """The backend's part of GetServerInfo (the caller adds version and model)."""
+        ...
+
+    def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
+                 timeout: float | None) -> AsyncIterator[SampleOutput]:
+        """Every sample's messages (interleaved when n > 1) until each has finished. `timeout` is
+        the client's remaining time. Closing the iterator early ends the request downstream."""
+        ...

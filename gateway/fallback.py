@@ -1,0 +1,48 @@
+"""A backend that answers with a second one when the first is unavailable (serving.backend.fallback).
+
+Only a request the primary could not start falls back: once a message has gone to the
+client, switching backends would stream a second, different answer after the first.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import structlog
+
+from gateway.backend import Backend, SampleOutput
+from gateway.validation import PreparedRequest
+from hetero.v1 import inference_pb2
+from hetero_common.errors import UnavailableError
+
+log = structlog.get_logger("gateway.fallback")
+
+
+class FallbackBackend:
+    def __init__(self, primary: Backend, fallback: Backend) -> None:
+        self.primary = primary
+        self.fallback = fallback
+
+    async def max_model_len(self) -> int | None:
+        return await self.primary.max_model_len()
+
+    async def server_info(self) -> inference_pb2.ServerInfo:
+        return await self.primary.server_info()
+
+    async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
+                       timeout: float | None) -> AsyncIterator[SampleOutput]:
+        received = False
+        try:
+            async with aclosing(self.primary.generate(request, prepared, timeout)) as outputs:
+                async for output in outputs:
+                    received = True
+                    yield output
+            return
+        except UnavailableError as exc:  # the primary's retries are spent
+            if received:
+                raise
+            log.warning("scheduler unavailable after retries; answering with the command bridge", error=exc.message)
+        async with aclosing(self.fallback.generate(request, prepared, timeout)) as outputs:
+            async for output in outputs:
+                yield output

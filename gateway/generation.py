@@ -1,0 +1,96 @@
+"""The one generation path, shared by gRPC (Generate, Complete) and the HTTP API.
+
+It refuses what is over the concurrency limit, validates and tokenizes the request, and
+streams the backend's messages through, metered, with `usage` on the request's last message
+(after every sample has finished). Whichever backend answers, both APIs validate, stop and
+meter identically.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import structlog
+
+from gateway.backend import Backend
+from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.tokenizer import TextTokenizer
+from gateway.validation import prepare
+from hetero.v1 import common_pb2, inference_pb2
+from hetero_common.config import Config
+from hetero_common.errors import OverloadedError
+from hetero_common.finish_reasons import NOT_FINISHED, finish_reason_name, is_finished
+
+log = structlog.get_logger("gateway.generation")
+
+
+class Generation:
+    def __init__(self, config: Config, tokenizer: TextTokenizer, backend: Backend) -> None:
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.model_name = config.serving.model_name
+        self.max_model_len = config.max_model_len  # refined from the backend at start
+        self.max_concurrent_requests = config.serving.max_concurrent_requests
+        self.metrics = GatewayMetrics()
+        self.in_flight = 0  # generations streaming now (gRPC and HTTP), for serving.max_concurrent_requests
+
+    async def start(self) -> None:
+        max_model_len = await self.backend.max_model_len()
+        if max_model_len is not None:
+            self.max_model_len = max_model_len
+
+    async def generate(self, request: inference_pb2.GenerateRequest,
+                       timeout: float | None = None) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """The request's messages; with n > 1 the samples' messages interleave, each with its `index`.
+
+        `timeout` is the client's remaining time (gRPC deadline); it becomes the backend's deadline."""
+        limit = self.max_concurrent_requests
+        if limit and self.in_flight >= limit:
+            self.metrics.request_errors.labels(OverloadedError.__name__).inc()
+            raise OverloadedError(f"the gateway is serving its limit of {limit} concurrent requests "
+                                  "(serving.max_concurrent_requests); retry later")
+        self.in_flight += 1
+        timer = self.metrics.start_request()
+        try:
+            async with aclosing(self._generate(request, timer, timeout)) as responses:
+                async for response in responses:
+                    yield response
+        except BaseException as exc:  # errors, and a client going away (GeneratorExit, CancelledError)
+            timer.fail(exc)
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def _generate(self, request: inference_pb2.GenerateRequest, timer: RequestTimer,
+                        timeout: float | None) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        started = time.perf_counter()
+        prepared = prepare(request, self.tokenizer, self.model_name, self.max_model_len, request_id)
+        usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
+        n = prepared.sampling.n
+        running = set(range(n))
+        finish, backend = NOT_FINISHED, ""
+        # aclosing: leaving the loop early closes the backend's stream at once, which ends the
+        # request downstream.
+        async with aclosing(self.backend.generate(request, prepared, timeout)) as outputs:
+            async for output in outputs:
+                response = output.response
+                usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, output.cached_prompt_tokens)
+                usage.completion_tokens += output.generated_tokens
+                timer.on_tokens(output.generated_tokens, output.queue_seconds)
+                finish, backend = response.finish_reason, response.backend
+                if is_finished(finish):
+                    running.discard(response.index)
+                    if not running:
+                        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+                        response.usage.CopyFrom(usage)
+                        timer.finish(finish, usage)
+                yield response
+                if not running:
+                    break
+        log.info("finished", backend=backend, finish_reason=finish_reason_name(finish), prompt_tokens=usage.prompt_tokens,
+                 completion_tokens=usage.completion_tokens, n=n, seconds=round(time.perf_counter() - started, 3))

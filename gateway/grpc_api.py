@@ -1,0 +1,99 @@
+"""The public `hetero.v1.Inference` gRPC API: thin adapters over the generation path.
+
+Errors become gRPC statuses here (`error_status`); everything else is `Generation`'s.
+"""
+
+from __future__ import annotations
+
+import grpc
+import structlog
+
+from gateway.generation import Generation
+from gateway.validation import check_model, render_chat
+from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from hetero_common import __version__
+from hetero_common.errors import HeteroError, ValidationError
+from hetero_common.finish_reasons import is_finished
+from hetero_common.grpc_server import error_status
+
+log = structlog.get_logger("gateway.grpc_api")
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for response in self.generation.generate(request, context.time_remaining()):
+                yield response
+        except HeteroError as exc:
+            log.info("request failed", error=exc.message, code=error_status(exc)[0].name)
+            await context.abort(*error_status(exc))
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    async def Complete(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> inference_pb2.GenerateResponse:
+        """The whole answer at once. With n > 1 the top-level fields are sample 0 and `choices`
+        holds every sample (index 0..n-1); `usage` counts all samples."""
+        answers: dict[int, inference_pb2.GenerateResponse] = {}
+        usage = common_pb2.Usage()
+        try:
+            async for part in self.generation.generate(request, context.time_remaining()):
+                answer = answers.setdefault(part.index, inference_pb2.GenerateResponse(index=part.index))
+                answer.request_id, answer.model, answer.backend = part.request_id, part.model, part.backend
+                answer.text += part.text
+                answer.token_ids.extend(part.token_ids)
+                answer.token_timestamps.extend(part.token_timestamps)
+                answer.logprobs.extend(part.logprobs)
+                answer.top_logprobs.extend(part.top_logprobs)
+                if is_finished(part.finish_reason):
+                    answer.finish_reason, answer.stop_reason = part.finish_reason, part.stop_reason
+                if part.HasField("usage"):
+                    usage.CopyFrom(part.usage)
+        except HeteroError as exc:
+            log.info("request failed", error=exc.message)
+            await context.abort(*error_status(exc))
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
+        result = inference_pb2.GenerateResponse()
+        if answers:
+            result.CopyFrom(answers[min(answers)])
+        result.usage.CopyFrom(usage)
+        if len(answers) > 1:
+            for index in sorted(answers):
+                result.choices.append(answers[index])
+        return result
+
+    async def Tokenize(self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> inference_pb2.TokenizeResponse:
+        tokenizer = self.generation.tokenizer
+        try:
+            check_model(request.model, self.generation.model_name)
+            kind = request.WhichOneof("input")
+            if kind == "chat":
+                ids = tokenizer.encode(render_chat(tokenizer, request.chat), add_special_tokens=False)
+            elif kind == "text":
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+                ids = tokenizer.encode(request.text, add_special_tokens=add)
+            else:
+                raise ValidationError("one of text or chat is required")
+        except HeteroError as exc:
+            await context.abort(*error_status(exc))
+        tokens = [tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
+        return inference_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, count=len(ids),
+                                              max_model_len=self.generation.max_model_len)
+
+    async def ListModels(self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
+        g = self.generation
+        card = inference_pb2.ModelCard(id=g.model_name, max_model_len=g.max_model_len, vocab_size=g.tokenizer.vocab_size,
+                                       has_chat_template=bool(g.tokenizer.chat_template))
+        return inference_pb2.ListModelsResponse(models=[card])
+
+    async def GetServerInfo(self, request: inference_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ServerInfo:
+        try:
+            info = await self.generation.backend.server_info()
+        except HeteroError as exc:
+            await context.abort(*error_status(exc))
+        info.version, info.model = __version__, self.generation.model_name
+        return info

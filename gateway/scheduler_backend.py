@@ -1,0 +1,153 @@
+"""The scheduler backend: token ids from `hetero.v1.Scheduler`, turned into text here.
+
+A request is one Submit stream of token events; each sample has its own detokenizer and
+stop-string state (`TextStream`), so the text never breaks a UTF-8 character. When the
+client cancels or disconnects, the Submit call is cancelled, which aborts the request in
+the scheduler and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import grpc
+import structlog
+
+from gateway.backend import SampleOutput
+from gateway.text_stream import TextStream
+from gateway.tokenizer import TextTokenizer
+from gateway.validation import PreparedRequest
+from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
+from hetero_common.config import Config
+from hetero_common.errors import ExecutionError, HeteroError, UnavailableError, from_grpc_error
+from hetero_common.finish_reasons import is_finished
+from hetero_common.grpc_server import internal_channel
+from hetero_common.retry import retrying
+
+log = structlog.get_logger("gateway.scheduler_backend")
+NAME = "scheduler"
+
+
+class SchedulerBackend:
+    def __init__(self, config: Config, tokenizer: TextTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_name = config.serving.model_name
+        self.channel = internal_channel(config, config.scheduler_address)
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+
+    async def stats(self) -> scheduler_pb2.SchedulerStats:
+        """The scheduler's pool and model figures (retried on UNAVAILABLE)."""
+        try:
+            async for attempt in retrying(self.config):
+                with attempt:
+                    return await self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc_error(exc, "scheduler") from exc
+        raise AssertionError("unreachable")
+
+    async def max_model_len(self) -> int | None:
+        try:
+            return (await self.stats()).max_model_len
+        except HeteroError as exc:
+            log.warning("scheduler not reachable at start; using config max_model_len", error=exc.message)
+            return None
+
+    async def server_info(self) -> inference_pb2.ServerInfo:
+        stats = await self.stats()
+        return inference_pb2.ServerInfo(pool=stats.pool, backend=NAME, attention_backend=stats.attention_backend,
+                                        device=stats.device)
+
+    async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
+                       timeout: float | None) -> AsyncIterator[SampleOutput]:
+        """A sample that matches a stop string is aborted downstream alone; the rest run on."""
+        n = prepared.sampling.n
+        streams = {i: TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling) for i in range(n)}
+        # aclosing: returning early (every sample stopped) closes the generator at once, which
+        # cancels the Submit call and so ends the request downstream.
+        async with aclosing(self._events(prepared, request.params, timeout, request.cache_salt)) as events:
+            async for event in events:
+                stream = streams.get(event.index)
+                if stream is None:
+                    continue  # this sample already ended (stop string) before its abort landed
+                response = self._response(prepared.request_id, event, stream, request.params)
+                if is_finished(response.finish_reason):
+                    del streams[event.index]
+                    if n > 1 and response.stop_reason and streams:  # only this sample ends
+                        await self._abort_sample(prepared.request_id, event.index)
+                yield SampleOutput(response, len(event.token_ids), event.cached_prompt_tokens, event.queue_seconds)
+                if not streams:
+                    return
+
+    async def _events(self, prepared: PreparedRequest, params: common_pb2.SamplingParams,
+                      timeout: float | None = None, cache_salt: str = "") -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        """The scheduler's token events. Failing to reach it (before the first event) is retried;
+        the scheduler treats a repeated request id as the same request, so a retry never starts
+        a second generation. `timeout` (the client's remaining time) becomes the Submit deadline."""
+        submit = scheduler_pb2.SubmitRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+                                             params=params, cache_salt=cache_salt)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        call: grpc.aio.UnaryStreamCall | None = None
+        attempts = 0
+        try:
+            try:
+                async for attempt in retrying(self.config):
+                    with attempt:
+                        if call is not None:
+                            call.cancel()
+                        attempts += 1
+                        call = self.scheduler.Submit(
+                            submit, timeout=None if deadline is None else max(0.001, deadline - loop.time()))
+                        event = await call.read()
+                while event is not grpc.aio.EOF:
+                    yield event
+                    event = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                error = from_grpc_error(exc, "scheduler")
+                if isinstance(error, UnavailableError):
+                    error = UnavailableError(f"{error.message} (after {attempts} attempt(s); max_retry_attempts is "
+                                             f"{self.config.max_retry_attempts})")
+                raise error from exc
+        finally:
+            if call is not None:
+                call.cancel()  # no-op when finished; aborts the request downstream otherwise
+
+    async def _abort_sample(self, request_id: str, index: int) -> None:
+        try:
+            await self.scheduler.Abort(scheduler_pb2.AbortRequest(
+                request_id=request_id, reason=common_pb2.FINISH_REASON_STOP, index=index), timeout=10)
+        except grpc.aio.AioRpcError as exc:  # the sample runs on to its max_tokens; its tokens are dropped here
+            log.warning("could not abort a stopped sample", index=index, error=exc.details())
+
+    def _response(self, request_id: str, event: scheduler_pb2.TokenEvent, stream: TextStream,
+                  params: common_pb2.SamplingParams) -> inference_pb2.GenerateResponse:
+        """One scheduler event as a client message: new text, and the finish reason when it ends."""
+        if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            raise ExecutionError(event.error or "generation failed")
+        delta = stream.push(list(event.token_ids))
+        response = inference_pb2.GenerateResponse(
+            request_id=request_id, text=delta.text, token_ids=event.token_ids, model=self.model_name,
+            backend=NAME, index=event.index)
+        if params.track_generated_token_events:
+            response.token_timestamps.extend(event.token_timestamps)
+        if params.HasField("logprobs"):
+            self._add_logprobs(response, event)
+        if delta.stopped:
+            response.finish_reason, response.stop_reason = common_pb2.FINISH_REASON_STOP, delta.stop_string or ""
+        elif is_finished(event.finish_reason):
+            response.text += stream.finish()
+            response.finish_reason = event.finish_reason
+        return response
+
+    def _add_logprobs(self, response: inference_pb2.GenerateResponse, event: scheduler_pb2.TokenEvent) -> None:
+        token = lambda i: self.tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+        for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs)):
+            response.logprobs.add(token_id=token_id, logprob=logprob, token=token(token_id))
+            alternatives = response.top_logprobs.add()
+            if i < len(event.top_logprobs):
+                top = event.top_logprobs[i]
+                for alt_id, alt_logprob in zip(top.token_ids, top.logprobs):
+                    alternatives.candidates.add(token_id=alt_id, logprob=alt_logprob, token=token(alt_id))

@@ -1,0 +1,116 @@
+"""The gateway process: builds the backend and the generation path, serves gRPC and (unless
+serving.http_port is 0) the OpenAI-style HTTP API on one asyncio loop, and drains on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+
+import grpc
+import structlog
+import uvicorn
+
+from gateway.auth import ApiKeyInterceptor, ApiKeys
+from gateway.backend import Backend
+from gateway.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.fallback import FallbackBackend
+from gateway.generation import Generation
+from gateway.grpc_api import SERVICE_NAME, InferenceServicer
+from gateway.http_api import HttpApi
+from gateway.scheduler_backend import SchedulerBackend
+from gateway.tokenizer import TextTokenizer, load_tokenizer
+from hetero.v1 import inference_pb2_grpc
+from hetero_common.config import Config
+from hetero_common.errors import UnavailableError
+from hetero_common.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, bind, server_credentials, set_serving_aio
+from hetero_common.model_files import resolve_model_path
+
+log = structlog.get_logger("gateway.server")
+
+
+def load_gateway_tokenizer(config: Config) -> TextTokenizer:
+    return load_tokenizer(resolve_model_path(config.model), config.tokenizer.path)
+
+
+def generation_backend(config: Config, tokenizer: TextTokenizer, scheduler: SchedulerBackend) -> Backend:
+    """serving.backend: the scheduler, the command bridge, or the scheduler falling back to the bridge."""
+    backend = config.serving.backend
+    if "command_bridge" not in (backend.kind, backend.fallback):
+        return scheduler
+    bridge = CommandBridgeBackend(CommandBridge(backend), tokenizer, config.serving.model_name)  # config checked its program
+    return bridge if backend.kind == "command_bridge" else FallbackBackend(scheduler, bridge)
+
+
+async def serve_gateway(config: Config) -> None:
+    """gRPC and the HTTP API, one generation path, until SIGTERM or SIGINT; then drain."""
+    tokenizer = load_gateway_tokenizer(config)
+    scheduler = SchedulerBackend(config, tokenizer)  # also the source of /readyz and pool metrics
+    generation = Generation(config, tokenizer, generation_backend(config, tokenizer, scheduler))
+    keys = ApiKeys.from_config(config)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generation), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
+    address = f"{config.serving.host}:{config.serving.port}"
+    if bind(server, address, server_credentials(config.serving.tls, mutual=False)) == 0:
+        raise SystemExit(f"gateway: cannot bind {address}; is another process using it?")
+    await server.start()
+    await generation.start()
+    http = await start_http_server(config, HttpApi(generation, keys, scheduler.stats)) if config.serving.http_port else None
+    await set_serving_aio(health, [SERVICE_NAME])
+    log.info("gateway serving", address=address, http_port=config.serving.http_port or None, model=config.serving.model_name,
+             tls=config.serving.tls.enabled, api_keys=keys.enabled)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Drain: report NOT_SERVING, refuse new calls, give in-flight ones drain_grace_s to finish.
+    await set_serving_aio(health, [SERVICE_NAME], serving=False)
+    log.info("draining", grace_s=config.drain_grace_s)
+    if http is not None:
+        await http.stop()
+    await server.stop(grace=config.drain_grace_s)
+    log.info("gateway stopped")
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn on the gateway's own loop: the gateway owns SIGTERM/SIGINT, not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class RunningHttpServer:
+    def __init__(self, server: _EmbeddedServer, task: asyncio.Task[None]) -> None:
+        self.server, self.task = server, task
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(self.task, timeout=10)
+
+
+async def start_http_server(config: Config, api: HttpApi) -> RunningHttpServer:
+    tls = config.serving.tls
+    # Bind here, so a taken port fails start-up with our message (uvicorn would sys.exit inside a task).
+    host, port = config.serving.host, config.serving.http_port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        raise SystemExit(f"gateway: cannot bind HTTP {host}:{port} ({exc}); set serving.http_port (0 disables HTTP)")
+    server = _EmbeddedServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
+                                            ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
+                                            timeout_graceful_shutdown=5))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            task.result()
+            raise UnavailableError("HTTP server stopped during start-up")
+        await asyncio.sleep(0.01)
+    log.info("http serving", address=f"{'https' if tls.enabled else 'http'}://{host}:{port}")
+    return RunningHttpServer(server, task)
