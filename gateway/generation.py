@@ -46,7 +46,7 @@ class Generation:
                        timeout: float | None = None) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """The request's messages; with n > 1 the samples' messages interleave, each with its `index`.
 
-        `timeout` is the client's remaining time (gRPC deadline); it becomes the backend's deadline."""
+        `timeout` is the client's remaining time (gRPC deadline); it becomes the Submit deadline."""
         limit = self.max_concurrent_requests
         if limit and self.in_flight >= limit:
             self.metrics.request_errors.labels(OverloadedError.__name__).inc()
