@@ -16,19 +16,15 @@ from typing import Callable
 
 import grpc
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.grpc_server import internal_channel
+from hetero_common.retry import is_transient, retrying
 from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
 from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.replica")
-
-
-def transient(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
 
 
 class Replica:
@@ -52,11 +48,6 @@ class Replica:
         self._last_ok = 0.0
         self.num_deadline_exceeded = 0
         self.tasks: list[asyncio.Task[None]] = []
-
-    def _retrying(self) -> AsyncRetrying:
-        return AsyncRetrying(stop=stop_after_attempt(self.config.max_retry_attempts + 1), reraise=True,
-                             wait=wait_exponential_jitter(initial=self.config.retry_backoff_s, max=1.0),
-                             retry=retry_if_exception(transient))
 
     @property
     def load(self) -> int:
@@ -97,7 +88,7 @@ class Replica:
     async def _probe(self) -> worker_pb2.WorkerInfo | None:
         """Is the worker alive? Describe, retried on transient failures; None when it stays unreachable."""
         try:
-            async for attempt in self._retrying():
+            async for attempt in retrying(self.config):
                 with attempt:
                     return await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=2.0)
         except grpc.aio.AioRpcError:
@@ -216,7 +207,7 @@ class Replica:
         try:
             result = await self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if transient(exc):
+            if is_transient(exc):
                 await self._step_lost(core, exc.details() or "UNAVAILABLE")
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Alive but hung: its sequences move on (another replica, or this one once it
