@@ -30,7 +30,7 @@ from gateway import openai_schema as oa
 from gateway.auth import ApiKeys
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.service import InferenceServicer
-from hetero.v1 import common_pb2, inference_pb2
+from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 from hetero_common.config import Config
 from hetero_common.errors import HeteroError, UnavailableError, http_status_for
 
@@ -159,19 +159,19 @@ class HttpApi:
 
     async def readyz(self) -> JSONResponse:
         try:
-            pool = (await self.servicer.scheduler_stats()).pool
+            service = (await self.servicer.scheduler_stats()).service
         except HeteroError as exc:
             return JSONResponse(error_body(503, f"not ready: {exc.message}"), status_code=503)
-        if pool.num_workers_up < 1:
+        if service.num_workers_up < 1:
             return JSONResponse(error_body(503, "not ready: the scheduler has no worker up"), status_code=503)
-        return JSONResponse({"status": "ready", "workers_up": pool.num_workers_up})
+        return JSONResponse({"status": "ready", "workers_up": service.num_workers_up})
 
     async def metrics(self) -> Response:
         try:
-            pool: common_pb2.PoolStats | None = (await self.servicer.scheduler_stats()).pool
+            stats: scheduler_pb2.SchedulerStats | None = await self.servicer.scheduler_stats()
         except HeteroError:
-            pool = None  # still serve the gateway's own metrics; hetero_scheduler_up says 0
-        self.servicer.metrics.update_pool(pool)
+            stats = None  # still serve the gateway's own metrics; hetero_scheduler_up says 0
+        self.servicer.metrics.update_pool(stats.pool if stats else None, stats.service if stats else None)
         return Response(self.servicer.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict[str, Any]:

@@ -347,7 +347,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         except HeteroError as exc:
             await context.abort(*error_status(exc))
         return inference_pb2.ServerInfo(version=__version__, model=self.model_name, pool=stats.pool, backend="scheduler",
-                                        attention_backend=stats.attention_backend, device=stats.device)
+                                        attention_backend=stats.attention_backend, device=stats.device, service=stats.service)
 
 
 async def serve_gateway(config: Config) -> None:

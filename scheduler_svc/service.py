@@ -32,6 +32,7 @@ from scheduler_svc.replica import Replica
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import TokenOutput
 from scheduler_svc.sequence import Sequence
+from scheduler_svc.stats import merge_pools
 
 log = structlog.get_logger("scheduler_svc.service")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -310,36 +311,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.ResumeResponse()
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
-        total = common_pb2.PoolStats()
-        replicas = []
-        waste_weighted = 0.0  # internal waste of the replicas, weighted by their used blocks
-        for r in self.replicas:
-            pool = r.core.pool_stats() if r.core is not None else common_pb2.PoolStats()
-            replicas.append(scheduler_pb2.ReplicaStatus(index=r.index, address=r.address, up=r.up,
-                                                        pid=r.info.pid if r.info else 0, pool=pool))
-            for name in ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting",
-                         "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_swapped"):
-                setattr(total, name, getattr(total, name) + getattr(pool, name))
-            total.steps = max(total.steps, pool.steps)
-            total.block_size = pool.block_size or total.block_size
-            total.num_deadline_exceeded += r.num_deadline_exceeded
-            total.suspended = total.suspended or (r.core is not None and r.core.suspended)
-            waste_weighted += pool.internal_waste * pool.used_blocks
-        total.usage = total.used_blocks / total.total_blocks if total.total_blocks else 0.0
-        total.internal_waste = waste_weighted / total.used_blocks if total.used_blocks else 0.0
+        replicas = [scheduler_pb2.ReplicaStatus(index=r.index, address=r.address, up=r.up, pid=r.info.pid if r.info else 0,
+                                                pool=r.core.pool_stats() if r.core is not None else common_pb2.PoolStats())
+                    for r in self.replicas]
+        total = merge_pools(r.pool for r in replicas)
         total.num_waiting += sum(len(o.seqs) for o in self.orphans.values())
-        total.num_workers = len(self.replicas)
-        total.num_workers_up = len(self._up())
-        total.num_deadline_exceeded += self.num_deadline_exceeded
-        total.num_rejected_queue_full = self.num_rejected_queue_full
-        total.num_recovered_sequences = self.num_recovered_sequences
-        total.routing_prefix_blocks_queried = self.router.blocks_queried
-        total.routing_prefix_blocks_hit = self.router.blocks_hit
+        service = common_pb2.ServiceStats(
+            num_workers=len(self.replicas), num_workers_up=len(self._up()),
+            num_deadline_exceeded=self.num_deadline_exceeded + sum(r.num_deadline_exceeded for r in self.replicas),
+            num_rejected_queue_full=self.num_rejected_queue_full, num_recovered_sequences=self.num_recovered_sequences,
+            routing_prefix_blocks_queried=self.router.blocks_queried, routing_prefix_blocks_hit=self.router.blocks_hit)
         info = next((r.info for r in self.replicas if r.info is not None), None)
         max_model_len = next((r.core.max_model_len for r in self.replicas if r.core is not None), self.config.max_model_len)
         return scheduler_pb2.SchedulerStats(pool=total, model=info.model_name if info else "", max_model_len=max_model_len,
                                             attention_backend=info.attention_backend if info else "",
-                                            device=info.device if info else "", replicas=replicas)
+                                            device=info.device if info else "", service=service, replicas=replicas)
 
 
 async def serve_scheduler(config: Config) -> None:
