@@ -1,13 +1,13 @@
 """One worker replica as the scheduler service sees it: its own core `Scheduler` (block pool,
 queues), its engine loop, and a health watch that notices when the worker dies or comes back.
-The core is private: the replica set and the service submit, adopt, abort, find and count
-requests through the methods below, so a core is only ever touched between engine steps.
+The core is private: the replica set submits, adopts, aborts, finds and counts requests
+through the methods below, so what a core is and how it is rebuilt stays in this module.
 
 A step that fails with a transient error (UNAVAILABLE: the worker died, the connection
 reset) is never re-sent as is: the worker may have applied part of it. Instead the replica
 probes the worker (retried with backoff); if it answers, its state is reset and every
 sequence is recomputed from the tokens already produced; if not, the replica is marked
-down and its sequences go back to the service to be recomputed elsewhere.
+down and its sequences go to the replica set to be recomputed elsewhere.
 """
 
 from __future__ import annotations
