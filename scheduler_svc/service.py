@@ -36,15 +36,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.streams = RequestStreams()
-        self.replicas = ReplicaSet(config, self.streams.dispatch, self._end)
+        self.replica_set = ReplicaSet(config, self.streams.dispatch, self._end)
 
     async def start(self) -> None:
-        await self.replicas.start()
+        await self.replica_set.start()
 
     def _end(self, request_id: str, reason: int, error: str = "", status: grpc.StatusCode | None = None,
              index: int | None = None) -> None:
         """End a request (or one of its samples) wherever it is, and tell its listeners."""
-        self.replicas.drop(request_id, reason, index)
+        self.replica_set.drop(request_id, reason, index)
         self.streams.end(request_id, reason, error, status, index)
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
@@ -58,7 +58,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             fingerprint = request.SerializeToString(deterministic=True)
             if stream is None:
                 try:
-                    seq = self.replicas.submit(request, deadline)
+                    seq = self.replica_set.submit(request, deadline)
                 except HeteroError as exc:
                     await context.abort(*error_status(exc))
                 stream = self.streams.open(rid, fingerprint, seq.sampling.n)
@@ -86,7 +86,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     # The last caller went away (cancelled, or its deadline passed): free the blocks now.
                     passed = deadline is not None and time.monotonic() >= deadline
                     if passed:
-                        self.replicas.counters.num_deadline_exceeded += 1
+                        self.replica_set.counters.num_deadline_exceeded += 1
                     self._end(rid, common_pb2.FINISH_REASON_DEADLINE if passed else common_pb2.FINISH_REASON_ABORT)
                     self.streams.close(rid)
                     log.info("deadline passed" if passed else "aborted by caller")
@@ -94,7 +94,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
         reason = request.reason or common_pb2.FINISH_REASON_ABORT
         index = request.index if request.HasField("index") else None
-        found = self.replicas.has_request(request.request_id)
+        found = self.replica_set.has_request(request.request_id)
         if index is not None:
             found = found and self.streams.has_open_sample(request.request_id, index)
         if found:
@@ -106,7 +106,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         mode = request.mode or common_pb2.KVCacheManagementMode.Value(
             "KV_CACHE_MANAGEMENT_MODE_" + self.config.kv_cache_management_mode.upper())
         try:
-            released = await self.replicas.suspend(mode)
+            released = await self.replica_set.suspend(mode)
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), f"a worker could not suspend its KV cache: {exc.details()}")
         log.info("engine suspended", mode=common_pb2.KVCacheManagementMode.Name(mode), released_bytes=released)
@@ -114,14 +114,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Resume(self, request: scheduler_pb2.ResumeRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.ResumeResponse:
         try:
-            await self.replicas.resume()
+            await self.replica_set.resume()
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), f"a worker could not resume its KV cache: {exc.details()}")
         log.info("engine resumed")
         return scheduler_pb2.ResumeResponse()
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
-        return self.replicas.stats()
+        return self.replica_set.stats()
 
 
 async def serve_scheduler(config: Config) -> None:
