@@ -66,9 +66,9 @@ def run_policy(model: Path, policy: str, replicas: int, prompts: list[list[int]]
         asyncio.run(send_all(stack.address, prompts, wave, max_tokens))
         seconds = time.perf_counter() - started
         info = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest())
-    pool = info.pool
-    return {"policy": policy, "seconds": seconds, "queried": pool.routing_prefix_blocks_queried,
-            "hit": pool.routing_prefix_blocks_hit, "cache_queries": pool.prefix_cache_queries,
+    pool, service = info.pool, info.service
+    return {"policy": policy, "seconds": seconds, "queried": service.routing_prefix_blocks_queried,
+            "hit": service.routing_prefix_blocks_hit, "cache_queries": pool.prefix_cache_queries,
             "cache_hits": pool.prefix_cache_hits}
 
 

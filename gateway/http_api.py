@@ -94,19 +94,19 @@ class HttpApi:
 
     async def readyz(self) -> JSONResponse:
         try:
-            pool = (await self.scheduler_stats()).pool
+            service = (await self.scheduler_stats()).service
         except HeteroError as exc:
             return JSONResponse(error_body(503, f"not ready: {exc.message}"), status_code=503)
-        if pool.num_workers_up < 1:
+        if service.num_workers_up < 1:
             return JSONResponse(error_body(503, "not ready: the scheduler has no worker up"), status_code=503)
-        return JSONResponse({"status": "ready", "workers_up": pool.num_workers_up})
+        return JSONResponse({"status": "ready", "workers_up": service.num_workers_up})
 
     async def metrics(self) -> Response:
         try:
-            pool: common_pb2.PoolStats | None = (await self.scheduler_stats()).pool
+            stats: scheduler_pb2.SchedulerStats | None = await self.scheduler_stats()
         except HeteroError:
-            pool = None  # still serve the gateway's own metrics; hetero_scheduler_up says 0
-        self.generation.metrics.update_pool(pool)
+            stats = None  # still serve the gateway's own metrics; hetero_scheduler_up says 0
+        self.generation.metrics.update_pool(stats.pool if stats else None, stats.service if stats else None)
         return Response(self.generation.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict[str, Any]:

@@ -62,9 +62,9 @@ class GatewayMetrics:
         self.workers_up = Gauge("workers_up", "Workers answering the scheduler", namespace=ns, registry=r)
         self.scheduler_up = Gauge("scheduler_up", "1 when the last GetStats succeeded", namespace=ns, registry=r)
 
-    def update_pool(self, pool: common_pb2.PoolStats | None) -> None:
+    def update_pool(self, pool: common_pb2.PoolStats | None, service: common_pb2.ServiceStats | None) -> None:
         self.scheduler_up.set(0 if pool is None else 1)
-        if pool is None:
+        if pool is None or service is None:
             return
         self.running.set(pool.num_running)
         self.waiting.set(pool.num_waiting)
@@ -75,7 +75,7 @@ class GatewayMetrics:
         self.usage.set(pool.usage)
         self.prefix_queries.set(pool.prefix_cache_queries)
         self.prefix_hits.set(pool.prefix_cache_hits)
-        self.workers_up.set(pool.num_workers_up)
+        self.workers_up.set(service.num_workers_up)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

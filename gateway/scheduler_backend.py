@@ -57,7 +57,8 @@ class SchedulerBackend:
 
     async def server_info(self) -> inference_pb2.ServerInfo:
         stats = await self.stats()
-        return inference_pb2.ServerInfo(pool=stats.pool, backend=NAME, attention_backend=stats.attention_backend,
+        return inference_pb2.ServerInfo(pool=stats.pool, service=stats.service, backend=NAME,
+                                        attention_backend=stats.attention_backend,
                                         device=stats.device)
 
     async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,

@@ -116,9 +116,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._on_model_thread("resume", lambda: self._on_every_rank(("resume", "")), context)
         return worker_pb2.ResumeKVCacheResponse()
 
-    def Health(self, request: worker_pb2.HealthRequest, context: grpc.ServicerContext) -> worker_pb2.HealthResponse:
-        return worker_pb2.HealthResponse(ready=True, steps=self.runner.steps, num_sequences=len(self.runner.sequences))
-
 
 def run_cache_command(runner: ModelRunner, command: Command) -> int:
     """A suspend (returns the bytes released) or a resume (returns 0) on this rank."""

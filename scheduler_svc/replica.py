@@ -1,11 +1,13 @@
 """One worker replica as the scheduler service sees it: its own core `Scheduler` (block pool,
 queues), its engine loop, and a health watch that notices when the worker dies or comes back.
+The core is private: the replica set submits, adopts, aborts, finds and counts requests
+through the methods below, so what a core is and how it is rebuilt stays in this module.
 
 A step that fails with a transient error (UNAVAILABLE: the worker died, the connection
 reset) is never re-sent as is: the worker may have applied part of it. Instead the replica
 probes the worker (retried with backoff); if it answers, its state is reset and every
 sequence is recomputed from the tokens already produced; if not, the replica is marked
-down and its sequences go back to the service to be recomputed elsewhere.
+down and its sequences go to the replica set to be recomputed elsewhere.
 """
 
 from __future__ import annotations
@@ -16,24 +18,23 @@ from typing import Callable
 
 import grpc
 import structlog
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from hetero.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.grpc_server import internal_channel
+from hetero_common.retry import is_transient, retrying
 from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
 from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.replica")
 
 
-def transient(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE
-
-
 class Replica:
+    """`dispatch` takes the token events of its steps; `lost` its sequences when it goes down
+    (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers."""
+
     def __init__(self, index: int, address: str, config: Config, dispatch: Callable[[list[TokenOutput]], None],
-                 lost: Callable[["Replica", list[Sequence]], None], joined: Callable[["Replica"], None]) -> None:
+                 lost: Callable[[Replica, list[Sequence]], None], joined: Callable[[Replica], None]) -> None:
         self.index = index
         self.address = address
         self.config = config
@@ -42,10 +43,10 @@ class Replica:
         self._joined = joined
         self.channel = internal_channel(config, address)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
-        self.core: Scheduler | None = None
+        self._core: Scheduler | None = None  # from the first Describe on; a fresh one per new worker process
         self.info: worker_pb2.WorkerInfo | None = None
         self.up = False
-        self.wake = asyncio.Event()
+        self._wake = asyncio.Event()
         self._up_event = asyncio.Event()
         self._lock = asyncio.Lock()  # one lifecycle change or step at a time
         self._reset_worker = False
@@ -53,14 +54,75 @@ class Replica:
         self.num_deadline_exceeded = 0
         self.tasks: list[asyncio.Task[None]] = []
 
-    def _retrying(self) -> AsyncRetrying:
-        return AsyncRetrying(stop=stop_after_attempt(self.config.max_retry_attempts + 1), reraise=True,
-                             wait=wait_exponential_jitter(initial=self.config.retry_backoff_s, max=1.0),
-                             retry=retry_if_exception(transient))
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def has_joined(self) -> bool:
+        """A worker answered at least once, so the replica has a core to validate requests with."""
+        return self._core is not None
+
+    def submit(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
+        """Validate a new request and queue its samples here; raises the core's HeteroError."""
+        seq = self._validated(request, deadline)
+        self._wake.set()
+        return seq
+
+    def detached_sequence(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
+        """Validate a new request with this replica's core but keep nothing: the sequence is parked
+        (every replica is down) until a replica adopts it."""
+        seq = self._validated(request, deadline)
+        self._require_core().take_all_for_recompute()  # a down replica's core is empty but for this one sequence
+        return seq
+
+    def _validated(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
+        seq = self._require_core().add_request(request.request_id, list(request.prompt_token_ids), request.params,
+                                               request.cache_salt)
+        seq.deadline = deadline
+        return seq
+
+    def adopt(self, seqs: list[Sequence]) -> None:
+        """Queue sequences from elsewhere (a lost replica, the parked ones) to be recomputed here."""
+        core = self._require_core()
+        for seq in seqs:
+            core.adopt(seq)
+        self._wake.set()
+
+    def abort(self, request_id: str, reason: int, index: int | None = None) -> None:
+        """End a request (or one of its samples) here; its blocks are freed at once."""
+        if self._core is not None:
+            self._core.abort(request_id, reason, index)
+
+    def has_request(self, request_id: str) -> bool:
+        return self._core is not None and request_id in self._core.requests
+
+    def _require_core(self) -> Scheduler:
+        if self._core is None:
+            raise RuntimeError(f"replica {self.index} ({self.address}): no worker has answered yet")
+        return self._core
+
+    # ------------------------------------------------------------------ figures
 
     @property
     def load(self) -> int:
-        return len(self.core.running) + len(self.core.waiting) if self.core is not None else 0
+        """Sequences running or waiting here: what the router balances."""
+        return len(self._core.running) + len(self._core.waiting) if self._core is not None else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._core.waiting) if self._core is not None else 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self._core.num_blocks if self._core is not None else 0
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._core.max_model_len if self._core is not None else None
+
+    def status(self) -> scheduler_pb2.ReplicaStatus:
+        pool = self._core.pool_stats() if self._core is not None else common_pb2.PoolStats()
+        return scheduler_pb2.ReplicaStatus(index=self.index, address=self.address, up=self.up,
+                                           pid=self.info.pid if self.info else 0, pool=pool)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -77,27 +139,27 @@ class Replica:
         self.info = info
         num_blocks = min(self.config.max_num_blocks, info.num_blocks)
         max_model_len = min(self.config.max_model_len, info.max_position_embeddings)
-        self.core = Scheduler(self.config, num_blocks, tuple(info.eos_token_ids), max_model_len)
+        self._core = Scheduler(self.config, num_blocks, tuple(info.eos_token_ids), max_model_len)
         self._reset_worker = True  # a worker that was merely unreachable may still hold old sequences
         self.up = True
         self._last_ok = time.monotonic()
         self._up_event.set()
-        self.wake.set()
+        self._wake.set()
         log.info("replica up", replica=self.index, address=self.address, pid=info.pid, num_blocks=num_blocks)
         self._joined(self)
 
     def _go_down(self, reason: str) -> None:
-        assert self.core is not None
+        assert self._core is not None
         self.up = False
         self._up_event.clear()
-        seqs = self.core.take_all_for_recompute()
+        seqs = self._core.take_all_for_recompute()
         log.error("replica down", replica=self.index, address=self.address, reason=reason, moved_sequences=len(seqs))
         self._lost(self, seqs)
 
     async def _probe(self) -> worker_pb2.WorkerInfo | None:
         """Is the worker alive? Describe, retried on transient failures; None when it stays unreachable."""
         try:
-            async for attempt in self._retrying():
+            async for attempt in retrying(self.config):
                 with attempt:
                     return await self.stub.Describe(worker_pb2.DescribeRequest(), timeout=2.0)
         except grpc.aio.AioRpcError:
@@ -106,19 +168,16 @@ class Replica:
 
     def _recover(self, info: worker_pb2.WorkerInfo | None, reason: str) -> None:
         """After a lost step or a failed health check: recompute here, start afresh, or go down."""
-        assert self.core is not None
+        assert self._core is not None
         if info is None:
             self._go_down(reason)
             return
-        seqs = self.core.take_all_for_recompute()
+        seqs = self._core.take_all_for_recompute()
         if self.info is None or info.pid != self.info.pid:
             # A new worker process answered (restarted): its KV cache is empty; a fresh pool.
             self._join(info)
-        assert self.core is not None
-        for seq in seqs:  # the worker's state is unknown: reset it and recompute here
-            self.core.adopt(seq)
-        self._reset_worker = True
-        self.wake.set()
+        self._reset_worker = True  # the worker's state is unknown: reset it and recompute here
+        self.adopt(seqs)
         log.info("worker answered again; sequences recomputed", replica=self.index, sequences=len(seqs), pid=info.pid)
 
     async def _watch(self) -> None:
@@ -153,33 +212,33 @@ class Replica:
         cache (`mode`, a KVCacheManagementMode). Returns the bytes of device memory released."""
         name = common_pb2.KVCacheManagementMode.Name(mode).removeprefix("KV_CACHE_MANAGEMENT_MODE_").lower()
         async with self._lock:
-            if self.core is None or self.core.suspended:
+            if self._core is None or self._core.suspended:
                 return 0
-            self.core.suspend(name)
+            self._core.suspend(name)
             try:
                 answer = await self.stub.SuspendKVCache(worker_pb2.SuspendKVCacheRequest(mode=mode), timeout=self.config.worker_step_timeout_s)
             except grpc.aio.AioRpcError:
-                self.core.resume()
-                self.wake.set()
+                self._core.resume()
+                self._wake.set()
                 raise
         return answer.released_bytes
 
     async def resume(self) -> None:
         async with self._lock:
-            if self.core is not None and self.core.suspended:
+            if self._core is not None and self._core.suspended:
                 await self.stub.ResumeKVCache(worker_pb2.ResumeKVCacheRequest(), timeout=self.config.worker_step_timeout_s)
-                self.core.resume()
-        self.wake.set()
+                self._core.resume()
+        self._wake.set()
 
     # ------------------------------------------------------------------ engine loop
 
-    def expire_deadlines(self) -> None:
-        assert self.core is not None
+    def _expire_deadlines(self) -> None:
+        assert self._core is not None
         now = time.monotonic()
-        expired = [s.request_id for s in self.core.requests.values() if s.deadline is not None and s.deadline <= now]
+        expired = [s.request_id for s in self._core.requests.values() if s.deadline is not None and s.deadline <= now]
         outputs = []
         for request_id in expired:
-            for index in self.core.abort(request_id, common_pb2.FINISH_REASON_DEADLINE):
+            for index in self._core.abort(request_id, common_pb2.FINISH_REASON_DEADLINE):
                 outputs.append(TokenOutput(request_id, finish_reason=common_pb2.FINISH_REASON_DEADLINE,
                                            error="the request's deadline passed", index=index))
             self.num_deadline_exceeded += 1
@@ -192,16 +251,16 @@ class Replica:
             if not self.up:
                 await self._up_event.wait()
                 continue
-            assert self.core is not None
-            self.expire_deadlines()
-            if not self.core.has_pending_work():
-                self.wake.clear()
-                await self.wake.wait()
+            assert self._core is not None
+            self._expire_deadlines()
+            if not self._core.has_pending_work():
+                self._wake.clear()
+                await self._wake.wait()
                 continue
             async with self._lock:
                 if not self.up:
                     continue
-                scheduled = await self._step(self.core)
+                scheduled = await self._step(self._core)
             # Nothing fits right now (e.g. waiting requests blocked on memory): yield a moment.
             await asyncio.sleep(0 if scheduled else 0.005)
 
@@ -216,7 +275,7 @@ class Replica:
         try:
             result = await self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if transient(exc):
+            if is_transient(exc):
                 await self._step_lost(core, exc.details() or "UNAVAILABLE")
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Alive but hung: its sequences move on (another replica, or this one once it

@@ -90,6 +90,10 @@ class Scheduler:
         self.suspended = False
         self._in_flight: list[worker_pb2.ScheduledSequence] = []
 
+    @property
+    def num_blocks(self) -> int:  # TEMP: the KV-cache manager change brings its own
+        return self.pool.num_blocks
+
     # ---------------------------------------------------------------- requests in and out
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: common_pb2.SamplingParams,

@@ -1,13 +1,19 @@
-"""Block pool figures for GetServerInfo: usage, prefix-cache counters and internal waste."""
+"""The scheduler's figures: the block pool of one core scheduler, the pools of every replica
+merged into one, and the service's own counters (workers, rejections, routing, recovery)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
 
 from hetero.v1 import common_pb2
 
 if TYPE_CHECKING:
     from scheduler_svc.scheduler import Scheduler
+
+# Pool figures that add up across replicas; the others are merged by `merge_pools` below.
+SUMMED_POOL_FIELDS = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting",
+                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_swapped")
 
 
 def pool_stats(s: Scheduler) -> common_pb2.PoolStats:
@@ -29,3 +35,30 @@ def pool_stats(s: Scheduler) -> common_pb2.PoolStats:
         steps=s.step_id, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
         num_swapped=len(s.swapped), suspended=s.suspended,
     )
+
+
+def merge_pools(pools: Iterable[common_pb2.PoolStats]) -> common_pb2.PoolStats:
+    """The replicas' pools as one: counts summed, steps the most any replica ran, suspended when
+    any is, usage over all blocks, internal waste weighted by each pool's used blocks."""
+    total = common_pb2.PoolStats()
+    waste_weighted = 0.0
+    for pool in pools:
+        for name in SUMMED_POOL_FIELDS:
+            setattr(total, name, getattr(total, name) + getattr(pool, name))
+        total.steps = max(total.steps, pool.steps)
+        total.block_size = pool.block_size or total.block_size
+        total.suspended = total.suspended or pool.suspended
+        waste_weighted += pool.internal_waste * pool.used_blocks
+    total.usage = total.used_blocks / total.total_blocks if total.total_blocks else 0.0
+    total.internal_waste = waste_weighted / total.used_blocks if total.used_blocks else 0.0
+    return total
+
+
+@dataclass
+class ServiceCounters:
+    """What the scheduler service counts itself; each replica counts the deadlines its engine
+    loop expires, and `ServiceStats` reports the sum."""
+
+    num_deadline_exceeded: int = 0  # orphans and callers gone past their deadline
+    num_rejected_queue_full: int = 0
+    num_recovered_sequences: int = 0

@@ -94,7 +94,8 @@ def test_metrics_record_a_request() -> None:
     timer.on_tokens(2)
     timer.finish(common_pb2.FINISH_REASON_LENGTH, common_pb2.Usage(prompt_tokens=7, completion_tokens=3))
     timer.finish(common_pb2.FINISH_REASON_LENGTH, common_pb2.Usage(prompt_tokens=7))  # recorded once
-    m.update_pool(common_pb2.PoolStats(used_blocks=3, total_blocks=10, usage=0.3, num_running=1, num_workers_up=1))
+    m.update_pool(common_pb2.PoolStats(used_blocks=3, total_blocks=10, usage=0.3, num_running=1),
+                  common_pb2.ServiceStats(num_workers_up=1))
     samples = {s.name + str(sorted(s.labels.items())): s.value
                for f in text_string_to_metric_families(m.exposition().decode()) for s in f.samples}
     assert samples["hetero_prompt_tokens_total[]"] == 7

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.conftest import Stack, free_port, run_stack
-from tests.test_resilience import pool, wait_idle
+from tests.test_resilience import pool, service_stats, wait_idle
 
 pytestmark = pytest.mark.slow
 LONG = 2000  # tokens: several seconds of work through the stack (400 took ~1 s: too close to a 1 s deadline)
@@ -60,7 +60,7 @@ def test_queue_full_is_resource_exhausted(stack: Stack) -> None:
         stack.inference.Complete(request(4, "one-too-many"))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_queued_requests" in info.value.details()
-    assert pool(stack).num_rejected_queue_full >= 1
+    assert service_stats(stack).num_rejected_queue_full >= 1
     for call in running:
         call.cancel()
     for call in waiting:  # the queued ones are served once the slots free up
@@ -69,7 +69,7 @@ def test_queue_full_is_resource_exhausted(stack: Stack) -> None:
 
 
 def test_deadline_while_queued_and_while_running(stack: Stack) -> None:
-    before = pool(stack).num_deadline_exceeded
+    before = service_stats(stack).num_deadline_exceeded
     running = occupy(stack, 2)
     # Queued behind the two long ones: its deadline passes before it is admitted.
     with pytest.raises(grpc.RpcError) as info:
@@ -84,9 +84,9 @@ def test_deadline_while_queued_and_while_running(stack: Stack) -> None:
         list(stack.inference.Generate(request(LONG, "running-deadline"), timeout=1.0))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 10
-    p = wait_idle(stack)
+    p, s = wait_idle(stack), service_stats(stack)
     assert p.used_blocks == 0
-    assert p.num_deadline_exceeded >= before + 2  # the scheduler dropped both with its own finish reason
+    assert s.num_deadline_exceeded >= before + 2  # the scheduler dropped both with its own finish reason
 
 
 def test_resubmitting_a_request_id_in_flight_reattaches_without_a_second_generation(stack: Stack,

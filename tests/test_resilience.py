@@ -79,6 +79,10 @@ def pool(stack: Stack) -> common_pb2.PoolStats:
     return stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest(), timeout=10).pool
 
 
+def service_stats(stack: Stack) -> common_pb2.ServiceStats:
+    return stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest(), timeout=10).service
+
+
 def wait_idle(stack: Stack, timeout_s: float = 20.0) -> common_pb2.PoolStats:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -103,9 +107,9 @@ def test_one_of_two_replicas_killed_streams_complete_unchanged(tiny_llama_dir: P
         disturbed = run_streams(stack, on_progress)
         assert killed.is_set()
         assert {i: r for i, r in disturbed.items()} == reference  # same ids, no error, nothing lost or repeated
-        p = wait_idle(stack)
-        assert (p.used_blocks, p.num_workers, p.num_workers_up) == (0, 2, 1)
-        assert p.num_recovered_sequences > 0  # some streams really moved to the surviving replica
+        p, s = wait_idle(stack), service_stats(stack)
+        assert (p.used_blocks, s.num_workers, s.num_workers_up) == (0, 2, 1)
+        assert s.num_recovered_sequences > 0  # some streams really moved to the surviving replica
 
 
 def test_only_replica_killed_and_restarted_streams_complete_unchanged(tiny_llama_dir: Path) -> None:
@@ -118,8 +122,8 @@ def test_only_replica_killed_and_restarted_streams_complete_unchanged(tiny_llama
         assert killed.is_set()
         assert disturbed == reference
         assert worker_pid(addresses[0]) != victim  # serve started a new worker, which rejoined
-        p = wait_idle(stack)
-        assert (p.used_blocks, p.num_workers_up) == (0, 1)
+        p, s = wait_idle(stack), service_stats(stack)
+        assert (p.used_blocks, s.num_workers_up) == (0, 1)
 
 
 def test_only_replica_killed_not_restarted_every_stream_ends_unavailable(tiny_llama_dir: Path) -> None:
@@ -138,8 +142,8 @@ def test_only_replica_killed_not_restarted_every_stream_ends_unavailable(tiny_ll
         with pytest.raises(grpc.RpcError) as info:  # later requests fail fast
             stack.inference.Complete(requests()[0], timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        p = wait_idle(stack)
-        assert (p.used_blocks, p.num_running, p.num_waiting, p.num_workers_up) == (0, 0, 0, 0)
+        p, s = wait_idle(stack), service_stats(stack)
+        assert (p.used_blocks, p.num_running, p.num_waiting, s.num_workers_up) == (0, 0, 0, 0)
 
 
 def test_hung_replica_sequences_move_on_and_it_rejoins_when_it_answers(tiny_llama_dir: Path) -> None:
@@ -161,17 +165,17 @@ def test_hung_replica_sequences_move_on_and_it_rejoins_when_it_answers(tiny_llam
             disturbed = run_streams(stack, on_progress)
             assert stopped.is_set()
             assert disturbed == reference
-            p = pool(stack)
-            assert p.num_workers_up == 1 and p.num_recovered_sequences > 0
+            s = service_stats(stack)
+            assert s.num_workers_up == 1 and s.num_recovered_sequences > 0
         finally:
             os.kill(victim, signal.SIGCONT)
         deadline = time.monotonic() + 30
-        while pool(stack).num_workers_up < 2 and time.monotonic() < deadline:
+        while service_stats(stack).num_workers_up < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert pool(stack).num_workers_up == 2
+        assert service_stats(stack).num_workers_up == 2
         assert run_streams(stack) == reference
-        p = wait_idle(stack)
-        assert (p.used_blocks, p.num_workers_up) == (0, 2)
+        p, s = wait_idle(stack), service_stats(stack)
+        assert (p.used_blocks, s.num_workers_up) == (0, 2)
 
 
 def test_killed_scheduler_and_gateway_are_restarted_and_serve_again(tiny_llama_dir: Path) -> None:

@@ -39,7 +39,7 @@ def test_tp2_stack_matches_tp1(model_fixture: str, request: pytest.FixtureReques
         assert [results[i] for i in range(len(prompts))] == tp1
         assert wait_for_idle(stack).used_blocks == 0
         info = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest())
-        assert info.pool.num_workers_up == 1
+        assert info.service.num_workers_up == 1
         with grpc.insecure_channel(worker) as channel:
             described = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
         assert described.tensor_parallel_size == 2 and described.pid > 0

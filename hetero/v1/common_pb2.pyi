@@ -82,7 +82,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("block_size", "total_blocks", "used_blocks", "free_blocks", "cached_blocks", "usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "internal_waste", "steps", "num_workers", "num_workers_up", "num_swapped", "suspended", "num_deadline_exceeded", "num_rejected_queue_full", "routing_prefix_blocks_queried", "routing_prefix_blocks_hit", "num_recovered_sequences")
+    __slots__ = ("block_size", "total_blocks", "used_blocks", "free_blocks", "cached_blocks", "usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "internal_waste", "steps", "num_swapped", "suspended")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -96,15 +96,8 @@ class PoolStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     INTERNAL_WASTE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
-    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
-    NUM_WORKERS_UP_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
     SUSPENDED_FIELD_NUMBER: _ClassVar[int]
-    NUM_DEADLINE_EXCEEDED_FIELD_NUMBER: _ClassVar[int]
-    NUM_REJECTED_QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
-    ROUTING_PREFIX_BLOCKS_QUERIED_FIELD_NUMBER: _ClassVar[int]
-    ROUTING_PREFIX_BLOCKS_HIT_FIELD_NUMBER: _ClassVar[int]
-    NUM_RECOVERED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     total_blocks: int
     used_blocks: int
@@ -118,13 +111,24 @@ class PoolStats(_message.Message):
     num_preemptions: int
     internal_waste: float
     steps: int
-    num_workers: int
-    num_workers_up: int
     num_swapped: int
     suspended: bool
+    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., internal_waste: _Optional[float] = ..., steps: _Optional[int] = ..., num_swapped: _Optional[int] = ..., suspended: _Optional[bool] = ...) -> None: ...
+
+class ServiceStats(_message.Message):
+    __slots__ = ("num_workers", "num_workers_up", "num_deadline_exceeded", "num_rejected_queue_full", "routing_prefix_blocks_queried", "routing_prefix_blocks_hit", "num_recovered_sequences")
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_UP_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEADLINE_EXCEEDED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_QUEUE_FULL_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_PREFIX_BLOCKS_QUERIED_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_PREFIX_BLOCKS_HIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOVERED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    num_workers: int
+    num_workers_up: int
     num_deadline_exceeded: int
     num_rejected_queue_full: int
     routing_prefix_blocks_queried: int
     routing_prefix_blocks_hit: int
     num_recovered_sequences: int
-    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., internal_waste: _Optional[float] = ..., steps: _Optional[int] = ..., num_workers: _Optional[int] = ..., num_workers_up: _Optional[int] = ..., num_swapped: _Optional[int] = ..., suspended: _Optional[bool] = ..., num_deadline_exceeded: _Optional[int] = ..., num_rejected_queue_full: _Optional[int] = ..., routing_prefix_blocks_queried: _Optional[int] = ..., routing_prefix_blocks_hit: _Optional[int] = ..., num_recovered_sequences: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_workers: _Optional[int] = ..., num_workers_up: _Optional[int] = ..., num_deadline_exceeded: _Optional[int] = ..., num_rejected_queue_full: _Optional[int] = ..., routing_prefix_blocks_queried: _Optional[int] = ..., routing_prefix_blocks_hit: _Optional[int] = ..., num_recovered_sequences: _Optional[int] = ...) -> None: ...

@@ -144,17 +144,19 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "model", "pool", "backend", "attention_backend", "device")
+    __slots__ = ("version", "model", "pool", "backend", "attention_backend", "device", "service")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
     version: str
     model: str
     pool: _common_pb2.PoolStats
     backend: str
     attention_backend: str
     device: str
-    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ..., backend: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    service: _common_pb2.ServiceStats
+    def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ..., backend: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., service: _Optional[_Union[_common_pb2.ServiceStats, _Mapping]] = ...) -> None: ...

@@ -78,20 +78,22 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("pool", "model", "max_model_len", "attention_backend", "device", "replicas")
+    __slots__ = ("pool", "model", "max_model_len", "attention_backend", "device", "service", "replicas")
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     pool: _common_pb2.PoolStats
     model: str
     max_model_len: int
     attention_backend: str
     device: str
+    service: _common_pb2.ServiceStats
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
-    def __init__(self, pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+    def __init__(self, pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., service: _Optional[_Union[_common_pb2.ServiceStats, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class SuspendRequest(_message.Message):
     __slots__ = ("mode",)

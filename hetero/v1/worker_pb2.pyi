@@ -139,20 +139,6 @@ class StepResult(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
-class HealthRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class HealthResponse(_message.Message):
-    __slots__ = ("ready", "steps", "num_sequences")
-    READY_FIELD_NUMBER: _ClassVar[int]
-    STEPS_FIELD_NUMBER: _ClassVar[int]
-    NUM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
-    ready: bool
-    steps: int
-    num_sequences: int
-    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., num_sequences: _Optional[int] = ...) -> None: ...
-
 class SuspendKVCacheRequest(_message.Message):
     __slots__ = ("mode",)
     MODE_FIELD_NUMBER: _ClassVar[int]

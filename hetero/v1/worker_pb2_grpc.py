@@ -45,11 +45,6 @@ class WorkerStub:
                 request_serializer=hetero_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
-        self.Health = channel.unary_unary(
-                '/hetero.v1.Worker/Health',
-                request_serializer=hetero_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
-                response_deserializer=hetero_dot_v1_dot_worker__pb2.HealthResponse.FromString,
-                _registered_method=True)
         self.SuspendKVCache = channel.unary_unary(
                 '/hetero.v1.Worker/SuspendKVCache',
                 request_serializer=hetero_dot_v1_dot_worker__pb2.SuspendKVCacheRequest.SerializeToString,
@@ -79,12 +74,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def SuspendKVCache(self, request, context):
         """Release the KV cache memory (kept, moved to host memory, or dropped) until ResumeKVCache.
         """
@@ -110,11 +99,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExecuteStep,
                     request_deserializer=hetero_dot_v1_dot_worker__pb2.StepPlan.FromString,
                     response_serializer=hetero_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
-            ),
-            'Health': grpc.unary_unary_rpc_method_handler(
-                    servicer.Health,
-                    request_deserializer=hetero_dot_v1_dot_worker__pb2.HealthRequest.FromString,
-                    response_serializer=hetero_dot_v1_dot_worker__pb2.HealthResponse.SerializeToString,
             ),
             'SuspendKVCache': grpc.unary_unary_rpc_method_handler(
                     servicer.SuspendKVCache,
@@ -182,33 +166,6 @@ class Worker:
             '/hetero.v1.Worker/ExecuteStep',
             hetero_dot_v1_dot_worker__pb2.StepPlan.SerializeToString,
             hetero_dot_v1_dot_worker__pb2.StepResult.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Health(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/hetero.v1.Worker/Health',
-            hetero_dot_v1_dot_worker__pb2.HealthRequest.SerializeToString,
-            hetero_dot_v1_dot_worker__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,109 @@
+"""Each generation's token events, fanned out to the Submit calls that follow it.
+
+A request id names one generation. Its stream keeps every event so far, so a Submit that
+re-attaches (the gateway retrying after its connection broke) replays them and then follows
+the same generation instead of starting another. A stream ends when every sample has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from hetero.v1 import common_pb2, scheduler_pb2
+from hetero_common.finish_reasons import is_finished
+from scheduler_svc.scheduler import TokenOutput
+
+# Finish reasons that end the Submit calls with a gRPC status instead of a last event.
+STATUS_FOR_REASON = {common_pb2.FINISH_REASON_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass
+class RequestStream:
+    """One generation's events so far and the Submit calls following it."""
+
+    request_id: str
+    fingerprint: bytes  # the SubmitRequest: a re-attaching Submit must be the same request
+    history: list[scheduler_pb2.TokenEvent] = field(default_factory=list)
+    listeners: list[asyncio.Queue[scheduler_pb2.TokenEvent]] = field(default_factory=list)
+    open_samples: set[int] = field(default_factory=lambda: {0})  # n > 1: the stream ends when every sample has
+    finished: bool = False
+    status: grpc.StatusCode | None = None  # end the calls with this status instead of the last event
+
+    def attach(self) -> asyncio.Queue[scheduler_pb2.TokenEvent]:
+        """A queue holding the events so far and then every new one, until `detach`."""
+        queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
+        for event in self.history:
+            queue.put_nowait(event)
+        self.listeners.append(queue)
+        return queue
+
+    def detach(self, queue: asyncio.Queue[scheduler_pb2.TokenEvent]) -> None:
+        self.listeners.remove(queue)
+
+    def samples_to_follow(self) -> set[int]:
+        """The samples a newly attached caller reads to their end: open ones, and ended ones whose
+        last event is in the history it replays."""
+        return set(self.open_samples) | {e.index for e in self.history if is_finished(e.finish_reason)}
+
+    def publish(self, event: scheduler_pb2.TokenEvent) -> None:
+        self.history.append(event)
+        for queue in self.listeners:
+            queue.put_nowait(event)
+
+
+class RequestStreams:
+    """The streams of the generations in flight, by request id."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def get(self, request_id: str) -> RequestStream | None:
+        return self._streams.get(request_id)
+
+    def open(self, request_id: str, fingerprint: bytes, num_samples: int) -> RequestStream:
+        stream = self._streams[request_id] = RequestStream(request_id, fingerprint, open_samples=set(range(num_samples)))
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def has_open_sample(self, request_id: str, index: int) -> bool:
+        stream = self._streams.get(request_id)
+        return stream is not None and index in stream.open_samples
+
+    def end(self, request_id: str, reason: int, error: str = "", status: grpc.StatusCode | None = None,
+            index: int | None = None) -> None:
+        """Tell a request's listeners that it ended (every open sample, or sample `index`)."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.finished:
+            stream.status = status
+            ended = sorted(stream.open_samples) if index is None else [index]
+            self.dispatch([TokenOutput(request_id, finish_reason=reason, error=error, index=i) for i in ended])
+
+    def dispatch(self, outputs: list[TokenOutput]) -> None:
+        """Publish the core schedulers' outputs as token events on their requests' streams."""
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            ends_sample = is_finished(out.finish_reason)
+            if ends_sample:
+                if out.index not in stream.open_samples:
+                    continue  # that sample already ended (e.g. aborted while its last step ran)
+                stream.open_samples.discard(out.index)
+                if stream.status is None:
+                    stream.status = STATUS_FOR_REASON.get(out.finish_reason)
+            stream.publish(scheduler_pb2.TokenEvent(
+                request_id=out.request_id, token_ids=out.token_ids, finish_reason=out.finish_reason, error=out.error,
+                index=out.index, cached_prompt_tokens=out.cached_prompt_tokens, logprobs=out.logprobs,
+                token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else [],
+                top_logprobs=out.top_logprobs, queue_seconds=out.queue_seconds))
+            if ends_sample and not stream.open_samples:
+                stream.finished = True
+                self._streams.pop(out.request_id, None)
