@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
-from tests.conftest import Stack, run_stack  # noqa: E402
+from tests.stack import Stack, run_stack  # noqa: E402
 
 
 async def load(address: str, streams: int, seconds: float, vocab: int, seed: int) -> tuple[Counter, int, list[float]]:

@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.conftest import Stack, free_port, run_stack
-from tests.test_resilience import pool, wait_idle
+from tests.stack import Stack, free_port, run_stack
+from tests.stack_requests import pool, wait_idle
 
 pytestmark = pytest.mark.slow
 LONG = 2000  # tokens: several seconds of work through the stack (400 took ~1 s: too close to a 1 s deadline)

@@ -14,8 +14,9 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.supervisor import wait_healthy
-from tests.conftest import Stack, free_port, run_stack
-from tests.test_correctness import make_prompts
+from tests.oracle import make_prompts
+from tests.stack import Stack, free_port, run_stack
+from tests.stack_requests import pool, wait_idle
 
 pytestmark = pytest.mark.slow
 NUM_STREAMS = 32
@@ -73,19 +74,6 @@ def killer(pid_of, after_tokens: int):
             done.set()
             os.kill(pid_of(), signal.SIGKILL)
     return on_progress, done
-
-
-def pool(stack: Stack) -> common_pb2.PoolStats:
-    return stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest(), timeout=10).pool
-
-
-def wait_idle(stack: Stack, timeout_s: float = 20.0) -> common_pb2.PoolStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        p = pool(stack)
-        if (p.used_blocks, p.num_running, p.num_waiting) == (0, 0, 0) or time.monotonic() > deadline:
-            return p
-        time.sleep(0.1)
 
 
 def stack_flags(addresses: list[str], *extra: str) -> list[str]:
