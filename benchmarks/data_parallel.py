@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
-from tests.conftest import free_port, run_stack  # noqa: E402
+from tests.stack import free_port, run_stack  # noqa: E402
 
 POLICIES = ("round_robin", "first_prefix_block", "longest_prefix")
 

@@ -28,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
-from tests.conftest import Stack, run_stack  # noqa: E402
+from tests.stack import run_stack  # noqa: E402
+from tests.stack_requests import wait_for_idle  # noqa: E402
 
 
 async def load(address: str, streams: int, seconds: float, vocab: int, seed: int) -> tuple[Counter, int, list[float]]:
@@ -68,15 +69,6 @@ async def load(address: str, streams: int, seconds: float, vocab: int, seed: int
     return outcomes, tokens, latencies
 
 
-def wait_idle(stack: Stack, timeout_s: float = 30.0) -> common_pb2.PoolStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pool = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool
-        if (pool.used_blocks, pool.num_running, pool.num_waiting) == (0, 0, 0) or time.monotonic() > deadline:
-            return pool
-        time.sleep(0.2)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=200)
@@ -106,7 +98,7 @@ def main() -> int:
             started = time.monotonic()
             outcomes, tokens, latencies = asyncio.run(load(stack.address, args.streams, args.seconds, vocab, seed=run))
             elapsed = time.monotonic() - started
-            pool = wait_idle(stack)
+            pool = wait_for_idle(stack, timeout_s=30.0)
             rss.append(gateway.memory_info().rss / 2**20)
             failed = sum(n for k, n in outcomes.items() if k not in ("ok", "RESOURCE_EXHAUSTED"))
             latencies.sort()

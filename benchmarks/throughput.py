@@ -54,7 +54,7 @@ def bench_engine(model: str | None, prompts: list[list[int]], new_tokens: int, m
 
 
 def bench_stack(model: str | None, prompts: list[list[int]], new_tokens: int, max_batch_size: int) -> dict:
-    from tests.conftest import run_stack
+    from tests.stack import run_stack
 
     with run_stack(Path(model) if model else None, "--log-level", "warning",
                    "--max-batch-size", str(max_batch_size)) as stack:

@@ -31,7 +31,7 @@ log = structlog.get_logger("gateway.server")
 
 
 def load_gateway_tokenizer(config: Config) -> TextTokenizer:
-    return load_tokenizer(resolve_model_path(config.model), config.tokenizer.path)
+    return load_tokenizer(resolve_model_path(config.model), config.tokenizer.path, kind=config.tokenizer.kind)
 
 
 def generation_backend(config: Config, tokenizer: TextTokenizer, scheduler: SchedulerBackend) -> Backend:

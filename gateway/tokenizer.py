@@ -74,14 +74,30 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None) -> TextTokenizer:
+TOKENIZER_KINDS = ("auto", "huggingface", "gguf")  # the values of the config key tokenizer.kind
+
+
+def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None, *,
+                   kind: str = "auto") -> TextTokenizer:
     """The tokenizer for a model: from `tokenizer_path` when given (a tokenizer.json, a directory
-    holding one, or a .gguf file), else from `model_path` (a HF directory or a .gguf file)."""
+    holding one, or a .gguf file), else from `model_path` (a HF directory or a .gguf file).
+
+    `kind` is the format the source must have: "huggingface" loads only a tokenizer.json, "gguf"
+    only a GGUF file's tokenizer (whatever the file is called), "auto" goes by the .gguf suffix."""
+    if kind not in TOKENIZER_KINDS:
+        raise TokenizerError(f"Unknown tokenizer kind {kind!r}: use one of {', '.join(TOKENIZER_KINDS)}.")
     model_path = Path(model_path)
     source = Path(tokenizer_path) if tokenizer_path is not None else model_path
     if not source.exists():
         raise TokenizerError(f"Tokenizer source {str(source)!r} does not exist: pass a model directory or .gguf file.")
-    if source.is_file() and source.suffix.lower() == ".gguf":
+    named_gguf = source.is_file() and source.suffix.lower() == ".gguf"
+    if kind == "gguf" and not source.is_file():
+        raise TokenizerError(f"tokenizer.kind is gguf but {str(source)!r} is a directory: point tokenizer.path "
+                             "at the .gguf file, or set tokenizer.kind to auto or huggingface.")
+    if kind == "huggingface" and named_gguf:
+        raise TokenizerError(f"tokenizer.kind is huggingface but {str(source)!r} is a GGUF file: point "
+                             "tokenizer.path at a tokenizer.json, or set tokenizer.kind to auto or gguf.")
+    if kind == "gguf" or named_gguf:
         return _from_gguf(source)
     tokenizer_file = source / "tokenizer.json" if source.is_dir() else source
     if not tokenizer_file.is_file():

@@ -36,7 +36,6 @@ class CudaWorker:
     kv_cache: torch.Tensor  # num_blocks + 1 blocks: the last is the graphs' padding scratch block
     num_blocks: int
     graphs: DecodeGraphs | None
-    warmup_seconds: float
 
 
 def _warm_up(model, attention: AttentionBackend, num_tokens: int, rows: int, block_size: int,
@@ -101,7 +100,7 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
         log.info("cuda graphs off", reason="decode graphs need the flashinfer backend")
     else:
         graphs = capture_decode_graphs(model, attention, kv_cache, config, pad_block, block_size, max_positions)
-    return CudaWorker(attention, kv_cache, num_blocks, graphs, seconds)
+    return CudaWorker(attention, kv_cache, num_blocks, graphs)
 
 
 def capture_decode_graphs(model, attention, kv_cache: torch.Tensor, config: Config, pad_block: int, block_size: int,

@@ -74,7 +74,7 @@ class ModelRunner:
         kv_heads = self.model.num_kv_heads  # this rank's share
         self.bytes_per_block = mc.num_hidden_layers * 2 * self.block_size * kv_heads * mc.head_dim * elem
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":  # GPU path (issue 4): sized from free memory after a warm-up pass
+        if self.device.type == "cuda":  # the KV cache is sized from free memory after a warm-up pass
             cuda = prepare_cuda_worker(self.model, config, self.device, self.dtype, self.block_size,
                                        self.bytes_per_block, self.max_positions)
             self.num_blocks, self.kv_cache, self.attention, self.graphs = (cuda.num_blocks, cuda.kv_cache,

@@ -73,7 +73,7 @@ class DuplicateRequestError(HeteroError):
     http_status = 409
 
 
-# --- scale and resilience (issue 6) ---
+# --- deadlines, and the command bridge program failing ---
 
 class DeadlineExceededError(HeteroError):
     """The request's deadline (the caller's gRPC timeout, or the bridge's timeout) passed first."""

@@ -55,7 +55,7 @@ def error_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
 
 
-# --- TLS (issue 5): public ports with TLS, internal links with mutual TLS -------------------
+# --- TLS: public ports with TLS, internal links with mutual TLS ---------------------------
 
 def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None

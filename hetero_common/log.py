@@ -29,7 +29,3 @@ def configure_logging(level: str = "info", fmt: str = "auto", service: str | Non
     structlog.contextvars.clear_contextvars()
     if service:
         structlog.contextvars.bind_contextvars(service=service)
-
-
-def get_logger(name: str) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger(name)

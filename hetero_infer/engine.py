@@ -93,7 +93,8 @@ class InferenceEngine:
                  tokenizer: TextTokenizer | None = None) -> None:
         self.config = (config or Config()).validate()
         self.runner = runner or ModelRunner(self.config)
-        self.tokenizer = tokenizer or load_tokenizer(self.runner.model_path, self.config.tokenizer.path)
+        self.tokenizer = tokenizer or load_tokenizer(self.runner.model_path, self.config.tokenizer.path,
+                                                     kind=self.config.tokenizer.kind)
         info = self.runner.describe()
         self.scheduler = Scheduler(self.config, min(self.config.max_num_blocks, info.num_blocks),
                                    tuple(info.eos_token_ids), min(self.config.max_model_len, info.max_position_embeddings))

@@ -1,26 +1,18 @@
-"""Shared fixtures: tiny seeded checkpoints, free loopback ports, a real three-process stack."""
+"""Shared fixtures: tiny seeded checkpoints, built once per session in temporary directories.
+Helpers that tests and benchmarks import live in plain modules (stack.py, stack_requests.py,
+oracle.py, scheduler_driver.py), never here: conftest is pytest's, not an importable module."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-import grpc
-import psutil
 import pytest
 
-from hetero.v1 import inference_pb2_grpc
-from hetero_infer.supervisor import wait_healthy
-from tests.tiny_models import make_tiny_llama, make_tiny_qwen2
+# The helper modules hold assertions of their own: rewrite them so a failure shows its values,
+# as it did when they lived in test files.
+pytest.register_assert_rewrite("tests.oracle", "tests.stack", "tests.stack_requests", "tests.scheduler_driver")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.tiny_models import make_tiny_llama, make_tiny_qwen2  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,69 +30,3 @@ def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Stack:
-    """A running `hetero-infer serve` (three processes) and a channel to its gateway."""
-
-    process: subprocess.Popen[bytes]
-    address: str
-    channel: grpc.Channel
-    http_port: int = 0  # the OpenAI-style HTTP API of the gateway
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def inference(self) -> inference_pb2_grpc.InferenceStub:
-        return inference_pb2_grpc.InferenceStub(self.channel)
-
-    def service_process(self, name: str, tp_rank: int = 0) -> psutil.Process:
-        """The child of `serve` running `hetero-infer <name>` (gateway, scheduler, worker; a worker's
-        tensor-parallel rank by `tp_rank`)."""
-        for child in psutil.Process(self.process.pid).children():
-            cmdline = child.cmdline()
-            if "hetero_infer.cli" not in cmdline or cmdline[cmdline.index("hetero_infer.cli") + 1] != name:
-                continue
-            rank = int(cmdline[cmdline.index("--tp-rank") + 1]) if "--tp-rank" in cmdline else 0
-            if rank == tp_rank:
-                return child
-        raise AssertionError(f"no {name} process (rank {tp_rank}) under serve")
-
-
-@contextmanager
-def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0) -> Iterator[Stack]:
-    gateway_port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--serving-port", str(gateway_port),
-           "--serving-http-port", str(http_port),
-           "--scheduler-address", f"127.0.0.1:{free_port()}", "--worker-address", f"127.0.0.1:{free_port()}",
-           "--log-format", "json", *flags]
-    if model is not None:
-        cmd += ["--model", str(model)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
-    process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
-    address = f"127.0.0.1:{gateway_port}"
-    try:
-        wait_healthy(address, timeout_s, process)
-        with grpc.insecure_channel(address) as channel:
-            yield Stack(process, address, channel, http_port)
-    finally:
-        stop_process(process)
-
-
-def stop_process(process: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    """SIGTERM (the stack drains and stops its children), then SIGKILL after the grace period."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()

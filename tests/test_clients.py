@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
-from tests.conftest import REPO_ROOT, Stack, run_stack
+from tests.stack import REPO_ROOT, Stack, run_stack
 
 pytestmark = pytest.mark.slow
 NODE_EXAMPLE = REPO_ROOT / "examples" / "node_client"

@@ -9,44 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
-
-PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 33, 50]
-NEW_TOKENS = 12
-
-
-def make_prompts(vocab: int = 384, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
-
-
-def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' greedy `generate`, one prompt at a time (no padding), EOS not stopping it."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outputs = []
-    with torch.no_grad():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            outputs.append(out[0, len(ids):].tolist())
-    return outputs
-
-
-def engine_greedy(model_dir: Path, prompts: list[list[int]], **overrides) -> list[list[int]]:
-    config = Config(model=str(model_dir), **overrides).validate()
-    engine = InferenceEngine(config)
-    params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    ids = [engine.submit_request(p, params) for p in prompts]
-    done = {r.request_id: r for r in engine.run()}
-    assert engine.get_memory_stats().used_blocks == 0
-    return [done[i].output_token_ids for i in ids]
+from tests.oracle import NEW_TOKENS, engine_greedy, hf_greedy, make_prompts
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.supervisor import wait_healthy
-from tests.conftest import REPO_ROOT, Stack, free_port, run_stack
-from tests.test_stack import wait_for_idle
+from tests.stack import REPO_ROOT, Stack, free_port, run_stack
+from tests.stack_requests import wait_for_idle
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default

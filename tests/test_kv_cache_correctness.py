@@ -11,7 +11,7 @@ import pytest
 
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from tests.test_correctness import NEW_TOKENS, hf_greedy, make_prompts
+from tests.oracle import NEW_TOKENS, hf_greedy, make_prompts
 
 GREEDY = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 

@@ -4,7 +4,6 @@ choices), and Scheduler.Suspend/Resume over gRPC in the middle of a stream."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -12,9 +11,9 @@ import grpc
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.conftest import Stack, free_port, run_stack
-from tests.test_correctness import NEW_TOKENS, hf_greedy, make_prompts
-from tests.test_stack import ids_request, wait_for_idle
+from tests.oracle import NEW_TOKENS, hf_greedy, make_prompts
+from tests.stack import Stack, free_port, run_stack
+from tests.stack_requests import ids_request, start_streams_to_suspend, wait_for_idle
 
 pytestmark = pytest.mark.slow
 
@@ -64,25 +63,6 @@ def test_n3_streams_three_indexed_samples(stack: Stack, reference) -> None:
     assert all(list(c.token_ids) == reference[5] for c in answer.choices) and list(answer.token_ids) == reference[5]
     assert answer.usage.completion_tokens == 3 * NEW_TOKENS
     assert wait_for_idle(stack).used_blocks == 0
-
-
-def start_streams_to_suspend(stack: Stack, results: dict[int, list[int]]) -> list[threading.Thread]:
-    """Stream prompts 6 (NEW_TOKENS) and 7 (200 tokens, so it is still decoding at a suspend)
-    into `results`; return once a sequence runs."""
-    prompts = make_prompts()
-
-    def run(i: int) -> None:
-        results[i] = [t for m in stack.inference.Generate(ids_request(prompts[i], 200 if i == 7 else NEW_TOKENS),
-                                                          timeout=120) for t in m.token_ids]
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in (6, 7)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool.num_running < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    return threads
 
 
 @pytest.mark.parametrize("mode", ["PERSIST", "OFFLOAD", "RECOMPUTE"])

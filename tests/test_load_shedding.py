@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.conftest import Stack, free_port, run_stack
-from tests.test_resilience import pool, service_stats, wait_idle
+from tests.stack import Stack, free_port, run_stack
+from tests.stack_requests import pool, service_stats, wait_for_idle
 
 pytestmark = pytest.mark.slow
 LONG = 2000  # tokens: several seconds of work through the stack (400 took ~1 s: too close to a 1 s deadline)
@@ -65,7 +65,7 @@ def test_queue_full_is_resource_exhausted(stack: Stack) -> None:
         call.cancel()
     for call in waiting:  # the queued ones are served once the slots free up
         assert sum(len(m.token_ids) for m in call) == 4
-    assert wait_idle(stack).used_blocks == 0
+    assert wait_for_idle(stack).used_blocks == 0
 
 
 def test_deadline_while_queued_and_while_running(stack: Stack) -> None:
@@ -77,14 +77,14 @@ def test_deadline_while_queued_and_while_running(stack: Stack) -> None:
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     for call in running:
         call.cancel()
-    wait_idle(stack)
+    wait_for_idle(stack)
     # Running: a generation far longer than its deadline.
     started = time.monotonic()
     with pytest.raises(grpc.RpcError) as info:
         list(stack.inference.Generate(request(LONG, "running-deadline"), timeout=1.0))
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 10
-    p, s = wait_idle(stack), service_stats(stack)
+    p, s = wait_for_idle(stack), service_stats(stack)
     assert p.used_blocks == 0
     assert s.num_deadline_exceeded >= before + 2  # the scheduler dropped both with its own finish reason
 
@@ -104,7 +104,7 @@ def test_resubmitting_a_request_id_in_flight_reattaches_without_a_second_generat
         first_ids = list(head.token_ids) + [t for e in first for t in e.token_ids]
         second_ids = [t for e in second_events for t in e.token_ids] + [t for e in second for t in e.token_ids]
     assert len(first_ids) == 40 and second_ids == first_ids  # the second call replays, then follows
-    assert wait_idle(stack).used_blocks == 0
+    assert wait_for_idle(stack).used_blocks == 0
 
 
 def test_sigterm_drains_in_flight_requests(tiny_llama_dir: Path) -> None:
@@ -160,4 +160,4 @@ def test_same_request_id_with_another_prompt_is_refused(stack: Stack, scheduler_
             next(scheduler.Submit(scheduler_pb2.SubmitRequest(request_id="taken", prompt_token_ids=[4, 5], params=params)))
         assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
         first.cancel()
-    assert wait_idle(stack).used_blocks == 0
+    assert wait_for_idle(stack).used_blocks == 0

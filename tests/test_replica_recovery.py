@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.test_scheduler import answer, make, params
+from tests.scheduler_driver import answer, make, params
 
 
 def test_sequences_move_to_another_core_and_resume_from_their_tokens() -> None:

@@ -14,8 +14,9 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.supervisor import wait_healthy
-from tests.conftest import Stack, free_port, run_stack
-from tests.test_correctness import make_prompts
+from tests.oracle import make_prompts
+from tests.stack import Stack, free_port, run_stack
+from tests.stack_requests import service_stats, wait_for_idle
 
 pytestmark = pytest.mark.slow
 NUM_STREAMS = 32
@@ -75,23 +76,6 @@ def killer(pid_of, after_tokens: int):
     return on_progress, done
 
 
-def pool(stack: Stack) -> common_pb2.PoolStats:
-    return stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest(), timeout=10).pool
-
-
-def service_stats(stack: Stack) -> common_pb2.ServiceStats:
-    return stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest(), timeout=10).service
-
-
-def wait_idle(stack: Stack, timeout_s: float = 20.0) -> common_pb2.PoolStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        p = pool(stack)
-        if (p.used_blocks, p.num_running, p.num_waiting) == (0, 0, 0) or time.monotonic() > deadline:
-            return p
-        time.sleep(0.1)
-
-
 def stack_flags(addresses: list[str], *extra: str) -> list[str]:
     return ["--block-size", "5", "--max-model-len", "512", "--log-level", "warning",
             "--data-parallel-size", str(len(addresses)), "--worker-addresses", ",".join(addresses), *extra]
@@ -107,7 +91,7 @@ def test_one_of_two_replicas_killed_streams_complete_unchanged(tiny_llama_dir: P
         disturbed = run_streams(stack, on_progress)
         assert killed.is_set()
         assert {i: r for i, r in disturbed.items()} == reference  # same ids, no error, nothing lost or repeated
-        p, s = wait_idle(stack), service_stats(stack)
+        p, s = wait_for_idle(stack), service_stats(stack)
         assert (p.used_blocks, s.num_workers, s.num_workers_up) == (0, 2, 1)
         assert s.num_recovered_sequences > 0  # some streams really moved to the surviving replica
 
@@ -122,7 +106,7 @@ def test_only_replica_killed_and_restarted_streams_complete_unchanged(tiny_llama
         assert killed.is_set()
         assert disturbed == reference
         assert worker_pid(addresses[0]) != victim  # serve started a new worker, which rejoined
-        p, s = wait_idle(stack), service_stats(stack)
+        p, s = wait_for_idle(stack), service_stats(stack)
         assert (p.used_blocks, s.num_workers_up) == (0, 1)
 
 
@@ -142,7 +126,7 @@ def test_only_replica_killed_not_restarted_every_stream_ends_unavailable(tiny_ll
         with pytest.raises(grpc.RpcError) as info:  # later requests fail fast
             stack.inference.Complete(requests()[0], timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        p, s = wait_idle(stack), service_stats(stack)
+        p, s = wait_for_idle(stack), service_stats(stack)
         assert (p.used_blocks, p.num_running, p.num_waiting, s.num_workers_up) == (0, 0, 0, 0)
 
 
@@ -174,7 +158,7 @@ def test_hung_replica_sequences_move_on_and_it_rejoins_when_it_answers(tiny_llam
             time.sleep(0.2)
         assert service_stats(stack).num_workers_up == 2
         assert run_streams(stack) == reference
-        p, s = wait_idle(stack), service_stats(stack)
+        p, s = wait_for_idle(stack), service_stats(stack)
         assert (p.used_blocks, s.num_workers_up) == (0, 2)
 
 
@@ -203,7 +187,7 @@ def test_killed_scheduler_and_gateway_are_restarted_and_serve_again(tiny_llama_d
                 time.sleep(0.5)
         assert stack.service_process("scheduler").pid != scheduler
         assert run_streams(stack) == reference  # the worker's state from the old scheduler was reset
-        assert wait_idle(stack).used_blocks == 0
+        assert wait_for_idle(stack).used_blocks == 0
 
         gateway = stack.service_process("gateway").pid
         os.kill(gateway, signal.SIGKILL)

@@ -9,27 +9,10 @@ from __future__ import annotations
 import pytest
 
 from hetero.v1 import common_pb2, worker_pb2
-from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
-from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.sequence import SequenceStatus
-
-EOS = 2
-
-
-def make(num_blocks: int = 64, **overrides) -> Scheduler:
-    config = Config(**{"block_size": 4, **overrides}).validate()
-    return Scheduler(config, num_blocks, (EOS,), max_model_len=config.max_model_len)
-
-
-def params(max_tokens: int = 4, **kw) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-
-
-def answer(plan: worker_pb2.StepPlan, token: int = 7) -> worker_pb2.StepResult:
-    sampled = [s.seq_id for s in plan.scheduled if s.sample]
-    return worker_pb2.StepResult(step_id=plan.step_id, seq_ids=sampled, token_ids=[token] * len(sampled))
+from tests.scheduler_driver import EOS, answer, make, params
 
 
 def test_block_pool_reference_counts() -> None:

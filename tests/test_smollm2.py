@@ -12,7 +12,7 @@ from gateway.tokenizer import load_tokenizer
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
 from hetero_common.model_files import default_model_path
-from tests.conftest import REPO_ROOT, run_stack
+from tests.stack import REPO_ROOT, run_stack
 
 pytestmark = pytest.mark.slow
 

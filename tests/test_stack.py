@@ -10,8 +10,9 @@ import grpc
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
-from tests.conftest import Stack, run_stack
-from tests.test_correctness import NEW_TOKENS, hf_greedy, make_prompts
+from tests.oracle import NEW_TOKENS, hf_greedy, make_prompts
+from tests.stack import Stack, run_stack
+from tests.stack_requests import greedy, ids_request, wait_for_idle
 
 pytestmark = pytest.mark.slow
 
@@ -20,24 +21,6 @@ pytestmark = pytest.mark.slow
 def stack(tiny_llama_dir: Path):
     with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512") as s:
         yield s
-
-
-def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
-
-
-def ids_request(ids: list[int], max_tokens: int, request_id: str = "") -> inference_pb2.GenerateRequest:
-    return inference_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=inference_pb2.TokenIds(ids=ids),
-                                         params=greedy(max_tokens))
-
-
-def wait_for_idle(stack: Stack, timeout_s: float = 10.0) -> common_pb2.PoolStats:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pool = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool
-        if (pool.used_blocks == 0 and pool.num_running == 0 and pool.num_waiting == 0) or time.monotonic() > deadline:
-            return pool
-        time.sleep(0.05)
 
 
 def test_batch_through_stack_matches_transformers(stack: Stack, tiny_llama_dir: Path) -> None:

@@ -10,10 +10,9 @@ import grpc
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.conftest import free_port, run_stack
-from tests.test_correctness import NEW_TOKENS, engine_greedy, make_prompts
-from tests.test_kv_cache_stack import start_streams_to_suspend
-from tests.test_stack import ids_request, wait_for_idle
+from tests.oracle import NEW_TOKENS, engine_greedy, make_prompts
+from tests.stack import free_port, run_stack
+from tests.stack_requests import ids_request, start_streams_to_suspend, wait_for_idle
 
 pytestmark = pytest.mark.slow
 

@@ -96,6 +96,20 @@ def test_template_errors_are_value_errors(tiny_dir: Path) -> None:
         load_tokenizer(tiny_dir / "missing")
 
 
+def test_kind_decides_the_format(tiny_dir: Path, tmp_path: Path) -> None:
+    """tokenizer.kind: huggingface loads only a tokenizer.json, gguf only a GGUF file's tokenizer."""
+    text = TEXTS[1]
+    assert load_tokenizer(tiny_dir, kind="huggingface").encode(text) == load_tokenizer(tiny_dir).encode(text)
+    with pytest.raises(TokenizerError, match="tokenizer.kind is gguf but .* is a directory"):
+        load_tokenizer(tiny_dir, kind="gguf")
+    named_gguf = tmp_path / "model.gguf"
+    named_gguf.write_bytes(b"GGUF")
+    with pytest.raises(TokenizerError, match="tokenizer.kind is huggingface but .* is a GGUF file"):
+        load_tokenizer(tiny_dir, named_gguf, kind="huggingface")
+    with pytest.raises(TokenizerError, match="Unknown tokenizer kind 'sentencepiece'"):
+        load_tokenizer(tiny_dir, kind="sentencepiece")
+
+
 # --- the real model's GGUF ----------------------------------------------------------------------
 
 GGUF_TEXTS = [
@@ -168,3 +182,12 @@ def test_gguf_chat_template(smollm2_path: Path, hf_smollm2: Any) -> None:
     im_start, im_end = tok.tokenizer.token_to_id("<|im_start|>"), tok.tokenizer.token_to_id("<|im_end|>")
     assert ids.count(im_start) == 3 and ids.count(im_end) == 2 and im_end in tok.eos_token_ids
     assert "What is the capital of France?" in tok.decode(ids)
+
+
+def test_gguf_kind_reads_a_gguf_whatever_its_name(smollm2_path: Path, tmp_path: Path) -> None:
+    blob = tmp_path / "blob"  # as in a Hugging Face cache: a content hash, no .gguf suffix
+    blob.symlink_to(smollm2_path)
+    text = GGUF_TEXTS[0]
+    assert load_tokenizer(smollm2_path, blob, kind="gguf").encode(text) == load_tokenizer(smollm2_path).encode(text)
+    with pytest.raises(TokenizerError, match="Cannot parse .* as a tokenizers JSON file"):
+        load_tokenizer(smollm2_path, blob)  # auto goes by the name, and a file without .gguf is a tokenizer.json
