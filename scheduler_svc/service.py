@@ -102,7 +102,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._orphan_task = asyncio.create_task(self._orphan_watch())
         first = next(r for r in self.replicas if r.up)
         log.info("scheduler ready", replicas=len(self.replicas), replicas_up=sum(r.up for r in self.replicas),
-                 routing=self.config.routing_policy, num_blocks=first.core.pool.num_blocks if first.core else 0)
+                 routing=self.config.routing_policy, num_blocks=first.core.num_blocks if first.core else 0)
 
     # ------------------------------------------------------------------ routing and recovery
 
@@ -138,7 +138,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _replica_joined(self, replica: Replica) -> None:
         self.router.forget(replica.index)
         if replica.core is not None:
-            self.router.set_capacity(replica.index, replica.core.pool.num_blocks)
+            self.router.set_capacity(replica.index, replica.core.num_blocks)
         self.all_down_since = None
         for request_id in list(self.orphans):
             self._place(self.orphans.pop(request_id).seqs)
