@@ -3,21 +3,20 @@
 Each step: running decodes first (one token each), then unfinished prompt chunks (at most
 `max_prefill_chunk_tokens` per request, so a long prompt cannot stall the decodes), then
 swapped-out sequences are brought back, then new requests are admitted from the waiting
-queue while blocks stay under `memory_threshold`. A new request first takes the longest run
-of its full blocks found in the prefix cache and computes only the rest (always at least its
-last token). When blocks run out mid-decode, the newest running sequence is preempted:
-`recompute` frees its blocks and re-queues it at the front (prompt plus the tokens it already
-produced), `swap` has the worker copy its blocks to host memory and brings them back later;
-either way its stream neither loses nor repeats a token. A request with n > 1 samples forks
-after its prompt: the samples share the prompt blocks, and a shared block is copied before a
-sample writes into it. The scheduler never touches tensors: it sends block ids and counts.
+queue while blocks stay under `memory_threshold`; a new request computes only what the
+prefix cache does not hold (always at least its last token). When blocks run out mid-decode,
+the newest running sequence is preempted: `recompute` frees its blocks and re-queues it at
+the front (prompt plus the tokens it already produced), `swap` has the worker copy its blocks
+to host memory and brings them back later; either way its stream neither loses nor repeats a
+token. A request with n > 1 samples forks after its prompt. Which blocks a sequence holds
+(prefix hits, copy-on-write, sharing) is the `KVCacheManager`'s business; the scheduler
+never touches tensors or reference counts: it decides who runs and sends block ids and counts.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import structlog
 
@@ -28,33 +27,11 @@ from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
+from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
+from scheduler_svc.token_output import TokenOutput, finish_reason, sampled_output
 
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
-
-
-@dataclass
-class TokenOutput:
-    """What one step produced for one request (the service turns it into a TokenEvent)."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: int = FR.FINISH_REASON_UNSPECIFIED
-    error: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    timestamp: float = 0.0
-    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # per token, when asked
-    queue_seconds: float = 0.0  # on the first output: arrival to first admission
-    index: int = 0  # sample index (n > 1)
-    cached_prompt_tokens: int = 0  # set on a sample's first output
-
-
-def plan_needs_worker(plan: worker_pb2.StepPlan) -> bool:
-    """Whether a plan must reach the worker: tokens to compute, or blocks to swap or copy.
-
-    A swap-in alone must be sent even when nothing is computed this step: the sequence's
-    block table and K/V arrive with it."""
-    return bool(plan.scheduled or plan.swap_out or plan.swap_in or plan.block_copies)
 
 
 class Scheduler:
@@ -215,18 +192,7 @@ class Scheduler:
         self._swap_out.clear()
         self._block_copies.clear()
         for seq, n in scheduled:
-            if not seq.on_worker:
-                plan.new_sequences.append(worker_pb2.NewSequence(
-                    seq_id=seq.seq_id, token_ids=seq.token_ids, params=seq.params, num_generated=seq.num_generated))
-                seq.on_worker = True
-            entry = worker_pb2.ScheduledSequence(
-                seq_id=seq.seq_id, num_tokens=n, new_block_ids=seq.block_table[seq.num_blocks_sent:],
-                sample=seq.num_computed + n == seq.num_tokens, num_cached_tokens=seq.num_computed)
-            for index, block_id in seq.pending_edits:
-                entry.block_table_edits.add(index=index, block_id=block_id)
-            seq.pending_edits.clear()
-            plan.scheduled.append(entry)
-            seq.num_blocks_sent = len(seq.block_table)
+            add_scheduled(plan, seq, n)
             seq.last_scheduled_step = self.step_id
         if plan_needs_worker(plan):
             # A plan with nothing to compute or move is not sent: released ids wait for the next one.
@@ -267,10 +233,7 @@ class Scheduler:
         while True:
             copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
             if copies is not None:
-                for c in copies:
-                    self._block_copies.append(worker_pb2.BlockCopy(src=c.src, dst=c.dst))
-                    if c.index < seq.num_blocks_sent:  # the worker holds the old id at that index
-                        seq.pending_edits.append((c.index, c.dst))
+                add_block_copies(self._block_copies, seq, copies)
                 return True
             victim = next((s for s in reversed(self.running) if s is not seq and s not in protect), None)
             self._preempt(victim or seq)
@@ -288,12 +251,8 @@ class Scheduler:
         """Free the blocks, re-queue at the front with all tokens so far."""
         self.running.remove(seq)
         self.kv_cache.free(seq)
-        seq.pending_edits = []
-        seq.num_computed = seq.num_blocks_sent = 0
-        if seq.on_worker:
-            self._released.append(seq.seq_id)
-            seq.on_worker = False
-        seq.status = SequenceStatus.PENDING
+        self._release_on_worker(seq)
+        seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         log.info("preempted", mode="recompute", request_id=seq.request_id, tokens=seq.num_tokens, free_blocks=self.kv_cache.num_free)
 
@@ -321,7 +280,6 @@ class Scheduler:
                 self.kv_cache.register_full_blocks(seq)
         self._in_flight = []
         outputs: list[TokenOutput] = []
-        logprobs = list(result.logprobs)
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
             seq = self.sequences.get(seq_id)
             if seq is None or seq.status.finished:
@@ -330,17 +288,8 @@ class Scheduler:
                 self._fork(seq)
             seq.token_ids.append(token)
             seq.status = SequenceStatus.DECODE
-            out = TokenOutput(seq.request_id, [token], timestamp=now, logprobs=[logprobs[i]] if logprobs else [],
-                              index=seq.index)
-            if seq.sampling.logprobs and result.num_top_logprobs:
-                k, top = seq.sampling.logprobs, slice(i * result.num_top_logprobs, (i + 1) * result.num_top_logprobs)
-                out.top_logprobs = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[top][:k],
-                                                           logprobs=result.top_logprobs[top][:k])]
-            if not seq.first_output_sent:
-                out.cached_prompt_tokens = seq.cached_prompt_tokens or 0
-                out.queue_seconds = seq.queue_seconds or 0.0
-                seq.first_output_sent = True
-            reason = self._finish_reason(seq, token)
+            out = sampled_output(seq, token, result, i, now)
+            reason = finish_reason(seq, token, self.eos_token_ids, self.max_model_len)
             if reason:
                 self._finish(seq, reason, SequenceStatus.COMPLETED)
                 out.finish_reason = reason
@@ -366,14 +315,6 @@ class Scheduler:
                 outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error, index=seq.index))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> int:
-        s = seq.sampling
-        if (token in self.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
-            return FR.FINISH_REASON_STOP
-        if seq.num_generated >= s.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FR.FINISH_REASON_LENGTH
-        return FR.FINISH_REASON_UNSPECIFIED
-
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
@@ -386,9 +327,7 @@ class Scheduler:
         seq.status = status
         seq.finish_reason = reason
         self.kv_cache.free(seq)
-        if seq.on_worker:
-            self._released.append(seq.seq_id)
-            seq.on_worker = False
+        self._release_on_worker(seq)
         self.sequences.pop(seq.seq_id, None)
         live = self.samples.get(seq.request_id, [])
         if seq in live:
@@ -396,6 +335,12 @@ class Scheduler:
         if not live:
             self.samples.pop(seq.request_id, None)
             self.requests.pop(seq.request_id, None)
+
+    def _release_on_worker(self, seq: Sequence) -> None:
+        """The worker forgets the sequence with the next plan it is sent."""
+        if seq.on_worker:
+            self._released.append(seq.seq_id)
+            seq.on_worker = False
 
     # ---------------------------------------------------------------- scale and resilience
     # Moving sequences off a worker that failed: they are recomputed from their prompt plus the
@@ -408,10 +353,7 @@ class Scheduler:
         seqs = sorted((s for samples in self.samples.values() for s in samples), key=lambda s: (s.arrival_time, s.index))
         for seq in seqs:
             self.kv_cache.free(seq)
-            seq.pending_edits = []
-            seq.num_computed = seq.num_blocks_sent = seq.num_swapped_blocks = 0
-            seq.on_worker = False
-            seq.status, seq.swapped_status = SequenceStatus.PENDING, None
+            seq.reset_for_recompute()
         for queue in (self.waiting, self.running, self.swapped, self.requests, self.samples, self.sequences,
                       self._released, self._swap_out, self._block_copies):
             queue.clear()
