@@ -6,8 +6,8 @@ copies of shared blocks about to be written: copy-on-write), registering full bl
 prefix cache, sharing a prompt's blocks with forked samples, swap-out and swap-in, freeing.
 It alone talks to the `BlockPool`, so reference counts never leak into scheduling policy.
 It edits a sequence's `block_table`, `block_hashes`, `num_registered` and, at admission,
-`num_computed`; what the worker has been sent (`num_blocks_sent`, table edits) stays the
-scheduler's.
+`num_computed` and `cached_prompt_tokens`; what the worker has been sent (`num_blocks_sent`,
+table edits) stays the scheduler's.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class KVCacheManager:
         return num_blocks <= self.pool.num_free
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed: int | None = None,
-                      num_blocks: int | None = None) -> int:
+                       num_blocks: int | None = None) -> int:
         """Blocks to add to the table so that `num_new_tokens` more tokens fit."""
         total = (seq.num_computed if num_computed is None else num_computed) + num_new_tokens
         held = len(seq.block_table) if num_blocks is None else num_blocks
