@@ -219,8 +219,9 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
         self.kv_cache.admit(seq, hits)
-        # The new tokens start past the cached (full) blocks: nothing shared to copy.
-        self.kv_cache.allocate_slots(seq, num_new_tokens)
+        copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
+        # _admissible counted the blocks, and the new tokens start past the cached (full) blocks.
+        assert copies == [], "admission: blocks short or shared"
         seq.status = SequenceStatus.PREFILL
         if seq.queue_seconds is None:  # arrival to first admission (metrics)
             seq.queue_seconds = time.monotonic() - seq.arrival_time
