@@ -83,7 +83,7 @@ class ReplicaSet:
             self.counters.num_rejected_queue_full += 1
             raise OverloadedError(f"the waiting queue is full ({self.config.max_queued_requests} requests, "
                                   "max_queued_requests); retry later")
-        replica = self._choose(list(request.prompt_token_ids))
+        replica = self._choose(list(request.prompt_token_ids), request.cache_salt)
         if replica is not None:
             return replica.submit(request, deadline)
         if self._all_down_since is None or time.monotonic() - self._all_down_since > self.config.worker_recovery_timeout_s:
@@ -112,17 +112,18 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ placement and recovery
 
-    def _choose(self, token_ids: list[int]) -> Replica | None:
-        """The replica the routing policy picks for these tokens among those up; None when none is."""
+    def _choose(self, token_ids: list[int], cache_salt: str) -> Replica | None:
+        """The replica the routing policy picks for these tokens among those up; None when none is.
+        The salt keeps the router's view of a replica's prefix cache the cache's own."""
         up = self.up()
         if not up:
             return None
-        decision = self.router.choose(token_ids, [r.index for r in up], {r.index: r.load for r in up})
+        decision = self.router.choose(token_ids, [r.index for r in up], {r.index: r.load for r in up}, cache_salt)
         return self.replicas[decision.replica]
 
     def _place(self, seqs: list[Sequence]) -> bool:
         """Queue a request's samples (to be recomputed) on one replica; False when none is up."""
-        replica = self._choose(seqs[0].token_ids)
+        replica = self._choose(seqs[0].token_ids, seqs[0].cache_salt)
         if replica is None:
             return False
         replica.adopt(seqs)

@@ -4,10 +4,11 @@ Policies (Megatron's names): `round_robin`; `longest_prefix`, the replica that h
 longest run of the prompt's leading full blocks; `first_prefix_block`, a replica that holds
 the prompt's first full block. Load (running + waiting sequences) breaks ties.
 
-Each replica's prefix content is tracked here by the router's own index: the chained hashes
-of the full prompt blocks routed to that replica, capped at the replica's pool size (oldest
-forgotten first). It approximates what the replica's prefix cache would hold; the hit rate
-it reports is "of the prompt's full blocks, how many were already routed to the chosen
+Each replica's prefix content is tracked here by the router's own index: the hashes of the
+full prompt blocks routed to that replica, capped at the replica's pool size (oldest
+forgotten first). They are the prefix cache's own block hashes (chained, salted with the
+request's cache salt), so the index approximates what the replica's prefix cache would hold.
+Its counters say "of the prompt's full blocks, how many were already routed to the chosen
 replica", not the prefix cache's own hit rate.
 """
 
@@ -17,17 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-ROOT_HASH = 0x9E3779B97F4A7C15
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks: block i's hash covers every token up to its end."""
-    hashes: list[int] = []
-    parent = ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        hashes.append(parent)
-    return hashes
+from scheduler_svc.prefix_cache import block_hashes
 
 
 @dataclass
@@ -35,9 +26,9 @@ class PrefixIndex:
     """One replica's routed prompt blocks, least recently used first."""
 
     capacity: int
-    entries: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    entries: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
-    def matched(self, hashes: list[int]) -> int:
+    def matched(self, hashes: list[bytes]) -> int:
         """How many leading blocks of the prompt this replica holds."""
         n = 0
         for h in hashes:
@@ -46,7 +37,7 @@ class PrefixIndex:
             n += 1
         return n
 
-    def add(self, hashes: list[int]) -> None:
+    def add(self, hashes: list[bytes]) -> None:
         for h in hashes:
             self.entries[h] = None
             self.entries.move_to_end(h)
@@ -82,11 +73,14 @@ class Router:
         """The replica lost its KV cache (failed or restarted)."""
         self.indexes[replica].clear()
 
-    def choose(self, token_ids: Sequence[int], candidates: list[int], loads: dict[int, int]) -> RouteDecision:
-        """Pick one of `candidates` (replica indexes that are up) and record the prompt there."""
+    def choose(self, token_ids: Sequence[int], candidates: list[int], loads: dict[int, int],
+               cache_salt: str = "") -> RouteDecision:
+        """Pick one of `candidates` (replica indexes that are up) and record the prompt there.
+
+        `cache_salt`: the request's, so that only prompts the prefix cache could share match."""
         if not candidates:
             raise ValueError("no replica to route to")
-        hashes = block_hashes(token_ids, self.block_size)
+        hashes = block_hashes(token_ids, self.block_size, cache_salt)
         matched = {r: self.indexes[r].matched(hashes) for r in candidates}
         rotation = {r: (r - self._next) % len(self.indexes) for r in candidates}  # round-robin order as last tie-break
         if self.policy == "round_robin":
@@ -100,7 +94,3 @@ class Router:
         self.blocks_queried += len(hashes)
         self.blocks_hit += matched[chosen]
         return RouteDecision(chosen, len(hashes), matched[chosen])
-
-    @property
-    def hit_rate(self) -> float:
-        return self.blocks_hit / self.blocks_queried if self.blocks_queried else 0.0

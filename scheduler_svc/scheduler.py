@@ -3,21 +3,20 @@
 Each step: running decodes first (one token each), then unfinished prompt chunks (at most
 `max_prefill_chunk_tokens` per request, so a long prompt cannot stall the decodes), then
 swapped-out sequences are brought back, then new requests are admitted from the waiting
-queue while blocks stay under `memory_threshold`. A new request first takes the longest run
-of its full blocks found in the prefix cache and computes only the rest (always at least its
-last token). When blocks run out mid-decode, the newest running sequence is preempted:
-`recompute` frees its blocks and re-queues it at the front (prompt plus the tokens it already
-produced), `swap` has the worker copy its blocks to host memory and brings them back later;
-either way its stream neither loses nor repeats a token. A request with n > 1 samples forks
-after its prompt: the samples share the prompt blocks, and a shared block is copied before a
-sample writes into it. The scheduler never touches tensors: it sends block ids and counts.
+queue while blocks stay under `memory_threshold`; a new request computes only what the
+prefix cache does not hold (always at least its last token). When blocks run out mid-decode,
+the newest running sequence is preempted: `recompute` frees its blocks and re-queues it at
+the front (prompt plus the tokens it already produced), `swap` has the worker copy its blocks
+to host memory and brings them back later; either way its stream neither loses nor repeats a
+token. A request with n > 1 samples forks after its prompt. Which blocks a sequence holds
+(prefix hits, copy-on-write, sharing) is the `KVCacheManager`'s business; the scheduler
+never touches tensors or reference counts: it decides who runs and sends block ids and counts.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import structlog
 
@@ -25,45 +24,22 @@ from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
-from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
-from scheduler_svc.prefix_cache import extend_hashes
-from scheduler_svc.sequence import Sequence, SequenceStatus, fork_sample
+from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
+from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
+from scheduler_svc.token_output import TokenOutput, finish_reason, sampled_output
 
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
-
-
-@dataclass
-class TokenOutput:
-    """What one step produced for one request (the service turns it into a TokenEvent)."""
-
-    request_id: str
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: int = FR.FINISH_REASON_UNSPECIFIED
-    error: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    timestamp: float = 0.0
-    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # per token, when asked
-    queue_seconds: float = 0.0  # on the first output: arrival to first admission
-    index: int = 0  # sample index (n > 1)
-    cached_prompt_tokens: int = 0  # set on a sample's first output
-
-
-def plan_needs_worker(plan: worker_pb2.StepPlan) -> bool:
-    """Whether a plan must reach the worker: tokens to compute, or blocks to swap or copy.
-
-    A swap-in alone must be sent even when nothing is computed this step: the sequence's
-    block table and K/V arrive with it."""
-    return bool(plan.scheduled or plan.swap_out or plan.swap_in or plan.block_copies)
 
 
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.prefix_caching = config.enable_prefix_caching
-        self.pool = BlockPool(num_blocks, cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                       cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
         self.eos_token_ids = frozenset(eos_token_ids)
         capacity = num_blocks * self.block_size
         if max_model_len > capacity:
@@ -85,14 +61,13 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.num_swap_outs = 0
-        self.prefix_cache_queries = 0  # prompt tokens looked up
-        self.prefix_cache_hits = 0  # of which found in the cache
         self.suspended = False
         self._in_flight: list[worker_pb2.ScheduledSequence] = []
 
     @property
-    def num_blocks(self) -> int:  # TEMP: the KV-cache manager change brings its own
-        return self.pool.num_blocks
+    def num_blocks(self) -> int:
+        """The KV pool's size in blocks."""
+        return self.kv_cache.num_blocks
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -107,8 +82,8 @@ class Scheduler:
                                   "and at least one token must be generated: shorten the prompt")
         sampling = resolve(params)
         needed = -(-(len(prompt_token_ids) + 1) // self.block_size) + (sampling.n - 1)
-        if needed > self.pool.num_blocks:
-            raise ValidationError(f"prompt needs {needed} KV blocks but the pool has {self.pool.num_blocks}; "
+        if needed > self.num_blocks:
+            raise ValidationError(f"prompt needs {needed} KV blocks but the pool has {self.num_blocks}; "
                                   "shorten the prompt, lower n or raise max_num_blocks")
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
                        cache_salt=cache_salt, pending_forks=sampling.n - 1)
@@ -140,7 +115,7 @@ class Scheduler:
         if mode == "recompute":
             for seq in reversed(list(self.running)):
                 self._preempt_recompute(seq)
-            self.pool.clear_cache()
+            self.kv_cache.reset_prefix_cache()
         log.info("suspended", mode=mode, waiting=len(self.waiting), swapped=len(self.swapped))
 
     def resume(self) -> None:
@@ -188,14 +163,12 @@ class Scheduler:
         # copy is pending: a swap-in lands before the copies on the worker and could overwrite a source.
         while self.swapped and not self._block_copies and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            next_token_blocks = -(-(seq.num_computed + 1) // self.block_size)
-            if max(seq.num_swapped_blocks, next_token_blocks) > self.pool.num_free:
+            if not self.kv_cache.can_swap_in(seq):
                 break
             self.swapped.popleft()
-            seq.block_table = self.pool.allocate(seq.num_swapped_blocks)
-            seq.num_blocks_sent = len(seq.block_table)
-            seq.num_registered = 0
-            plan.swap_in.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=seq.block_table))
+            block_ids = self.kv_cache.swap_in(seq)
+            seq.num_blocks_sent = len(block_ids)
+            plan.swap_in.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=block_ids))
             seq.status, seq.swapped_status = seq.swapped_status or SequenceStatus.DECODE, None
             self.running.append(seq)
 
@@ -203,13 +176,12 @@ class Scheduler:
         while (self.waiting and not self.swapped and seq_budget > 0 and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            hits = self._match_prefix(seq)
+            hits = self.kv_cache.match_prefix(seq)
             n = self._chunk(seq, token_budget, num_computed=len(hits) * self.block_size)
             if n == 0 or not self._admissible(seq, hits, n):
                 break
             self.waiting.popleft()
-            self._admit(seq, hits)
-            self._allocate(seq, n)
+            self._admit(seq, hits, n)
             self.running.append(seq)
             scheduled.append((seq, n))
             seq_budget -= 1
@@ -220,18 +192,7 @@ class Scheduler:
         self._swap_out.clear()
         self._block_copies.clear()
         for seq, n in scheduled:
-            if not seq.on_worker:
-                plan.new_sequences.append(worker_pb2.NewSequence(
-                    seq_id=seq.seq_id, token_ids=seq.token_ids, params=seq.params, num_generated=seq.num_generated))
-                seq.on_worker = True
-            entry = worker_pb2.ScheduledSequence(
-                seq_id=seq.seq_id, num_tokens=n, new_block_ids=seq.block_table[seq.num_blocks_sent:],
-                sample=seq.num_computed + n == seq.num_tokens, num_cached_tokens=seq.num_computed)
-            for index, block_id in seq.pending_edits:
-                entry.block_table_edits.add(index=index, block_id=block_id)
-            seq.pending_edits.clear()
-            plan.scheduled.append(entry)
-            seq.num_blocks_sent = len(seq.block_table)
+            add_scheduled(plan, seq, n)
             seq.last_scheduled_step = self.step_id
         if plan_needs_worker(plan):
             # A plan with nothing to compute or move is not sent: released ids wait for the next one.
@@ -248,69 +209,22 @@ class Scheduler:
         cap = self.config.max_prefill_chunk_tokens or token_budget
         return min(remaining, token_budget, cap)
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed: int | None = None,
-                       num_blocks: int | None = None) -> int:
-        total = (seq.num_computed if num_computed is None else num_computed) + num_new_tokens
-        return max(0, -(-total // self.block_size) - (len(seq.block_table) if num_blocks is None else num_blocks))
-
-    def _match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest run of this sequence's leading full blocks.
-
-        At most (tokens - 1) // block_size blocks: the last token is always computed (its
-        logits are needed), and its block is never a shared cached one.
-        """
-        if not self.prefix_caching or seq.block_table:
-            return []
-        usable = (seq.num_tokens - 1) // self.block_size
-        extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, usable, seq.cache_salt)
-        hits = []
-        for i in range(usable):
-            b = self.pool.lookup(seq.block_hashes[i], tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            if b is None:
-                break
-            hits.append(b)
-        return hits
-
     def _admissible(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # cached-free blocks leave the free list
-        needed = revived + self._blocks_needed(seq, num_new_tokens, len(hits) * self.block_size, len(hits))
-        if needed > self.pool.num_free:
+        needed = self.kv_cache.num_blocks_to_admit(seq, hits, num_new_tokens)
+        if not self.kv_cache.can_allocate(needed):
             return False
         if not self.running:
             return True  # never let the threshold starve an idle engine
-        return self.pool.num_used + needed <= self.config.memory_threshold * self.pool.num_blocks
+        return self.kv_cache.num_used + needed <= self.config.memory_threshold * self.num_blocks
 
-    def _admit(self, seq: Sequence, hits: list[int]) -> None:
-        for b in hits:
-            self.pool.touch(b)
-        seq.block_table = list(hits)
-        seq.num_computed = len(hits) * self.block_size
-        seq.num_registered = len(hits)
+    def _admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
+        self.kv_cache.admit(seq, hits)
+        copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
+        # _admissible counted the blocks, and the new tokens start past the cached (full) blocks.
+        assert copies == [], "admission: blocks short or shared"
         seq.status = SequenceStatus.PREFILL
         if seq.queue_seconds is None:  # arrival to first admission (metrics)
             seq.queue_seconds = time.monotonic() - seq.arrival_time
-        if seq.cached_prompt_tokens is None:  # count a prompt once, not again after a preemption
-            seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
-            if self.prefix_caching:
-                self.prefix_cache_queries += seq.prompt_len
-                self.prefix_cache_hits += seq.cached_prompt_tokens
-
-    def _allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        seq.block_table.extend(self.pool.allocate(self._blocks_needed(seq, num_new_tokens)))
-
-    def _copy_on_write(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Give the sequence private copies of the shared blocks it is about to write into."""
-        first, last = seq.num_computed // self.block_size, (seq.num_computed + num_new_tokens - 1) // self.block_size
-        shared = [i for i in range(first, last + 1) if self.pool.ref_counts[seq.block_table[i]] > 1]
-        if len(shared) > self.pool.num_free:
-            raise OutOfBlocksError(f"copy-on-write needs {len(shared)} blocks, {self.pool.num_free} free")
-        for i in shared:
-            src, (dst,) = seq.block_table[i], self.pool.allocate(1)
-            self._block_copies.append(worker_pb2.BlockCopy(src=src, dst=dst))
-            self.pool.release([src])
-            seq.block_table[i] = dst
-            if i < seq.num_blocks_sent:
-                seq.pending_edits.append((i, dst))
 
     def _reserve(self, seq: Sequence, num_new_tokens: int, protect: list[Sequence]) -> bool:
         """Allocate (and copy-on-write) blocks for the next tokens, preempting the newest others if needed.
@@ -318,15 +232,14 @@ class Scheduler:
         Returns False when `seq` itself had to be preempted (nothing else could give way).
         """
         while True:
-            try:
-                self._allocate(seq, num_new_tokens)
-                self._copy_on_write(seq, num_new_tokens)
+            copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
+            if copies is not None:
+                add_block_copies(self._block_copies, seq, copies)
                 return True
-            except OutOfBlocksError:
-                victim = next((s for s in reversed(self.running) if s is not seq and s not in protect), None)
-                self._preempt(victim or seq)
-                if victim is None:
-                    return False
+            victim = next((s for s in reversed(self.running) if s is not seq and s not in protect), None)
+            self._preempt(victim or seq)
+            if victim is None:
+                return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -338,28 +251,23 @@ class Scheduler:
     def _preempt_recompute(self, seq: Sequence) -> None:
         """Free the blocks, re-queue at the front with all tokens so far."""
         self.running.remove(seq)
-        self.pool.release(seq.block_table)
-        seq.block_table, seq.pending_edits = [], []
-        seq.num_computed = seq.num_blocks_sent = seq.num_registered = 0
-        if seq.on_worker:
-            self._released.append(seq.seq_id)
-            seq.on_worker = False
-        seq.status = SequenceStatus.PENDING
+        self.kv_cache.free(seq)
+        self._release_on_worker(seq)
+        seq.reset_for_recompute()
         self.waiting.appendleft(seq)
-        log.info("preempted", mode="recompute", request_id=seq.request_id, tokens=seq.num_tokens, free_blocks=self.pool.num_free)
+        log.info("preempted", mode="recompute", request_id=seq.request_id, tokens=seq.num_tokens, free_blocks=self.kv_cache.num_free)
 
     def _preempt_swap(self, seq: Sequence) -> None:
         """The worker copies the blocks holding K/V to host memory; the device blocks are freed."""
         self.running.remove(seq)
-        held = -(-seq.num_computed // self.block_size)
-        self._swap_out.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=seq.block_table[:held]))
-        self.pool.release(seq.block_table)
-        seq.block_table, seq.pending_edits = [], []
-        seq.num_swapped_blocks, seq.num_blocks_sent = held, 0
+        held = self.kv_cache.swap_out(seq)
+        self._swap_out.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=held))
+        seq.pending_edits = []
+        seq.num_swapped_blocks, seq.num_blocks_sent = len(held), 0
         seq.swapped_status, seq.status = seq.status, SequenceStatus.SWAPPED
         self.swapped.append(seq)
         self.num_swap_outs += 1
-        log.info("preempted", mode="swap", request_id=seq.request_id, blocks=held, free_blocks=self.pool.num_free)
+        log.info("preempted", mode="swap", request_id=seq.request_id, blocks=len(held), free_blocks=self.kv_cache.num_free)
 
     # ---------------------------------------------------------------- results
 
@@ -370,10 +278,9 @@ class Scheduler:
             seq = self.sequences.get(s.seq_id)
             if seq is not None and seq.status in (SequenceStatus.PREFILL, SequenceStatus.DECODE):
                 seq.num_computed += s.num_tokens
-                self._register_full_blocks(seq)
+                self.kv_cache.register_full_blocks(seq)
         self._in_flight = []
         outputs: list[TokenOutput] = []
-        logprobs = list(result.logprobs)
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
             seq = self.sequences.get(seq_id)
             if seq is None or seq.status.finished:
@@ -382,42 +289,19 @@ class Scheduler:
                 self._fork(seq)
             seq.token_ids.append(token)
             seq.status = SequenceStatus.DECODE
-            out = TokenOutput(seq.request_id, [token], timestamp=now, logprobs=[logprobs[i]] if logprobs else [],
-                              index=seq.index)
-            if seq.sampling.logprobs and result.num_top_logprobs:
-                k, top = seq.sampling.logprobs, slice(i * result.num_top_logprobs, (i + 1) * result.num_top_logprobs)
-                out.top_logprobs = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[top][:k],
-                                                           logprobs=result.top_logprobs[top][:k])]
-            if not seq.first_output_sent:
-                out.cached_prompt_tokens = seq.cached_prompt_tokens or 0
-                out.queue_seconds = seq.queue_seconds or 0.0
-                seq.first_output_sent = True
-            reason = self._finish_reason(seq, token)
+            out = sampled_output(seq, token, result, i, now)
+            reason = finish_reason(seq, token, self.eos_token_ids, self.max_model_len)
             if reason:
                 self._finish(seq, reason, SequenceStatus.COMPLETED)
                 out.finish_reason = reason
             outputs.append(out)
         return outputs
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        if not self.prefix_caching:
-            return
-        full = min(seq.num_computed // self.block_size, len(seq.block_table))
-        if full <= seq.num_registered:
-            return
-        extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, full, seq.cache_salt)
-        bs = self.block_size
-        for i in range(seq.num_registered, full):
-            self.pool.register(seq.block_table[i], seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-        seq.num_registered = full
-
     def _fork(self, parent: Sequence) -> None:
         """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
         for index in range(1, parent.pending_forks + 1):
-            child = fork_sample(parent, index, self._next_seq_id, self.block_size)
+            child = self.kv_cache.fork(parent, index, self._next_seq_id)
             self._next_seq_id += 1
-            for b in child.block_table:
-                self.pool.share(b)
             self.sequences[child.seq_id] = child
             self.samples[parent.request_id].append(child)
             self.running.append(child)
@@ -432,14 +316,6 @@ class Scheduler:
                 outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error, index=seq.index))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> int:
-        s = seq.sampling
-        if (token in self.eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
-            return FR.FINISH_REASON_STOP
-        if seq.num_generated >= s.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FR.FINISH_REASON_LENGTH
-        return FR.FINISH_REASON_UNSPECIFIED
-
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
@@ -451,11 +327,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = status
         seq.finish_reason = reason
-        self.pool.release(seq.block_table)
-        seq.block_table = []
-        if seq.on_worker:
-            self._released.append(seq.seq_id)
-            seq.on_worker = False
+        self.kv_cache.free(seq)
+        self._release_on_worker(seq)
         self.sequences.pop(seq.seq_id, None)
         live = self.samples.get(seq.request_id, [])
         if seq in live:
@@ -464,7 +337,13 @@ class Scheduler:
             self.samples.pop(seq.request_id, None)
             self.requests.pop(seq.request_id, None)
 
-    # ---------------------------------------------------------------- scale and resilience (issue 6)
+    def _release_on_worker(self, seq: Sequence) -> None:
+        """The worker forgets the sequence with the next plan it is sent."""
+        if seq.on_worker:
+            self._released.append(seq.seq_id)
+            seq.on_worker = False
+
+    # ---------------------------------------------------------------- scale and resilience
     # Moving sequences off a worker that failed: they are recomputed from their prompt plus the
     # tokens already produced (as after a recompute preemption), here or on another replica.
 
@@ -474,16 +353,13 @@ class Scheduler:
         The prefix cache is forgotten too: a step that failed half-way may have written into blocks."""
         seqs = sorted((s for samples in self.samples.values() for s in samples), key=lambda s: (s.arrival_time, s.index))
         for seq in seqs:
-            self.pool.release(seq.block_table)
-            seq.block_table, seq.pending_edits = [], []
-            seq.num_computed = seq.num_blocks_sent = seq.num_registered = seq.num_swapped_blocks = 0
-            seq.on_worker = False
-            seq.status, seq.swapped_status = SequenceStatus.PENDING, None
+            self.kv_cache.free(seq)
+            seq.reset_for_recompute()
         for queue in (self.waiting, self.running, self.swapped, self.requests, self.samples, self.sequences,
                       self._released, self._swap_out, self._block_copies):
             queue.clear()
         self._in_flight = []
-        self.pool.clear_cache()
+        self.kv_cache.reset_prefix_cache()
         return seqs
 
     def adopt(self, seq: Sequence) -> None:

@@ -68,6 +68,13 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
+    def reset_for_recompute(self) -> None:
+        """Back to waiting, to be computed again from all its tokens (its blocks already freed)."""
+        self.pending_edits = []
+        self.num_computed = self.num_blocks_sent = self.num_swapped_blocks = 0
+        self.on_worker = False
+        self.status, self.swapped_status = SequenceStatus.PENDING, None
+
 
 def fork_sample(parent: Sequence, index: int, seq_id: int, block_size: int) -> Sequence:
     """Sample `index` of the parent's request, forked once the parent's prompt is computed.

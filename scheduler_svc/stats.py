@@ -4,35 +4,37 @@ merged into one, and the service's own counters (workers, rejections, routing, r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable, Protocol, Sized
 
 from hetero.v1 import common_pb2
+from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.sequence import Sequence
 
-if TYPE_CHECKING:
-    from scheduler_svc.scheduler import Scheduler
+
+class PoolOwner(Protocol):
+    """What a pool's figures are read from: a core scheduler (a protocol, so that this module
+    does not import the scheduler, which imports it)."""
+
+    kv_cache: KVCacheManager
+    running: list[Sequence]
+    waiting: Sized
+    swapped: Sized
+    num_preemptions: int
+    step_id: int
+    suspended: bool
 
 # Pool figures that add up across replicas; the others are merged by `merge_pools` below.
 SUMMED_POOL_FIELDS = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting",
                       "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_swapped")
 
 
-def pool_stats(s: Scheduler) -> common_pb2.PoolStats:
-    """Internal waste: allocated token slots not holding a token / allocated slots (a shared
-    block counted once, with the most tokens any of its holders keeps in it)."""
-    bs = s.block_size
-    fill: dict[int, int] = {}
-    for seq in s.running:
-        for i, b in enumerate(seq.block_table):
-            fill[b] = max(fill.get(b, 0), min(bs, max(0, seq.num_tokens - i * bs)))
-    allocated_slots = len(fill) * bs
-    held_tokens = sum(fill.values())
-    pool = s.pool
+def pool_stats(s: PoolOwner) -> common_pb2.PoolStats:
+    kv = s.kv_cache
     return common_pb2.PoolStats(
-        block_size=bs, total_blocks=pool.num_blocks, used_blocks=pool.num_used, free_blocks=pool.num_free,
-        cached_blocks=pool.num_cached_free, usage=pool.num_used / pool.num_blocks, num_running=len(s.running),
-        num_waiting=len(s.waiting), num_preemptions=s.num_preemptions,
-        internal_waste=(allocated_slots - held_tokens) / allocated_slots if allocated_slots else 0.0,
-        steps=s.step_id, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+        block_size=kv.block_size, total_blocks=kv.num_blocks, used_blocks=kv.num_used, free_blocks=kv.num_free,
+        cached_blocks=kv.num_cached_free, usage=kv.usage, num_running=len(s.running),
+        num_waiting=len(s.waiting), num_preemptions=s.num_preemptions, internal_waste=kv.internal_waste(s.running),
+        steps=s.step_id, prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
         num_swapped=len(s.swapped), suspended=s.suspended,
     )
 

@@ -79,7 +79,7 @@ class PaperWorker:
 
 
 def check_invariants(s: Scheduler, worker: PaperWorker) -> None:
-    pool = s.pool
+    pool = s.kv_cache.pool
     holders = Counter(b for seq in s.sequences.values() for b in seq.block_table)
     for b in range(pool.num_blocks):
         assert pool.ref_counts[b] == holders[b], f"block {b}: ref {pool.ref_counts[b]}, held by {holders[b]} tables"
@@ -144,9 +144,9 @@ def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode,
                 s.process_result(worker.execute(plan))
         elif op[0] == "evict":
             # Another user takes blocks off the free list's head (evicting cached ones) and gives them back.
-            taken = s.pool.allocate(min(op[1], s.pool.num_free))
+            taken = s.kv_cache.pool.allocate(min(op[1], s.kv_cache.pool.num_free))
             worker_kv_garbage(worker, taken)
-            s.pool.release(taken)
+            s.kv_cache.pool.release(taken)
         elif op[0] == "suspend":
             s.suspend(op[1])
             if op[1] == "recompute":
@@ -161,7 +161,7 @@ def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode,
         s.process_result(worker.execute(s.schedule()))
         check_invariants(s, worker)
     assert not s.has_pending_work() and not s.requests and not s.samples
-    assert s.pool.num_used == 0
+    assert s.kv_cache.pool.num_used == 0
     check_invariants(s, worker)
 
 

@@ -11,10 +11,10 @@ def test_sequences_move_to_another_core_and_resume_from_their_tokens() -> None:
         failed.add_request(f"r{i}", [10 + i] * 6, params(max_tokens=5))
     for token in (7, 8):  # two tokens each, then the worker dies
         failed.process_result(answer(failed.schedule(), token))
-    assert failed.pool.num_used > 0
+    assert failed.kv_cache.pool.num_used > 0
     moved = failed.take_all_for_recompute()
     assert [s.request_id for s in moved] == ["r0", "r1", "r2"]
-    assert failed.pool.num_used == 0 and not failed.has_pending_work()
+    assert failed.kv_cache.pool.num_used == 0 and not failed.has_pending_work()
     survivor.add_request("other", [1, 2, 3], params(max_tokens=5))
     for seq in moved:
         survivor.adopt(seq)
@@ -31,7 +31,7 @@ def test_sequences_move_to_another_core_and_resume_from_their_tokens() -> None:
                 finished[out.request_id] = out.finish_reason
     assert {o.request_id for o in outputs} == {"other", "r0", "r1", "r2"}
     assert all(s.num_generated == 5 for s in moved)  # max_tokens counts the tokens made before the move
-    assert survivor.pool.num_used == 0 and set(finished) == {"other", "r0", "r1", "r2"}
+    assert survivor.kv_cache.pool.num_used == 0 and set(finished) == {"other", "r0", "r1", "r2"}
 
 
 def test_deadline_is_kept_across_the_move() -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from scheduler_svc.router import Router, block_hashes
+from scheduler_svc.prefix_cache import block_hashes
+from scheduler_svc.router import Router
 
 
 def test_block_hashes_are_chained_over_full_blocks() -> None:

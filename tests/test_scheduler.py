@@ -50,7 +50,7 @@ def test_finished_sequences_free_blocks_at_once_and_are_released() -> None:
     s.process_result(answer(s.schedule()))
     outs = s.process_result(answer(s.schedule()))
     assert outs[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert s.pool.num_used == 0 and not s.has_pending_work()
+    assert s.kv_cache.pool.num_used == 0 and not s.has_pending_work()
     seq_id = 0
     s.add_request("b", [1], params())
     assert seq_id in s.schedule().released_seq_ids
@@ -115,16 +115,16 @@ def test_preemption_requeues_newest_with_its_tokens() -> None:
     while s.has_pending_work():
         plan = s.schedule()
         s.process_result(answer(plan))
-    assert s.pool.num_used == 0
+    assert s.kv_cache.pool.num_used == 0
 
 
 def test_abort_frees_blocks_and_rejects_bad_requests() -> None:
     s = make()
     s.add_request("a", [1] * 9, params())
     s.schedule()
-    assert s.pool.num_used == 3
+    assert s.kv_cache.pool.num_used == 3
     assert s.abort("a") and not s.abort("a")
-    assert s.pool.num_used == 0
+    assert s.kv_cache.pool.num_used == 0
     s.add_request("b", [1], params())
     with pytest.raises(DuplicateRequestError):
         s.add_request("b", [1], params())

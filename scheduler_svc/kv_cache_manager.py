@@ -1,0 +1,207 @@
+"""Block bookkeeping for the scheduler: which KV blocks each sequence holds, and why.
+
+The scheduler decides who runs; this manager answers whether blocks are there for it and
+hands them out: prefix-cache matches at admission, blocks for the next tokens (with private
+copies of shared blocks about to be written: copy-on-write), registering full blocks in the
+prefix cache, sharing a prompt's blocks with forked samples, swap-out and swap-in, freeing.
+It alone talks to the `BlockPool`, so reference counts never leak into scheduling policy.
+It edits a sequence's `block_table`, `block_hashes`, `num_registered` and, at admission,
+`num_computed` and `cached_prompt_tokens`; what the worker has been sent (`num_blocks_sent`,
+table edits) stays the scheduler's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
+from scheduler_svc.prefix_cache import extend_hashes
+from scheduler_svc.sequence import Sequence, fork_sample
+
+
+@dataclass(frozen=True)
+class CopiedBlock:
+    """A shared block replaced by a private copy in one sequence's table (copy-on-write)."""
+
+    index: int  # position in the sequence's block table
+    src: int
+    dst: int
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 cache_freed_blocks: bool) -> None:
+        """`cache_freed_blocks`: the `lru` eviction policy (see `BlockPool`)."""
+        self.pool = BlockPool(num_blocks, cache_freed_blocks=cache_freed_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0  # prompt tokens looked up
+        self.prefix_cache_hits = 0  # of which found in the cache
+
+    # ---------------------------------------------------------------- capacity
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def num_cached_free(self) -> int:
+        return self.pool.num_cached_free
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used / self.pool.num_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.pool.num_free
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, num_computed: int | None = None,
+                       num_blocks: int | None = None) -> int:
+        """Blocks to add to the table so that `num_new_tokens` more tokens fit."""
+        total = (seq.num_computed if num_computed is None else num_computed) + num_new_tokens
+        held = len(seq.block_table) if num_blocks is None else num_blocks
+        return max(0, blocks_for(total, self.block_size) - held)
+
+    # ---------------------------------------------------------------- admission
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest run of this sequence's leading full blocks.
+
+        At most (tokens - 1) // block_size blocks: the last token is always computed (its
+        logits are needed), and its block is never a shared cached one.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        bs = self.block_size
+        usable = (seq.num_tokens - 1) // bs
+        extend_hashes(seq.block_hashes, seq.token_ids, bs, usable, seq.cache_salt)
+        hits = []
+        for i in range(usable):
+            b = self.pool.lookup(seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def num_blocks_to_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> int:
+        """Free-list blocks that admitting `seq` with these hits and its first tokens would take."""
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # cached-free blocks leave the free list
+        return revived + self._blocks_needed(seq, num_new_tokens, len(hits) * self.block_size, len(hits))
+
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """The hits become the head of the sequence's table, already computed."""
+        for b in hits:
+            self.pool.touch(b)
+        seq.block_table = list(hits)
+        seq.num_computed = len(hits) * self.block_size
+        seq.num_registered = len(hits)
+        if seq.cached_prompt_tokens is None:  # count a prompt once, not again after a preemption
+            seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += seq.prompt_len
+                self.prefix_cache_hits += seq.cached_prompt_tokens
+
+    # ---------------------------------------------------------------- growing a table
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[CopiedBlock] | None:
+        """Blocks for the next `num_new_tokens` tokens, and private copies of the shared blocks
+        they write into; the copies are returned for the worker to make.
+
+        None when the pool runs short. Blocks appended before the copy-on-write found it short
+        stay in the table, so a retry after freeing others takes only what is still missing.
+        """
+        try:
+            seq.block_table.extend(self.pool.allocate(self._blocks_needed(seq, num_new_tokens)))
+            return self._copy_on_write(seq, num_new_tokens)
+        except OutOfBlocksError:
+            return None
+
+    def _copy_on_write(self, seq: Sequence, num_new_tokens: int) -> list[CopiedBlock]:
+        bs = self.block_size
+        first, last = seq.num_computed // bs, (seq.num_computed + num_new_tokens - 1) // bs
+        shared = [i for i in range(first, last + 1) if self.pool.ref_counts[seq.block_table[i]] > 1]
+        if len(shared) > self.pool.num_free:
+            raise OutOfBlocksError(f"copy-on-write needs {len(shared)} blocks, {self.pool.num_free} free")
+        copies = []
+        for i in shared:
+            src, (dst,) = seq.block_table[i], self.pool.allocate(1)
+            self.pool.release([src])
+            seq.block_table[i] = dst
+            copies.append(CopiedBlock(i, src, dst))
+        return copies
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's newly computed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered:
+            return
+        bs = self.block_size
+        extend_hashes(seq.block_hashes, seq.token_ids, bs, full, seq.cache_salt)
+        for i in range(seq.num_registered, full):
+            self.pool.register(seq.block_table[i], seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        seq.num_registered = full
+
+    def fork(self, parent: Sequence, index: int, seq_id: int) -> Sequence:
+        """Sample `index` of the parent's request, holding the parent's prompt blocks by reference."""
+        child = fork_sample(parent, index, seq_id, self.block_size)
+        for b in child.block_table:
+            self.pool.share(b)
+        return child
+
+    # ---------------------------------------------------------------- giving blocks back
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; its table is empty afterwards."""
+        self.pool.release(seq.block_table)
+        seq.block_table = []
+        seq.num_registered = 0
+
+    def swap_out(self, seq: Sequence) -> list[int]:
+        """Free the sequence's blocks; return those holding K/V, for the worker to copy to host first."""
+        held = seq.block_table[:blocks_for(seq.num_computed, self.block_size)]
+        self.free(seq)
+        return held
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        """Room for the swapped blocks and for the block the next token goes into."""
+        next_token_blocks = blocks_for(seq.num_computed + 1, self.block_size)
+        return self.can_allocate(max(seq.num_swapped_blocks, next_token_blocks))
+
+    def swap_in(self, seq: Sequence) -> list[int]:
+        """Fresh blocks for the swapped K/V: the sequence's new table (not in the prefix cache)."""
+        seq.block_table = self.pool.allocate(seq.num_swapped_blocks)
+        seq.num_registered = 0
+        return seq.block_table
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash: the blocks' K/V is gone or not to be trusted."""
+        self.pool.clear_cache()
+
+    # ---------------------------------------------------------------- figures
+
+    def internal_waste(self, seqs: Iterable[Sequence]) -> float:
+        """Allocated token slots not holding a token / allocated slots (a shared block counted
+        once, with the most tokens any of its holders keeps in it)."""
+        bs = self.block_size
+        fill: dict[int, int] = {}
+        for seq in seqs:
+            for i, b in enumerate(seq.block_table):
+                fill[b] = max(fill.get(b, 0), min(bs, max(0, seq.num_tokens - i * bs)))
+        allocated_slots = len(fill) * bs
+        held_tokens = sum(fill.values())
+        return (allocated_slots - held_tokens) / allocated_slots if allocated_slots else 0.0

@@ -1,0 +1,49 @@
+"""What one step produced for one sample: its token, logprobs, finish reason, first-output metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetero.v1 import common_pb2, worker_pb2
+from scheduler_svc.sequence import Sequence
+
+
+@dataclass
+class TokenOutput:
+    """What one step produced for one request (the service turns it into a TokenEvent)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    error: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    timestamp: float = 0.0
+    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # per token, when asked
+    queue_seconds: float = 0.0  # on the first output: arrival to first admission
+    index: int = 0  # sample index (n > 1)
+    cached_prompt_tokens: int = 0  # set on a sample's first output
+
+
+def sampled_output(seq: Sequence, token: int, result: worker_pb2.StepResult, row: int, now: float) -> TokenOutput:
+    """The output for the token the worker sampled for `seq` in row `row` of its result."""
+    out = TokenOutput(seq.request_id, [token], timestamp=now, logprobs=[result.logprobs[row]] if result.logprobs else [],
+                      index=seq.index)
+    if seq.sampling.logprobs and result.num_top_logprobs:
+        k, top = seq.sampling.logprobs, slice(row * result.num_top_logprobs, (row + 1) * result.num_top_logprobs)
+        out.top_logprobs = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[top][:k],
+                                                   logprobs=result.top_logprobs[top][:k])]
+    if not seq.first_output_sent:
+        out.cached_prompt_tokens = seq.cached_prompt_tokens or 0
+        out.queue_seconds = seq.queue_seconds or 0.0
+        seq.first_output_sent = True
+    return out
+
+
+def finish_reason(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> int:
+    """Why `seq` ends with the token just sampled (FINISH_REASON_UNSPECIFIED: it goes on)."""
+    s = seq.sampling
+    if (token in eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
+        return common_pb2.FINISH_REASON_STOP
+    if seq.num_generated >= s.max_tokens or seq.num_tokens >= max_model_len:
+        return common_pb2.FINISH_REASON_LENGTH
+    return common_pb2.FINISH_REASON_UNSPECIFIED
