@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import socket
 
 import grpc
@@ -24,7 +23,8 @@ from gateway.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import inference_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import UnavailableError
-from hetero_common.grpc_server import CHANNEL_OPTIONS, add_health_and_reflection, bind, server_credentials, set_serving_aio
+from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, server_credentials,
+                                      set_serving_aio, termination_signal)
 from hetero_common.model_files import resolve_model_path
 
 log = structlog.get_logger("gateway.server")
@@ -61,11 +61,7 @@ async def serve_gateway(config: Config) -> None:
     await set_serving_aio(health, [SERVICE_NAME])
     log.info("gateway serving", address=address, http_port=config.serving.http_port or None, model=config.serving.model_name,
              tls=config.serving.tls.enabled, api_keys=keys.enabled)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await termination_signal()
     # Drain: report NOT_SERVING, refuse new calls, give in-flight ones drain_grace_s to finish.
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
     log.info("draining", grace_s=config.drain_grace_s)

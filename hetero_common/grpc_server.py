@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from pathlib import Path
 from typing import Iterable
 
@@ -101,3 +103,12 @@ def internal_channel(config: Config, address: str) -> grpc.aio.Channel:
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, creds, options=options)
+
+
+async def termination_signal() -> None:
+    """Return on SIGTERM or SIGINT: a service drains and stops then, instead of dying mid-request."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -15,13 +15,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from gateway.validation import prepare
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer, load_tokenizer
+from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ValidationError
+from hetero_common.finish_reasons import finish_reason_name, is_finished
 from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
 
 
@@ -82,10 +83,6 @@ class _Pending:
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     cached_prompt_tokens: int = 0
-
-
-_REASONS = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-            common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
 
 
 class InferenceEngine:
@@ -164,7 +161,7 @@ class InferenceEngine:
             if delta.stopped:
                 self.scheduler.abort(out.request_id, common_pb2.FINISH_REASON_STOP, index=out.index)
                 completed.append(self._complete(key, common_pb2.FINISH_REASON_STOP))
-            elif out.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            elif is_finished(out.finish_reason):
                 pending.text += pending.stream.finish()
                 completed.append(self._complete(key, out.finish_reason))
         return completed
@@ -185,5 +182,5 @@ class InferenceEngine:
 
     def _complete(self, key: tuple[str, int], reason: int) -> CompletedRequest:
         p = self._pending.pop(key)
-        return CompletedRequest(key[0], p.prompt_token_ids, p.output_token_ids, p.text, _REASONS[reason],
+        return CompletedRequest(key[0], p.prompt_token_ids, p.output_token_ids, p.text, finish_reason_name(reason),
                                 index=key[1], cached_prompt_tokens=p.cached_prompt_tokens)

@@ -10,8 +10,6 @@ fan-out and re-attach).
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import time
 
 import grpc
@@ -22,7 +20,8 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, HeteroError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
-                                      internal_listen_address, server_credentials, set_serving_aio)
+                                      internal_listen_address, server_credentials, set_serving_aio,
+                                      termination_signal)
 from scheduler_svc.replica_set import ReplicaSet
 from scheduler_svc.request_streams import RequestStreams
 
@@ -136,11 +135,7 @@ async def serve_scheduler(config: Config) -> None:
     await servicer.start()
     await set_serving_aio(health, [SERVICE_NAME])
     log.info("scheduler serving", address=listen, mutual_tls=config.internal_tls.enabled)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await termination_signal()
     # Drain: report NOT_SERVING, refuse new calls, let in-flight ones finish within drain_grace_s.
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
     log.info("draining", grace_s=config.drain_grace_s, in_flight=len(servicer.streams))
