@@ -24,11 +24,21 @@ target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp31
 # the paged attention kernels used here: left out to stay under the carry limit.
 "$PY" -m pip download --no-deps "${target[@]}" -d "$work/wheels" \
     "flashinfer-python==$FLASHINFER_VERSION" "apache-tvm-ffi>=0.1.11,<0.2"
-# What the worker, the GPU tests and the benchmark import beyond the GPU image (pins from pyproject.toml).
+# What the runtime (serving included), the GPU tests, the benchmark and the JIT build import beyond the
+# GPU image's own packages (scripts/gpu_image_packages.txt, from the device tool's KINDS.md), at
+# pyproject.toml's pins; and what these carried packages require beyond the image, since --no-deps
+# fetches none of it. tests/test_gpu_carry.py reads these lines and checks that they, with the
+# image, cover every third-party import.
 "$PY" -m pip download --no-deps "${target[@]}" -d "$work/wheels" \
-    "grpcio>=1.85,<1.86" "grpcio-health-checking>=1.85,<1.86" "protobuf>=7.35.1,<8" "structlog>=24.1" \
-    "tokenizers>=0.19" "safetensors>=0.4" "jinja2>=3.1" markupsafe "tenacity>=8.2" \
-    "pytest>=8" pluggy iniconfig pygments "pytest-timeout>=2.3" "typing-extensions>=4.12"
+    "grpcio>=1.85,<1.86" "grpcio-health-checking>=1.85,<1.86" "grpcio-reflection>=1.85,<1.86" \
+    "grpcio-tools>=1.85,<1.86" "protobuf>=7.35.1,<8" "structlog>=24.1" "tenacity>=8.2" "gguf>=0.10" \
+    "tokenizers>=0.19" "safetensors>=0.4" "jinja2>=3.1" markupsafe "typing-extensions>=4.12" \
+    "pytest>=8" pluggy iniconfig pygments "pytest-timeout>=2.3"
+# The OpenAI HTTP API's stack. pydantic pins pydantic-core exactly: fetched together with their
+# dependencies resolved for the target (pip picks the matching pydantic-core), then nothing else.
+"$PY" -m pip download "${target[@]}" -d "$work/wheels" \
+    "fastapi>=0.110" "uvicorn>=0.29" starlette pydantic pydantic-core annotated-types typing-inspection \
+    annotated-doc opentelemetry-api
 ls -l "$work/wheels"
 mkdir -p "$carry"
 rm -rf "$carry/wheels.tar.xz" "$carry/site" "$carry/wheels"

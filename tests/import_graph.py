@@ -178,3 +178,36 @@ def long_modules(root: Path, packages: Iterable[str], max_lines: int) -> list[tu
         if lines > max_lines:
             found.append((path, lines))
     return found
+
+
+def external_imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
+    """(top-level name, line) of every absolute import in `path` that is not one of `modules`'
+    packages: the standard library's and third parties', wherever the statement is (a function's
+    import runs too, when that function does)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [(name.split(".")[0], node.lineno) for name in names if _resolve(name, modules) is None]
+    return found
+
+
+def reachable_modules(entry_points: Iterable[str], modules: dict[str, Path]) -> list[str]:
+    """Every project module that importing `entry_points` (module names) can load, them included,
+    following every import statement (those inside functions too)."""
+    seen: list[str] = []
+    pending = list(entry_points)
+    while pending:
+        module = pending.pop()
+        if module in seen:
+            continue
+        seen.append(module)
+        # Importing a.b.c runs a/__init__.py and a/b/__init__.py first.
+        parents = [".".join(module.split(".")[:end]) for end in range(1, module.count(".") + 1)]
+        pending += [parent for parent in parents if parent in modules]
+        pending += [edge.imported for edge in imports_in(module, modules[module], modules)]
+    return sorted(seen)
