@@ -69,14 +69,29 @@ def pad_decode_table(table: PageTable, padded: int, pad_block: int) -> PageTable
     )
 
 
+# PyTorch's CUDA-graph examples run the region three times on a side stream before capture:
+# lazy initialization (cuBLAS handles and workspaces, FlashInfer's first-call setup) and the
+# caching allocator's pools settle, so the capture records the steady-state kernels.
+WARMUP_RUNS = 3
+
+
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
-    attention: object  # a FlashInferGraphDecode for this batch size
+    """One captured batch size. The graph reads its static inputs at the addresses captured, so
+    every one of them lives here, as long as the graph does: `DecodeGraphs._forward` reads its
+    inputs from this record and nowhere else (a tensor held only by a closure or a local would
+    be freed after capture and its block reused while replay still reads it)."""
+
+    attention: object  # a FlashInferGraphDecode for this batch size (its page-table buffers)
     input_ids: torch.Tensor  # int64 [bs]
     positions: torch.Tensor  # int64 [bs]
     slots: torch.Tensor  # int64 [bs] (the torch write path's argument; the FlashInfer write ignores it)
-    logits: torch.Tensor  # float32 [bs, vocab]: the graph's output
+    rows: torch.Tensor  # int64 [bs]: the rows whose logits the graph computes (all of them)
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # float32 [bs, vocab]: the graph's output
+
+    def static_inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.input_ids, self.positions, self.slots, self.rows
 
 
 class DecodeGraphs:
@@ -93,6 +108,9 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
 
+    def _forward(self, g: _Graph) -> torch.Tensor:
+        return self.model.forward(g.input_ids, g.positions, g.slots, self.kv_cache, g.attention, g.rows)
+
     @torch.inference_mode()
     def capture(self) -> None:
         started = time.perf_counter()
@@ -100,29 +118,24 @@ class DecodeGraphs:
         device = self.kv_cache.device
         # Largest first: the smaller graphs then fit in the pool the largest one reserved.
         for bs in reversed(self.sizes):
-            attention = self.make_attention(bs)
-            input_ids = torch.zeros(bs, dtype=torch.int64, device=device)
-            positions = torch.zeros(bs, dtype=torch.int64, device=device)
-            slots = torch.full((bs,), self.pad_block * self.block_size, dtype=torch.int64, device=device)
-            rows = torch.arange(bs, dtype=torch.int64, device=device)
+            g = _Graph(attention=self.make_attention(bs),
+                       input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+                       positions=torch.zeros(bs, dtype=torch.int64, device=device),
+                       slots=torch.full((bs,), self.pad_block * self.block_size, dtype=torch.int64, device=device),
+                       rows=torch.arange(bs, dtype=torch.int64, device=device))
             dummy = pad_decode_table(PageTable.build([], np.zeros(0), np.zeros(0), self.block_size), bs, self.pad_block)
-            attention.plan(dummy)
-
-            def forward() -> torch.Tensor:
-                return self.model.forward(input_ids, positions, slots, self.kv_cache, attention, rows)
-
-            # One eager run on a side stream first (lazy initialization, cuBLAS workspaces), as
-            # torch.cuda.graphs asks; then capture.
+            g.attention.plan(dummy)
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                forward()
+                for _ in range(WARMUP_RUNS):
+                    self._forward(g)
             torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = forward()
-            pool = graph.pool()
-            self.graphs[bs] = _Graph(graph, attention, input_ids, positions, slots, logits)
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=pool):
+                g.logits = self._forward(g)
+            pool = g.graph.pool()
+            self.graphs[bs] = g
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - started
         log.info("cuda graphs captured", batch_sizes=self.sizes, seconds=round(self.capture_seconds, 2))
@@ -130,6 +143,7 @@ class DecodeGraphs:
     def can_run(self, table: PageTable) -> bool:
         return bool((table.qo_lens == 1).all()) and padded_batch_size(table.batch_size, self.sizes) is not None
 
+    @torch.inference_mode()  # the static inputs are inference tensors: written in inference mode only
     def run(self, table: PageTable, input_ids: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Replay the graph for a decode-only step; logits [B, vocab] for every sequence of the table."""
         b = table.batch_size

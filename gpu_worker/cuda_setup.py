@@ -38,6 +38,7 @@ class CudaWorker:
     graphs: DecodeGraphs | None
 
 
+@torch.inference_mode()
 def _warm_up(model, attention: AttentionBackend, num_tokens: int, rows: int, block_size: int,
              device: torch.device) -> tuple[float, int]:
     """One prompt of num_tokens tokens, then a one-token decode, on a scratch cache.
@@ -70,7 +71,6 @@ def _warm_up(model, attention: AttentionBackend, num_tokens: int, rows: int, blo
     return seconds, max(0, peak)
 
 
-@torch.inference_mode()
 def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torch.dtype, block_size: int,
                         bytes_per_block: int, max_positions: int) -> CudaWorker:
     mc = model.config
@@ -91,6 +91,9 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
                           f"({free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after weights, "
                           f"{activation / 2**30:.2f} GiB activations); raise it or lower max_total_tokens")
     pad_block = num_blocks  # one extra block, never reported to the scheduler
+    # Allocated outside inference mode, like the CPU worker's: an inference tensor refuses every
+    # in-place write made outside inference mode (a test filling the cache, a swap-in from a
+    # caller that is not inside `execute`), and such a write would fail on CUDA alone.
     kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, block_size, model.num_kv_heads,
                                  mc.head_dim, dtype, device)
     graphs = None
