@@ -210,7 +210,7 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_llama_dir: Path) -> None:
     rng = np.random.default_rng(0)
     free = list(rng.permutation(runner.num_blocks))
     tables = [np.array([free.pop() for _ in range(-(-n // bs))], dtype=np.int32) for n in lengths]
-    runner.kv_cache.normal_()
+    runner.kv_cache.normal_()  # an ordinary tensor (see tests/test_cuda_bookkeeping.py), writable here
     table = PageTable.build(tables, np.ones(len(lengths)), np.array(lengths), bs)
     positions, slots = table.token_positions()
     ids = rng.integers(3, mc.vocab_size, len(lengths))
@@ -228,12 +228,36 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_llama_dir: Path) -> None:
         runner.kv_cache[:, slot_blocks, :, slot_offsets] = 0
         graph = runner.graphs.run(table, ids, positions).clone()
     assert graph.shape == eager.shape
-    # Layer 0's new K/V come from the embeddings alone: bitwise equal. Deeper layers' depend on the
-    # attention below them, which the graph-mode kernel may split differently: close, not equal.
-    torch.testing.assert_close(runner.kv_cache[0, used], cache_after_eager[0, used], rtol=0, atol=0)
+    # Layer 0's new K/V come from the embeddings alone, but through a GEMM of 8 rows in the graph
+    # against 5 eagerly: cuBLAS may pick another kernel (another summation order) for each, so
+    # equal up to bf16 rounding (one unit in the last place is 2**-8 relative), not bitwise.
+    # Deeper layers' also depend on the attention below them: close in norm.
+    torch.testing.assert_close(runner.kv_cache[0, used].float(), cache_after_eager[0, used].float(),
+                               rtol=2**-7, atol=1e-2)
     assert relative_error(runner.kv_cache[:, used], cache_after_eager[:, used]) < 1e-2
     assert relative_error(graph, eager) < 1e-2
     # Same greedy token wherever the eager logits are not a near-tie (bf16 kernels may split differently).
     top2 = eager.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 0.05
     assert (graph.argmax(-1) == eager.argmax(-1))[clear].all()
+
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 64), (28, 4, 128)], ids=["group4-d64", "group7-d128"])
+def test_jit_modules_built_are_the_ones_named_for_the_compile_check(heads: int, kv_heads: int, head_dim: int) -> None:
+    """kernels/flashinfer_jit.py names, without a device, the modules FlashInfer builds for the
+    worker (CI compiles exactly those): a prefill, an eager decode and a graph-mode decode step
+    must build those and no other. In a fresh interpreter: this one has loaded modules already."""
+    import json
+    import subprocess
+    import sys
+
+    require_flashinfer(head_dim)
+    code = ("import json, sys; from kernels.flashinfer_jit import AttentionShape, modules_built_by_steps as m; "
+            f"built, named = m(AttentionShape('test', {heads}, {kv_heads}, {head_dim})); "
+            "print(json.dumps([sorted(built), sorted(named)]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    built, named = map(set, json.loads(done.stdout.strip().splitlines()[-1]))
+    assert built == named, f"built but not named: {built - named}; named but not built: {named - built}"
