@@ -1,40 +1,87 @@
 #!/usr/bin/env bash
 # Run on the offline GPU machine from the repository root, after scripts/gpu_carry.sh prepared
 # .flashinfer_carry/wheels.tar.xz and it was copied there with the working tree:
-#   1. rebuilds the carried wheels and installs them into .flashinfer_carry/site with
-#      `pip install --no-index --no-deps --target` (once; kept while the machine stays warm);
-#   2. puts that folder first on PYTHONPATH, sets FLASHINFER_CUDA_ARCH_LIST (9.0a: H100/H200) and
-#      keeps FlashInfer's JIT cache under .flashinfer_carry/ too;
-#   3. runs the GPU tests (pytest -m gpu) and the GPU benchmark.
-# Logs (and gpu_bench.json) go to $OUT when set (the device tool's output folder), else bench_results/gpu/.
 #
-#   bash scripts/gpu_run.sh [all|tests|bench] [benchmark flags...]
-# The first run compiles FlashInfer's kernels (JIT, minutes); if a call runs out of time, run it
-# again on the still-warm machine: compiled kernels are cached under .flashinfer_carry/.
+#   bash scripts/gpu_run.sh build    # install the carried wheels, JIT-compile FlashInfer's modules (minutes)
+#   bash scripts/gpu_run.sh tests    # the GPU tests (pytest -m gpu)
+#   bash scripts/gpu_run.sh bench [benchmark flags...]   # benchmarks/gpu_bench.py
+#   bash scripts/gpu_run.sh all      # the three in one call, when one call has the time
+#
+# One step per device call: a cold JIT alone can take most of a 600 s call. Every step first
+# prints what the JIT needs (nvcc, CUDA_HOME, the libcuda stub) and fails at once without it.
+# The installed wheels and FlashInfer's JIT cache live under $HETERO_GPU_STATE (/tmp/hetero-gpu),
+# outside the tree: they survive the next call while the machine stays warm, and re-sending the
+# tree (or the carry) does not wipe them. A step finding them missing redoes the install, and
+# FlashInfer compiles what is not cached. Logs (and gpu_bench.json) go to $OUT when set (the device
+# tool's output folder), else bench_results/gpu/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 what=${1:-all}
 [ $# -gt 0 ] && shift
-case "$what" in all|tests|bench) ;; *) echo "usage: bash scripts/gpu_run.sh [all|tests|bench] [benchmark flags...]" >&2; exit 2;; esac
-carry=$PWD/.flashinfer_carry
-site=$carry/site
+case "$what" in all|build|tests|bench) ;; *) echo "usage: bash scripts/gpu_run.sh [build|tests|bench|all] [benchmark flags...]" >&2; exit 2;; esac
 out=${OUT:-bench_results/gpu}
 mkdir -p "$out"
-if [ ! -d "$site/flashinfer" ]; then
-    if [ ! -f "$carry/wheels.tar.xz" ]; then
-        echo "gpu_run: $carry/wheels.tar.xz is missing: run scripts/gpu_carry.sh on a machine with package registries, then carry .flashinfer_carry with the working tree" >&2
+state=${HETERO_GPU_STATE:-/tmp/hetero-gpu}
+archive=$PWD/.flashinfer_carry/wheels.tar.xz
+
+# --- 1. what the JIT needs, printed before anything else ------------------------------------------
+nvcc_path=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; } || true)
+if [ -z "${CUDA_HOME:-}" ]; then
+    # nvcc's real folder, not a /usr/local/bin link's: FlashInfer takes CUDA_HOME from there.
+    if [ -d /usr/local/cuda/include ]; then CUDA_HOME=/usr/local/cuda
+    elif [ -n "$nvcc_path" ]; then CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$nvcc_path")")")
+    fi
+fi
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export PATH="$CUDA_HOME/bin:$PATH"
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}  # FlashInfer's ninja runs one compile per core
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$state}  # JIT cache: $state/.cache/flashinfer
+stub=$CUDA_HOME/lib64/stubs/libcuda.so
+libcuda_note="found"
+if [ ! -e "$stub" ]; then
+    # FlashInfer links -lcuda from $CUDA_HOME/lib64/stubs; without the stub, the driver's own
+    # library serves, through a libcuda.so link in a folder added to its link flags.
+    driver=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so\.1 .*x86-64/ {print $NF; exit}')
+    [ -z "$driver" ] && driver=$(ls /usr/local/nvidia/lib64/libcuda.so.1 2>/dev/null || true)
+    if [ -n "$driver" ]; then
+        mkdir -p "$state/libcuda" && ln -sf "$driver" "$state/libcuda/libcuda.so"
+        export FLASHINFER_EXTRA_LDFLAGS="${FLASHINFER_EXTRA_LDFLAGS:-} -L$state/libcuda"
+        stub=$state/libcuda/libcuda.so
+        libcuda_note="NOT FOUND; linking the driver's $driver instead"
+    else
+        libcuda_note="NOT FOUND, nor a driver libcuda.so.1"
+    fi
+fi
+{
+    echo "nvcc: ${nvcc_path:-NOT FOUND} ($("$CUDA_HOME/bin/nvcc" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'no version'))"
+    echo "CUDA_HOME=$CUDA_HOME; libcuda stub $CUDA_HOME/lib64/stubs/libcuda.so: $libcuda_note"
+    echo "MAX_JOBS=$MAX_JOBS; JIT cache: $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer ($(find "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" -name '*.so' 2>/dev/null | wc -l) modules built)"
+} | tee "$out/gpu_env.txt"
+if [ ! -x "$CUDA_HOME/bin/nvcc" ] || [ ! -e "$stub" ]; then
+    echo "gpu_run: FlashInfer's JIT needs $CUDA_HOME/bin/nvcc and $stub (it links -lcuda from there); set CUDA_HOME" >&2
+    exit 2
+fi
+
+# --- 2. the carried wheels, installed once per archive ---------------------------------------------
+if [ ! -f "$archive" ]; then
+    echo "gpu_run: $archive is missing: run scripts/gpu_carry.sh on a machine with package registries, then carry .flashinfer_carry with the working tree" >&2
+    exit 2
+fi
+site=$state/site-$(sha256sum "$archive" | cut -c1-16)
+if [ ! -f "$site/.complete" ]; then
+    # Into a fresh folder, renamed only once pip succeeded: a half-installed folder is never taken
+    # for a finished one by a later call.
+    rm -rf "$site" "$site.partial" "$state/wheels"
+    mkdir -p "$state"
+    "$PY" scripts/wheel_tree.py unpack "$archive" "$state/wheels" || exit 2
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$site.partial" "$state"/wheels/*.whl; then
+        echo "gpu_run: pip install of the carried wheels failed" >&2
         exit 2
     fi
-    "$PY" scripts/wheel_tree.py unpack "$carry/wheels.tar.xz" "$carry/wheels" || exit 2
-    "$PY" -m pip install --no-index --no-deps --no-compile --target "$site" "$carry"/wheels/*.whl 2>&1 | tail -2
-    rm -rf "$carry/wheels"
+    touch "$site.partial/.complete" && mv "$site.partial" "$site" && rm -rf "$state/wheels"
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
-export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$carry}  # JIT cache: $carry/.cache/flashinfer
-# FlashInfer's JIT needs nvcc (CUDA_HOME, PATH or /usr/local/cuda) and ninja on this machine.
-{ echo "nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo 'not found')"; } | tee "$out/gpu_env.txt"
 "$PY" - <<'PYEOF' 2>&1 | tee -a "$out/gpu_env.txt"
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "devices", torch.cuda.device_count())
@@ -43,18 +90,26 @@ if torch.cuda.is_available():
 import flashinfer
 print("flashinfer", flashinfer.__version__, flashinfer.__file__)
 PYEOF
-tests_rc=0
-bench_rc=0
-if [ "$what" != bench ]; then
+
+# --- 3. the steps ----------------------------------------------------------------------------------
+rc=0
+step() {  # step NAME LOG COMMAND...: run, log, time, and remember a failure
+    local name=$1 log=$2 started
+    shift 2
     started=$(date +%s)
-    "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
-    tests_rc=${PIPESTATUS[0]}
-    echo "gpu tests: rc=$tests_rc, $(( $(date +%s) - started )) s (the first run includes FlashInfer's JIT compilation)"
+    "$@" 2>&1 | tee "$out/$log"
+    local status=${PIPESTATUS[0]}
+    echo "gpu_run $name: rc=$status, $(( $(date +%s) - started )) s"
+    [ "$status" -eq 0 ] || rc=$status
+}
+if [ "$what" = build ] || [ "$what" = all ]; then
+    # FlashInfer's JIT warm-up, timed per module: everything the worker, tests and benchmark select.
+    step build gpu_build.log "$PY" scripts/flashinfer_jit.py build
 fi
-if [ "$what" != tests ]; then
-    started=$(date +%s)
-    "$PY" benchmarks/gpu_bench.py --json "$out/gpu_bench.json" "$@" 2>&1 | tee "$out/gpu_bench.log"
-    bench_rc=${PIPESTATUS[0]}
-    echo "gpu benchmark: rc=$bench_rc, $(( $(date +%s) - started )) s"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+    step tests gpu_tests.log "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
 fi
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+if [ "$what" = bench ] || [ "$what" = all ]; then
+    step bench gpu_bench.log "$PY" benchmarks/gpu_bench.py --json "$out/gpu_bench.json" "$@"
+fi
+exit "$rc"
