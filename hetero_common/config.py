@@ -111,7 +111,10 @@ class Config:
     tensor_parallel_size: int = 1  # worker processes per replica (attention heads and MLP split across ranks)
     # Comma-separated rank-0 addresses of the replicas; empty = worker_address, then the next ports.
     worker_addresses: str = ""
-    startup_timeout_s: float = 180.0  # how long `serve` waits for each service to become ready
+    # How long `serve` waits for each service to become ready. A CUDA worker is ready only after its
+    # warm-up, which JIT-compiles FlashInfer's kernels on a cold cache (minutes); a crash during
+    # start-up is noticed at once whatever this is (the process exits), so a long wait costs nothing.
+    startup_timeout_s: float = 600.0
     # --- resilience: retries, failed and hung workers, restarts, load shedding, draining ---
     max_retry_attempts: int = 2
     retry_backoff_s: float = 0.05  # first retry delay of internal calls (exponential with jitter, capped at 1 s)

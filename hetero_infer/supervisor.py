@@ -51,7 +51,9 @@ def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen[bytes
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise TimeoutError(f"service at {address} not ready after {timeout_s:.0f}s (startup_timeout_s)")
+    raise TimeoutError(f"service at {address} not ready after {timeout_s:.0f}s (startup_timeout_s; a CUDA worker's "
+                       "first start compiles FlashInfer's kernels: `python scripts/flashinfer_jit.py build` "
+                       "compiles them ahead)")
 
 
 @dataclass

@@ -128,6 +128,7 @@ def test_gpu_config_keys() -> None:
     config = load_config(env={})
     assert config.gpu_memory_utilization == 0.9 and config.enable_cuda_graphs and config.num_cuda_graphs is None
     assert not config.use_cuda_graphs_for_non_decode_steps
+    assert config.startup_timeout_s >= 600  # room for a CUDA worker's cold FlashInfer JIT before it is ready
     config = load_config(env={"HETERO_GPU_MEMORY_UTILIZATION": "0.5", "HETERO_NUM_CUDA_GRAPHS": "4"},
                          cli_overrides={"enable_cuda_graphs": "false"})
     assert (config.gpu_memory_utilization, config.num_cuda_graphs, config.enable_cuda_graphs) == (0.5, 4, False)
