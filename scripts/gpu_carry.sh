@@ -3,7 +3,7 @@
 # FlashInfer path: flashinfer-python (a JIT-only wheel) and apache-tvm-ffi, plus the project's own
 # runtime and test dependencies that the GPU image lacks (it has torch, numpy, packaging, requests,
 # tqdm, nvidia-ml-py, ninja), all for CPython 3.12 manylinux x86_64. The wheels are repacked as one
-# xz-compressed tree, .flashinfer_carry/wheels.tar.xz (git-ignored, about 26 MiB: under the 64 MiB
+# xz-compressed tree, .flashinfer_carry/wheels.tar.xz (git-ignored, about 31 MiB: under the 64 MiB
 # the device tool carries), which travels with the working tree; scripts/gpu_run.sh turns it back
 # into wheels there and installs them with `pip install --no-index --no-deps --target`.
 #
