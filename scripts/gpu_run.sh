@@ -36,6 +36,7 @@ fi
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export PATH="$CUDA_HOME/bin:$PATH"
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}  # FlashInfer's ninja runs one compile per core
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}  # H100/H200: sm_90a, which FA3 needs
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$state}  # JIT cache: $state/.cache/flashinfer
 stub=$CUDA_HOME/lib64/stubs/libcuda.so
 libcuda_note="found"
@@ -56,7 +57,7 @@ fi
 {
     echo "nvcc: ${nvcc_path:-NOT FOUND} ($("$CUDA_HOME/bin/nvcc" --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'no version'))"
     echo "CUDA_HOME=$CUDA_HOME; libcuda stub $CUDA_HOME/lib64/stubs/libcuda.so: $libcuda_note"
-    echo "MAX_JOBS=$MAX_JOBS; JIT cache: $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer ($(find "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" -name '*.so' 2>/dev/null | wc -l) modules built)"
+    echo "MAX_JOBS=$MAX_JOBS; FLASHINFER_CUDA_ARCH_LIST=$FLASHINFER_CUDA_ARCH_LIST; JIT cache: $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer ($(find "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" -name '*.so' 2>/dev/null | wc -l) modules built)"
 } | tee "$out/gpu_env.txt"
 if [ ! -x "$CUDA_HOME/bin/nvcc" ] || [ ! -e "$stub" ]; then
     echo "gpu_run: FlashInfer's JIT needs $CUDA_HOME/bin/nvcc and $stub (it links -lcuda from there); set CUDA_HOME" >&2
