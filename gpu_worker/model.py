@@ -112,19 +112,21 @@ class LlamaModel:
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, c.head_dim
         for i, layer in enumerate(self.layers):
-            residual = hidden
             x = self._rms_norm(hidden, layer["input_norm"])
             qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rope(q.view(t, self.num_heads, c.head_dim), cos, sin)
-            k = self._rope(k.view(t, self.num_kv_heads, c.head_dim), cos, sin)
-            attention.write_kv(kv_cache[i], k, v.view(t, self.num_kv_heads, c.head_dim), slots)
-            attn = attention.run(q, kv_cache[i]).reshape(t, self.q_size)
-            hidden = residual + self.tp.all_reduce(F.linear(attn, layer["o"]))
-            residual = hidden
+            # RoPE on q and k together: one pass over their [T, Hq + Hkv, D] view instead of two.
+            qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim), cos, sin)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
+            attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
+            attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
+            # Residual adds in place: `hidden` is this forward's own buffer (embedding output).
+            hidden.add_(self.tp.all_reduce(F.linear(attn, layer["o"])))
             x = self._rms_norm(hidden, layer["post_norm"])
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            hidden = residual + self.tp.all_reduce(F.linear(F.silu(gate) * up, layer["down"]))
+            gate_up = F.linear(x, layer["gate_up"])
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up)  # SiLU(gate) * up written over gate: no new buffer
+            hidden.add_(self.tp.all_reduce(F.linear(act, layer["down"])))
         last = self._rms_norm(hidden[logits_rows], self.final_norm)
         return F.linear(last, self.lm_head).float()

@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.cpu_setup import configure_cpu_threads, resolve_cpu_dtype
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel
@@ -48,10 +49,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+def resolve_dtype(name: str, device: torch.device, hidden_size: int = 0) -> torch.dtype:
+    """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 where its matrix products are faster (cpu_setup)."""
+    if device.type == "cpu":
+        return resolve_cpu_dtype(name, hidden_size)[0]
+    return torch.bfloat16 if name == "auto" else getattr(torch, name)
 
 
 class ModelRunner:
@@ -59,13 +61,19 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":  # tensor-parallel ranks share the cores
-            torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) // tp.size))
+        threads = 0
+        if self.device.type == "cpu":  # every worker process on this host (replicas x ranks) shares the cores
+            threads = configure_cpu_threads(config.num_threads, config.data_parallel_size, tp.size)
         self.model_path = resolve_model_path(config.model)
         started = time.perf_counter()
         self.model_config, weights = load_checkpoint(self.model_path)
         mc: ModelConfig = self.model_config
+        if self.device.type == "cpu":
+            self.dtype, why = resolve_cpu_dtype(config.dtype, mc.hidden_size)
+            log.info("cpu dtype and threads", dtype=str(self.dtype).removeprefix("torch."), requested=config.dtype,
+                     reason=why, threads=threads)
+        else:
+            self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.max_positions = min(config.max_model_len, mc.max_position_embeddings)
         self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp)

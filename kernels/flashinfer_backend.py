@@ -135,7 +135,8 @@ class FlashInferPagedAttention(_Shape):
                                                last_page_len, kv_layout="NHD")
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        return self._wrapper.run(q, kv_cache)
+        # The model hands q as a view of a joint q|k buffer (RoPE runs once over both): make it dense.
+        return self._wrapper.run(q.contiguous(), kv_cache)
 
 
 class FlashInferGraphDecode(_Shape):
@@ -183,4 +184,4 @@ class FlashInferGraphDecode(_Shape):
                                                kv_layout="NHD")
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        return self.wrapper.run(q, kv_cache)
+        return self.wrapper.run(q.contiguous(), kv_cache)  # q: a view of the joint q|k buffer

@@ -36,7 +36,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_T
 
 
 def engine_greedy(model_dir: Path, prompts: list[list[int]], **overrides) -> list[list[int]]:
-    config = Config(model=str(model_dir), **overrides).validate()
+    config = Config(model=str(model_dir), **{"dtype": "float32", **overrides}).validate()
     engine = InferenceEngine(config)
     params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.submit_request(p, params) for p in prompts]

@@ -11,7 +11,7 @@ EOS = 2
 
 
 def make(num_blocks: int = 64, **overrides) -> Scheduler:
-    config = Config(**{"block_size": 4, **overrides}).validate()
+    config = Config(**{"block_size": 4, "dtype": "float32", **overrides}).validate()
     return Scheduler(config, num_blocks, (EOS,), max_model_len=config.max_model_len)
 
 

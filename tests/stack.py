@@ -65,6 +65,8 @@ def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0) -> Iter
            "--serving-http-port", str(http_port),
            "--scheduler-address", f"127.0.0.1:{free_port()}", "--worker-address", f"127.0.0.1:{free_port()}",
            "--log-format", "json", *flags]
+    if "--dtype" not in flags:  # the exact mode: `auto` may pick bfloat16 on this CPU, and tests compare tokens
+        cmd += ["--dtype", "float32"]
     if model is not None:
         cmd += ["--model", str(model)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}

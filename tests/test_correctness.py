@@ -43,7 +43,7 @@ def test_chunked_prefill_matches_transformers(tiny_llama_dir: Path, llama_refere
 
 def test_small_pool_preempts_and_still_matches(tiny_llama_dir: Path, llama_reference) -> None:
     """12 blocks of 4 tokens cannot hold all eight sequences: recompute preemption kicks in."""
-    config = Config(model=str(tiny_llama_dir), block_size=4, max_num_blocks=20, memory_threshold=1.0).validate()
+    config = Config(model=str(tiny_llama_dir), dtype="float32", block_size=4, max_num_blocks=20, memory_threshold=1.0).validate()
     engine = InferenceEngine(config)
     params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.submit_request(p, params) for p in make_prompts()]

@@ -29,7 +29,7 @@ def reference(tiny_llama_dir: Path) -> list[list[int]]:
 
 
 def engine(model_dir: Path, **overrides) -> InferenceEngine:
-    return InferenceEngine(Config(model=str(model_dir), **overrides).validate())
+    return InferenceEngine(Config(model=str(model_dir), **{"dtype": "float32", **overrides}).validate())
 
 
 def run_all(eng: InferenceEngine, prompts: list[list[int]], params: GenerationParams = GREEDY) -> list[list[int]]:

@@ -115,7 +115,7 @@ ops = st.one_of(
 @given(operations=st.lists(ops, max_size=40), policy=st.sampled_from(["lru", "ref_zero"]),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), chunk=st.sampled_from([0, 3]))
 def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode, caching, chunk) -> None:
-    config = Config(block_size=BLOCK, max_total_tokens=12, max_batch_size=6, memory_threshold=1.0,
+    config = Config(dtype="float32", block_size=BLOCK, max_total_tokens=12, max_batch_size=6, memory_threshold=1.0,
                     enable_prefix_caching=caching, prefix_caching_eviction_policy=policy, preemption_mode=mode,
                     max_prefill_chunk_tokens=chunk).validate()
     s = Scheduler(config, NUM_BLOCKS, (EOS,), max_model_len=64)

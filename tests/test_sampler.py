@@ -55,7 +55,7 @@ def test_seeded_rows_are_reproducible_and_independent_of_the_batch() -> None:
 
 def test_same_seed_same_output_through_the_engine(tiny_llama_dir: Path) -> None:
     def run(seed: int, neighbours: int) -> list[int]:
-        engine = InferenceEngine(Config(model=str(tiny_llama_dir)).validate())
+        engine = InferenceEngine(Config(model=str(tiny_llama_dir), dtype="float32").validate())
         params = GenerationParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=seed, ignore_eos=True)
         rid = engine.submit_request([5, 6, 7], params)
         for i in range(neighbours):  # other traffic in the batch must not change a seeded stream

@@ -36,7 +36,7 @@ def test_gguf_greedy_matches_transformers() -> None:
     tokenizer = load_tokenizer(path)
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                for p in PROMPTS]
-    engine = InferenceEngine(Config(block_size=16).validate())
+    engine = InferenceEngine(Config(block_size=16, dtype="float32").validate())
     params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.submit_request(p, params) for p in prompts]
     ours = {r.request_id: r.output_token_ids for r in engine.run()}

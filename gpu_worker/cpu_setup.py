@@ -1,0 +1,87 @@
+"""CPU worker start-up choices: the dtype behind `dtype: auto` and the torch thread count.
+
+`auto` on a CPU runs bfloat16 only where bfloat16 matrix products are clearly faster than
+float32: AMX (`amx_bf16`) always is; elsewhere a ~0.1 s measurement of a matrix product of
+the model's own width decides (AVX512-BF16 CPUs such as AMD Zen 4/5 are several times
+faster in bfloat16 with oneDNN than MKL's float32; plain AVX2 CPUs are slower). The choice
+and its reason are logged. float32 is the exact mode the oracle tests pin.
+
+Threads: `num_threads: 0` shares the host's cores among every worker process on it
+(data-parallel replicas × tensor-parallel ranks), so two replicas on a 2-core box take one
+core each instead of both fighting for both.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger("gpu_worker.cpu_setup")
+
+# bfloat16 must beat float32 by this factor: the element-wise passes gain little or lose
+# (no native bf16 arithmetic), so a marginal matmul win does not pay for them.
+BF16_MIN_SPEEDUP = 1.5
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _matmul_seconds(dtype: torch.dtype, rows: int, width: int, out: int, repeats: int = 6) -> float:
+    """Best-of time of one [rows, width] x [out, width]^T product (after a warm-up)."""
+    a = torch.randn(rows, width).to(dtype)
+    b = torch.randn(out, width).to(dtype)
+    torch.nn.functional.linear(a, b)  # first call: oneDNN primitive creation, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.nn.functional.linear(a, b)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bf16_speedup(width: int, rows: int = 128) -> float:
+    """float32 time / bfloat16 time of a product shaped like the model's MLP (width -> 4*width)."""
+    width = max(64, min(width, 4096))
+    out = 4 * width
+    return _matmul_seconds(torch.float32, rows, width, out) / _matmul_seconds(torch.bfloat16, rows, width, out)
+
+
+def resolve_cpu_dtype(name: str, hidden_size: int) -> tuple[torch.dtype, str]:
+    """(dtype, why) for a CPU worker; `name` is the config's dtype."""
+    if name != "auto":
+        return getattr(torch, name), "configured"
+    flags = cpu_flags()
+    if "amx_bf16" in flags:
+        return torch.bfloat16, "cpu has amx_bf16"
+    if "avx512_bf16" not in flags and flags:
+        return torch.float32, "cpu has neither amx_bf16 nor avx512_bf16"
+    speedup = measure_bf16_speedup(hidden_size)
+    if speedup >= BF16_MIN_SPEEDUP:
+        return torch.bfloat16, f"bfloat16 matmul measured {speedup:.1f}x float32"
+    return torch.float32, f"bfloat16 matmul measured only {speedup:.1f}x float32 (needs {BF16_MIN_SPEEDUP}x)"
+
+
+def worker_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int) -> int:
+    """Torch intra-op threads of one worker process: the configured count, or (0) this host's
+    cores divided among all its workers (replicas × ranks), at least one."""
+    if num_threads:
+        return num_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, data_parallel_size * tensor_parallel_size))
+
+
+def configure_cpu_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int) -> int:
+    threads = worker_threads(num_threads, data_parallel_size, tensor_parallel_size)
+    torch.set_num_threads(threads)
+    return threads

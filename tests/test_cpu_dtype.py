@@ -1,0 +1,87 @@
+"""The CPU bfloat16 path against float32 (the exact mode), and the `dtype: auto` / thread choices.
+
+bfloat16 keeps 8 mantissa bits, so logits cannot match float32 exactly: they must agree
+within REL_TOL (relative L2 error over the vocabulary), and greedy decoding must pick the
+same first tokens on the seeded prompts of the oracle tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker import cpu_setup
+from gpu_worker.checkpoint import load_checkpoint
+from gpu_worker.model import LlamaModel
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache
+from tests.oracle import engine_greedy, make_prompts
+
+REL_TOL = 0.03  # ||logits_bf16 - logits_fp32|| / ||logits_fp32||, per sequence
+FIRST_TOKENS = 3  # greedy tokens that must be identical
+
+
+def prefill_logits(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], block_size: int = 4) -> torch.Tensor:
+    """Last-position logits [len(prompts), vocab] of all prompts computed in one batched step."""
+    config, weights = load_checkpoint(model_dir)
+    model = LlamaModel(config, weights, torch.device("cpu"), dtype, max_positions=128)
+    pages = [(len(p) + block_size - 1) // block_size for p in prompts]
+    starts = np.concatenate([[0], np.cumsum(pages)])
+    tables = [np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, pages)]
+    lens = np.array([len(p) for p in prompts])
+    table = PageTable.build(tables, lens, lens, block_size)
+    cache = allocate_kv_cache(config.num_hidden_layers, int(starts[-1]), block_size, model.num_kv_heads,
+                              config.head_dim, dtype, "cpu")
+    attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim)
+    attention.plan(table)
+    positions, slots = table.token_positions()
+    ids = torch.tensor([t for p in prompts for t in p])
+    rows = table.qo_indptr[1:].to(torch.int64) - 1
+    with torch.inference_mode():
+        return model.forward(ids, torch.from_numpy(positions), torch.from_numpy(slots), cache, attention, rows)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_bfloat16_logits_close_to_float32(model_fixture: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = make_prompts()
+    exact = prefill_logits(model_dir, torch.float32, prompts)
+    fast = prefill_logits(model_dir, torch.bfloat16, prompts)
+    assert fast.dtype == torch.float32 and fast.shape == exact.shape
+    rel = (fast - exact).norm(dim=-1) / exact.norm(dim=-1)
+    assert float(rel.max()) < REL_TOL, rel
+    assert torch.equal(fast.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_bfloat16_first_greedy_tokens_match_float32(model_fixture: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = make_prompts()
+    exact = engine_greedy(model_dir, prompts, dtype="float32")
+    fast = engine_greedy(model_dir, prompts, dtype="bfloat16")
+    assert [o[:FIRST_TOKENS] for o in fast] == [o[:FIRST_TOKENS] for o in exact]
+
+
+def test_auto_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_setup.resolve_cpu_dtype("float32", 64)[0] == torch.float32
+    assert cpu_setup.resolve_cpu_dtype("bfloat16", 64)[0] == torch.bfloat16
+    monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx2", "amx_bf16", "amx_tile"})
+    assert cpu_setup.resolve_cpu_dtype("auto", 64) == (torch.bfloat16, "cpu has amx_bf16")
+    monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx2", "fma"})
+    assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.float32
+    monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width: 4.0)
+    assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.bfloat16
+    monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width: 1.1)
+    assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.float32
+    assert cpu_setup.measure_bf16_speedup(64) > 0
+
+
+def test_worker_threads_share_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_setup.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert cpu_setup.worker_threads(0, 1, 1) == 2
+    assert cpu_setup.worker_threads(0, 2, 1) == 1  # two replicas on two cores: one each
+    assert cpu_setup.worker_threads(0, 2, 2) == 1  # never below one
+    assert cpu_setup.worker_threads(3, 2, 1) == 3  # a set count is kept
