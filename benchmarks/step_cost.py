@@ -1,0 +1,151 @@
+"""The stack's own cost per step, with a model whose compute is negligible.
+
+    python benchmarks/step_cost.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 8] [--json FILE]
+
+A seeded random 2-layer Llama (tests/tiny_models.py, hidden 64, vocab 512): its forward costs
+well under a millisecond, so what is left of a step is the serving machinery itself (scheduler
+bookkeeping, step plans, sampling, protobuf, gRPC hops, Python per step). For each batch size B,
+B streams with `--prompt-len`-token prompts each generate `--new-tokens` tokens greedily (EOS
+ignored), on the in-process engine and on the three-process stack (`hetero-infer serve`), both
+with max_batch_size = the largest B so that every stream decodes in the same step.
+
+Printed per system and B: ms per decode step = (last token's time - first token's time) /
+(new_tokens - 1) (all streams start together, so each step after the first gives every stream
+one token), and CPU seconds spent per process during the run: the engine's own process; the
+stack's gateway, scheduler and worker (psutil on `serve`'s children) and this client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workload import make_prompts  # noqa: E402
+from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
+from hetero_common.config import Config  # noqa: E402
+from hetero_common.log import configure_logging  # noqa: E402
+from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
+from tests.stack import run_stack  # noqa: E402
+from tests.tiny_models import make_tiny_llama  # noqa: E402
+
+SERVICES = ("gateway", "scheduler", "worker")
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def engine_step_cost(model: Path, prompts: list[list[int]], new_tokens: int, max_batch: int) -> dict[str, Any]:
+    engine = InferenceEngine(Config(model=str(model), max_batch_size=max_batch))
+    params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.submit_request(prompts[0], GenerationParams(max_tokens=4, temperature=0.0))
+    engine.run()  # warm-up
+    cpu_before = time.process_time()
+    start = time.perf_counter()
+    for p in prompts:
+        engine.submit_request(p, params)
+    first = last = 0.0
+    steps = 0
+    while engine.has_pending_work():
+        engine.step()
+        steps += 1
+        if engine.last_step_outputs:
+            last = time.perf_counter() - start
+            first = first or last
+    return {"ms_per_step": (last - first) / (new_tokens - 1) * 1e3, "seconds": time.perf_counter() - start,
+            "steps": steps, "cpu_seconds": {"engine": time.process_time() - cpu_before}}
+
+
+def stack_step_cost(model: Path, batches: list[int], prompts: list[list[int]], new_tokens: int,
+                    max_batch: int) -> dict[int, dict[str, Any]]:
+    import grpc
+
+    from hetero.v1 import inference_pb2_grpc
+
+    results: dict[int, dict[str, Any]] = {}
+    with run_stack(model, "--log-level", "warning", "--max-batch-size", str(max_batch)) as stack:
+        services = {name: stack.service_process(name) for name in SERVICES}
+        client = psutil.Process()
+        stack.inference.Complete(inference_pb2.GenerateRequest(
+            prompt_token_ids=inference_pb2.TokenIds(ids=prompts[0]), params=common_pb2.SamplingParams(max_tokens=4)))
+
+        async def run(group: list[list[int]]) -> tuple[float, float, float]:
+            first_times: list[float] = []
+            last_times: list[float] = []
+            async with grpc.aio.insecure_channel(stack.address) as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                start = time.perf_counter()
+
+                async def one(ids: list[int]) -> None:
+                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+                    req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=ids), params=params)
+                    seen: float | None = None
+                    last = 0.0
+                    async for msg in stub.Generate(req, timeout=600):
+                        if msg.token_ids:
+                            now = time.perf_counter() - start
+                            seen = now if seen is None else seen
+                            last = now
+                    first_times.append(seen or 0.0)
+                    last_times.append(last)
+
+                await asyncio.gather(*(one(p) for p in group))
+                return min(first_times), max(last_times), time.perf_counter() - start
+
+        for b in batches:
+            before = {name: cpu_seconds(p) for name, p in services.items()} | {"client": cpu_seconds(client)}
+            first, last, seconds = asyncio.run(run(prompts[:b]))
+            after = {name: cpu_seconds(p) for name, p in services.items()} | {"client": cpu_seconds(client)}
+            results[b] = {"ms_per_step": (last - first) / (new_tokens - 1) * 1e3, "seconds": seconds,
+                          "cpu_seconds": {name: after[name] - before[name] for name in after}}
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=8)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    configure_logging("warning", "console")
+    torch.set_num_threads(os.cpu_count() or 1)
+    batches = sorted(int(b) for b in args.batches.split(","))
+    max_batch = max(batches)
+    # 384: the tiny tokenizer's vocabulary (the gateway checks prompt ids against it), below the model's 512.
+    prompts = make_prompts(max_batch, args.prompt_len, args.prompt_len, vocab=384)
+    report: dict[str, Any] = {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": {}, "stack": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_llama(Path(tmp) / "tiny-llama")
+        print(f"tiny 2-layer Llama (hidden 64, vocab 512); B streams x {args.new_tokens} new tokens, "
+              f"{args.prompt_len}-token prompts, max_batch_size {max_batch}, {os.cpu_count()} cores")
+        for b in batches:
+            report["engine"][b] = engine_step_cost(model, prompts[:b], args.new_tokens, max_batch)
+        report["stack"] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch)
+    print(f"\n{'B':>4} {'engine ms/step':>15} {'stack ms/step':>14} {'stack/engine':>13}   CPU seconds "
+          f"(engine | {' '.join(SERVICES)} client)")
+    for b in batches:
+        e, s = report["engine"][b], report["stack"][b]
+        cpu = " ".join(f"{s['cpu_seconds'][name]:.2f}" for name in (*SERVICES, "client"))
+        print(f"{b:>4} {e['ms_per_step']:>15.2f} {s['ms_per_step']:>14.2f} {s['ms_per_step'] / e['ms_per_step']:>12.1f}x"
+              f"   {e['cpu_seconds']['engine']:.2f} | {cpu}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

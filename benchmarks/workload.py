@@ -1,0 +1,90 @@
+"""The workload that benchmarks/throughput.py runs on every system, and how its latencies are summed up.
+
+Shared with benchmarks/vllm_driver.py, which runs in vLLM's own virtual environment: so this
+module imports nothing but the standard library (no torch, no project package).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SMOLLM2_VOCAB = 49152
+# Skip the low ids, where SmolLM2 keeps its special tokens: a random EOS would not stop us
+# (EOS is ignored) but a chat-control token in the prompt is not a realistic input.
+LOWEST_ID = 100
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int = SMOLLM2_VOCAB, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of random token ids, lengths uniform in [lo, hi]; the same for every system (seeded)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(LOWEST_ID, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@dataclass
+class RequestTiming:
+    """One request's token arrival times, in seconds from the moment it was submitted."""
+
+    token_times: list[float] = field(default_factory=list)  # one entry per token (a chunk's tokens share one)
+
+    def add(self, t: float, n_tokens: int = 1) -> None:
+        self.token_times.extend([t] * n_tokens)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0]
+
+    @property
+    def tpot(self) -> float | None:
+        # The vLLM/`vllm bench` definition: time after the first token over the tokens after it.
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+@dataclass
+class Result:
+    """One system's run of the workload: what the tables print and --json writes."""
+
+    seconds: float
+    output_tokens: int
+    ttft_mean: float | None = None
+    ttft_p50: float | None = None
+    tpot_mean: float | None = None
+    tpot_p50: float | None = None
+    note: str = ""  # how the figures were taken, when it differs from the others
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "output_tok_per_s": self.tok_per_s}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Result:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+
+def summarize(seconds: float, timings: list[RequestTiming], note: str = "") -> Result:
+    """Throughput over the whole run plus per-request TTFT / TPOT (mean and median)."""
+    ttfts = [t.ttft for t in timings if t.token_times]
+    tpots = [p for p in (t.tpot for t in timings) if p is not None]
+    return Result(
+        seconds=seconds,
+        output_tokens=sum(len(t.token_times) for t in timings),
+        ttft_mean=statistics.fmean(ttfts) if ttfts else None,
+        ttft_p50=percentile(ttfts, 50) if ttfts else None,
+        tpot_mean=statistics.fmean(tpots) if tpots else None,
+        tpot_p50=percentile(tpots, 50) if tpots else None,
+        note=note,
+    )
