@@ -49,7 +49,7 @@ def cpu_seconds(process: psutil.Process) -> float:
 
 
 def engine_step_cost(model: Path, prompts: list[list[int]], new_tokens: int, max_batch: int) -> dict[str, Any]:
-    engine = InferenceEngine(Config(model=str(model), max_batch_size=max_batch))
+    engine = InferenceEngine(Config(model=str(model), max_batch_size=max_batch, dtype="float32"))
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.submit_request(prompts[0], GenerationParams(max_tokens=4, temperature=0.0))
     engine.run()  # warm-up
@@ -76,7 +76,7 @@ def stack_step_cost(model: Path, batches: list[int], prompts: list[list[int]], n
     from hetero.v1 import inference_pb2_grpc
 
     results: dict[int, dict[str, Any]] = {}
-    with run_stack(model, "--log-level", "warning", "--max-batch-size", str(max_batch)) as stack:
+    with run_stack(model, "--log-level", "warning", "--max-batch-size", str(max_batch), "--dtype", "float32") as stack:
         services = {name: stack.service_process(name) for name in SERVICES}
         client = psutil.Process()
         stack.inference.Complete(inference_pb2.GenerateRequest(
