@@ -16,20 +16,28 @@ def plan_needs_worker(plan: worker_pb2.StepPlan) -> bool:
     return bool(plan.scheduled or plan.swap_out or plan.swap_in or plan.block_copies)
 
 
-def add_scheduled(plan: worker_pb2.StepPlan, seq: Sequence, num_tokens: int) -> None:
-    """Schedule `num_tokens` of the sequence's uncomputed tokens; its blocks are already allocated."""
-    if not seq.on_worker:
-        plan.new_sequences.append(worker_pb2.NewSequence(
-            seq_id=seq.seq_id, token_ids=seq.token_ids, params=seq.params, num_generated=seq.num_generated))
-        seq.on_worker = True
-    entry = worker_pb2.ScheduledSequence(
-        seq_id=seq.seq_id, num_tokens=num_tokens, new_block_ids=seq.block_table[seq.num_blocks_sent:],
-        sample=seq.num_computed + num_tokens == seq.num_tokens, num_cached_tokens=seq.num_computed)
-    for index, block_id in seq.pending_edits:
-        entry.block_table_edits.add(index=index, block_id=block_id)
-    seq.pending_edits.clear()
-    plan.scheduled.append(entry)
-    seq.num_blocks_sent = len(seq.block_table)
+def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int]]) -> None:
+    """Schedule each sequence's next `num_tokens` uncomputed tokens; their blocks are already allocated.
+
+    Entries are built in place with `add` (constructing a message and appending it copies it), and
+    the optional fields are set only when they have something to say; proto3 leaves empty fields out
+    of the wire format either way, so the bytes are those of a fully spelled-out entry."""
+    add_entry, add_new = plan.scheduled.add, plan.new_sequences.add
+    for seq, num_tokens in scheduled:
+        if not seq.on_worker:
+            add_new(seq_id=seq.seq_id, token_ids=seq.token_ids, params=seq.params,
+                    num_generated=len(seq.token_ids) - seq.prompt_len)
+            seq.on_worker = True
+        num_computed, table, sent = seq.num_computed, seq.block_table, seq.num_blocks_sent
+        entry = add_entry(seq_id=seq.seq_id, num_tokens=num_tokens, sample=num_computed + num_tokens == len(seq.token_ids),
+                          num_cached_tokens=num_computed)
+        if len(table) > sent:
+            entry.new_block_ids.extend(table[sent:])
+        seq.num_blocks_sent = len(table)
+        if seq.pending_edits:
+            for index, block_id in seq.pending_edits:
+                entry.block_table_edits.add(index=index, block_id=block_id)
+            seq.pending_edits.clear()
 
 
 def add_block_copies(block_copies: list[worker_pb2.BlockCopy], seq: Sequence, copies: list[CopiedBlock]) -> None:
