@@ -34,7 +34,7 @@ from scheduler_svc.token_output import SampledRows, TokenOutput, finish_reason
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
 PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
-FINISHED = frozenset((SequenceStatus.COMPLETED, SequenceStatus.FAILED))
+COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`: an Enum's hash is Python code
 _last_scheduled = attrgetter("last_scheduled_step")
 
 
@@ -131,15 +131,12 @@ class Scheduler:
         """Decide this step's batch. Blocks for the scheduled tokens are allocated here."""
         if self.suspended:
             return worker_pb2.StepPlan(step_id=self.step_id)
-        self.step_id += 1
-        plan = worker_pb2.StepPlan(step_id=self.step_id)
-        token_budget = self.config.max_total_tokens
-        seq_budget = self.config.max_batch_size
-        step_id = self.step_id
+        self.step_id = step_id = self.step_id + 1
+        plan = worker_pb2.StepPlan(step_id=step_id)
+        token_budget, seq_budget = self.config.max_total_tokens, self.config.max_batch_size
+        # last_scheduled_step is set as soon as a sequence is scheduled: equal to step_id, it marks this
+        # step's batch, which no preemption may pick (O(1), where a list of the batch made it O(batch)).
         scheduled: list[tuple[Sequence, int]] = []
-        # A sequence's last_scheduled_step is set as soon as it is scheduled: equal to step_id, it
-        # marks the sequence as part of this step's batch, which no preemption may pick (an O(1)
-        # test, where a list of the batch so far made each decode's reservation O(batch)).
 
         # 1. Decodes, least recently scheduled first (fair when running > max_batch_size). The
         # sort is stable and the list mostly in order already, so it costs about one pass.
@@ -237,11 +234,8 @@ class Scheduler:
             seq.queue_seconds = time.monotonic() - seq.arrival_time
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Allocate (and copy-on-write) blocks for the next tokens, preempting the newest others if needed;
-        those already in this step's batch are not preempted.
-
-        Returns False when `seq` itself had to be preempted (nothing else could give way).
-        """
+        """Allocate (and copy-on-write) blocks for the next tokens, preempting the newest others not in this
+        step's batch if needed. Returns False when `seq` itself had to be preempted (nothing else could give way)."""
         while True:
             copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
             if copies is not None:
@@ -299,7 +293,7 @@ class Scheduler:
         any_finished = False
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
             seq = sequences.get(seq_id)
-            if seq is None or seq.status in FINISHED:
+            if seq is None or seq.status is COMPLETED or seq.status is FAILED:
                 continue  # aborted while the step ran
             if seq.pending_forks:
                 self._fork(seq)
@@ -317,7 +311,7 @@ class Scheduler:
                 out.finish_reason = reason
             outputs.append(out)
         if any_finished:
-            self.running = [s for s in self.running if s.status not in FINISHED]
+            self.running = [s for s in self.running if s.status is not COMPLETED]
         return outputs
 
     def _fork(self, parent: Sequence) -> None:

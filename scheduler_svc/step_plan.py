@@ -16,28 +16,69 @@ def plan_needs_worker(plan: worker_pb2.StepPlan) -> bool:
     return bool(plan.scheduled or plan.swap_out or plan.swap_in or plan.block_copies)
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_SMALL_VARINTS = [_varint(v) for v in range(1 << 14)]  # every value below 16,384: one or two bytes
+
+
+def varint(value: int) -> bytes:
+    """Protobuf's base-128 encoding of a non-negative integer."""
+    return _SMALL_VARINTS[value] if value < 16384 else _varint(value)
+
+
+# ScheduledSequence's fields, as (field number << 3 | wire type) tags, and StepPlan.scheduled's.
+_SEQ_ID, _NUM_TOKENS, _NEW_BLOCK_IDS, _SAMPLE_TRUE, _NUM_CACHED = b"\x08", b"\x10", b"\x1a", b"\x20\x01", b"\x28"
+_PLAN_SCHEDULED = b"\x1a"
+
+
 def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int]]) -> None:
     """Schedule each sequence's next `num_tokens` uncomputed tokens; their blocks are already allocated.
 
-    Entries are built in place with `add` (constructing a message and appending it copies it), and
-    the optional fields are set only when they have something to say; proto3 leaves empty fields out
-    of the wire format either way, so the bytes are those of a fully spelled-out entry."""
-    add_entry, add_new = plan.scheduled.add, plan.new_sequences.add
+    The `scheduled` entries are one per sequence per step, so they are written as wire bytes and
+    parsed into the plan in one call: building a message per entry cost several times more. The
+    bytes are protobuf's own encoding (an empty proto3 field is left out, as protobuf does), and the
+    plan holds the parsed messages, so its serialization is the one of entries built field by field.
+    An entry with block-table edits (copy-on-write, rare) is built as a message and serialized."""
+    add_new = plan.new_sequences.add
+    parts = []
     for seq, num_tokens in scheduled:
+        token_ids = seq.token_ids
         if not seq.on_worker:
-            add_new(seq_id=seq.seq_id, token_ids=seq.token_ids, params=seq.params,
-                    num_generated=len(seq.token_ids) - seq.prompt_len)
+            add_new(seq_id=seq.seq_id, token_ids=token_ids, params=seq.params, num_generated=len(token_ids) - seq.prompt_len)
             seq.on_worker = True
         num_computed, table, sent = seq.num_computed, seq.block_table, seq.num_blocks_sent
-        entry = add_entry(seq_id=seq.seq_id, num_tokens=num_tokens, sample=num_computed + num_tokens == len(seq.token_ids),
-                          num_cached_tokens=num_computed)
-        if len(table) > sent:
-            entry.new_block_ids.extend(table[sent:])
-        seq.num_blocks_sent = len(table)
+        sample = num_computed + num_tokens == len(token_ids)
         if seq.pending_edits:
-            for index, block_id in seq.pending_edits:
-                entry.block_table_edits.add(index=index, block_id=block_id)
-            seq.pending_edits.clear()
+            body = _entry_message(seq, num_tokens, sample).SerializeToString()
+        else:
+            body = _SEQ_ID + varint(seq.seq_id) + _NUM_TOKENS + varint(num_tokens)
+            if len(table) > sent:
+                packed = b"".join([varint(b) for b in table[sent:]])
+                body += _NEW_BLOCK_IDS + varint(len(packed)) + packed
+            if sample:
+                body += _SAMPLE_TRUE
+            if num_computed:
+                body += _NUM_CACHED + varint(num_computed)
+        parts.append(_PLAN_SCHEDULED + varint(len(body)) + body)
+        seq.num_blocks_sent = len(table)
+    plan.MergeFromString(b"".join(parts))
+
+
+def _entry_message(seq: Sequence, num_tokens: int, sample: bool) -> worker_pb2.ScheduledSequence:
+    entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens, sample=sample,
+                                         new_block_ids=seq.block_table[seq.num_blocks_sent:],
+                                         num_cached_tokens=seq.num_computed)
+    for index, block_id in seq.pending_edits:
+        entry.block_table_edits.add(index=index, block_id=block_id)
+    seq.pending_edits.clear()
+    return entry
 
 
 def add_block_copies(block_copies: list[worker_pb2.BlockCopy], seq: Sequence, copies: list[CopiedBlock]) -> None:

@@ -35,8 +35,9 @@ class SampledRows:
 
     def output(self, seq: Sequence, token: int, row: int, now: float) -> TokenOutput:
         """The output for the token the worker sampled for `seq` in row `row`."""
-        out = TokenOutput(seq.request_id, [token], timestamp=now, logprobs=[self.logprobs[row]] if self.logprobs else [],
-                          index=seq.index)
+        # Every field positionally (in declaration order): half the cost of keywords and default factories.
+        out = TokenOutput(seq.request_id, [token], common_pb2.FINISH_REASON_UNSPECIFIED, "",
+                          [self.logprobs[row]] if self.logprobs else [], now, [], 0.0, seq.index, 0)
         if self.num_top and seq.sampling.logprobs:
             result, k, n = self.result, seq.sampling.logprobs, self.num_top
             top = slice(row * n, (row + 1) * n)
