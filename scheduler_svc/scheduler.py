@@ -47,8 +47,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         capacity = num_blocks * self.block_size
         if max_model_len > capacity:
-            # A sequence longer than the whole pool could never be scheduled: it would preempt
-            # itself forever. It stops with finish reason length at the pool's capacity instead.
+            # A sequence longer than the whole pool would preempt itself forever: it stops with finish
+            # reason length at the pool's capacity instead.
             log.warning("max_model_len lowered to the KV pool's capacity", max_model_len=max_model_len,
                         capacity=capacity, hint="raise max_num_blocks or the KV memory budget")
         self.max_model_len = min(max_model_len, capacity)
@@ -138,17 +138,22 @@ class Scheduler:
         # step's batch, which no preemption may pick (O(1), where a list of the batch made it O(batch)).
         scheduled: list[tuple[Sequence, int]] = []
 
-        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size). The
-        # sort is stable and the list mostly in order already, so it costs about one pass.
+        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size); stable, about one pass.
         decodes = sorted([s for s in self.running if s.status is DECODE], key=_last_scheduled)
+        allocate_slots = self.kv_cache.allocate_slots
         for seq in decodes:
             if seq_budget == 0 or token_budget == 0:
                 break
             if seq.status is not DECODE:  # preempted by an earlier iteration
                 continue
             n = len(seq.token_ids) - seq.num_computed  # 1, or a forked sample recomputing its last prompt token
-            if n > token_budget or not self._reserve(seq, n):
+            if n > token_budget:
                 continue
+            copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
+            if copies is None and not self._reserve(seq, n):
+                continue
+            if copies:
+                add_block_copies(self._block_copies, seq, copies)
             seq.last_scheduled_step = step_id
             scheduled.append((seq, n))
             seq_budget -= 1
@@ -198,8 +203,7 @@ class Scheduler:
 
         plan.swap_out.extend(self._swap_out)
         plan.block_copies.extend(self._block_copies)
-        self._swap_out.clear()
-        self._block_copies.clear()
+        self._swap_out, self._block_copies = [], []
         add_scheduled(plan, scheduled)
         if plan_needs_worker(plan):
             # A plan with nothing to compute or move is not sent: released ids wait for the next one.
@@ -226,8 +230,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
         self.kv_cache.admit(seq, hits)
-        copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
-        # _admissible counted the blocks, and the new tokens start past the cached (full) blocks.
+        copies = self.kv_cache.allocate_slots(seq, num_new_tokens)  # counted by _admissible; past the cached blocks
         assert not copies, "admission: blocks short or shared"
         seq.status = SequenceStatus.PREFILL
         if seq.queue_seconds is None:  # arrival to first admission (metrics)
@@ -239,11 +242,9 @@ class Scheduler:
         while True:
             copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
             if copies is not None:
-                if copies:
-                    add_block_copies(self._block_copies, seq, copies)
+                add_block_copies(self._block_copies, seq, copies)
                 return True
-            step_id = self.step_id
-            victim = next((s for s in reversed(self.running) if s is not seq and s.last_scheduled_step != step_id), None)
+            victim = next((s for s in reversed(self.running) if s is not seq and s.last_scheduled_step != self.step_id), None)
             self._preempt(victim or seq)
             if victim is None:
                 return False

@@ -34,7 +34,7 @@ def varint(value: int) -> bytes:
 
 
 # ScheduledSequence's fields, as (field number << 3 | wire type) tags, and StepPlan.scheduled's.
-_SEQ_ID, _NUM_TOKENS, _NEW_BLOCK_IDS, _SAMPLE_TRUE, _NUM_CACHED = b"\x08", b"\x10", b"\x1a", b"\x20\x01", b"\x28"
+_SEQ_ID, _NUM_TOKENS, _SAMPLE_TRUE, _NUM_CACHED = b"\x08", b"\x10", b"\x20\x01", b"\x28"
 _PLAN_SCHEDULED = b"\x1a"
 
 
@@ -45,40 +45,41 @@ def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int
     parsed into the plan in one call: building a message per entry cost several times more. The
     bytes are protobuf's own encoding (an empty proto3 field is left out, as protobuf does), and the
     plan holds the parsed messages, so its serialization is the one of entries built field by field.
-    An entry with block-table edits (copy-on-write, rare) is built as a message and serialized."""
+    Only the common entry, a decode into blocks the worker already has, is written by hand; the others
+    (a sequence's new blocks, prompt chunks, copy-on-write edits) are built as messages and serialized."""
     add_new = plan.new_sequences.add
-    parts = []
+    small = _SMALL_VARINTS  # looked up inline below: a function call per field cost more than the rest
+    parts: list[bytes] = []
+    write = parts.extend
     for seq, num_tokens in scheduled:
         token_ids = seq.token_ids
         if not seq.on_worker:
             add_new(seq_id=seq.seq_id, token_ids=token_ids, params=seq.params, num_generated=len(token_ids) - seq.prompt_len)
             seq.on_worker = True
-        num_computed, table, sent = seq.num_computed, seq.block_table, seq.num_blocks_sent
+        seq_id, num_computed, table, sent = seq.seq_id, seq.num_computed, seq.block_table, seq.num_blocks_sent
         sample = num_computed + num_tokens == len(token_ids)
-        if seq.pending_edits:
-            body = _entry_message(seq, num_tokens, sample).SerializeToString()
-        else:
-            body = _SEQ_ID + varint(seq.seq_id) + _NUM_TOKENS + varint(num_tokens)
-            if len(table) > sent:
-                packed = b"".join([varint(b) for b in table[sent:]])
-                body += _NEW_BLOCK_IDS + varint(len(packed)) + packed
-            if sample:
-                body += _SAMPLE_TRUE
-            if num_computed:
-                body += _NUM_CACHED + varint(num_computed)
-        parts.append(_PLAN_SCHEDULED + varint(len(body)) + body)
+        if seq.pending_edits or len(table) > sent or not sample or not num_computed:
+            body = _entry_bytes(seq, num_tokens, sample)
+            write((_PLAN_SCHEDULED, varint(len(body)), body))
+        else:  # a decode in blocks the worker has: seq_id, num_tokens, sample = true, num_cached_tokens
+            a = small[seq_id] if seq_id < 16384 else _varint(seq_id)
+            b = small[num_tokens] if num_tokens < 16384 else _varint(num_tokens)
+            c = small[num_computed] if num_computed < 16384 else _varint(num_computed)
+            write((_PLAN_SCHEDULED, small[len(a) + len(b) + len(c) + 5], _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE,
+                   _NUM_CACHED, c))
         seq.num_blocks_sent = len(table)
     plan.MergeFromString(b"".join(parts))
 
 
-def _entry_message(seq: Sequence, num_tokens: int, sample: bool) -> worker_pb2.ScheduledSequence:
+def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool) -> bytes:
+    """Any other entry: new blocks, a prompt chunk, table edits (copy-on-write): built as a message."""
     entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens, sample=sample,
                                          new_block_ids=seq.block_table[seq.num_blocks_sent:],
                                          num_cached_tokens=seq.num_computed)
     for index, block_id in seq.pending_edits:
         entry.block_table_edits.add(index=index, block_id=block_id)
     seq.pending_edits.clear()
-    return entry
+    return entry.SerializeToString()
 
 
 def add_block_copies(block_copies: list[worker_pb2.BlockCopy], seq: Sequence, copies: list[CopiedBlock]) -> None:
