@@ -123,6 +123,10 @@ class KVCacheManager:
         None when the pool runs short. Blocks appended before the copy-on-write found it short
         stay in the table, so a retry after freeing others takes only what is still missing.
         """
+        table, bs = seq.block_table, self.block_size
+        end = seq.num_computed + num_new_tokens
+        if num_new_tokens == 1 and end <= len(table) * bs and self.pool.ref_counts[table[(end - 1) // bs]] == 1:
+            return []  # a decode writing into a block of its own: nothing to allocate or copy
         try:
             seq.block_table.extend(self.pool.allocate(self._blocks_needed(seq, num_new_tokens)))
             return self._copy_on_write(seq, num_new_tokens)
@@ -145,12 +149,12 @@ class KVCacheManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's newly computed full blocks to the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
-        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        bs = self.block_size
+        if not self.enable_prefix_caching or seq.num_computed < (seq.num_registered + 1) * bs:
+            return  # no block filled since the last call (most steps of a decode)
+        full = min(seq.num_computed // bs, len(seq.block_table))
         if full <= seq.num_registered:
             return
-        bs = self.block_size
         extend_hashes(seq.block_hashes, seq.token_ids, bs, full, seq.cache_salt)
         for i in range(seq.num_registered, full):
             self.pool.register(seq.block_table[i], seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from operator import attrgetter
 
 import structlog
 
@@ -28,10 +29,13 @@ from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
-from scheduler_svc.token_output import TokenOutput, finish_reason, sampled_output
+from scheduler_svc.token_output import SampledRows, TokenOutput, finish_reason
 
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
+PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
+COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`: an Enum's hash is Python code
+_last_scheduled = attrgetter("last_scheduled_step")
 
 
 class Scheduler:
@@ -43,8 +47,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         capacity = num_blocks * self.block_size
         if max_model_len > capacity:
-            # A sequence longer than the whole pool could never be scheduled: it would preempt
-            # itself forever. It stops with finish reason length at the pool's capacity instead.
+            # A sequence longer than the whole pool would preempt itself forever: it stops with finish
+            # reason length at the pool's capacity instead.
             log.warning("max_model_len lowered to the KV pool's capacity", max_model_len=max_model_len,
                         capacity=capacity, hint="raise max_num_blocks or the KV memory budget")
         self.max_model_len = min(max_model_len, capacity)
@@ -62,7 +66,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.suspended = False
-        self._in_flight: list[worker_pb2.ScheduledSequence] = []
+        self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed)
 
     @property
     def num_blocks(self) -> int:
@@ -127,34 +131,43 @@ class Scheduler:
         """Decide this step's batch. Blocks for the scheduled tokens are allocated here."""
         if self.suspended:
             return worker_pb2.StepPlan(step_id=self.step_id)
-        self.step_id += 1
-        plan = worker_pb2.StepPlan(step_id=self.step_id)
-        token_budget = self.config.max_total_tokens
-        seq_budget = self.config.max_batch_size
+        self.step_id = step_id = self.step_id + 1
+        plan = worker_pb2.StepPlan(step_id=step_id)
+        token_budget, seq_budget = self.config.max_total_tokens, self.config.max_batch_size
+        # last_scheduled_step is set as soon as a sequence is scheduled: equal to step_id, it marks this
+        # step's batch, which no preemption may pick (O(1), where a list of the batch made it O(batch)).
         scheduled: list[tuple[Sequence, int]] = []
 
-        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size).
-        decodes = sorted((s for s in self.running if s.status is SequenceStatus.DECODE), key=lambda s: s.last_scheduled_step)
+        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size); stable, about one pass.
+        decodes = sorted([s for s in self.running if s.status is DECODE], key=_last_scheduled)
+        allocate_slots = self.kv_cache.allocate_slots
         for seq in decodes:
             if seq_budget == 0 or token_budget == 0:
                 break
-            if seq.status is not SequenceStatus.DECODE:  # preempted by an earlier iteration
+            if seq.status is not DECODE:  # preempted by an earlier iteration
                 continue
-            n = seq.num_uncomputed  # 1, or a forked sample recomputing its last prompt token
-            if n > token_budget or not self._reserve(seq, n, protect=[s for s, _ in scheduled]):
+            n = len(seq.token_ids) - seq.num_computed  # 1, or a forked sample recomputing its last prompt token
+            if n > token_budget:
                 continue
+            copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
+            if copies is None and not self._reserve(seq, n):
+                continue
+            if copies:
+                add_block_copies(self._block_copies, seq, copies)
+            seq.last_scheduled_step = step_id
             scheduled.append((seq, n))
             seq_budget -= 1
             token_budget -= n
 
         # 2. Prompts already admitted and partly computed (chunked prefill).
-        for seq in [s for s in self.running if s.status is SequenceStatus.PREFILL]:
+        for seq in [s for s in self.running if s.status is PREFILL]:
             if seq_budget == 0 or token_budget == 0:
                 break
-            if seq.status is not SequenceStatus.PREFILL:
+            if seq.status is not PREFILL:
                 continue
             n = self._chunk(seq, token_budget)
-            if n and self._reserve(seq, n, protect=[s for s, _ in scheduled]):
+            if n and self._reserve(seq, n):
+                seq.last_scheduled_step = step_id
                 scheduled.append((seq, n))
                 seq_budget -= 1
                 token_budget -= n
@@ -183,22 +196,20 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(seq, hits, n)
             self.running.append(seq)
+            seq.last_scheduled_step = step_id
             scheduled.append((seq, n))
             seq_budget -= 1
             token_budget -= n
 
         plan.swap_out.extend(self._swap_out)
         plan.block_copies.extend(self._block_copies)
-        self._swap_out.clear()
-        self._block_copies.clear()
-        for seq, n in scheduled:
-            add_scheduled(plan, seq, n)
-            seq.last_scheduled_step = self.step_id
+        self._swap_out, self._block_copies = [], []
+        add_scheduled(plan, scheduled)
         if plan_needs_worker(plan):
             # A plan with nothing to compute or move is not sent: released ids wait for the next one.
             plan.released_seq_ids.extend(self._released)
             self._released.clear()
-        self._in_flight = list(plan.scheduled)
+        self._in_flight = scheduled
         return plan
 
     def _chunk(self, seq: Sequence, token_budget: int, num_computed: int | None = None) -> int:
@@ -219,24 +230,21 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
         self.kv_cache.admit(seq, hits)
-        copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
-        # _admissible counted the blocks, and the new tokens start past the cached (full) blocks.
-        assert copies == [], "admission: blocks short or shared"
+        copies = self.kv_cache.allocate_slots(seq, num_new_tokens)  # counted by _admissible; past the cached blocks
+        assert not copies, "admission: blocks short or shared"
         seq.status = SequenceStatus.PREFILL
         if seq.queue_seconds is None:  # arrival to first admission (metrics)
             seq.queue_seconds = time.monotonic() - seq.arrival_time
 
-    def _reserve(self, seq: Sequence, num_new_tokens: int, protect: list[Sequence]) -> bool:
-        """Allocate (and copy-on-write) blocks for the next tokens, preempting the newest others if needed.
-
-        Returns False when `seq` itself had to be preempted (nothing else could give way).
-        """
+    def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Allocate (and copy-on-write) blocks for the next tokens, preempting the newest others not in this
+        step's batch if needed. Returns False when `seq` itself had to be preempted (nothing else could give way)."""
         while True:
             copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
             if copies is not None:
                 add_block_copies(self._block_copies, seq, copies)
                 return True
-            victim = next((s for s in reversed(self.running) if s is not seq and s not in protect), None)
+            victim = next((s for s in reversed(self.running) if s is not seq and s.last_scheduled_step != self.step_id), None)
             self._preempt(victim or seq)
             if victim is None:
                 return False
@@ -274,27 +282,37 @@ class Scheduler:
     def process_result(self, result: worker_pb2.StepResult) -> list[TokenOutput]:
         """Apply one step's sampled tokens; return per-sample outputs (finished ones included)."""
         now = time.time()
-        for s in self._in_flight:
-            seq = self.sequences.get(s.seq_id)
-            if seq is not None and seq.status in (SequenceStatus.PREFILL, SequenceStatus.DECODE):
-                seq.num_computed += s.num_tokens
-                self.kv_cache.register_full_blocks(seq)
+        register_full_blocks = self.kv_cache.register_full_blocks
+        for seq, n in self._in_flight:
+            if seq.status is PREFILL or seq.status is DECODE:  # not finished, preempted or swapped meanwhile
+                seq.num_computed += n
+                register_full_blocks(seq)
         self._in_flight = []
         outputs: list[TokenOutput] = []
+        rows = SampledRows(result)
+        sequences, eos_token_ids, max_model_len = self.sequences, self.eos_token_ids, self.max_model_len
+        any_finished = False
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-            seq = self.sequences.get(seq_id)
-            if seq is None or seq.status.finished:
+            seq = sequences.get(seq_id)
+            if seq is None or seq.status is COMPLETED or seq.status is FAILED:
                 continue  # aborted while the step ran
             if seq.pending_forks:
                 self._fork(seq)
+            was_running = seq.status is PREFILL or seq.status is DECODE  # the statuses in `running`
             seq.token_ids.append(token)
-            seq.status = SequenceStatus.DECODE
-            out = sampled_output(seq, token, result, i, now)
-            reason = finish_reason(seq, token, self.eos_token_ids, self.max_model_len)
+            seq.status = DECODE
+            out = rows.output(seq, token, i, now)
+            reason = finish_reason(seq, token, eos_token_ids, max_model_len)
             if reason:
-                self._finish(seq, reason, SequenceStatus.COMPLETED)
+                if was_running:  # left in `running` until the loop ends: one pass, not a search per sequence
+                    self._end(seq, reason, SequenceStatus.COMPLETED)
+                    any_finished = True
+                else:
+                    self._finish(seq, reason, SequenceStatus.COMPLETED)
                 out.finish_reason = reason
             outputs.append(out)
+        if any_finished:
+            self.running = [s for s in self.running if s.status is not COMPLETED]
         return outputs
 
     def _fork(self, parent: Sequence) -> None:
@@ -325,6 +343,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._end(seq, reason, status)
+
+    def _end(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
+        """A sample is done: blocks freed, the worker told; the caller takes it off its queue."""
         seq.status = status
         seq.finish_reason = reason
         self.kv_cache.free(seq)

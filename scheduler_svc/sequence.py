@@ -27,7 +27,10 @@ class SequenceStatus(enum.Enum):
         return self in (SequenceStatus.COMPLETED, SequenceStatus.FAILED)
 
 
-@dataclass
+# eq=False: a sequence is itself, not its fields. Finding one in the running list compares
+# identities, where a field-by-field __eq__ built two tuples of every field per comparison.
+# slots: attribute reads in the scheduler's per-sequence loops are cheaper.
+@dataclass(eq=False, slots=True)
 class Sequence:
     seq_id: int
     request_id: str

@@ -16,20 +16,70 @@ def plan_needs_worker(plan: worker_pb2.StepPlan) -> bool:
     return bool(plan.scheduled or plan.swap_out or plan.swap_in or plan.block_copies)
 
 
-def add_scheduled(plan: worker_pb2.StepPlan, seq: Sequence, num_tokens: int) -> None:
-    """Schedule `num_tokens` of the sequence's uncomputed tokens; its blocks are already allocated."""
-    if not seq.on_worker:
-        plan.new_sequences.append(worker_pb2.NewSequence(
-            seq_id=seq.seq_id, token_ids=seq.token_ids, params=seq.params, num_generated=seq.num_generated))
-        seq.on_worker = True
-    entry = worker_pb2.ScheduledSequence(
-        seq_id=seq.seq_id, num_tokens=num_tokens, new_block_ids=seq.block_table[seq.num_blocks_sent:],
-        sample=seq.num_computed + num_tokens == seq.num_tokens, num_cached_tokens=seq.num_computed)
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_SMALL_VARINTS = [_varint(v) for v in range(1 << 14)]  # every value below 16,384: one or two bytes
+
+
+def varint(value: int) -> bytes:
+    """Protobuf's base-128 encoding of a non-negative integer."""
+    return _SMALL_VARINTS[value] if value < 16384 else _varint(value)
+
+
+# ScheduledSequence's fields, as (field number << 3 | wire type) tags, and StepPlan.scheduled's.
+_SEQ_ID, _NUM_TOKENS, _SAMPLE_TRUE, _NUM_CACHED = b"\x08", b"\x10", b"\x20\x01", b"\x28"
+_PLAN_SCHEDULED = b"\x1a"
+
+
+def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int]]) -> None:
+    """Schedule each sequence's next `num_tokens` uncomputed tokens; their blocks are already allocated.
+
+    The `scheduled` entries are one per sequence per step, so they are written as wire bytes and
+    parsed into the plan in one call: building a message per entry cost several times more. The
+    bytes are protobuf's own encoding (an empty proto3 field is left out, as protobuf does), and the
+    plan holds the parsed messages, so its serialization is the one of entries built field by field.
+    Only the common entry, a decode into blocks the worker already has, is written by hand; the others
+    (a sequence's new blocks, prompt chunks, copy-on-write edits) are built as messages and serialized."""
+    add_new = plan.new_sequences.add
+    small = _SMALL_VARINTS  # looked up inline below: a function call per field cost more than the rest
+    parts: list[bytes] = []
+    write = parts.extend
+    for seq, num_tokens in scheduled:
+        token_ids = seq.token_ids
+        if not seq.on_worker:
+            add_new(seq_id=seq.seq_id, token_ids=token_ids, params=seq.params, num_generated=len(token_ids) - seq.prompt_len)
+            seq.on_worker = True
+        seq_id, num_computed, table, sent = seq.seq_id, seq.num_computed, seq.block_table, seq.num_blocks_sent
+        sample = num_computed + num_tokens == len(token_ids)
+        if seq.pending_edits or len(table) > sent or not sample or not num_computed:
+            body = _entry_bytes(seq, num_tokens, sample)
+            write((_PLAN_SCHEDULED, varint(len(body)), body))
+        else:  # a decode in blocks the worker has: seq_id, num_tokens, sample = true, num_cached_tokens
+            a = small[seq_id] if seq_id < 16384 else _varint(seq_id)
+            b = small[num_tokens] if num_tokens < 16384 else _varint(num_tokens)
+            c = small[num_computed] if num_computed < 16384 else _varint(num_computed)
+            write((_PLAN_SCHEDULED, small[len(a) + len(b) + len(c) + 5], _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE,
+                   _NUM_CACHED, c))
+        seq.num_blocks_sent = len(table)
+    plan.MergeFromString(b"".join(parts))
+
+
+def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool) -> bytes:
+    """Any other entry: new blocks, a prompt chunk, table edits (copy-on-write): built as a message."""
+    entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens, sample=sample,
+                                         new_block_ids=seq.block_table[seq.num_blocks_sent:],
+                                         num_cached_tokens=seq.num_computed)
     for index, block_id in seq.pending_edits:
         entry.block_table_edits.add(index=index, block_id=block_id)
     seq.pending_edits.clear()
-    plan.scheduled.append(entry)
-    seq.num_blocks_sent = len(seq.block_table)
+    return entry.SerializeToString()
 
 
 def add_block_copies(block_copies: list[worker_pb2.BlockCopy], seq: Sequence, copies: list[CopiedBlock]) -> None:
