@@ -33,9 +33,19 @@ def varint(value: int) -> bytes:
     return _SMALL_VARINTS[value] if value < 16384 else _varint(value)
 
 
-# ScheduledSequence's fields, as (field number << 3 | wire type) tags, and StepPlan.scheduled's.
-_SEQ_ID, _NUM_TOKENS, _SAMPLE_TRUE, _NUM_CACHED = b"\x08", b"\x10", b"\x20\x01", b"\x28"
-_PLAN_SCHEDULED = b"\x1a"
+def _tag(message: type, field: str, wire_type: int) -> bytes:
+    """A field's key as protobuf writes it (field number << 3 | wire type), read from the descriptor
+    so that a renumbered field in worker.proto changes the bytes too."""
+    return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | wire_type)
+
+
+_VARINT, _LENGTH_DELIMITED = 0, 2
+_SEQ_ID = _tag(worker_pb2.ScheduledSequence, "seq_id", _VARINT)
+_NUM_TOKENS = _tag(worker_pb2.ScheduledSequence, "num_tokens", _VARINT)
+_SAMPLE_TRUE = _tag(worker_pb2.ScheduledSequence, "sample", _VARINT) + b"\x01"
+_NUM_CACHED = _tag(worker_pb2.ScheduledSequence, "num_cached_tokens", _VARINT)
+_PLAN_SCHEDULED = _tag(worker_pb2.StepPlan, "scheduled", _LENGTH_DELIMITED)
+_DECODE_TAG_BYTES = len(_SEQ_ID) + len(_NUM_TOKENS) + len(_SAMPLE_TRUE) + len(_NUM_CACHED)
 
 
 def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int]]) -> None:
@@ -65,7 +75,7 @@ def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int
             a = small[seq_id] if seq_id < 16384 else _varint(seq_id)
             b = small[num_tokens] if num_tokens < 16384 else _varint(num_tokens)
             c = small[num_computed] if num_computed < 16384 else _varint(num_computed)
-            write((_PLAN_SCHEDULED, small[len(a) + len(b) + len(c) + 5], _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE,
+            write((_PLAN_SCHEDULED, small[len(a) + len(b) + len(c) + _DECODE_TAG_BYTES], _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE,
                    _NUM_CACHED, c))
         seq.num_blocks_sent = len(table)
     plan.MergeFromString(b"".join(parts))
