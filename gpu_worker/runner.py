@@ -69,7 +69,7 @@ class ModelRunner:
         self.model_config, weights = load_checkpoint(self.model_path)
         mc: ModelConfig = self.model_config
         if self.device.type == "cpu":
-            self.dtype, why = resolve_cpu_dtype(config.dtype, mc.hidden_size)
+            self.dtype, why = tp.rank0_choice(resolve_cpu_dtype(config.dtype, mc.hidden_size))  # type: ignore[misc]
             log.info("cpu dtype and threads", dtype=str(self.dtype).removeprefix("torch."), requested=config.dtype,
                      reason=why, threads=threads)
         else:

@@ -76,6 +76,15 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def rank0_choice(self, value: object) -> object:
+        """Rank 0's `value` on every rank: a start-up choice that ranks could otherwise make
+        differently (e.g. a dtype decided by a timing), which would split the group."""
+        if not self.enabled:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def sum_over_ranks(self, value: int, device: torch.device) -> int:
         """Every rank's value added up, on every rank. Also a barrier: it returns once all ranks got here."""
         if not self.enabled:
