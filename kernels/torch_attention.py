@@ -123,9 +123,8 @@ class TorchPagedAttention:
                 k = self._new_kv[0][p.q_start : p.q_start + p.q_len].transpose(0, 1)
                 v = self._new_kv[1][p.q_start : p.q_start + p.q_len].transpose(0, 1)
             else:
-                flat = p.pages
-                k = kv_cache[:, 0].index_select(0, flat).view(-1, self.num_kv_heads, self.head_dim)[: p.kv_len]
-                v = kv_cache[:, 1].index_select(0, flat).view(-1, self.num_kv_heads, self.head_dim)[: p.kv_len]
+                k = kv_cache[:, 0].index_select(0, p.pages).view(-1, self.num_kv_heads, self.head_dim)[: p.kv_len]
+                v = kv_cache[:, 1].index_select(0, p.pages).view(-1, self.num_kv_heads, self.head_dim)[: p.kv_len]
                 k, v = k.transpose(0, 1), v.transpose(0, 1)
             qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, q_len, D]
             # 4-D inputs: the CPU SDPA kernels are several times faster than on 3-D ones.

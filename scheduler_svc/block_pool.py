@@ -15,6 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens (the last one may be partly filled)."""
+    return -(-num_tokens // block_size)
+
+
 class OutOfBlocksError(Exception):
     """Raised by `allocate` when fewer blocks are free than asked for (nothing is allocated)."""
 

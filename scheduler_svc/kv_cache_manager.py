@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
+from scheduler_svc.block_pool import BlockPool, OutOfBlocksError, blocks_for
 from scheduler_svc.prefix_cache import extend_hashes
 from scheduler_svc.sequence import Sequence, fork_sample
 
@@ -27,10 +27,6 @@ class CopiedBlock:
     index: int  # position in the sequence's block table
     src: int
     dst: int
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 class KVCacheManager:

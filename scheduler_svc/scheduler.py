@@ -25,7 +25,7 @@ from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
-from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
@@ -85,7 +85,7 @@ class Scheduler:
             raise ValidationError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
                                   "and at least one token must be generated: shorten the prompt")
         sampling = resolve(params)
-        needed = -(-(len(prompt_token_ids) + 1) // self.block_size) + (sampling.n - 1)
+        needed = blocks_for(len(prompt_token_ids) + 1, self.block_size) + (sampling.n - 1)
         if needed > self.num_blocks:
             raise ValidationError(f"prompt needs {needed} KV blocks but the pool has {self.num_blocks}; "
                                   "shorten the prompt, lower n or raise max_num_blocks")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from hetero.v1 import common_pb2
 from hetero_common.sampling import Sampling, sample_seed
+from scheduler_svc.block_pool import blocks_for
 
 
 class SequenceStatus(enum.Enum):
@@ -90,7 +91,7 @@ def fork_sample(parent: Sequence, index: int, seq_id: int, block_size: int) -> S
     params.CopyFrom(parent.params)
     if params.HasField("seed"):  # distinct but reproducible samples
         params.seed = sample_seed(params.seed, index)
-    prompt_blocks = -(-parent.prompt_len // block_size)
+    prompt_blocks = blocks_for(parent.prompt_len, block_size)
     return Sequence(seq_id, parent.request_id, parent.token_ids[:parent.prompt_len], parent.prompt_len, parent.sampling,
                     params, index=index, cache_salt=parent.cache_salt, status=SequenceStatus.DECODE,
                     block_table=parent.block_table[:prompt_blocks], num_computed=parent.prompt_len - 1,
