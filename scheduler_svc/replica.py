@@ -61,9 +61,13 @@ class Replica:
         """A worker answered at least once, so the replica has a core to validate requests with."""
         return self._core is not None
 
-    def submit(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
-        """Validate a new request and queue its samples here; raises the core's HeteroError."""
+    def submit(self, request: scheduler_pb2.SubmitRequest, deadline: float | None,
+               block_hashes: list[bytes] | None = None) -> Sequence:
+        """Validate a new request and queue its samples here; raises the core's HeteroError.
+        `block_hashes`: the prompt's prefix-cache hashes, when the router computed them already."""
         seq = self._validated(request, deadline)
+        if block_hashes:
+            seq.block_hashes = list(block_hashes)
         self._wake.set()
         return seq
 

@@ -83,9 +83,10 @@ class ReplicaSet:
             self.counters.num_rejected_queue_full += 1
             raise OverloadedError(f"the waiting queue is full ({self.config.max_queued_requests} requests, "
                                   "max_queued_requests); retry later")
-        replica = self._choose(list(request.prompt_token_ids), request.cache_salt)
-        if replica is not None:
-            return replica.submit(request, deadline)
+        chosen = self._choose(list(request.prompt_token_ids), request.cache_salt)
+        if chosen is not None:
+            replica, block_hashes = chosen
+            return replica.submit(request, deadline, block_hashes)
         if self._all_down_since is None or time.monotonic() - self._all_down_since > self.config.worker_recovery_timeout_s:
             raise UnavailableError("no worker replica is up (worker_recovery_timeout_s passed); check the worker processes")
         # Every replica is down but may come back: validate with a replica's core, then park the request.
@@ -112,21 +113,22 @@ class ReplicaSet:
 
     # ------------------------------------------------------------------ placement and recovery
 
-    def _choose(self, token_ids: list[int], cache_salt: str) -> Replica | None:
-        """The replica the routing policy picks for these tokens among those up; None when none is.
-        The salt keeps the router's view of a replica's prefix cache the cache's own."""
+    def _choose(self, token_ids: list[int], cache_salt: str) -> tuple[Replica, list[bytes]] | None:
+        """The replica the routing policy picks for these tokens among those up, and the prompt's
+        block hashes it computed; None when none is up. The salt keeps the router's view of a
+        replica's prefix cache the cache's own."""
         up = self.up()
         if not up:
             return None
         decision = self.router.choose(token_ids, [r.index for r in up], {r.index: r.load for r in up}, cache_salt)
-        return self.replicas[decision.replica]
+        return self.replicas[decision.replica], decision.block_hashes
 
     def _place(self, seqs: list[Sequence]) -> bool:
         """Queue a request's samples (to be recomputed) on one replica; False when none is up."""
-        replica = self._choose(seqs[0].token_ids, seqs[0].cache_salt)
-        if replica is None:
+        chosen = self._choose(seqs[0].token_ids, seqs[0].cache_salt)
+        if chosen is None:
             return False
-        replica.adopt(seqs)
+        chosen[0].adopt(seqs)
         return True
 
     def _replica_lost(self, replica: Replica, seqs: list[Sequence]) -> None:

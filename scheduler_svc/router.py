@@ -53,6 +53,7 @@ class RouteDecision:
     replica: int
     prompt_blocks: int  # full blocks in the prompt
     matched_blocks: int  # of which the chosen replica already held (router index)
+    block_hashes: list[bytes]  # the prefix cache's hashes of the prompt's full blocks: the replica reuses them
 
 
 class Router:
@@ -93,4 +94,4 @@ class Router:
         self.indexes[chosen].add(hashes)
         self.blocks_queried += len(hashes)
         self.blocks_hit += matched[chosen]
-        return RouteDecision(chosen, len(hashes), matched[chosen])
+        return RouteDecision(chosen, len(hashes), matched[chosen], hashes)
