@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hetero/v1/common.proto\x12\thetero.v1\"\xf4\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1e\n\x16include_special_tokens\x18\x0b \x01(\x08\x12$\n\x1ctrack_generated_token_events\x18( \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\":\n\x0bTopLogprobs\x12\x15\n\ttoken_ids\x18\x01 \x03(\rB\x02\x10\x01\x12\x14\n\x08logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\x82\x04\n\tPoolStats\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_blocks\x18\x05 \x01(\r\x12\r\n\x05usage\x18\x06 \x01(\x02\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x16\n\x0einternal_waste\x18\x0c \x01(\x02\x12\r\n\x05steps\x18\r \x01(\x04\x12\x13\n\x0bnum_swapped\x18\x10 \x01(\r\x12\x11\n\tsuspended\x18\x11 \x01(\x08J\x04\x08\x0e\x10\x0fJ\x04\x08\x0f\x10\x10J\x04\x08<\x10\x41R\x0bnum_workersR\x0enum_workers_upR\x15num_deadline_exceededR\x17num_rejected_queue_fullR\x1drouting_prefix_blocks_queriedR\x19routing_prefix_blocks_hitR\x17num_recovered_sequences\"\xe6\x01\n\x0cServiceStats\x12\x13\n\x0bnum_workers\x18\x01 \x01(\r\x12\x16\n\x0enum_workers_up\x18\x02 \x01(\r\x12\x1d\n\x15num_deadline_exceeded\x18\x03 \x01(\x04\x12\x1f\n\x17num_rejected_queue_full\x18\x04 \x01(\x04\x12%\n\x1drouting_prefix_blocks_queried\x18\x05 \x01(\x04\x12!\n\x19routing_prefix_blocks_hit\x18\x06 \x01(\x04\x12\x1f\n\x17num_recovered_sequences\x18\x07 \x01(\x04*\xad\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05*\xb5\x01\n\x15KVCacheManagementMode\x12(\n$KV_CACHE_MANAGEMENT_MODE_UNSPECIFIED\x10\x00\x12$\n KV_CACHE_MANAGEMENT_MODE_PERSIST\x10\x01\x12$\n KV_CACHE_MANAGEMENT_MODE_OFFLOAD\x10\x02\x12&\n\"KV_CACHE_MANAGEMENT_MODE_RECOMPUTE\x10\x03\x42V\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hetero/v1/common.proto\x12\thetero.v1\"\xfe\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x0e\n\x01n\x18\t \x01(\rH\x05\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1e\n\x16include_special_tokens\x18\x0b \x01(\x08\x12$\n\x1ctrack_generated_token_events\x18( \x01(\x08\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12\x12\n\x05min_p\x18\x0f \x01(\x02H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12<\n\nlogit_bias\x18\x11 \x03(\x0b\x32(.hetero.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobs\":\n\x0bTopLogprobs\x12\x15\n\ttoken_ids\x18\x01 \x03(\rB\x02\x10\x01\x12\x14\n\x08logprobs\x18\x02 \x03(\x02\x42\x02\x10\x01\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\"\x82\x04\n\tPoolStats\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_blocks\x18\x05 \x01(\r\x12\r\n\x05usage\x18\x06 \x01(\x02\x12\x13\n\x0bnum_running\x18\x07 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x0b \x01(\x04\x12\x16\n\x0einternal_waste\x18\x0c \x01(\x02\x12\r\n\x05steps\x18\r \x01(\x04\x12\x13\n\x0bnum_swapped\x18\x10 \x01(\r\x12\x11\n\tsuspended\x18\x11 \x01(\x08J\x04\x08\x0e\x10\x0fJ\x04\x08\x0f\x10\x10J\x04\x08<\x10\x41R\x0bnum_workersR\x0enum_workers_upR\x15num_deadline_exceededR\x17num_rejected_queue_fullR\x1drouting_prefix_blocks_queriedR\x19routing_prefix_blocks_hitR\x17num_recovered_sequences\"\xe6\x01\n\x0cServiceStats\x12\x13\n\x0bnum_workers\x18\x01 \x01(\r\x12\x16\n\x0enum_workers_up\x18\x02 \x01(\r\x12\x1d\n\x15num_deadline_exceeded\x18\x03 \x01(\x04\x12\x1f\n\x17num_rejected_queue_full\x18\x04 \x01(\x04\x12%\n\x1drouting_prefix_blocks_queried\x18\x05 \x01(\x04\x12!\n\x19routing_prefix_blocks_hit\x18\x06 \x01(\x04\x12\x1f\n\x17num_recovered_sequences\x18\x07 \x01(\x04*\xad\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1a\n\x16\x46INISH_REASON_DEADLINE\x10\x05*\xb5\x01\n\x15KVCacheManagementMode\x12(\n$KV_CACHE_MANAGEMENT_MODE_UNSPECIFIED\x10\x00\x12$\n KV_CACHE_MANAGEMENT_MODE_PERSIST\x10\x01\x12$\n KV_CACHE_MANAGEMENT_MODE_OFFLOAD\x10\x02\x12&\n\"KV_CACHE_MANAGEMENT_MODE_RECOMPUTE\x10\x03\x42V\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,22 +32,26 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetero.v1.common_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\022dev.heteroinfer.v1P\001Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1'
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOPLOGPROBS'].fields_by_name['token_ids']._loaded_options = None
   _globals['_TOPLOGPROBS'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_TOPLOGPROBS'].fields_by_name['logprobs']._loaded_options = None
   _globals['_TOPLOGPROBS'].fields_by_name['logprobs']._serialized_options = b'\020\001'
-  _globals['_FINISHREASON']._serialized_start=1334
-  _globals['_FINISHREASON']._serialized_end=1507
-  _globals['_KVCACHEMANAGEMENTMODE']._serialized_start=1510
-  _globals['_KVCACHEMANAGEMENTMODE']._serialized_end=1691
+  _globals['_FINISHREASON']._serialized_start=1728
+  _globals['_FINISHREASON']._serialized_end=1901
+  _globals['_KVCACHEMANAGEMENTMODE']._serialized_start=1904
+  _globals['_KVCACHEMANAGEMENTMODE']._serialized_end=2085
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=410
-  _globals['_TOPLOGPROBS']._serialized_start=412
-  _globals['_TOPLOGPROBS']._serialized_end=470
-  _globals['_USAGE']._serialized_start=472
-  _globals['_USAGE']._serialized_end=581
-  _globals['_POOLSTATS']._serialized_start=584
-  _globals['_POOLSTATS']._serialized_end=1098
-  _globals['_SERVICESTATS']._serialized_start=1101
-  _globals['_SERVICESTATS']._serialized_end=1331
+  _globals['_SAMPLINGPARAMS']._serialized_end=804
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=566
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=614
+  _globals['_TOPLOGPROBS']._serialized_start=806
+  _globals['_TOPLOGPROBS']._serialized_end=864
+  _globals['_USAGE']._serialized_start=866
+  _globals['_USAGE']._serialized_end=975
+  _globals['_POOLSTATS']._serialized_start=978
+  _globals['_POOLSTATS']._serialized_end=1492
+  _globals['_SERVICESTATS']._serialized_start=1495
+  _globals['_SERVICESTATS']._serialized_end=1725
 # @@protoc_insertion_point(module_scope)

@@ -50,6 +50,16 @@ class InferenceStub:
                 request_serializer=hetero_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/hetero.v1.Inference/Detokenize',
+                request_serializer=hetero_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/hetero.v1.Inference/Abort',
+                request_serializer=hetero_dot_v1_dot_inference__pb2.AbortGenerationRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_inference__pb2.AbortGenerationResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/hetero.v1.Inference/ListModels',
                 request_serializer=hetero_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
@@ -86,6 +96,20 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Abort requests by id from any connection (the caller need not hold the stream): their
+        streams end with FINISH_REASON_ABORT and their KV blocks are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,6 +139,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=hetero_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=hetero_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=hetero_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=hetero_dot_v1_dot_inference__pb2.AbortGenerationRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_inference__pb2.AbortGenerationResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -209,6 +243,60 @@ class Inference:
             '/hetero.v1.Inference/Tokenize',
             hetero_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             hetero_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Inference/Detokenize',
+            hetero_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            hetero_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Inference/Abort',
+            hetero_dot_v1_dot_inference__pb2.AbortGenerationRequest.SerializeToString,
+            hetero_dot_v1_dot_inference__pb2.AbortGenerationResponse.FromString,
             options,
             channel_credentials,
             insecure,
