@@ -18,6 +18,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from hetero_common.errors import ValidationError
 from hetero_common.model_files import ModelFileError, read_gguf_metadata, read_json, token_ids
 
 
@@ -68,8 +69,8 @@ class TextTokenizer:
                 bos_token=self.token_text(self.bos_token_id),
                 eos_token=self.token_text(eos),
             )
-        except TemplateError as exc:  # includes the template's own raise_exception("...")
-            raise TokenizerError(f"The chat template rejected these messages: {exc}") from exc
+        except TemplateError as exc:  # includes the template's own raise_exception("..."): a bad request
+            raise ValidationError(f"messages: the chat template rejected these messages: {exc}", "messages") from exc
 
     @property
     def vocab_size(self) -> int:
