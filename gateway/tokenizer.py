@@ -26,6 +26,10 @@ class TokenizerError(ModelFileError):
     """A tokenizer cannot be loaded or used; the message says what to fix."""
 
 
+class ChatTemplateRejected(ValidationError, ValueError):
+    """The chat template refused these messages (its raise_exception): a bad request, not a bad model."""
+
+
 @dataclass
 class TextTokenizer:
     tokenizer: tokenizers.Tokenizer
@@ -70,7 +74,7 @@ class TextTokenizer:
                 eos_token=self.token_text(eos),
             )
         except TemplateError as exc:  # includes the template's own raise_exception("..."): a bad request
-            raise ValidationError(f"messages: the chat template rejected these messages: {exc}", "messages") from exc
+            raise ChatTemplateRejected(f"messages: the chat template rejected these messages: {exc}", "messages") from exc
 
     @property
     def vocab_size(self) -> int:
