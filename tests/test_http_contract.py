@@ -368,3 +368,18 @@ def test_tokenizer_routes_check_the_model(client: TestClient) -> None:
     response = post(client, "/tokenize", {"model": "other", "prompt": "x"})
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
     assert post(client, "/tokenize", {"model": "SmolLM2-135M-Instruct", "prompt": "x"}).status_code == 200
+
+
+def test_tokenizer_routes_need_the_api_key_when_keys_are_on(tokenizer: TextTokenizer) -> None:
+    generation = Generation(Config(), tokenizer, CommandBridgeBackend(
+        CommandBridge(BackendConfig(kind="command_bridge", command=CommandConfig("/bin/echo"))), tokenizer, "tiny"))
+
+    async def no_scheduler() -> scheduler_pb2.SchedulerStats:
+        raise UnavailableError("no scheduler in this test")
+
+    with TestClient(HttpApi(generation, ApiKeys(["k1"]), no_scheduler).app) as c:
+        for method, path, body in (("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
+                                   ("GET", "/tokenizer_info", None), ("GET", "/v1/models", None)):
+            assert c.request(method, path, json=body).status_code == 401, path
+            assert c.request(method, path, json=body, headers={"authorization": "Bearer k1"}).status_code == 200, path
+        assert c.get("/openapi.json").status_code == 200  # open, like the probes
