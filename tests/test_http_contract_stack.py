@@ -5,6 +5,7 @@ ListModels' eos/bos ids, and X-Request-Id on a real generation."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -43,28 +44,35 @@ def test_fuzzed_bodies_never_get_a_5xx(stack: Stack) -> None:
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis import GenerationMode
 
-    schema = schemathesis.openapi.from_url(f"{stack.http_url}/openapi.json")
+    document = httpx.get(f"{stack.http_url}/openapi.json", timeout=30).json()
+    schema = schemathesis.openapi.from_dict(document)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
                                               "/tokenizer_info", "/v1/models"}
+    # Most bodies of the full schema carry some unserved field with a value other than its default
+    # (a 400); the served subset (the schema without those fields) reaches the engine with random
+    # sampling controls, n, stops and prompts.
+    served = schemathesis.openapi.from_dict(_served_subset(document))
     started = time.monotonic()
     counts: dict[str, int] = {}
     cases: list[dict] = []
-    for op in operations:
-        has_body = op.method.upper() == "POST"
-        for mode in [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if has_body else []):
-            examples = EXAMPLES_PER_ROUTE if has_body else 50
-            examples = examples if mode is GenerationMode.POSITIVE else examples // 4
-            key = f"{op.method.upper()} {op.path} {mode.value}"
+    plan = [(op, mode, "") for op in operations
+            for mode in [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if op.method.upper() == "POST" else [])]
+    plan += [(result.ok(), GenerationMode.POSITIVE, " served") for result in served.get_all_operations()
+             if result.ok().path in ("/v1/completions", "/v1/chat/completions")]
+    for op, mode, variant in plan:
+        examples = EXAMPLES_PER_ROUTE if op.method.upper() == "POST" else 50
+        examples = examples // 4 if mode is GenerationMode.NEGATIVE else examples // 2 if variant else examples
+        key = f"{op.method.upper()} {op.path} {mode.value}{variant}"
 
-            @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-                      suppress_health_check=list(HealthCheck), derandomize=True)
-            @given(case=op.as_strategy(generation_mode=mode))
-            def generate(case) -> None:
-                cases.append(case.as_transport_kwargs(base_url=stack.http_url))
-                counts[key] = counts.get(key, 0) + 1
+        @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck), derandomize=True)
+        @given(case=op.as_strategy(generation_mode=mode))
+        def generate(case) -> None:
+            cases.append(case.as_transport_kwargs(base_url=stack.http_url))
+            counts[key] = counts.get(key, 0) + 1
 
-            generate()
+        generate()
     generated = time.monotonic() - started
     session = requests.Session()
     session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=8))
@@ -88,8 +96,21 @@ def test_fuzzed_bodies_never_get_a_5xx(stack: Stack) -> None:
         if op.method.upper() == "POST":
             positive = counts.get(f"POST {op.path} positive", 0)
             assert positive >= EXAMPLES_PER_ROUTE, (op.path, positive)
-    assert any(status == 200 for path_status in [answers] for _, status, _ in path_status)
+    assert sum(status == 200 for _, status, _ in answers) >= EXAMPLES_PER_ROUTE // 2  # the engine was reached
     assert httpx.get(f"{stack.http_url}/readyz", timeout=30).status_code == 200  # the stack is still sane
+
+
+def _served_subset(document: dict) -> dict:
+    """The OpenAPI document without the fields the server refuses unless they hold their default."""
+    from gateway.openai_fields import CHAT, COMPLETION, MESSAGE
+
+    document = copy.deepcopy(document)
+    schemas = document["components"]["schemas"]
+    for name, unserved in (("CompletionBody", COMPLETION), ("ChatBody", CHAT), ("ChatMessageBody", MESSAGE),
+                           ("StreamOptions", COMPLETION)):
+        for field in unserved:
+            schemas[name]["properties"].pop(field, None)
+    return document
 
 
 def test_hostile_bodies_through_the_stack(stack: Stack) -> None:
