@@ -47,6 +47,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 # A message from the shared validation path starts with the field it names ("prompt is 300
 # tokens; ...", "params.top_k must be ..."): that field is the OpenAI `param`.
 _LEADING_FIELD = re.compile(r"^(?:params\.)?([a-z_]+)(?=[ :])")
+_BODY_FIELDS = set(oa.CompletionBody.model_fields) | set(oa.ChatBody.model_fields)
 
 
 def error_param(exc: BaseException) -> str | None:
@@ -55,7 +56,7 @@ def error_param(exc: BaseException) -> str | None:
     if exc.param is not None:
         return exc.param
     match = _LEADING_FIELD.match(exc.message)
-    return match.group(1) if match else None
+    return match.group(1) if match and match.group(1) in _BODY_FIELDS else None
 
 
 def error_response(exc: BaseException) -> JSONResponse:

@@ -63,7 +63,7 @@ class _Body(StrictBody):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(None, max_length=1024, description="informational: logged with the request")
+    user: str | None = Field(None, max_length=1024, description="OpenAI's end-user id: accepted, informational only")
     # Declared so that they are refused by name, not as unknown (openai_fields.COMMON).
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -92,6 +92,7 @@ HOSTILE = [  # (route, body, the field the 400 must name); the first six were HT
     ("/v1/completions", {"prompt": ["a", 1]}, "prompt"),
     ("/v1/completions", {"prompt": [True]}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": "the fox " * 60}, "prompt"),  # longer than max_model_len
     ("/v1/completions", {}, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "x", "n": 10**30}, "n"),
