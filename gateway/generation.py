@@ -42,11 +42,16 @@ class Generation:
         if max_model_len is not None:
             self.max_model_len = max_model_len
 
-    async def generate(self, request: inference_pb2.GenerateRequest,
-                       timeout: float | None = None) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def generate(self, request: inference_pb2.GenerateRequest, timeout: float | None = None,
+                       client_request_id: str | None = None) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """The request's messages; with n > 1 the samples' messages interleave, each with its `index`.
 
-        `timeout` is the client's remaining time (gRPC deadline); it becomes the Submit deadline."""
+        `timeout` is the client's remaining time (gRPC deadline); it becomes the Submit deadline.
+        `client_request_id`: the id the client knows this generation by when it differs from
+        `request.request_id` (HTTP's X-Request-Id, from which `{id}-{prompt index}` derive);
+        logged with the request, and the key a public abort by id finds it under."""
+        if client_request_id is not None and client_request_id != request.request_id:
+            structlog.contextvars.bind_contextvars(client_request_id=client_request_id)
         limit = self.max_concurrent_requests
         if limit and self.in_flight >= limit:
             self.metrics.request_errors.labels(OverloadedError.__name__).inc()

@@ -8,8 +8,9 @@ from __future__ import annotations
 import grpc
 import structlog
 
+from gateway import tokenization
 from gateway.generation import Generation
-from gateway.validation import check_model, render_chat
+from gateway.validation import chat_messages, check_model
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common import __version__
 from hetero_common.errors import HeteroError, ValidationError
@@ -72,22 +73,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             check_model(request.model, self.generation.model_name)
             kind = request.WhichOneof("input")
             if kind == "chat":
-                ids = tokenizer.encode(render_chat(tokenizer, request.chat), add_special_tokens=False)
+                add = request.add_special_tokens if request.HasField("add_special_tokens") else False
+                ids = tokenization.tokenize_chat(tokenizer, chat_messages(request.chat), add_special_tokens=add)
             elif kind == "text":
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = tokenizer.encode(request.text, add_special_tokens=add)
+                ids = tokenization.tokenize_text(tokenizer, request.text, add)
             else:
                 raise ValidationError("one of text or chat is required")
         except HeteroError as exc:
             await context.abort(*error_status(exc))
-        tokens = [tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
-        return inference_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, count=len(ids),
-                                              max_model_len=self.generation.max_model_len)
+        return inference_pb2.TokenizeResponse(token_ids=ids, tokens=tokenization.token_strings(tokenizer, ids),
+                                              count=len(ids), max_model_len=self.generation.max_model_len)
+
+    async def Detokenize(self, request: inference_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> inference_pb2.DetokenizeResponse:
+        try:
+            check_model(request.model, self.generation.model_name)
+            text = tokenization.detokenize(self.generation.tokenizer, list(request.token_ids),
+                                           request.include_special_tokens, param="token_ids")
+        except HeteroError as exc:
+            await context.abort(*error_status(exc))
+        return inference_pb2.DetokenizeResponse(text=text)
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
         g = self.generation
-        card = inference_pb2.ModelCard(id=g.model_name, max_model_len=g.max_model_len, vocab_size=g.tokenizer.vocab_size,
-                                       has_chat_template=bool(g.tokenizer.chat_template))
+        t = g.tokenizer
+        card = inference_pb2.ModelCard(id=g.model_name, max_model_len=g.max_model_len, vocab_size=t.vocab_size,
+                                       has_chat_template=bool(t.chat_template), eos_token_ids=list(t.eos_token_ids))
+        if t.bos_token_id is not None:
+            card.bos_token_id = t.bos_token_id
         return inference_pb2.ListModelsResponse(models=[card])
 
     async def GetServerInfo(self, request: inference_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ServerInfo:

@@ -3,16 +3,20 @@
 Every generation goes through `Generation.generate`, the path gRPC uses, so both
 APIs validate, tokenize, stop and meter identically. Routes:
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
-`stream: true`, ending `data: [DONE]`), GET /v1/models (need an API key when keys are on);
-GET /healthz, /readyz, /metrics (open, for probes and scrapers).
+`stream: true`, ending `data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize,
+GET /tokenizer_info (need an API key when keys are on); GET /healthz, /readyz, /metrics,
+/openapi.json (open, for probes, scrapers and API tools).
+
+Every request field is honoured or refused with a 400 naming it (`error.param`): the bodies
+are `openai_bodies`, and pydantic's errors are reported here in OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import re
 import time
-import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
@@ -23,10 +27,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gateway import openai_schema as oa
 from gateway.auth import ApiKeys
 from gateway.generation import Generation
+from gateway.http_request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
 from gateway.http_streams import merged, unless_client_gone
+from gateway.http_tokenize import TokenizerRoutes
 from gateway.metrics import CONTENT_TYPE_LATEST
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
-from hetero_common.errors import HeteroError, http_status_for
+from hetero_common.errors import HeteroError, ValidationError, http_status_for
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                409: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
@@ -38,11 +44,61 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
                       "code": ERROR_CODES.get(status)}}
 
 
+# A message from the shared validation path starts with the field it names ("prompt is 300
+# tokens; ...", "params.top_k must be ..."): that field is the OpenAI `param`.
+_LEADING_FIELD = re.compile(r"^(?:params\.)?([a-z_]+)(?=[ :])")
+_BODY_FIELDS = set(oa.CompletionBody.model_fields) | set(oa.ChatBody.model_fields)
+
+
+def error_param(exc: BaseException) -> str | None:
+    if not isinstance(exc, ValidationError):
+        return None
+    if exc.param is not None:
+        return exc.param
+    match = _LEADING_FIELD.match(exc.message)
+    return match.group(1) if match and match.group(1) in _BODY_FIELDS else None
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     status = http_status_for(exc)
     message = exc.message if isinstance(exc, HeteroError) else f"internal error: {type(exc).__name__}"
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, error_param(exc)), status_code=status, headers=headers)
+
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}  # pydantic's union-member names
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """pydantic's error location as a field path, e.g. ('body', 'messages', 0, 'content') ->
+    'messages[0].content'; union-member tags ('list[int]', 'str') and '[key]' are left out."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] in ("body", "header", "query") else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and _IDENTIFIER.match(part) and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+        elif isinstance(part, str) and part.isdecimal() and out:  # a dict key (logit_bias's token ids)
+            out += f"[{part}]"
+    return out or None
+
+
+def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The most specific of pydantic's errors (a union reports one per member; the deepest is the
+    member the client meant), as an OpenAI 400."""
+    if not errors:
+        return error_body(400, "invalid request body")
+    first = max(errors, key=lambda e: len(_param(tuple(e.get("loc", ()))) or ""))
+    param = _param(tuple(first.get("loc", ())))
+    kind, msg = first.get("type"), first.get("msg", "invalid value")
+    if kind == "extra_forbidden":
+        return error_body(400, f"unknown field '{param}': this server does not serve it", param)
+    if kind == "json_invalid":
+        return error_body(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', msg)}")
+    if kind == "missing":
+        msg = "field required"
+    return error_body(400, f"{param or 'body'}: {msg}", param)
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -55,10 +111,13 @@ class HttpApi:
         self.generation = generation
         self.keys = keys
         self.scheduler_stats = scheduler_stats  # readiness and pool metrics are the scheduler's
-        self.app = self._build()
+        self.tokenizer_routes = TokenizerRoutes(generation)
+        self.fastapi = self._build()
+        self.app = RequestIdMiddleware(self.fastapi, error_body)  # what uvicorn serves
 
     def _build(self) -> FastAPI:
-        app = FastAPI(title="hetero-infer", docs_url=None, redoc_url=None, openapi_url=None)
+        # /openapi.json is open (API tools and fuzzers read it); /docs and /redoc stay off.
+        app = FastAPI(title="hetero-infer", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 
         @app.exception_handler(HeteroError)
         async def on_hetero(_: Request, exc: HeteroError) -> JSONResponse:
@@ -66,10 +125,7 @@ class HttpApi:
 
         @app.exception_handler(RequestValidationError)
         async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-            first = exc.errors()[0] if exc.errors() else {}
-            where = ".".join(str(p) for p in first.get("loc", ())[1:])
-            return JSONResponse(error_body(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", where or None),
-                                status_code=400)
+            return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
 
         @app.exception_handler(StarletteHTTPException)
         async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -79,9 +135,13 @@ class HttpApi:
             self.keys.check(request.headers.get("authorization"))
 
         guarded = [Depends(authorized)]
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"], dependencies=guarded)
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], dependencies=guarded)
-        app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=guarded)
+        documented = {"parameters": [OPENAPI_PARAMETER]}  # the header the middleware reads
+        tok = self.tokenizer_routes
+        for path, handler, method in (("/v1/completions", self.completions, "POST"),
+                                      ("/v1/chat/completions", self.chat_completions, "POST"),
+                                      ("/v1/models", self.models, "GET"), ("/tokenize", tok.tokenize, "POST"),
+                                      ("/detokenize", tok.detokenize, "POST"), ("/tokenizer_info", tok.tokenizer_info, "GET")):
+            app.add_api_route(path, handler, methods=[method], dependencies=guarded, openapi_extra=documented)
         app.add_api_route("/healthz", self.healthz, methods=["GET"])
         app.add_api_route("/readyz", self.readyz, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
@@ -111,20 +171,22 @@ class HttpApi:
 
     async def models(self) -> dict[str, Any]:
         g = self.generation
+        t = g.tokenizer
         return {"object": "list", "data": [{"id": g.model_name, "object": "model", "created": 0, "owned_by": "hetero-infer",
-                                            "max_model_len": g.max_model_len}]}
+                                            "max_model_len": g.max_model_len, "vocab_size": t.vocab_size,
+                                            "eos_token_ids": list(t.eos_token_ids), "bos_token_id": t.bos_token_id}]}
 
     # ------------------------------------------------------------------ generation
 
     async def completions(self, body: oa.CompletionBody, request: Request) -> Response:
-        rid = uuid.uuid4().hex[:16]
-        requests = oa.completion_requests(body, rid)
+        rid = request_id(request.scope)
+        requests = oa.completion_requests(body, rid, self.generation.tokenizer)
         if body.stream:
             return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream)
         return await unless_client_gone(request, self._completion(requests, body.n, rid))
 
     async def _completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
-        parts, usages = await self._collect(requests, n)
+        parts, usages = await self._collect(requests, n, rid)
         choices = [{"index": i, "text": "".join(p.text for p in ps), "finish_reason": oa.finish_reason(ps[-1].finish_reason),
                     "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.completion_logprobs(self.generation.tokenizer, ps)} for i, ps in parts.items()]
@@ -133,14 +195,14 @@ class HttpApi:
         return JSONResponse(answer)
 
     async def chat_completions(self, body: oa.ChatBody, request: Request) -> Response:
-        rid = uuid.uuid4().hex[:16]
-        requests = [oa.chat_request(body, rid)]
+        rid = request_id(request.scope)
+        requests = [oa.chat_request(body, rid, self.generation.tokenizer)]
         if body.stream:
             return await self._stream(requests, body.n, rid, "chat.completion.chunk", body.include_usage_in_stream)
         return await unless_client_gone(request, self._chat_completion(requests, body.n, rid))
 
     async def _chat_completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
-        parts, usages = await self._collect(requests, n)
+        parts, usages = await self._collect(requests, n, rid)
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
                     "finish_reason": oa.finish_reason(ps[-1].finish_reason), "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]
@@ -148,12 +210,12 @@ class HttpApi:
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
-    async def _collect(self, requests: list[inference_pb2.GenerateRequest],
-                       n: int) -> tuple[dict[int, list[inference_pb2.GenerateResponse]], list[common_pb2.Usage]]:
+    async def _collect(self, requests: list[inference_pb2.GenerateRequest], n: int,
+                       rid: str) -> tuple[dict[int, list[inference_pb2.GenerateResponse]], list[common_pb2.Usage]]:
         """Every choice's messages (by choice index, in order) and each request's usage."""
         parts: dict[int, list[inference_pb2.GenerateResponse]] = {}
         usages: list[common_pb2.Usage] = []
-        async for index, part in merged(self.generation, requests, n):
+        async for index, part in merged(self.generation, requests, n, rid):
             parts.setdefault(index, []).append(part)
             if part.HasField("usage"):  # a request's last message: its prompt once, all its samples
                 usages.append(part.usage)
@@ -163,7 +225,7 @@ class HttpApi:
                       include_usage: bool) -> Response:
         """Server-sent events. The first message is awaited before answering, so a bad request still
         gets its 4xx status (not a 200 stream carrying an error)."""
-        events = merged(self.generation, requests, n)
+        events = merged(self.generation, requests, n, rid)
         try:
             first = await anext(events)
         except StopAsyncIteration:
@@ -207,7 +269,7 @@ class HttpApi:
                 if include_usage:
                     yield _sse({**oa.envelope(kind, rid, model, [], created), "usage": oa.usage(usages)})  # type: ignore[arg-type]
             except HeteroError as exc:  # after the 200 went out: report in-band, as OpenAI does
-                yield _sse(error_body(http_status_for(exc), exc.message))
+                yield _sse(error_body(http_status_for(exc), exc.message, error_param(exc)))
             finally:
                 await events.aclose()
             yield _sse("[DONE]")

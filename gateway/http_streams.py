@@ -18,15 +18,16 @@ from hetero.v1 import inference_pb2
 log = structlog.get_logger("gateway.http_streams")
 
 
-async def merged(generation: Generation, requests: list[inference_pb2.GenerateRequest],
-                 n: int) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
+async def merged(generation: Generation, requests: list[inference_pb2.GenerateRequest], n: int,
+                 client_request_id: str | None = None) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
     """Run the prompts' requests (n samples each) concurrently; yield (choice index, response) as
-    they come, choice index = request index * n + sample index. Errors propagate."""
+    they come, choice index = request index * n + sample index. Errors propagate.
+    `client_request_id` is the HTTP request's id (X-Request-Id), from which the requests' ids derive."""
     queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, request: inference_pb2.GenerateRequest) -> None:
         try:
-            async with aclosing(generation.generate(request)) as responses:
+            async with aclosing(generation.generate(request, client_request_id=client_request_id)) as responses:
                 async for response in responses:
                     await queue.put((index, response))
         except Exception as exc:  # handed to the consumer, which raises it

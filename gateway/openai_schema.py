@@ -1,10 +1,8 @@
 """OpenAI request bodies -> GenerateRequests, and GenerateResponses -> OpenAI response shapes.
 
-Pure translation: no I/O. Fields OpenAI defines and we serve: model, prompt / messages,
-max_tokens / max_completion_tokens, temperature, top_p, n, stop, seed, logprobs
-(completions: an int, the number of alternatives; chat: a bool plus top_logprobs), stream,
-stream_options.include_usage. Extensions (as vLLM names them): top_k, ignore_eos.
-Unknown fields are ignored, as most OpenAI-compatible servers do.
+Pure translation: no I/O. The bodies and their range checks are `openai_bodies`; the fields
+refused by name are `openai_fields`. Here: the checks that need the model (token ids inside
+the vocabulary) and the mapping of every served field onto the proto.
 
 `n` samples go to the engine as one request per prompt with `params.n`, exactly as a gRPC
 client would send them: the samples share the prompt's KV blocks (copy-on-write), and with a
@@ -17,124 +15,99 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from gateway.openai_bodies import ChatBody, ChatMessageBody, CompletionBody, StreamOptions, _Body
 from gateway.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
-from hetero_common.sampling import MAX_N
+
+__all__ = ["ChatBody", "ChatMessageBody", "CompletionBody", "StreamOptions", "chat_request", "completion_requests"]
 
 # The finish reasons OpenAI clients know; any other (error, deadline) is reported as "error".
 OPENAI_FINISH_REASONS = ("stop", "length", "abort")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    ignore_eos: bool = False
-    user: str | None = None
-
-    @property
-    def include_usage_in_stream(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise ValidationError(f"{param} holds token id {bad}, outside the vocabulary (size {vocab_size})", param)
 
 
-class CompletionBody(_Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0)
-    echo: bool = False
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys, so as strings: {"50256": -100}."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        text = key.strip()
+        if not text.isdecimal() or len(text) > 10 or int(text) >= vocab_size:
+            raise ValidationError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        out[int(text)] = value
+    return out
 
 
-class ChatMessageBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text parts are served
-            if any(part.get("type") != "text" for part in self.content):
-                raise ValidationError("messages[].content: only parts of type 'text' are supported")
-            return "".join(str(part.get("text", "")) for part in self.content)
-        return self.content or ""
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessageBody]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
-
-
-def _params(body: _Body, max_tokens: int | None, logprobs: int | None) -> common_pb2.SamplingParams:
-    p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos)
+def _params(body: _Body, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> common_pb2.SamplingParams:
+    """Every served sampling field onto the proto; unset stays unset (the engine's defaults)."""
+    p = common_pb2.SamplingParams(ignore_eos=body.ignore_eos, include_special_tokens=not body.skip_special_tokens)
     if body.n != 1:
         p.n = body.n
     if max_tokens is not None:
         p.max_tokens = max_tokens
-    if body.temperature is not None:
-        p.temperature = body.temperature
-    if body.top_p is not None:
-        p.top_p = body.top_p
-    if body.top_k is not None and body.top_k > 0:
+    for name in ("temperature", "top_p", "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(p, name, value)
+    if body.top_k is not None and body.top_k > 0:  # vLLM's -1 and 0 both mean off
         p.top_k = body.top_k
-    if body.seed is not None:
-        p.seed = body.seed
+    if body.min_tokens:
+        p.min_tokens = body.min_tokens
     if body.stop is not None:
         p.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
+    if body.stop_token_ids:
+        _check_ids(body.stop_token_ids, vocab_size, "stop_token_ids")
+        p.stop_token_ids.extend(body.stop_token_ids)
+    if body.logit_bias:
+        p.logit_bias.update(_logit_bias(body.logit_bias, vocab_size))
     if logprobs is not None:
         p.logprobs = logprobs
     return p
 
 
-def _check_n(body: _Body) -> None:
-    if not 1 <= body.n <= MAX_N:
-        raise ValidationError(f"n must be in 1..{MAX_N} (got {body.n})")
+def _request(body: _Body, request_id: str, params: common_pb2.SamplingParams) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(request_id=request_id, model=body.model or "", params=params,
+                                         priority=body.priority, cache_salt=body.cache_salt or "")
 
 
-def completion_requests(body: CompletionBody, request_id: str) -> list[inference_pb2.GenerateRequest]:
-    """One GenerateRequest per prompt, each asking for n samples; choice index = prompt index * n + sample."""
-    _check_n(body)
-    if body.echo:
-        raise ValidationError("echo is not supported; the prompt is not returned with the completion")
+def completion_requests(body: CompletionBody, request_id: str,
+                        tokenizer: TextTokenizer) -> list[inference_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt, each asking for n samples; choice index = prompt index * n + sample.
+    Request ids are `{request_id}-{prompt index}`."""
     prompts: list[str | list[int]]
-    if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+    if isinstance(body.prompt, str) or isinstance(body.prompt[0], int):
         prompts = [body.prompt]  # type: ignore[list-item]
     else:
         prompts = list(body.prompt)  # type: ignore[arg-type]
-    if not prompts:
-        raise ValidationError("prompt must not be empty")
+    vocab = tokenizer.vocab_size
     requests = []
     for i, prompt in enumerate(prompts):
-        r = inference_pb2.GenerateRequest(request_id=f"{request_id}-{i}", model=body.model or "",
-                                          params=_params(body, body.max_tokens, body.logprobs))
-        if isinstance(prompt, str):
-            r.prompt = prompt
+        r = _request(body, f"{request_id}-{i}", _params(body, body.max_tokens, body.logprobs, vocab))
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str) and body.add_special_tokens:
+            r.prompt = prompt  # tokenized downstream, with the model's special tokens, as gRPC's prompt
         else:
-            r.prompt_token_ids.ids.extend(prompt)
+            ids = prompt if not isinstance(prompt, str) else tokenizer.encode(prompt, add_special_tokens=False)
+            if not ids:
+                raise ValidationError(f"{where} must not be empty", where)
+            _check_ids(ids, vocab, where)
+            r.prompt_token_ids.ids.extend(ids)
         requests.append(r)
     return requests
 
 
-def chat_request(body: ChatBody, request_id: str) -> inference_pb2.GenerateRequest:
-    _check_n(body)
-    if body.top_logprobs and not body.logprobs:
-        raise ValidationError("top_logprobs requires logprobs: true")
+def chat_request(body: ChatBody, request_id: str, tokenizer: TextTokenizer) -> inference_pb2.GenerateRequest:
     chat = inference_pb2.Chat(messages=[inference_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages])
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return inference_pb2.GenerateRequest(request_id=f"{request_id}-0", model=body.model or "", chat=chat,
-                                         params=_params(body, max_tokens, logprobs))
+    r = _request(body, f"{request_id}-0", _params(body, body.effective_max_tokens, logprobs, tokenizer.vocab_size))
+    r.chat.CopyFrom(chat)
+    return r
 
 
 # ----------------------------------------------------------------------------- responses

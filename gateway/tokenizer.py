@@ -9,7 +9,7 @@ vocabulary strings into numpy views, which costs seconds for a metadata-only job
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -18,11 +18,16 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from hetero_common.errors import ValidationError
 from hetero_common.model_files import ModelFileError, read_gguf_metadata, read_json, token_ids
 
 
 class TokenizerError(ModelFileError):
     """A tokenizer cannot be loaded or used; the message says what to fix."""
+
+
+class ChatTemplateRejected(ValidationError, ValueError):
+    """The chat template refused these messages (its raise_exception): a bad request, not a bad model."""
 
 
 @dataclass
@@ -32,6 +37,8 @@ class TextTokenizer:
     eos_token_ids: tuple[int, ...]
     chat_template: str | None
     add_bos_token: bool
+    # tokenizer_config.json (or what GGUF metadata says of the same): read by /tokenizer_info.
+    config: dict[str, Any] = field(default_factory=dict)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -66,8 +73,8 @@ class TextTokenizer:
                 bos_token=self.token_text(self.bos_token_id),
                 eos_token=self.token_text(eos),
             )
-        except TemplateError as exc:  # includes the template's own raise_exception("...")
-            raise TokenizerError(f"The chat template rejected these messages: {exc}") from exc
+        except TemplateError as exc:  # includes the template's own raise_exception("..."): a bad request
+            raise ChatTemplateRejected(f"messages: the chat template rejected these messages: {exc}", "messages") from exc
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +166,7 @@ def _from_hf(tokenizer_file: Path, side_dirs: list[Path]) -> TextTokenizer:
         eos_token_ids=tuple(dict.fromkeys(eos)),
         chat_template=chat_template,
         add_bos_token=bool(tokenizer_config.get("add_bos_token", False)),
+        config=tokenizer_config,
     )
 
 
@@ -223,12 +231,15 @@ def _from_gguf(path: Path) -> TextTokenizer:
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in typed if k == 4])
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = token_ids(meta.get("tokenizer.ggml.eos_token_id")) + token_ids(meta.get("tokenizer.ggml.eot_token_id"))
+    config = {name: tokens[i] for name, key in (("pad_token", "padding_token_id"), ("unk_token", "unknown_token_id"))
+              if isinstance(i := meta.get(f"tokenizer.ggml.{key}"), int) and 0 <= i < len(tokens)}
     return TextTokenizer(
         tokenizer=tokenizer,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(eos)),
         chat_template=meta.get("tokenizer.chat_template"),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        config=config,
     )
 
 

@@ -22,7 +22,8 @@ class PreparedRequest:
 
 def check_model(requested: str, served: str) -> None:
     if requested and requested != served:
-        raise ModelNotFoundError(f"model {requested!r} is not served here; this server serves {served!r} (see ListModels)")
+        raise ModelNotFoundError(f"model {requested!r} is not served here; this server serves {served!r} (see ListModels)",
+                                 "model")
 
 
 def chat_messages(chat: inference_pb2.Chat) -> list[dict[str, str]]:

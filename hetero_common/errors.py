@@ -28,10 +28,15 @@ class ConfigError(HeteroError):
 
 
 class ValidationError(HeteroError):
-    """A request field is invalid; the message names the field and the allowed range."""
+    """A request field is invalid; the message names the field and the allowed range.
+    `param` names the field too, for HTTP's OpenAI error shape (`error.param`)."""
 
     grpc_code = grpc.StatusCode.INVALID_ARGUMENT
     http_status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFoundError(ValidationError):

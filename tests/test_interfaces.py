@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError as PydanticValidationError
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import openai_schema as oa
@@ -52,37 +53,46 @@ def test_interface_config_keys(tmp_path: Path) -> None:
     assert "secret-value" not in str(bad.value)
 
 
-def test_completion_requests_ask_the_engine_for_n_samples_per_prompt() -> None:
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    from gateway.tokenizer import load_tokenizer
+    from tests.tiny_models import make_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(directory)
+    return load_tokenizer(directory)
+
+
+def test_completion_requests_ask_the_engine_for_n_samples_per_prompt(tokenizer) -> None:
     body = oa.CompletionBody(prompt="hi", n=3, seed=5, max_tokens=4, stop="x", logprobs=2, temperature=0.7)
-    (req,) = oa.completion_requests(body, "rid")
+    (req,) = oa.completion_requests(body, "rid", tokenizer)
     p = req.params
     assert req.request_id == "rid-0" and p.n == 3 and p.seed == 5  # the engine derives each sample's seed
     assert p.max_tokens == 4 and list(p.stop) == ["x"] and p.logprobs == 2 and p.temperature == pytest.approx(0.7)
     assert not p.HasField("top_p")
-    assert not oa.completion_requests(oa.CompletionBody(prompt="hi"), "r")[0].params.HasField("n")
-    batch = oa.completion_requests(oa.CompletionBody(prompt=["a", "b"], n=2), "r")
+    assert not oa.completion_requests(oa.CompletionBody(prompt="hi"), "r", tokenizer)[0].params.HasField("n")
+    batch = oa.completion_requests(oa.CompletionBody(prompt=["a", "b"], n=2), "r", tokenizer)
     assert [(r.request_id, r.prompt, r.params.n) for r in batch] == [("r-0", "a", 2), ("r-1", "b", 2)]
-    ids = oa.completion_requests(oa.CompletionBody(prompt=[5, 6, 7]), "r")
+    ids = oa.completion_requests(oa.CompletionBody(prompt=[5, 6, 7]), "r", tokenizer)
     assert list(ids[0].prompt_token_ids.ids) == [5, 6, 7] and ids[0].params.max_tokens == 16
-    for bad in (oa.CompletionBody(prompt="a", n=0), oa.CompletionBody(prompt="a", n=17),
-                oa.CompletionBody(prompt="a", echo=True), oa.CompletionBody(prompt=[])):
-        with pytest.raises(ValidationError):
-            oa.completion_requests(bad, "r")
+    for bad in ({"n": 0}, {"n": 17}, {"echo": True}, {"prompt": []}):
+        with pytest.raises((ValidationError, PydanticValidationError)):
+            oa.CompletionBody(**{"prompt": "a", **bad})
     # usage: each request counts its prompt once and all its samples; prompts add up
     usage = oa.usage([common_pb2.Usage(prompt_tokens=3, completion_tokens=8), common_pb2.Usage(prompt_tokens=2, completion_tokens=6)])
     assert usage == {"prompt_tokens": 5, "completion_tokens": 14, "total_tokens": 19}
 
 
-def test_chat_requests() -> None:
+def test_chat_requests(tokenizer) -> None:
     body = oa.ChatBody(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=9,
                        max_completion_tokens=3, logprobs=True, top_logprobs=4)
-    req = oa.chat_request(body, "c")
+    req = oa.chat_request(body, "c", tokenizer)
     assert req.chat.messages[0].content == "hi" and req.params.max_tokens == 3 and req.params.logprobs == 4
-    plain = oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "x"}]), "c")
+    plain = oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "x"}]), "c", tokenizer)
     assert not plain.params.HasField("logprobs") and not plain.params.HasField("max_tokens")
-    assert oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "x"}], n=2), "c").params.n == 2
+    assert oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "x"}], n=2), "c", tokenizer).params.n == 2
     with pytest.raises(ValidationError, match="top_logprobs"):
-        oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "x"}], top_logprobs=2), "c")
+        oa.ChatBody(messages=[{"role": "user", "content": "x"}], top_logprobs=2)
     assert oa.finish_reason(common_pb2.FINISH_REASON_STOP) == "stop"
     assert oa.finish_reason(common_pb2.FINISH_REASON_LENGTH) == "length"
 

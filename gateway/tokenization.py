@@ -1,0 +1,76 @@
+"""Tokenize, detokenize and describe the tokenizer: one implementation for gRPC (Tokenize,
+Detokenize, ListModels) and HTTP (/tokenize, /detokenize, /tokenizer_info, /v1/models), so both
+answer the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.tokenizer import TextTokenizer
+from hetero_common.errors import ValidationError
+
+# tokenizer_config.json keys /tokenizer_info does not repeat: file names, and the added-token
+# table (large; the ids and strings that matter are given as fields).
+_NOT_INFO = ("vocab_file", "merges_file", "tokenizer_file", "added_tokens_decoder", "chat_template")
+
+
+def tokenize_text(tokenizer: TextTokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def tokenize_chat(tokenizer: TextTokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                  add_special_tokens: bool = False) -> list[int]:
+    """The chat rendered with the model's template, then tokenized. The template writes the special
+    tokens it needs, so `add_special_tokens` (vLLM's default: false) adds only what it would add
+    to plain text."""
+    if not tokenizer.chat_template:
+        raise ValidationError("this model has no chat template; tokenize a plain `prompt` instead", "messages")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def token_strings(tokenizer: TextTokenizer, ids: list[int]) -> list[str]:
+    """Each id's vocabulary entry (byte-level spelling, e.g. 'Ġthe'), as transformers' convert_ids_to_tokens."""
+    return [tokenizer.tokenizer.id_to_token(i) or "" for i in ids]
+
+
+def detokenize(tokenizer: TextTokenizer, ids: list[int], include_special_tokens: bool = True,
+               param: str = "tokens") -> str:
+    vocab = tokenizer.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValidationError(f"{param} holds {bad}, outside the vocabulary (size {vocab})", param)
+    return tokenizer.decode(ids, skip_special_tokens=not include_special_tokens)
+
+
+def tokenizer_info(tokenizer: TextTokenizer, max_model_len: int) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the tokenizer's configuration (tokenizer_config.json's fields, special
+    tokens as their text) plus its class and chat template; and the ids, which lm-evaluation-harness
+    would otherwise find by tokenizing the token texts."""
+    info: dict[str, Any] = {}
+    for key, value in tokenizer.config.items():
+        if key in _NOT_INFO:
+            continue
+        value = value.get("content") if isinstance(value, dict) and "content" in value else value
+        if value is None or isinstance(value, (str, int, float, bool)):
+            info[key] = value
+    eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+    pad_text = info.get("pad_token")
+    pad = tokenizer.tokenizer.token_to_id(pad_text) if isinstance(pad_text, str) else None
+    info.update({
+        "tokenizer_class": info.get("tokenizer_class") or "PreTrainedTokenizerFast",
+        "bos_token": tokenizer.token_text(tokenizer.bos_token_id) or None,
+        "eos_token": tokenizer.token_text(eos) or None,
+        "pad_token": pad_text if pad is not None else None,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": eos,
+        "eos_token_ids": list(tokenizer.eos_token_ids),
+        "pad_token_id": pad,
+        "add_bos_token": tokenizer.add_bos_token,
+        "vocab_size": tokenizer.vocab_size,
+        "model_max_length": info.get("model_max_length") or max_model_len,
+        "max_model_len": max_model_len,
+    })
+    if tokenizer.chat_template:
+        info["chat_template"] = tokenizer.chat_template
+    return info
