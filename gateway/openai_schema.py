@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.prompt_echo import engine_prompt_logprobs
 from gateway.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
@@ -42,6 +43,7 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False
     user: str | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # vLLM's extension (gateway/prompt_echo.py)
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -94,6 +96,8 @@ def _params(body: _Body, max_tokens: int | None, logprobs: int | None) -> common
         p.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop)
     if logprobs is not None:
         p.logprobs = logprobs
+    if body.prompt_logprobs is not None:
+        p.prompt_logprobs = body.prompt_logprobs
     return p
 
 
@@ -105,8 +109,8 @@ def _check_n(body: _Body) -> None:
 def completion_requests(body: CompletionBody, request_id: str) -> list[inference_pb2.GenerateRequest]:
     """One GenerateRequest per prompt, each asking for n samples; choice index = prompt index * n + sample."""
     _check_n(body)
-    if body.echo:
-        raise ValidationError("echo is not supported; the prompt is not returned with the completion")
+    # echo: the HTTP layer prepends the prompt (gateway/prompt_echo.py); with logprobs it needs the prompt's.
+    prompt_logprobs = engine_prompt_logprobs(body.echo, body.logprobs, body.prompt_logprobs, body.max_tokens)
     prompts: list[str | list[int]]
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
         prompts = [body.prompt]  # type: ignore[list-item]
@@ -118,6 +122,8 @@ def completion_requests(body: CompletionBody, request_id: str) -> list[inference
     for i, prompt in enumerate(prompts):
         r = inference_pb2.GenerateRequest(request_id=f"{request_id}-{i}", model=body.model or "",
                                           params=_params(body, body.max_tokens, body.logprobs))
+        if prompt_logprobs is not None:
+            r.params.prompt_logprobs = prompt_logprobs
         if isinstance(prompt, str):
             r.prompt = prompt
         else:
