@@ -65,7 +65,7 @@ def test_completion_requests_ask_the_engine_for_n_samples_per_prompt() -> None:
     ids = oa.completion_requests(oa.CompletionBody(prompt=[5, 6, 7]), "r")
     assert list(ids[0].prompt_token_ids.ids) == [5, 6, 7] and ids[0].params.max_tokens == 16
     for bad in (oa.CompletionBody(prompt="a", n=0), oa.CompletionBody(prompt="a", n=17),
-                oa.CompletionBody(prompt="a", echo=True), oa.CompletionBody(prompt=[])):
+                oa.CompletionBody(prompt=[])):
         with pytest.raises(ValidationError):
             oa.completion_requests(bad, "r")
     # usage: each request counts its prompt once and all its samples; prompts add up

@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from gateway import openai_schema as oa
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
+from hetero_common.errors import ValidationError
+from hetero_common.sampling import validate
 from scheduler_svc.prompt_logprobs import PromptLogprobs
 from scheduler_svc.scheduler import Scheduler, TokenOutput
 from tests.oracle import make_prompts
@@ -188,3 +191,25 @@ def test_entries_file_by_position() -> None:
     values, top = store.take("r")
     assert values == [-3.0, -4.0, -1.0, -2.0, -5.0] and not store.missing
     assert list(top[2].token_ids) == [7] and list(top[3].logprobs) == pytest.approx([-0.6])
+
+
+def test_http_bodies_ask_the_engine_for_prompt_logprobs() -> None:
+    """echo + logprobs N and vLLM's prompt_logprobs M ask for max(N, M) alternatives; echo with
+    max_tokens 0 asks for the prompt's own logprobs (the engine's scoring-only mode)."""
+    def asked(**body) -> int | None:
+        params = oa.completion_requests(oa.CompletionBody(prompt="a", **body), "r")[0].params
+        return params.prompt_logprobs if params.HasField("prompt_logprobs") else None
+
+    assert asked(echo=True) is None and asked(logprobs=3) is None
+    assert asked(echo=True, logprobs=3) == 3 and asked(echo=True, logprobs=1, prompt_logprobs=4) == 4
+    assert asked(echo=True, max_tokens=0) == 0 and asked(prompt_logprobs=2) == 2
+    chat = oa.chat_request(oa.ChatBody(messages=[{"role": "user", "content": "hi"}], prompt_logprobs=5), "c")
+    assert chat.params.prompt_logprobs == 5
+
+
+def test_max_tokens_0_only_with_prompt_logprobs_and_at_most_20_alternatives() -> None:
+    validate(common_pb2.SamplingParams(max_tokens=0, prompt_logprobs=0))
+    with pytest.raises(ValidationError, match="max_tokens"):
+        validate(common_pb2.SamplingParams(max_tokens=0))
+    with pytest.raises(ValidationError, match="prompt_logprobs"):
+        validate(common_pb2.SamplingParams(prompt_logprobs=21))
