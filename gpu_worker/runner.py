@@ -223,7 +223,10 @@ class ModelRunner:
             if state.prompt_logprobs is not None:
                 span = prompt_span(s.seq_id, state.prompt_logprobs, state.token_ids, state.num_generated,
                                    state.num_computed, s.num_tokens, sum(qo_lens))
-                spans += [span] if span else []
+                if span is None:  # the prompt is scored (chunks come in order): nothing more to look at
+                    state.prompt_logprobs = None
+                else:
+                    spans.append(span)
             inputs.append(state.token_ids[state.num_computed:end])
             states.append(state)
             tables.append(state.block_table)
