@@ -65,7 +65,8 @@ def validate(params: common_pb2.SamplingParams, vocab_size: int | None = None) -
         raise ValidationError("params.max_tokens must be >= 1 (got 0) unless prompt_logprobs is set; "
                               "leave it unset for the default of 100")
     if params.HasField("prompt_logprobs") and params.prompt_logprobs > MAX_LOGPROBS:
-        raise ValidationError(f"params.prompt_logprobs must be <= {MAX_LOGPROBS} (got {params.prompt_logprobs})")
+        raise ValidationError(f"params.prompt_logprobs must be <= {MAX_LOGPROBS} (got {params.prompt_logprobs}; "
+                              "over HTTP: prompt_logprobs, or logprobs with echo)")
     if not 0.0 <= s.temperature <= 2.0 or s.temperature != s.temperature:
         raise ValidationError(f"params.temperature must be in [0, 2] (got {s.temperature:g}); 0 means greedy")
     if not 0.0 < s.top_p <= 1.0 or s.top_p != s.top_p:
