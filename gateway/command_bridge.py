@@ -170,6 +170,8 @@ class CommandBridgeBackend:
     async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
                        timeout: float | None) -> AsyncIterator[SampleOutput]:
         # `timeout` is not passed on: serving.backend.command_timeout_s bounds each run.
+        if request.params.HasField("prompt_logprobs"):  # a program answers in text: it has no logits
+            raise ValidationError("params.prompt_logprobs is not served by the command_bridge backend")
         prompt, sampling = bridge_prompt(request, self.tokenizer), prepared.sampling
         for index in range(sampling.n):
             if index and sampling.seed is not None:

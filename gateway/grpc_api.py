@@ -49,6 +49,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 answer.token_timestamps.extend(part.token_timestamps)
                 answer.logprobs.extend(part.logprobs)
                 answer.top_logprobs.extend(part.top_logprobs)
+                answer.prompt_logprobs.extend(part.prompt_logprobs)  # first message only
+                answer.prompt_top_logprobs.extend(part.prompt_top_logprobs)
                 if is_finished(part.finish_reason):
                     answer.finish_reason, answer.stop_reason = part.finish_reason, part.stop_reason
                 if part.HasField("usage"):

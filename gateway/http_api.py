@@ -31,6 +31,7 @@ from gateway.http_request_id import OPENAPI_PARAMETER, RequestIdMiddleware, requ
 from gateway.http_streams import merged, unless_client_gone
 from gateway.http_tokenize import TokenizerRoutes
 from gateway.metrics import CONTENT_TYPE_LATEST
+from gateway.prompt_echo import PromptShaping
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
 
@@ -181,15 +182,21 @@ class HttpApi:
     async def completions(self, body: oa.CompletionBody, request: Request) -> Response:
         rid = request_id(request.scope)
         requests = oa.completion_requests(body, rid, self.generation.tokenizer)
+        shaping = PromptShaping.build(self.generation.tokenizer, requests, body.n, body.echo, body.logprobs,
+                                      body.prompt_logprobs)
         if body.stream:
-            return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream)
-        return await unless_client_gone(request, self._completion(requests, body.n, rid))
+            return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream, shaping)
+        return await unless_client_gone(request, self._completion(requests, body.n, rid, shaping))
 
-    async def _completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
-        parts, usages = await self._collect(requests, n, rid)
+    async def _completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str,
+                          shaping: PromptShaping | None) -> Response:
+        parts, usages = await self._collect(requests, n, rid, shaping)
         choices = [{"index": i, "text": "".join(p.text for p in ps), "finish_reason": oa.finish_reason(ps[-1].finish_reason),
                     "stop_reason": ps[-1].stop_reason or None,
-                    "logprobs": oa.completion_logprobs(self.generation.tokenizer, ps)} for i, ps in parts.items()]
+                    "logprobs": oa.completion_logprobs(self.generation.tokenizer, ps, shaping.text_offset(i) if shaping else 0)}
+                   for i, ps in parts.items()]
+        for choice in choices if shaping else []:
+            shaping.completion_choice(choice, choice["index"])  # type: ignore[union-attr]
         answer = oa.envelope("text_completion", rid, self.generation.model_name, choices)
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
@@ -197,32 +204,40 @@ class HttpApi:
     async def chat_completions(self, body: oa.ChatBody, request: Request) -> Response:
         rid = request_id(request.scope)
         requests = [oa.chat_request(body, rid, self.generation.tokenizer)]
+        shaping = PromptShaping.build(self.generation.tokenizer, requests, body.n, False, None, body.prompt_logprobs)
         if body.stream:
-            return await self._stream(requests, body.n, rid, "chat.completion.chunk", body.include_usage_in_stream)
-        return await unless_client_gone(request, self._chat_completion(requests, body.n, rid))
+            return await self._stream(requests, body.n, rid, "chat.completion.chunk", body.include_usage_in_stream,
+                                      shaping)
+        return await unless_client_gone(request, self._chat_completion(requests, body.n, rid, shaping))
 
-    async def _chat_completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
-        parts, usages = await self._collect(requests, n, rid)
+    async def _chat_completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str,
+                               shaping: PromptShaping | None) -> Response:
+        parts, usages = await self._collect(requests, n, rid, shaping)
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
                     "finish_reason": oa.finish_reason(ps[-1].finish_reason), "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]
+        for choice in choices if shaping else []:
+            shaping.chat_choice(choice, choice["index"])  # type: ignore[union-attr]
         answer = oa.envelope("chat.completion", rid, self.generation.model_name, choices)
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
-    async def _collect(self, requests: list[inference_pb2.GenerateRequest], n: int,
-                       rid: str) -> tuple[dict[int, list[inference_pb2.GenerateResponse]], list[common_pb2.Usage]]:
+    async def _collect(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str,
+                       shaping: PromptShaping | None = None,
+                       ) -> tuple[dict[int, list[inference_pb2.GenerateResponse]], list[common_pb2.Usage]]:
         """Every choice's messages (by choice index, in order) and each request's usage."""
         parts: dict[int, list[inference_pb2.GenerateResponse]] = {}
         usages: list[common_pb2.Usage] = []
         async for index, part in merged(self.generation, requests, n, rid):
             parts.setdefault(index, []).append(part)
+            if shaping:
+                shaping.observe(index, part)
             if part.HasField("usage"):  # a request's last message: its prompt once, all its samples
                 usages.append(part.usage)
         return dict(sorted(parts.items())), usages
 
     async def _stream(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str, kind: str,
-                      include_usage: bool) -> Response:
+                      include_usage: bool, shaping: PromptShaping | None = None) -> Response:
         """Server-sent events. The first message is awaited before answering, so a bad request still
         gets its 4xx status (not a 200 stream carrying an error)."""
         events = merged(self.generation, requests, n, rid)
@@ -238,15 +253,24 @@ class HttpApi:
 
         def chunk(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": index, "finish_reason": oa.finish_reason(part.finish_reason)}
+            shape = shaping if first_of_choice else None  # the prompt goes in each choice's first chunk
+            if shaping:
+                shaping.observe(index, part)
             if chat:
                 delta: dict[str, Any] = {"content": part.text}
                 if first_of_choice:
                     delta["role"] = "assistant"
                 choice["delta"], choice["logprobs"] = delta, oa.chat_logprobs([part])
+                if shape:
+                    shape.chat_choice(choice, index)
             else:
+                if shape:
+                    offsets[index] = shape.text_offset(index)
                 choice["text"] = part.text
                 choice["logprobs"] = oa.completion_logprobs(self.generation.tokenizer, [part], offsets[index])
                 offsets[index] += len(part.text)
+                if shape:
+                    shape.completion_choice(choice, index)
             if part.stop_reason:
                 choice["stop_reason"] = part.stop_reason
             return oa.envelope(kind, rid, model, [choice], created)  # type: ignore[arg-type]

@@ -143,7 +143,7 @@ def _check_prompt(prompt: Any) -> Any:
 
 class CompletionBody(_Body):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=0, le=UINT32_MAX, description="0 only with echo")
+    max_tokens: int | None = Field(16, ge=0, le=UINT32_MAX, description="0 only with echo or prompt_logprobs")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="served only when equal to n")
@@ -163,8 +163,9 @@ class CompletionBody(_Body):
         if self.best_of is not None and self.best_of != self.n:
             raise ValidationError(f"best_of={self.best_of} with n={self.n}: only best_of == n is served "
                                   "(every sample is returned)", "best_of")
-        if self.max_tokens == 0 and not self.echo:
-            raise ValidationError("max_tokens must be >= 1 (0 is allowed only with echo)", "max_tokens")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValidationError("max_tokens must be >= 1 (0 is allowed only with echo or prompt_logprobs: "
+                                  "the prompt is scored, nothing is generated)", "max_tokens")
         _check_min_tokens(self.min_tokens, self.max_tokens)
         return self
 

@@ -66,13 +66,11 @@ COMMON: dict[str, Unserved] = {
     "return_token_ids": Unserved(_false, "not served; the gRPC API returns token ids"),
     "kv_transfer_params": Unserved(_none, "disaggregated serving is not served"),
     "vllm_xargs": Unserved(_none, "no extensions take extra arguments here"),
-    "prompt_logprobs": Unserved(_none, "prompt logprobs are not served yet"),
     "continuous_usage_stats": Unserved(_false, "usage comes once, at the end (include_usage)"),
 }
 
 COMPLETION: dict[str, Unserved] = {
     **COMMON,
-    "echo": Unserved(_false, "the prompt is not returned with the completion"),
     "suffix": Unserved(_empty, "insertion (fill in the middle) is not served"),
     "prompt_embeds": Unserved(_none, "prompts are text or token ids"),
     # best_of == n is served (every sample is returned); see CompletionBody.

@@ -16,6 +16,7 @@ import time
 from typing import Any, Literal
 
 from gateway.openai_bodies import ChatBody, ChatMessageBody, CompletionBody, StreamOptions, _Body
+from gateway.prompt_echo import engine_prompt_logprobs
 from gateway.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
@@ -68,6 +69,8 @@ def _params(body: _Body, max_tokens: int | None, logprobs: int | None, vocab_siz
         p.logit_bias.update(_logit_bias(body.logit_bias, vocab_size))
     if logprobs is not None:
         p.logprobs = logprobs
+    if body.prompt_logprobs is not None:
+        p.prompt_logprobs = body.prompt_logprobs
     return p
 
 
@@ -80,6 +83,8 @@ def completion_requests(body: CompletionBody, request_id: str,
                         tokenizer: TextTokenizer) -> list[inference_pb2.GenerateRequest]:
     """One GenerateRequest per prompt, each asking for n samples; choice index = prompt index * n + sample.
     Request ids are `{request_id}-{prompt index}`."""
+    # echo: the HTTP layer prepends the prompt (gateway/prompt_echo.py); with logprobs it needs the prompt's.
+    prompt_logprobs = engine_prompt_logprobs(body.echo, body.logprobs, body.prompt_logprobs, body.max_tokens)
     prompts: list[str | list[int]]
     if isinstance(body.prompt, str) or isinstance(body.prompt[0], int):
         prompts = [body.prompt]  # type: ignore[list-item]
@@ -89,6 +94,8 @@ def completion_requests(body: CompletionBody, request_id: str,
     requests = []
     for i, prompt in enumerate(prompts):
         r = _request(body, f"{request_id}-{i}", _params(body, body.max_tokens, body.logprobs, vocab))
+        if prompt_logprobs is not None:
+            r.params.prompt_logprobs = prompt_logprobs
         where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(prompt, str) and body.add_special_tokens:
             r.prompt = prompt  # tokenized downstream, with the model's special tokens, as gRPC's prompt

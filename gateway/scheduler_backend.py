@@ -16,6 +16,7 @@ import grpc
 import structlog
 
 from gateway.backend import SampleOutput
+from gateway.prompt_logprobs import add_prompt_logprobs, drop_generated, engine_params, scoring_only
 from gateway.text_stream import TextStream
 from gateway.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest
@@ -66,19 +67,27 @@ class SchedulerBackend:
         """A sample that matches a stop string is aborted downstream alone; the rest run on."""
         n = prepared.sampling.n
         streams = {i: TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling) for i in range(n)}
+        scoring = scoring_only(request.params)  # max_tokens 0: the one token the engine samples is dropped
         # aclosing: returning early (every sample stopped) closes the generator at once, which
         # cancels the Submit call and so ends the request downstream.
-        async with aclosing(self._events(prepared, request.params, timeout, request.cache_salt)) as events:
+        async with aclosing(self._events(prepared, engine_params(request.params), timeout,
+                                         request.cache_salt)) as events:
             async for event in events:
                 stream = streams.get(event.index)
                 if stream is None:
                     continue  # this sample already ended (stop string) before its abort landed
                 response = self._response(prepared.request_id, event, stream, request.params)
+                generated = len(event.token_ids)
+                if scoring:
+                    drop_generated(response)
+                    generated = 0
+                if event.prompt_logprobs:
+                    add_prompt_logprobs(response, event, prepared.prompt_token_ids, self._token_text)
                 if is_finished(response.finish_reason):
                     del streams[event.index]
                     if n > 1 and response.stop_reason and streams:  # only this sample ends
                         await self._abort_sample(prepared.request_id, event.index)
-                yield SampleOutput(response, len(event.token_ids), event.cached_prompt_tokens, event.queue_seconds)
+                yield SampleOutput(response, generated, event.cached_prompt_tokens, event.queue_seconds)
                 if not streams:
                     return
 
@@ -143,8 +152,11 @@ class SchedulerBackend:
             response.finish_reason = event.finish_reason
         return response
 
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _add_logprobs(self, response: inference_pb2.GenerateResponse, event: scheduler_pb2.TokenEvent) -> None:
-        token = lambda i: self.tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+        token = self._token_text
         for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs)):
             response.logprobs.add(token_id=token_id, logprob=logprob, token=token(token_id))
             alternatives = response.top_logprobs.add()

@@ -108,6 +108,16 @@ class LlamaModel:
         The attention backend must already be planned for this step. Only the rows that are
         sampled (each sequence's last computed token) reach the LM head.
         """
+        return self.logits(self.hidden_states(input_ids, positions, slots, kv_cache, attention)[logits_rows])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over rows of `hidden_states`: float32 logits [rows, vocab]."""
+        return F.linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      kv_cache: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+        """Run all layers over T flattened tokens; return the last layer's output [T, hidden]
+        (before the final norm). Callers pick the rows that need logits (`logits`)."""
         c = self.config
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
@@ -128,5 +138,4 @@ class LlamaModel:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate, inplace=True).mul_(up)  # SiLU(gate) * up written over gate: no new buffer
             hidden.add_(self.tp.all_reduce(F.linear(act, layer["down"])))
-        last = self._rms_norm(hidden[logits_rows], self.final_norm)
-        return F.linear(last, self.lm_head).float()
+        return hidden

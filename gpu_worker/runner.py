@@ -21,6 +21,7 @@ from gpu_worker.cpu_setup import configure_cpu_threads, resolve_cpu_dtype
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel
+from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
 from gpu_worker.sampler import SamplingBatch, sample, top_logprobs
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
@@ -41,6 +42,7 @@ class SequenceState:
     num_generated: int
     block_table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     num_computed: int = -1  # tokens whose K/V is in the cache; -1: new, take the plan's count (prefix-cache hits)
+    prompt_logprobs: int | None = None  # alternatives per prompt position to score (gpu_worker/prompt_logprobs.py)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -145,7 +147,8 @@ class ModelRunner:
             dst = torch.tensor([c.dst for c in plan.block_copies], device=self.device)
             copy_blocks(self.kv_cache, src, dst)
         for new in plan.new_sequences:
-            self.sequences[new.seq_id] = SequenceState(list(new.token_ids), resolve(new.params), new.num_generated)
+            self.sequences[new.seq_id] = SequenceState(list(new.token_ids), resolve(new.params), new.num_generated,
+                                                       prompt_logprobs=wanted(new.params, new.num_generated))
 
     def _state(self, plan: worker_pb2.StepPlan, seq_id: int) -> SequenceState:
         state = self.sequences.get(seq_id)
@@ -197,6 +200,7 @@ class ModelRunner:
             return result
         states: list[SequenceState] = []
         tables, qo_lens, kv_lens, inputs = [], [], [], []
+        spans: list[PromptSpan] = []  # prompt positions whose logprobs are asked for
         for s in plan.scheduled:
             state = self.sequences.get(s.seq_id)
             if state is None:
@@ -216,6 +220,13 @@ class ModelRunner:
             if end > len(state.token_ids) or end > len(state.block_table) * self.block_size:
                 raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} cannot compute tokens up to {end} "
                                      f"({len(state.token_ids)} known, {len(state.block_table)} blocks)")
+            if state.prompt_logprobs is not None:
+                span = prompt_span(s.seq_id, state.prompt_logprobs, state.token_ids, state.num_generated,
+                                   state.num_computed, s.num_tokens, sum(qo_lens))
+                if span is None:  # the prompt is scored (chunks come in order): nothing more to look at
+                    state.prompt_logprobs = None
+                else:
+                    spans.append(span)
             inputs.append(state.token_ids[state.num_computed:end])
             states.append(state)
             tables.append(state.block_table)
@@ -226,13 +237,16 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample]
         logits_rows = table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1
         flat_inputs = np.fromiter((t for chunk in inputs for t in chunk), dtype=np.int64, count=table.num_tokens)
-        if self.graphs is not None and self.graphs.can_run(table):  # decode-only step: replay a CUDA graph
+        if self.graphs is not None and not spans and self.graphs.can_run(table):  # decode-only step: replay a CUDA graph
             logits = self.graphs.run(table, flat_inputs, positions)[logits_rows.to(self.device)]
         else:
             self.attention.plan(table)
-            logits = self.model.forward(
+            hidden = self.model.hidden_states(
                 torch.from_numpy(flat_inputs).to(self.device), torch.from_numpy(positions).to(self.device),
-                torch.from_numpy(slots).to(self.device), self.kv_cache, self.attention, logits_rows.to(self.device))
+                torch.from_numpy(slots).to(self.device), self.kv_cache, self.attention)
+            logits = self.model.logits(hidden[logits_rows.to(self.device)])
+            if spans and self.tp.rank == 0:  # only rank 0's result goes back
+                result.prompt_logprobs.extend(score(self.model, hidden, spans))
         for state, n in zip(states, qo_lens):
             state.num_computed += n
         if sample_idx:

@@ -60,8 +60,13 @@ def resolve(params: common_pb2.SamplingParams) -> Sampling:
 def validate(params: common_pb2.SamplingParams, vocab_size: int | None = None) -> Sampling:
     """Raise ValidationError naming the field; return the resolved parameters."""
     s = resolve(params)
-    if params.HasField("max_tokens") and s.max_tokens < 1:
-        raise ValidationError("params.max_tokens must be >= 1 (got 0); leave it unset for the default of 100")
+    # max_tokens 0 scores the prompt only (echo): the engine is asked for one token, which the gateway drops.
+    if params.HasField("max_tokens") and s.max_tokens < 1 and not params.HasField("prompt_logprobs"):
+        raise ValidationError("params.max_tokens must be >= 1 (got 0) unless prompt_logprobs is set; "
+                              "leave it unset for the default of 100")
+    if params.HasField("prompt_logprobs") and params.prompt_logprobs > MAX_LOGPROBS:
+        raise ValidationError(f"params.prompt_logprobs must be <= {MAX_LOGPROBS} (got {params.prompt_logprobs}; "
+                              "over HTTP: prompt_logprobs, or logprobs with echo)")
     if not 0.0 <= s.temperature <= 2.0 or s.temperature != s.temperature:
         raise ValidationError(f"params.temperature must be in [0, 2] (got {s.temperature:g}); 0 means greedy")
     if not 0.0 < s.top_p <= 1.0 or s.top_p != s.top_p:

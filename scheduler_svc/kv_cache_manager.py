@@ -77,10 +77,11 @@ class KVCacheManager:
         """Cached blocks holding the longest run of this sequence's leading full blocks.
 
         At most (tokens - 1) // block_size blocks: the last token is always computed (its
-        logits are needed), and its block is never a shared cached one.
+        logits are needed), and its block is never a shared cached one. None for a request
+        that asks for prompt logprobs (scheduler_svc/prompt_logprobs.py).
         """
-        if not self.enable_prefix_caching or seq.block_table:
-            return []
+        if not self.enable_prefix_caching or seq.block_table or seq.needs_prompt_logits:
+            return []  # cached positions have no logits: prompt logprobs need all of them computed
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs
         extend_hashes(seq.block_hashes, seq.token_ids, bs, usable, seq.cache_salt)
@@ -106,7 +107,7 @@ class KVCacheManager:
         seq.num_registered = len(hits)
         if seq.cached_prompt_tokens is None:  # count a prompt once, not again after a preemption
             seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and not seq.needs_prompt_logits:  # only prompts looked up count
                 self.prefix_cache_queries += seq.prompt_len
                 self.prefix_cache_hits += seq.cached_prompt_tokens
 

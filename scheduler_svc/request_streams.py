@@ -103,7 +103,8 @@ class RequestStreams:
                 request_id=out.request_id, token_ids=out.token_ids, finish_reason=out.finish_reason, error=out.error,
                 index=out.index, cached_prompt_tokens=out.cached_prompt_tokens, logprobs=out.logprobs,
                 token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else [],
-                top_logprobs=out.top_logprobs, queue_seconds=out.queue_seconds))
+                top_logprobs=out.top_logprobs, queue_seconds=out.queue_seconds,
+                prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs))
             if ends_sample and not stream.open_samples:
                 stream.finished = True
                 self._streams.pop(out.request_id, None)

@@ -289,7 +289,7 @@ class Scheduler:
                 register_full_blocks(seq)
         self._in_flight = []
         outputs: list[TokenOutput] = []
-        rows = SampledRows(result)
+        rows = SampledRows(result, self.sequences)  # files the step's prompt logprobs first
         sequences, eos_token_ids, max_model_len = self.sequences, self.eos_token_ids, self.max_model_len
         any_finished = False
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from hetero.v1 import common_pb2
 from hetero_common.sampling import Sampling, sample_seed
 from scheduler_svc.block_pool import blocks_for
+from scheduler_svc.prompt_logprobs import PromptLogprobs, needs_prompt_logits
 
 
 class SequenceStatus(enum.Enum):
@@ -59,6 +60,7 @@ class Sequence:
     last_scheduled_step: int = -1
     queue_seconds: float | None = None  # arrival to first admission (metrics)
     deadline: float | None = None  # time.monotonic() after which the request is dropped (the caller's gRPC deadline)
+    prompt_logprobs: PromptLogprobs | None = None  # filled step by step until the first token (prompt_logprobs.py)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +69,11 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt logprobs still to deliver: every prompt position must be computed (no prefix-cache hit)."""
+        return needs_prompt_logits(self.params, self.index, self.first_output_sent)
 
     @property
     def num_uncomputed(self) -> int:
@@ -91,6 +98,7 @@ def fork_sample(parent: Sequence, index: int, seq_id: int, block_size: int) -> S
     params.CopyFrom(parent.params)
     if params.HasField("seed"):  # distinct but reproducible samples
         params.seed = sample_seed(params.seed, index)
+    params.ClearField("prompt_logprobs")  # sample 0 carries them; the worker scores no prompt token for this one
     prompt_blocks = blocks_for(parent.prompt_len, block_size)
     return Sequence(seq_id, parent.request_id, parent.token_ids[:parent.prompt_len], parent.prompt_len, parent.sampling,
                     params, index=index, cache_salt=parent.cache_salt, status=SequenceStatus.DECODE,

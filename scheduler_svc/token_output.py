@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hetero.v1 import common_pb2, worker_pb2
+from scheduler_svc.prompt_logprobs import PromptLogprobs
 from scheduler_svc.sequence import Sequence
 
 
@@ -23,13 +24,17 @@ class TokenOutput:
     queue_seconds: float = 0.0  # on the first output: arrival to first admission
     index: int = 0  # sample index (n > 1)
     cached_prompt_tokens: int = 0  # set on a sample's first output
+    prompt_logprobs: list[float] = field(default_factory=list)  # first output, when params.prompt_logprobs is set
+    prompt_top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)
 
 
 class SampledRows:
     """One StepResult's rows as outputs: its repeated fields are read once per step, not per row."""
 
-    def __init__(self, result: worker_pb2.StepResult) -> None:
+    def __init__(self, result: worker_pb2.StepResult, sequences: dict[int, Sequence] | None = None) -> None:
         self.result = result
+        if result.prompt_logprobs and sequences is not None:  # before this step's first tokens go out
+            collect_prompt_logprobs(result, sequences)
         self.logprobs = list(result.logprobs)
         self.num_top = result.num_top_logprobs
 
@@ -44,10 +49,24 @@ class SampledRows:
             out.top_logprobs = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[top][:k],
                                                        logprobs=result.top_logprobs[top][:k])]
         if not seq.first_output_sent:
+            if seq.needs_prompt_logits:
+                scored = seq.prompt_logprobs or PromptLogprobs(seq.prompt_len)
+                out.prompt_logprobs, out.prompt_top_logprobs = scored.take(seq.request_id)
+                seq.prompt_logprobs = None
             out.cached_prompt_tokens = seq.cached_prompt_tokens or 0
             out.queue_seconds = seq.queue_seconds or 0.0
             seq.first_output_sent = True
         return out
+
+
+def collect_prompt_logprobs(result: worker_pb2.StepResult, sequences: dict[int, Sequence]) -> None:
+    """File the step's prompt-logprob entries with their sequences (before the step's first tokens go out)."""
+    for entry in result.prompt_logprobs:
+        seq = sequences.get(entry.seq_id)
+        if seq is not None and seq.needs_prompt_logits:
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = PromptLogprobs(seq.prompt_len)
+            seq.prompt_logprobs.add(entry)
 
 
 def finish_reason(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> int:

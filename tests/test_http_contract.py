@@ -83,7 +83,7 @@ HOSTILE = [  # (route, body, the field the 400 must name); the first six were HT
     ("/v1/completions", {"prompt": "x", "top_k": -3}, "top_k"),
     ("/v1/completions", {"prompt": "x", "top_k": 2**32}, "top_k"),
     ("/v1/completions", {"prompt": "x", "top_k": 100000}, "top_k"),  # larger than the vocabulary
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # only with echo
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),  # only with echo or prompt_logprobs
     ("/v1/completions", {"prompt": [2**32]}, "prompt[0]"),
     ("/v1/completions", {"prompt": [1000]}, "prompt"),  # outside the vocabulary
     ("/v1/completions", {"prompt": [[1], [1000]]}, "prompt[1]"),
@@ -200,7 +200,6 @@ NON_DEFAULT: dict[str, tuple[Any, Any]] = {
     "return_token_ids": (True, False),
     "kv_transfer_params": ({"a": 1}, None),
     "vllm_xargs": ({"a": 1}, None),
-    "prompt_logprobs": (1, None),
     "continuous_usage_stats": (True, False),
     "echo": (True, False),
     "suffix": ("tail", None),

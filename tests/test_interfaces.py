@@ -75,7 +75,7 @@ def test_completion_requests_ask_the_engine_for_n_samples_per_prompt(tokenizer) 
     assert [(r.request_id, r.prompt, r.params.n) for r in batch] == [("r-0", "a", 2), ("r-1", "b", 2)]
     ids = oa.completion_requests(oa.CompletionBody(prompt=[5, 6, 7]), "r", tokenizer)
     assert list(ids[0].prompt_token_ids.ids) == [5, 6, 7] and ids[0].params.max_tokens == 16
-    for bad in ({"n": 0}, {"n": 17}, {"echo": True}, {"prompt": []}):
+    for bad in ({"n": 0}, {"n": 17}, {"prompt": []}):
         with pytest.raises((ValidationError, PydanticValidationError)):
             oa.CompletionBody(**{"prompt": "a", **bad})
     # usage: each request counts its prompt once and all its samples; prompts add up
