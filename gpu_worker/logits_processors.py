@@ -107,10 +107,11 @@ class LogitsControls:
             rc.record(token_ids[row])
 
 
-def build_logits_controls(states: Sequence[ControlledSequence], vocab_size: int, eos_token_ids: Sequence[int],
-                          device: torch.device) -> LogitsControls | None:
-    """The step's controls, or None when no row uses one (the common case: one pass over the rows)."""
-    rows = [i for i, st in enumerate(states) if st.sampling.uses_logits_controls]
+def build_logits_controls(states: Sequence[ControlledSequence], candidates: Sequence[int], vocab_size: int,
+                          eos_token_ids: Sequence[int], device: torch.device) -> LogitsControls | None:
+    """The step's controls over the rows `candidates` of the batch `states` (the others use none), or None
+    when no row changes its logits before temperature."""
+    rows = [i for i in candidates if states[i].sampling.uses_logits_controls]
     if not rows:
         return None
     bias_at, hold_at, repetition_at, counted_at = [], [], [], []

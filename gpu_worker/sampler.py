@@ -39,6 +39,7 @@ def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, 
                          device: torch.device) -> SamplingBatch:
     """The batch of the sequences sampled this step, in order."""
     samplings = [st.sampling for st in states]
+    extra = [i for i, s in enumerate(samplings) if s.uses_sampler_controls]  # usually none: one pass, then nothing
     return SamplingBatch(
         temperature=torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
         top_k=torch.tensor([s.top_k for s in samplings], dtype=torch.int64, device=device),
@@ -46,9 +47,9 @@ def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, 
         seeds=[s.seed for s in samplings],
         generated_index=[st.num_generated for st in states],
         want_logprobs=any(s.logprobs is not None for s in samplings),
-        controls=build_logits_controls(states, vocab_size, eos_token_ids, device),
+        controls=build_logits_controls(states, extra, vocab_size, eos_token_ids, device) if extra else None,
         min_p=(torch.tensor([s.min_p for s in samplings], dtype=torch.float32, device=device)
-               if any(s.min_p for s in samplings) else None),
+               if any(samplings[i].min_p for i in extra) else None),
     )
 
 

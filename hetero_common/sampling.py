@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hetero.v1 import common_pb2
 from hetero_common.errors import ValidationError
@@ -44,13 +45,18 @@ class Sampling:
 
     @property
     def uses_penalties(self) -> bool:
-        """Whether the sampler must count this sequence's tokens."""
+        """Whether the sampler must keep this sequence's token counts or seen tokens."""
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @cached_property
     def uses_logits_controls(self) -> bool:
         """Whether the sampler changes this sequence's logits before temperature (min_p acts after)."""
         return self.uses_penalties or self.min_tokens > 0 or bool(self.logit_bias)
+
+    @cached_property  # read for every sampled row of every step: computed once
+    def uses_sampler_controls(self) -> bool:
+        """Whether the sampler has anything to do for this sequence beyond temperature, top-k and top-p."""
+        return self.uses_logits_controls or self.min_p > 0.0
 
 
 def sample_seed(seed: int, index: int) -> int:
