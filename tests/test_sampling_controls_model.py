@@ -40,8 +40,12 @@ def test_repetition_penalty_equals_transformers_generate(model: str, request: py
     reference = hf_greedy(model_dir, prompts, new_tokens, repetition_penalty=1.3)
     plain = hf_greedy(model_dir, prompts, new_tokens)
     assert reference != plain  # the penalty matters on these prompts
-    params = dataclasses.replace(PENALISED, max_tokens=new_tokens)
-    assert [s[0] for s in run_all(engine(model_dir, block_size=4), prompts, [params] * len(prompts))] == reference
+    params = [dataclasses.replace(PENALISED, max_tokens=new_tokens)] * len(prompts)
+    assert [s[0] for s in run_all(engine(model_dir, block_size=4), prompts, params)] == reference
+    # The same with a pool too small for the batch: sequences are preempted and recomputed.
+    small = engine(model_dir, block_size=4, max_num_blocks=24, memory_threshold=1.0, preemption_mode="recompute")
+    assert [s[0] for s in run_all(small, prompts, params)] == reference
+    assert small.scheduler.num_preemptions > 0
 
 
 def mixed_params() -> list[GenerationParams]:
@@ -72,10 +76,11 @@ def test_a_mixed_batch_gives_each_row_what_it_gives_alone(tiny_llama_dir: Path) 
     assert alone[7][0] != alone[7][1]
 
 
-def test_controls_survive_recompute_preemption(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_controls_survive_preemption(tiny_llama_dir: Path, mode: str) -> None:
     prompts, params = make_prompts()[:8], mixed_params()
     unpreempted = run_all(engine(tiny_llama_dir, block_size=4), prompts, params)
-    eng = engine(tiny_llama_dir, block_size=4, max_num_blocks=20, memory_threshold=1.0, preemption_mode="recompute")
+    eng = engine(tiny_llama_dir, block_size=4, max_num_blocks=20, memory_threshold=1.0, preemption_mode=mode)
     assert run_all(eng, prompts, params) == unpreempted
     assert eng.scheduler.num_preemptions > 0
 
