@@ -11,7 +11,7 @@ token ids and `num_generated` (the worker's view after a recompute preemption or
 exactly that: prompt + generated ids, and how many of them were generated). Each control is a
 dense [V] tensor on the device, so a step stacks them instead of looping over tokens in Python:
 - logit_bias: the bias vector;
-- min_tokens: a mask of the ids to hold back (EOS unless ignore_eos, and stop_token_ids);
+- min_tokens: a mask of the ids to hold back (EOS and stop_token_ids);
 - penalties: the generated tokens' counts (frequency/presence) and the seen-token mask (prompt
   or generated: repetition), updated by one indexed write per penalised row after each step
   (`LogitsControls.record`). Measured on CPU (2 cores, V = 49,152): a dense [V] state per row
@@ -64,8 +64,8 @@ def build_row_controls(sampling: Sampling, token_ids: list[int], num_generated: 
         rc.bias = torch.zeros(vocab_size, dtype=torch.float32)
         rc.bias[list(bias)] = torch.tensor(list(bias.values()), dtype=torch.float32)
         rc.bias = rc.bias.to(device)
-    held = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(eos_token_ids))
-    held = {t for t in held if t < vocab_size}
+    # EOS is held back even with ignore_eos, as vLLM does: min_tokens means "no EOS before this many".
+    held = {t for t in (*sampling.stop_token_ids, *eos_token_ids) if t < vocab_size}
     if sampling.min_tokens > 0 and held:
         rc.hold_back = torch.zeros(vocab_size, dtype=torch.bool)
         rc.hold_back[sorted(held)] = True

@@ -115,12 +115,12 @@ def test_min_tokens_masks_eos_and_stop_ids_only_below_the_threshold() -> None:
     rows = [row([1, 2], 0, min_tokens=3, stop_token_ids=[4]),  # 0 generated < 3: both held back
             row([1, 2, 5, 5], 2, min_tokens=3, stop_token_ids=[4]),  # 2 < 3: held back
             row([1, 2, 5, 5, 5], 3, min_tokens=3, stop_token_ids=[4]),  # 3 generated: free again
-            row([1, 2], 0, min_tokens=3, ignore_eos=True)]  # EOS ends nothing here: left alone
+            row([1, 2], 0, min_tokens=3, ignore_eos=True)]  # EOS held back all the same (vLLM)
     out = processed(logits, rows)
-    assert out[0, 0] == out[0, 4] == out[1, 0] == out[1, 4] == -math.inf
+    assert out[0, 0] == out[0, 4] == out[1, 0] == out[1, 4] == out[3, 0] == -math.inf
     assert torch.isfinite(out[0, 1:4]).all() and torch.isfinite(out[0, 5:]).all()
-    assert torch.equal(out[2], logits[2]) and torch.equal(out[3], logits[3])
-    assert sample(logits, build_sampling_batch(rows, V, EOS, CPU))[0].tolist() == [1, 1, 0, 0]
+    assert torch.equal(out[2], logits[2]) and torch.isfinite(out[3, 1:]).all()
+    assert sample(logits, build_sampling_batch(rows, V, EOS, CPU))[0].tolist() == [1, 1, 0, 4]
 
 
 def test_a_mixed_batch_gives_each_row_what_it_gives_alone() -> None:
