@@ -72,11 +72,11 @@ def build_row_controls(sampling: Sampling, token_ids: list[int], num_generated: 
         rc.hold_back = rc.hold_back.to(device)
     ids = torch.tensor(token_ids, dtype=torch.int64)
     if sampling.frequency_penalty or sampling.presence_penalty:
-        generated = ids[len(token_ids) - num_generated:]
+        generated = ids[len(token_ids) - num_generated:]  # sampled here: all in the model's vocabulary
         rc.counts = torch.bincount(generated, minlength=vocab_size).to(device=device, dtype=torch.float32)
     if sampling.repetition_penalty != 1.0:
         rc.seen = torch.zeros(vocab_size, dtype=torch.bool)
-        rc.seen[ids] = True
+        rc.seen[ids[ids < vocab_size]] = True  # a prompt id past the model's vocabulary has no logit
         rc.seen = rc.seen.to(device)
     return rc
 

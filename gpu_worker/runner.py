@@ -239,8 +239,7 @@ class ModelRunner:
             state.num_computed += n
         if sample_idx:
             sampled = [states[i] for i in sample_idx]
-            batch = build_sampling_batch(sampled, self.model_config.vocab_size, self.model_config.eos_token_ids,
-                                         self.device)
+            batch = build_sampling_batch(sampled, logits.shape[-1], self.model_config.eos_token_ids, self.device)
             tokens, logprobs = sample(logits, batch)
             tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
             token_list = tokens.tolist()
