@@ -62,6 +62,19 @@ def bridge_environment(request_id: str, prompt: str, sampling: Sampling, model: 
     return env
 
 
+# SamplingParams controls that act on the model's logits, which the program never shows us: a request
+# that sets one (to other than its default) is refused rather than answered as if it had been honoured.
+_LOGITS_CONTROL_DEFAULTS = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
+                            ("min_p", 0.0), ("min_tokens", 0), ("logit_bias", {}))
+
+
+def refuse_logits_controls(sampling: Sampling) -> None:
+    for name, default in _LOGITS_CONTROL_DEFAULTS:
+        if getattr(sampling, name) != default:
+            raise ValidationError(f"params.{name} is not supported by the command bridge backend "
+                                  "(serving.backend.kind command_bridge); leave it unset")
+
+
 class CommandBridge:
     name = "command_bridge"
 
@@ -172,6 +185,7 @@ class CommandBridgeBackend:
         # `timeout` is not passed on: serving.backend.command_timeout_s bounds each run.
         if request.params.HasField("prompt_logprobs"):  # a program answers in text: it has no logits
             raise ValidationError("params.prompt_logprobs is not served by the command_bridge backend")
+        refuse_logits_controls(prepared.sampling)
         prompt, sampling = bridge_prompt(request, self.tokenizer), prepared.sampling
         for index in range(sampling.n):
             if index and sampling.seed is not None:

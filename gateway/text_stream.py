@@ -23,18 +23,32 @@ class TextStream:
                                              skip_special_tokens=not sampling.include_special_tokens)
         self._stops = StopStringMatcher(sampling.stop)
         self.stopped = False
+        # min_tokens: stop strings are looked for only in the text after the first min_tokens tokens.
+        self._unchecked_tokens = sampling.min_tokens if sampling.stop else 0
 
     def push(self, token_ids: list[int]) -> TextDelta:
         if self.stopped:
             return TextDelta("", True)
-        result = self._stops.feed(self._detok.push(token_ids))
+        if self._unchecked_tokens:
+            head, token_ids = token_ids[:self._unchecked_tokens], token_ids[self._unchecked_tokens:]
+            self._unchecked_tokens -= len(head)
+            unchecked = self._detok.push(head)
+            if token_ids:
+                return self._feed(self._detok.push(token_ids), unchecked)
+            return TextDelta(unchecked)
+        return self._feed(self._detok.push(token_ids))
+
+    def _feed(self, text: str, unchecked: str = "") -> TextDelta:
+        result = self._stops.feed(text)
         self.stopped = result.stopped
-        return TextDelta(result.text, result.stopped, result.matched)
+        return TextDelta(unchecked + result.text, result.stopped, result.matched)
 
     def finish(self) -> str:
         """End of generation: release text held back for a possible stop string or partial character."""
         if self.stopped:
             return ""
+        if self._unchecked_tokens:  # ended within min_tokens (e.g. max_model_len): no stop string applies
+            return self._detok.flush()
         result = self._stops.feed(self._detok.flush())
         if result.stopped:
             self.stopped = True

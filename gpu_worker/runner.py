@@ -21,8 +21,9 @@ from gpu_worker.cpu_setup import configure_cpu_threads, resolve_cpu_dtype
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel
+from gpu_worker.logits_processors import RowControls
 from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
-from gpu_worker.sampler import SamplingBatch, sample, top_logprobs
+from gpu_worker.sampler import build_sampling_batch, sample, top_logprobs
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
@@ -43,6 +44,7 @@ class SequenceState:
     block_table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     num_computed: int = -1  # tokens whose K/V is in the cache; -1: new, take the plan's count (prefix-cache hits)
     prompt_logprobs: int | None = None  # alternatives per prompt position to score (gpu_worker/prompt_logprobs.py)
+    controls: RowControls | None = None  # logits controls' state, built at the first sampled step (logits_processors)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -251,17 +253,11 @@ class ModelRunner:
             state.num_computed += n
         if sample_idx:
             sampled = [states[i] for i in sample_idx]
-            batch = SamplingBatch(
-                temperature=torch.tensor([st.sampling.temperature for st in sampled], dtype=torch.float32, device=self.device),
-                top_k=torch.tensor([st.sampling.top_k for st in sampled], dtype=torch.int64, device=self.device),
-                top_p=torch.tensor([st.sampling.top_p for st in sampled], dtype=torch.float32, device=self.device),
-                seeds=[st.sampling.seed for st in sampled],
-                generated_index=[st.num_generated for st in sampled],
-                want_logprobs=any(st.sampling.logprobs is not None for st in sampled),
-            )
+            batch = build_sampling_batch(sampled, logits.shape[-1], self.model_config.eos_token_ids, self.device)
             tokens, logprobs = sample(logits, batch)
             tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
             token_list = tokens.tolist()
+            batch.record(token_list)
             for st, tok in zip(sampled, token_list):
                 st.token_ids.append(tok)
                 st.num_generated += 1

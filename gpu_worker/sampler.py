@@ -1,4 +1,5 @@
-"""Vectorized sampling across the batch: greedy, temperature, top-k, top-p, per-request seeds.
+"""Vectorized sampling across the batch: greedy, temperature, top-k, top-p, per-request seeds,
+and the logits controls (logit_bias, min_tokens, penalties, min_p: gpu_worker/logits_processors.py).
 
 Random rows use the exponential-race trick: argmax(p / E) with E ~ Exp(1) draws from p,
 so one noise tensor serves the whole batch. A seeded row draws its noise from a generator
@@ -8,9 +9,13 @@ even if the sequence was preempted and recomputed in between.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from gpu_worker.logits_processors import (ControlledSequence, LogitsControls, apply_logits_controls, apply_min_p,
+                                          build_logits_controls)
 
 
 @dataclass
@@ -21,6 +26,31 @@ class SamplingBatch:
     seeds: list[int | None]  # per row
     generated_index: list[int]  # per row: how many tokens the sequence generated before this one
     want_logprobs: bool = False
+    controls: LogitsControls | None = None  # None: no row changes its logits before temperature
+    min_p: torch.Tensor | None = None  # float32 [B]; None: no row uses min_p
+
+    def record(self, token_ids: list[int]) -> None:
+        """After the step: count the sampled tokens of the rows with penalties."""
+        if self.controls is not None:
+            self.controls.record(token_ids)
+
+
+def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, eos_token_ids: Sequence[int],
+                         device: torch.device) -> SamplingBatch:
+    """The batch of the sequences sampled this step, in order."""
+    samplings = [st.sampling for st in states]
+    extra = [i for i, s in enumerate(samplings) if s.uses_sampler_controls]  # usually none: one pass, then nothing
+    return SamplingBatch(
+        temperature=torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
+        top_k=torch.tensor([s.top_k for s in samplings], dtype=torch.int64, device=device),
+        top_p=torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
+        seeds=[s.seed for s in samplings],
+        generated_index=[st.num_generated for st in states],
+        want_logprobs=any(s.logprobs is not None for s in samplings),
+        controls=build_logits_controls(states, extra, vocab_size, eos_token_ids, device) if extra else None,
+        min_p=(torch.tensor([s.min_p for s in samplings], dtype=torch.float32, device=device)
+               if any(samplings[i].min_p for i in extra) else None),
+    )
 
 
 def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -30,12 +60,18 @@ def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> to
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [B, V] float32 -> (token ids [B] int64, chosen-token logprobs [B] or None)."""
-    tokens = logits.argmax(dim=-1)
+    """logits [B, V] float32 -> (token ids [B] int64, chosen-token logprobs [B] or None).
+
+    The logprobs are those of the model's own distribution (`logits` as given), before the logits
+    controls, temperature, min_p, top-k and top-p, as vLLM returns them by default."""
+    processed = logits if batch.controls is None else apply_logits_controls(logits, batch.controls)
+    tokens = processed.argmax(dim=-1)  # greedy rows see bias, penalties and min_tokens too
     random_rows = torch.nonzero(batch.temperature > 0).flatten()
     if random_rows.numel():
         rows = random_rows.tolist()
-        scaled = logits[random_rows] / batch.temperature[random_rows, None]
+        scaled = processed[random_rows] / batch.temperature[random_rows, None]
+        if batch.min_p is not None:
+            scaled = apply_min_p(scaled, batch.min_p[random_rows])
         top_k, top_p = batch.top_k[random_rows], batch.top_p[random_rows]
         if bool((top_k > 0).any() or (top_p < 1).any()):
             scaled = _truncate(scaled, top_k, top_p)

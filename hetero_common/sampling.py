@@ -6,7 +6,9 @@ message uses `optional` fields and this module fills what the client left out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from hetero.v1 import common_pb2
 from hetero_common.errors import ValidationError
@@ -17,6 +19,7 @@ DEFAULT_TOP_P = 1.0
 MAX_STOP_STRINGS = 16
 MAX_N = 16  # parallel samples of one prompt (they share the prompt's KV blocks)
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,28 @@ class Sampling:
     n: int
     logprobs: int | None
     include_special_tokens: bool
+    # The logits controls (vLLM's semantics; applied in the worker's sampler, gpu_worker/logits_processors.py).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the sampler must keep this sequence's token counts or seen tokens."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @cached_property
+    def uses_logits_controls(self) -> bool:
+        """Whether the sampler changes this sequence's logits before temperature (min_p acts after)."""
+        return self.uses_penalties or self.min_tokens > 0 or bool(self.logit_bias)
+
+    @cached_property  # read for every sampled row of every step: computed once
+    def uses_sampler_controls(self) -> bool:
+        """Whether the sampler has anything to do for this sequence beyond temperature, top-k and top-p."""
+        return self.uses_logits_controls or self.min_p > 0.0
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -54,6 +79,12 @@ def resolve(params: common_pb2.SamplingParams) -> Sampling:
         n=params.n if params.HasField("n") else 1,
         logprobs=params.logprobs if params.HasField("logprobs") else None,
         include_special_tokens=params.include_special_tokens,
+        frequency_penalty=params.frequency_penalty if params.HasField("frequency_penalty") else 0.0,
+        presence_penalty=params.presence_penalty if params.HasField("presence_penalty") else 0.0,
+        repetition_penalty=params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+        min_p=params.min_p if params.HasField("min_p") else 0.0,
+        min_tokens=params.min_tokens if params.HasField("min_tokens") else 0,
+        logit_bias=dict(params.logit_bias),
     )
 
 
@@ -83,4 +114,27 @@ def validate(params: common_pb2.SamplingParams, vocab_size: int | None = None) -
         raise ValidationError(f"params.n must be in 1..{MAX_N} (got {s.n})")
     if s.logprobs is not None and s.logprobs > MAX_LOGPROBS:
         raise ValidationError(f"params.logprobs must be <= {MAX_LOGPROBS} (got {s.logprobs})")
+    _validate_controls(s, vocab_size)
     return s
+
+
+def _in_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    """`value` in [low, high] ((low, high] when low_open); NaN and infinities are refused too."""
+    ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        raise ValidationError(f"params.{name} must be in {'(' if low_open else '['}{low:g}, {high:g}] (got {value:g})")
+
+
+def _validate_controls(s: Sampling, vocab_size: int | None) -> None:
+    _in_range("frequency_penalty", s.frequency_penalty, -2.0, 2.0)
+    _in_range("presence_penalty", s.presence_penalty, -2.0, 2.0)
+    _in_range("repetition_penalty", s.repetition_penalty, 0.0, 2.0, low_open=True)
+    _in_range("min_p", s.min_p, 0.0, 1.0)
+    if s.min_tokens > s.max_tokens:
+        raise ValidationError(f"params.min_tokens must be <= max_tokens ({s.max_tokens}) (got {s.min_tokens})")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise ValidationError(f"params.logit_bias has {len(s.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    for token, bias in s.logit_bias.items():
+        if vocab_size is not None and token >= vocab_size:
+            raise ValidationError(f"params.logit_bias key {token} must be < the vocabulary size {vocab_size}")
+        _in_range(f"logit_bias[{token}]", bias, -100.0, 100.0)

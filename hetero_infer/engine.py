@@ -37,11 +37,20 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # parallel samples; each finishes as its own CompletedRequest (same request_id, index 0..n-1)
+    # The logits controls (README, SamplingParams); the defaults are off.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def to_proto(self) -> common_pb2.SamplingParams:
         p = common_pb2.SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                                       top_k=self.top_k, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                      ignore_eos=self.ignore_eos, n=self.n)
+                                      ignore_eos=self.ignore_eos, n=self.n, frequency_penalty=self.frequency_penalty,
+                                      presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
+                                      min_p=self.min_p, min_tokens=self.min_tokens, logit_bias=self.logit_bias)
         if self.seed is not None:
             p.seed = self.seed
         return p

@@ -72,9 +72,11 @@ def collect_prompt_logprobs(result: worker_pb2.StepResult, sequences: dict[int, 
 def finish_reason(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> int:
     """Why `seq` ends with the token just sampled (FINISH_REASON_UNSPECIFIED: it goes on)."""
     s = seq.sampling
-    if (token in eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids:
-        return common_pb2.FINISH_REASON_STOP
     num_tokens = len(seq.token_ids)
+    # min_tokens: the worker masks EOS and stop ids until then; this check is the second line of defence.
+    if ((token in eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids) and \
+            num_tokens - seq.prompt_len > s.min_tokens:
+        return common_pb2.FINISH_REASON_STOP
     if num_tokens - seq.prompt_len >= s.max_tokens or num_tokens >= max_model_len:
         return common_pb2.FINISH_REASON_LENGTH
     return common_pb2.FINISH_REASON_UNSPECIFIED

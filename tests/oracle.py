@@ -19,8 +19,10 @@ def make_prompts(vocab: int = 384, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' greedy `generate`, one prompt at a time (no padding), EOS not stopping it."""
+def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
+              **generate_kwargs) -> list[list[int]]:
+    """transformers' greedy `generate`, one prompt at a time (no padding), EOS not stopping it;
+    `generate_kwargs` adds logits processors (e.g. repetition_penalty=1.3)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
@@ -30,7 +32,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_T
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long), **generate_kwargs)
             outputs.append(out[0, len(ids):].tolist())
     return outputs
 

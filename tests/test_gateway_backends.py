@@ -91,3 +91,17 @@ def test_bridge_as_primary_backend(tiny_llama_dir: Path, tmp_path: Path) -> None
             if m.HasField("usage"):
                 assert m.usage.completion_tokens == answer.usage.completion_tokens > 0
         assert [streamed[i] for i in range(3)] == texts
+
+
+def test_bridge_refuses_the_logits_controls_it_cannot_honour(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with gateway(tiny_llama_dir, *bridge_flags(tmp_path, "--serving-backend-kind", "command_bridge")) as stub:
+        for name, value in [("frequency_penalty", 0.5), ("presence_penalty", 0.5), ("repetition_penalty", 1.2),
+                            ("min_p", 0.1), ("min_tokens", 2), ("logit_bias", {5: 1.0})]:
+            params = common_pb2.SamplingParams(max_tokens=4, **{name: value})
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Complete(inference_pb2.GenerateRequest(prompt=PROMPT, params=params), timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"params.{name}" in info.value.details()
+        # Their defaults, sent explicitly, are fine.
+        params = common_pb2.SamplingParams(max_tokens=4, frequency_penalty=0, repetition_penalty=1, min_tokens=0)
+        assert stub.Complete(inference_pb2.GenerateRequest(prompt=PROMPT, params=params), timeout=60).text == \
+            f"bridge:{PROMPT}|4"

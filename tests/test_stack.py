@@ -178,3 +178,45 @@ def test_stack_matches_transformers_across_models_and_block_sizes(
         results = [[t for msg in call for t in msg.token_ids] for call in calls]
         assert results == reference
         assert wait_for_idle(s).used_blocks == 0
+
+
+def controls(**kw) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(**kw))
+
+
+BAD_CONTROLS = [
+    ("frequency_penalty", controls(frequency_penalty=2.5)), ("frequency_penalty", controls(frequency_penalty=float("nan"))),
+    ("presence_penalty", controls(presence_penalty=-3.0)), ("presence_penalty", controls(presence_penalty=float("inf"))),
+    ("repetition_penalty", controls(repetition_penalty=0.0)), ("repetition_penalty", controls(repetition_penalty=2.5)),
+    ("min_p", controls(min_p=1.5)), ("min_p", controls(min_p=-0.5)),
+    ("min_tokens", controls(min_tokens=101)), ("min_tokens", controls(max_tokens=3, min_tokens=4)),
+    ("logit_bias", controls(logit_bias={10**6: 1.0})), ("logit_bias", controls(logit_bias={5: -101.0})),
+    ("logit_bias", controls(logit_bias={i: 1.0 for i in range(1025)})),
+    ("prompt_logprobs", controls(prompt_logprobs=21)),
+]
+
+
+@pytest.mark.parametrize("field, request_msg", BAD_CONTROLS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_CONTROLS)])
+def test_bad_sampling_controls_are_invalid_argument_naming_the_field(stack: Stack, field: str, request_msg) -> None:
+    test_bad_input_is_invalid_argument_naming_the_field(stack, f"params.{field}", request_msg)
+
+
+def test_repetition_penalty_through_stack_matches_transformers(stack: Stack, tiny_llama_dir: Path) -> None:
+    prompts = make_prompts()
+    reference = hf_greedy(tiny_llama_dir, prompts, 20, repetition_penalty=1.3)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:  # concurrently, so penalised rows share steps with the plain request below
+        request = ids_request(prompts[i], 20)
+        request.params.repetition_penalty = 1.3
+        results[i] = [t for msg in stack.inference.Generate(request) for t in msg.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    plain = [t for msg in stack.inference.Generate(ids_request(prompts[0], 20)) for t in msg.token_ids]
+    for t in threads:
+        t.join(60)
+    assert [results[i] for i in range(len(prompts))] == reference
+    assert plain == hf_greedy(tiny_llama_dir, prompts[:1], 20)[0]
+    assert wait_for_idle(stack).used_blocks == 0
