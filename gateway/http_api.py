@@ -124,7 +124,7 @@ class HttpApi:
         return await unless_client_gone(request, self._completion(requests, body.n, rid))
 
     async def _completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
-        parts, usages = await self._collect(requests, n)
+        parts, usages = await self._collect(requests, n, rid)
         choices = [{"index": i, "text": "".join(p.text for p in ps), "finish_reason": oa.finish_reason(ps[-1].finish_reason),
                     "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.completion_logprobs(self.generation.tokenizer, ps)} for i, ps in parts.items()]
@@ -140,7 +140,7 @@ class HttpApi:
         return await unless_client_gone(request, self._chat_completion(requests, body.n, rid))
 
     async def _chat_completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str) -> Response:
-        parts, usages = await self._collect(requests, n)
+        parts, usages = await self._collect(requests, n, rid)
         choices = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
                     "finish_reason": oa.finish_reason(ps[-1].finish_reason), "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]
@@ -148,12 +148,12 @@ class HttpApi:
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
-    async def _collect(self, requests: list[inference_pb2.GenerateRequest],
-                       n: int) -> tuple[dict[int, list[inference_pb2.GenerateResponse]], list[common_pb2.Usage]]:
+    async def _collect(self, requests: list[inference_pb2.GenerateRequest], n: int,
+                       rid: str) -> tuple[dict[int, list[inference_pb2.GenerateResponse]], list[common_pb2.Usage]]:
         """Every choice's messages (by choice index, in order) and each request's usage."""
         parts: dict[int, list[inference_pb2.GenerateResponse]] = {}
         usages: list[common_pb2.Usage] = []
-        async for index, part in merged(self.generation, requests, n):
+        async for index, part in merged(self.generation, requests, n, rid):
             parts.setdefault(index, []).append(part)
             if part.HasField("usage"):  # a request's last message: its prompt once, all its samples
                 usages.append(part.usage)
@@ -163,7 +163,7 @@ class HttpApi:
                       include_usage: bool) -> Response:
         """Server-sent events. The first message is awaited before answering, so a bad request still
         gets its 4xx status (not a 200 stream carrying an error)."""
-        events = merged(self.generation, requests, n)
+        events = merged(self.generation, requests, n, rid)
         try:
             first = await anext(events)
         except StopAsyncIteration:
