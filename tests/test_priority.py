@@ -4,6 +4,10 @@ and the waiting queue's own contract."""
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from tests.scheduler_driver import answer, make, params
 
 from scheduler_svc.sequence import SequenceStatus
@@ -95,3 +99,31 @@ def test_waiting_queue_orders_requeues_and_removes() -> None:
     q.popleft(), q.popleft()
     q.appendleft(seqs["d"])
     assert [q.popleft().request_id for _ in range(len(q))] == ["d", "a", "c"] and not q
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_priorities_admit_a_prefix_of_the_queue_and_free_every_block(seed: int) -> None:
+    """Random submissions (priorities -2..2, n up to 2), steps, aborts, on a pool small enough to
+    preempt: each step admits the head of the waiting queue in its order, and everything ends freed."""
+    rng = random.Random(seed)
+    s = make(num_blocks=rng.choice([8, 12, 24]), max_num_seqs=rng.choice([2, 4, 64]), memory_threshold=1.0,
+             max_total_tokens=rng.choice([8, 32]), enable_prefix_caching=rng.random() < 0.5)
+    submitted = 0
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.3:
+            s.add_request(f"r{submitted}", [rng.randrange(3, 9) for _ in range(rng.randint(1, 12))],
+                          params(max_tokens=rng.randint(1, 12), n=rng.choice([1, 1, 2]), ignore_eos=True),
+                          priority=rng.randint(-2, 2))
+            submitted += 1
+        elif op < 0.9:
+            queue = list(s.waiting)
+            plan = s.schedule()
+            admitted = [seq for seq in queue if seq not in s.waiting]
+            assert admitted == queue[:len(admitted)]
+            s.process_result(answer(plan))
+        elif s.samples:
+            s.abort(sorted(s.samples)[rng.randrange(len(s.samples))])
+    while s.has_pending_work():
+        s.process_result(answer(s.schedule()))
+    assert not s.requests and s.kv_cache.pool.num_used == 0
