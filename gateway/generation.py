@@ -88,8 +88,8 @@ class Generation:
         log.info("finished", backend=backend, finish_reason=finish_reason_name(finish), prompt_tokens=usage.prompt_tokens,
                  completion_tokens=usage.completion_tokens, n=n, seconds=round(time.perf_counter() - started, 3))
 
-    async def _stream(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest, timeout: float | None, timer: RequestTimer,
-                      usage: common_pb2.Usage) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def _stream(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest, timeout: float | None,
+                      timer: RequestTimer, usage: common_pb2.Usage) -> AsyncIterator[inference_pb2.GenerateResponse]:
         running = set(range(prepared.sampling.n))
         # aclosing: leaving the loop early closes the backend's stream at once, which ends the
         # request downstream.
@@ -108,7 +108,7 @@ class Generation:
                     return
                 if prepared.request_id in self.active.aborted:
                     break  # an Abort that landed before the backend knew the request: end it here
-        if running:  # aborted: closing the backend's stream (above) ended the request downstream
+        if running and prepared.request_id in self.active.aborted:  # closing the backend's stream ended it downstream
             for index in sorted(running):
                 response = inference_pb2.GenerateResponse(request_id=prepared.request_id, model=self.model_name,
                                                           index=index, finish_reason=common_pb2.FINISH_REASON_ABORT)
@@ -131,7 +131,10 @@ class Generation:
         for client_id in dict.fromkeys(client_ids):
             local = self.active.lookup(client_id)
             self.active.mark_aborted(local)  # before any await: the ids are still registered
-            found = await asyncio.gather(*(self.backend.abort(i) for i in local or [client_id]))
-            (aborted if local or any(found) else not_found).append(client_id)
+            found = await asyncio.gather(*(self.backend.abort(i) for i in local or [client_id]), return_exceptions=True)
+            errors = [f for f in found if isinstance(f, BaseException)]
+            if errors and not local and not any(f is True for f in found):
+                raise errors[0]  # e.g. the scheduler unreachable: whether the id is in flight there is unknown
+            (aborted if local or any(f is True for f in found) else not_found).append(client_id)
         log.info("abort", aborted=aborted, not_found=not_found)
         return aborted, not_found

@@ -27,11 +27,11 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
+from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
 from scheduler_svc.token_output import SampledRows, TokenOutput, finish_reason
-from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim
 from scheduler_svc.waiting_queue import WaitingQueue
 
 log = structlog.get_logger("scheduler_svc.scheduler")
