@@ -42,3 +42,8 @@ class Backend(Protocol):
         """Every sample's messages (interleaved when n > 1) until each has finished. `timeout` is
         the client's remaining time. Closing the iterator early ends the request downstream."""
         ...
+
+    async def abort(self, request_id: str) -> bool:
+        """End a request in flight by its (scheduler) request id; its stream's last message then has
+        finish_reason ABORT. False when the backend has no such request."""
+        ...

@@ -34,11 +34,13 @@ READ_CHUNK_BYTES = 4096
 
 @dataclass
 class TextChunk:
-    """A piece of a backend's answer; the last one has `finished` set (and `truncated` when cut)."""
+    """A piece of a backend's answer; the last one has `finished` set (and `truncated` when cut,
+    `aborted` when an Abort killed the program)."""
 
     text: str
     finished: bool = False
     truncated: bool = False
+    aborted: bool = False
 
 
 def bridge_environment(request_id: str, prompt: str, sampling: Sampling, model: str, index: int = 0) -> dict[str, str]:
@@ -84,6 +86,18 @@ class CommandBridge:
         self.args = list(backend.command.args)
         self.timeout_s = backend.command_timeout_s
         self.max_output_bytes = backend.command_max_output_bytes
+        self.processes: dict[str, asyncio.subprocess.Process] = {}  # request id -> its program running now
+        self.aborted: set[str] = set()
+
+    def abort(self, request_id: str) -> bool:
+        """Kill the request's program; its stream then ends with a chunk marked `aborted`."""
+        process = self.processes.get(request_id)
+        if process is None:
+            return False
+        self.aborted.add(request_id)
+        if process.returncode is None:
+            process.kill()
+        return True
 
     async def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str,
                      index: int = 0) -> AsyncIterator[TextChunk]:
@@ -97,6 +111,7 @@ class CommandBridge:
                 f"command bridge program {self.program!r} cannot be run ({exc.strerror or exc}); "
                 "fix serving.backend.command.program") from exc
         assert process.stdout is not None and process.stderr is not None
+        self.processes[request_id] = process
         stderr_task = asyncio.create_task(self._stderr_tail(process.stderr))
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         loop = asyncio.get_running_loop()
@@ -124,6 +139,10 @@ class CommandBridge:
                     yield TextChunk(text)
             code = await asyncio.wait_for(process.wait(), max(0.1, deadline - loop.time()))
             tail = await stderr_task
+            if request_id in self.aborted:
+                finished = True
+                yield TextChunk(decoder.decode(b"", final=True), finished=True, aborted=True)
+                return
             if code != 0:
                 raise CommandBridgeError(f"command bridge program {self.program!r} exited with code {code}; "
                                          f"stderr tail: {tail or '(empty)'}")
@@ -134,6 +153,8 @@ class CommandBridge:
                                         f"serving.backend.command_timeout_s ({self.timeout_s:g} s); raise it or fix "
                                         "the program") from None
         finally:
+            self.processes.pop(request_id, None)
+            self.aborted.discard(request_id)
             if process.returncode is None:  # timeout, output cap, or the client went away
                 process.kill()
                 # Read stdout to its end: a pipe whose reading is paused (a full buffer) never
@@ -180,6 +201,9 @@ class CommandBridgeBackend:
     async def server_info(self) -> inference_pb2.ServerInfo:
         return inference_pb2.ServerInfo(backend=self.bridge.name)
 
+    async def abort(self, request_id: str) -> bool:
+        return self.bridge.abort(request_id)
+
     async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
                        timeout: float | None) -> AsyncIterator[SampleOutput]:
         # `timeout` is not passed on: serving.backend.command_timeout_s bounds each run.
@@ -197,7 +221,14 @@ class CommandBridgeBackend:
                                                           model=self.model_name, backend=self.bridge.name)
                 tokens = 0
                 if chunk.finished:  # the program's text has no token ids: count the sample's by encoding it
-                    response.finish_reason = (common_pb2.FINISH_REASON_LENGTH if chunk.truncated
+                    response.finish_reason = (common_pb2.FINISH_REASON_ABORT if chunk.aborted else
+                                              common_pb2.FINISH_REASON_LENGTH if chunk.truncated
                                               else common_pb2.FINISH_REASON_STOP)
                     tokens = len(self.tokenizer.encode("".join(text), add_special_tokens=False))
                 yield SampleOutput(response, tokens)
+                if chunk.aborted:  # the request's later samples are aborted too
+                    for later in range(index + 1, sampling.n):
+                        yield SampleOutput(inference_pb2.GenerateResponse(
+                            request_id=prepared.request_id, index=later, model=self.model_name,
+                            backend=self.bridge.name, finish_reason=common_pb2.FINISH_REASON_ABORT))
+                    return

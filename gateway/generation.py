@@ -3,11 +3,13 @@
 It refuses what is over the concurrency limit, validates and tokenizes the request, and
 streams the backend's messages through, metered, with `usage` on the request's last message
 (after every sample has finished). Whichever backend answers, both APIs validate, stop and
-meter identically.
+meter identically. It also keeps the registry of requests in flight (`active_requests.py`)
+that the public `Abort` looks up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -15,10 +17,11 @@ from typing import AsyncIterator
 
 import structlog
 
+from gateway.active_requests import ActiveRequests
 from gateway.backend import Backend
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.tokenizer import TextTokenizer
-from gateway.validation import prepare
+from gateway.validation import PreparedRequest, prepare
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError
@@ -36,6 +39,7 @@ class Generation:
         self.max_concurrent_requests = config.serving.max_concurrent_requests
         self.metrics = GatewayMetrics()
         self.in_flight = 0  # generations streaming now (gRPC and HTTP), for serving.max_concurrent_requests
+        self.active = ActiveRequests()
 
     async def start(self) -> None:
         max_model_len = await self.backend.max_model_len()
@@ -77,8 +81,21 @@ class Generation:
         prepared = prepare(request, self.tokenizer, self.model_name, self.max_model_len, request_id)
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
         n = prepared.sampling.n
-        running = set(range(n))
         finish, backend = NOT_FINISHED, ""
+        self.active.register(request_id, [request_id])
+        try:  # aclosing: closing this generator closes the backend's stream at once (ends the request downstream)
+            async with aclosing(self._stream(request, prepared, timeout, timer, usage)) as responses:
+                async for response in responses:
+                    finish, backend = response.finish_reason, response.backend
+                    yield response
+        finally:
+            self.active.unregister(request_id, [request_id])
+        log.info("finished", backend=backend, finish_reason=finish_reason_name(finish), prompt_tokens=usage.prompt_tokens,
+                 completion_tokens=usage.completion_tokens, n=n, seconds=round(time.perf_counter() - started, 3))
+
+    async def _stream(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest, timeout: float | None,
+                      timer: RequestTimer, usage: common_pb2.Usage) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        running = set(range(prepared.sampling.n))
         # aclosing: leaving the loop early closes the backend's stream at once, which ends the
         # request downstream.
         async with aclosing(self.backend.generate(request, prepared, timeout)) as outputs:
@@ -87,15 +104,42 @@ class Generation:
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, output.cached_prompt_tokens)
                 usage.completion_tokens += output.generated_tokens
                 timer.on_tokens(output.generated_tokens, output.queue_seconds)
-                finish, backend = response.finish_reason, response.backend
-                if is_finished(finish):
+                if is_finished(response.finish_reason):
                     running.discard(response.index)
                     if not running:
-                        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                        response.usage.CopyFrom(usage)
-                        timer.finish(finish, usage)
+                        self._close_usage(response, usage, timer)
                 yield response
                 if not running:
-                    break
-        log.info("finished", backend=backend, finish_reason=finish_reason_name(finish), prompt_tokens=usage.prompt_tokens,
-                 completion_tokens=usage.completion_tokens, n=n, seconds=round(time.perf_counter() - started, 3))
+                    return
+                if prepared.request_id in self.active.aborted:
+                    break  # an Abort that landed before the backend knew the request: end it here
+        if running and prepared.request_id in self.active.aborted:  # closing the backend's stream ended it downstream
+            for index in sorted(running):
+                response = inference_pb2.GenerateResponse(request_id=prepared.request_id, model=self.model_name,
+                                                          index=index, finish_reason=common_pb2.FINISH_REASON_ABORT)
+                if index == max(running):
+                    self._close_usage(response, usage, timer)
+                yield response
+
+    @staticmethod
+    def _close_usage(response: inference_pb2.GenerateResponse, usage: common_pb2.Usage, timer: RequestTimer) -> None:
+        """The request's last message carries its usage."""
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        response.usage.CopyFrom(usage)
+        timer.finish(response.finish_reason, usage)
+
+    async def abort(self, client_ids: list[str]) -> tuple[list[str], list[str]]:
+        """Abort requests by client id: (aborted, not_found). Ids this gateway does not know are tried
+        on the backend as scheduler ids (the request may have come through another gateway replica)."""
+        aborted: list[str] = []
+        not_found: list[str] = []
+        for client_id in dict.fromkeys(client_ids):
+            local = self.active.lookup(client_id)
+            self.active.mark_aborted(local)  # before any await: the ids are still registered
+            found = await asyncio.gather(*(self.backend.abort(i) for i in local or [client_id]), return_exceptions=True)
+            errors = [f for f in found if isinstance(f, BaseException)]
+            if errors and not local and not any(f is True for f in found):
+                raise errors[0]  # e.g. the scheduler unreachable: whether the id is in flight there is unknown
+            (aborted if local or any(f is True for f in found) else not_found).append(client_id)
+        log.info("abort", aborted=aborted, not_found=not_found)
+        return aborted, not_found

@@ -10,7 +10,7 @@ import structlog
 
 from gateway import tokenization
 from gateway.generation import Generation
-from gateway.validation import chat_messages, check_model
+from gateway.validation import MAX_REQUEST_ID_LEN, chat_messages, check_model
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common import __version__
 from hetero_common.errors import HeteroError, ValidationError
@@ -19,6 +19,7 @@ from hetero_common.grpc_server import error_status
 
 log = structlog.get_logger("gateway.grpc_api")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+MAX_ABORT_IDS = 1024  # request ids per Abort call
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -96,6 +97,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         except HeteroError as exc:
             await context.abort(*error_status(exc))
         return inference_pb2.DetokenizeResponse(text=text)
+
+    async def Abort(self, request: inference_pb2.AbortGenerationRequest,
+                    context: grpc.aio.ServicerContext) -> inference_pb2.AbortGenerationResponse:
+        """End requests by id from any connection; each stream's last message has FINISH_REASON_ABORT."""
+        try:
+            if len(request.request_ids) > MAX_ABORT_IDS:
+                raise ValidationError(f"request_ids has {len(request.request_ids)} ids; at most {MAX_ABORT_IDS} per call")
+            ids = list(request.request_ids)
+            valid = [i for i in ids if i and len(i) <= MAX_REQUEST_ID_LEN]
+            aborted, not_found = await self.generation.abort(valid)
+        except HeteroError as exc:
+            await context.abort(*error_status(exc))
+        invalid = [i for i in dict.fromkeys(ids) if i not in valid]  # an empty or over-long id names no request
+        return inference_pb2.AbortGenerationResponse(aborted=aborted, not_found=not_found + invalid)
 
     async def ListModels(self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
         g = self.generation

@@ -18,16 +18,17 @@ from hetero.v1 import inference_pb2
 log = structlog.get_logger("gateway.http_streams")
 
 
-async def merged(generation: Generation, requests: list[inference_pb2.GenerateRequest], n: int,
-                 client_request_id: str | None = None) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
+async def merged(generation: Generation, requests: list[inference_pb2.GenerateRequest],
+                 n: int, client_id: str) -> AsyncIterator[tuple[int, inference_pb2.GenerateResponse]]:
     """Run the prompts' requests (n samples each) concurrently; yield (choice index, response) as
-    they come, choice index = request index * n + sample index. Errors propagate.
-    `client_request_id` is the HTTP request's id (X-Request-Id), from which the requests' ids derive."""
+    they come, choice index = request index * n + sample index. Errors propagate. The requests
+    are registered under `client_id` (the HTTP request id, X-Request-Id, from which the requests'
+    ids derive), which gRPC `Abort` takes."""
     queue: asyncio.Queue[tuple[int, inference_pb2.GenerateResponse | BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, request: inference_pb2.GenerateRequest) -> None:
         try:
-            async with aclosing(generation.generate(request, client_request_id=client_request_id)) as responses:
+            async with aclosing(generation.generate(request, client_request_id=client_id)) as responses:
                 async for response in responses:
                     await queue.put((index, response))
         except Exception as exc:  # handed to the consumer, which raises it
@@ -35,6 +36,8 @@ async def merged(generation: Generation, requests: list[inference_pb2.GenerateRe
             return
         await queue.put((index, None))
 
+    scheduler_ids = [r.request_id for r in requests]
+    generation.active.register(client_id, scheduler_ids)
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
     try:
         remaining = len(tasks)
@@ -50,6 +53,7 @@ async def merged(generation: Generation, requests: list[inference_pb2.GenerateRe
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        generation.active.unregister(client_id, scheduler_ids)
 
 
 async def _client_gone(request: Request) -> None:

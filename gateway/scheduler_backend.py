@@ -70,8 +70,8 @@ class SchedulerBackend:
         scoring = scoring_only(request.params)  # max_tokens 0: the one token the engine samples is dropped
         # aclosing: returning early (every sample stopped) closes the generator at once, which
         # cancels the Submit call and so ends the request downstream.
-        async with aclosing(self._events(prepared, engine_params(request.params), timeout,
-                                         request.cache_salt)) as events:
+        async with aclosing(self._events(prepared, engine_params(request.params), timeout, request.cache_salt,
+                                         request.priority)) as events:
             async for event in events:
                 stream = streams.get(event.index)
                 if stream is None:
@@ -92,12 +92,12 @@ class SchedulerBackend:
                     return
 
     async def _events(self, prepared: PreparedRequest, params: common_pb2.SamplingParams,
-                      timeout: float | None = None, cache_salt: str = "") -> AsyncIterator[scheduler_pb2.TokenEvent]:
+                      timeout: float | None = None, cache_salt: str = "", priority: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         """The scheduler's token events. Failing to reach it (before the first event) is retried;
         the scheduler treats a repeated request id as the same request, so a retry never starts
         a second generation. `timeout` (the client's remaining time) becomes the Submit deadline."""
         submit = scheduler_pb2.SubmitRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                                             params=params, cache_salt=cache_salt)
+                                             params=params, cache_salt=cache_salt, priority=priority)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         call: grpc.aio.UnaryStreamCall | None = None
@@ -124,6 +124,15 @@ class SchedulerBackend:
         finally:
             if call is not None:
                 call.cancel()  # no-op when finished; aborts the request downstream otherwise
+
+    async def abort(self, request_id: str) -> bool:
+        """The scheduler's Abort: the request's Submit stream ends with FINISH_REASON_ABORT, its blocks freed."""
+        try:
+            answer = await self.scheduler.Abort(scheduler_pb2.AbortRequest(
+                request_id=request_id, reason=common_pb2.FINISH_REASON_ABORT), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc_error(exc, "scheduler") from exc
+        return answer.found
 
     async def _abort_sample(self, request_id: str, index: int) -> None:
         try:

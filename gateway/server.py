@@ -31,7 +31,12 @@ log = structlog.get_logger("gateway.server")
 
 
 def load_gateway_tokenizer(config: Config) -> TextTokenizer:
-    return load_tokenizer(resolve_model_path(config.model), config.tokenizer.path, kind=config.tokenizer.kind)
+    """The configured tokenizer. With tokenizer.kind simple and the command bridge alone, no model is
+    served, so none is checked (or needed); otherwise the simple tokenizer must match the model's vocabulary."""
+    backend = config.serving.backend
+    bridge_only = backend.kind == "command_bridge" and backend.fallback == "none"
+    model = None if config.tokenizer.kind == "simple" and bridge_only else resolve_model_path(config.model)
+    return load_tokenizer(model, config.tokenizer.path, kind=config.tokenizer.kind)
 
 
 def generation_backend(config: Config, tokenizer: TextTokenizer, scheduler: SchedulerBackend) -> Backend:

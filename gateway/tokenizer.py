@@ -18,6 +18,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from gateway.simple_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, check_model_vocabulary, simple_tokenizer_model
 from hetero_common.errors import ValidationError
 from hetero_common.model_files import ModelFileError, read_gguf_metadata, read_json, token_ids
 
@@ -81,19 +82,28 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-TOKENIZER_KINDS = ("auto", "huggingface", "gguf")  # the values of the config key tokenizer.kind
+TOKENIZER_KINDS = ("auto", "huggingface", "gguf", "simple")  # the values of the config key tokenizer.kind
 
 
-def load_tokenizer(model_path: str | Path, tokenizer_path: str | Path | None = None, *,
+def load_tokenizer(model_path: str | Path | None, tokenizer_path: str | Path | None = None, *,
                    kind: str = "auto") -> TextTokenizer:
     """The tokenizer for a model: from `tokenizer_path` when given (a tokenizer.json, a directory
     holding one, or a .gguf file), else from `model_path` (a HF directory or a .gguf file).
 
     `kind` is the format the source must have: "huggingface" loads only a tokenizer.json, "gguf"
-    only a GGUF file's tokenizer (whatever the file is called), "auto" goes by the .gguf suffix."""
+    only a GGUF file's tokenizer (whatever the file is called), "auto" goes by the .gguf suffix;
+    "simple" is the built-in byte-level tokenizer (simple_tokenizer.py), checked against the
+    model's vocabulary (`model_path` None: no model, as for the command bridge)."""
     if kind not in TOKENIZER_KINDS:
         raise TokenizerError(f"Unknown tokenizer kind {kind!r}: use one of {', '.join(TOKENIZER_KINDS)}.")
-    model_path = Path(model_path)
+    if kind == "simple":
+        if model_path is not None:
+            check_model_vocabulary(Path(model_path))
+        return TextTokenizer(simple_tokenizer_model(), bos_token_id=BOS_TOKEN_ID, eos_token_ids=(EOS_TOKEN_ID,),
+                             chat_template=None, add_bos_token=True)
+    if model_path is None and tokenizer_path is None:
+        raise TokenizerError(f"tokenizer.kind {kind} needs a model or tokenizer.path to load the tokenizer from")
+    model_path = Path(model_path if model_path is not None else tokenizer_path)  # type: ignore[arg-type]
     source = Path(tokenizer_path) if tokenizer_path is not None else model_path
     if not source.exists():
         raise TokenizerError(f"Tokenizer source {str(source)!r} does not exist: pass a model directory or .gguf file.")

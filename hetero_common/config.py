@@ -63,7 +63,8 @@ class ServingConfig:
 
 @dataclass
 class TokenizerConfig:
-    # "auto": the model's own tokenizer (tokenizer.json next to the weights, or the GGUF's).
+    # "auto": the model's own tokenizer (tokenizer.json next to the weights, or the GGUF's);
+    # "simple": the built-in byte-level tokenizer (the seed's SimpleTokenizer; gateway/simple_tokenizer.py).
     kind: str = "auto"
     path: str | None = None
 
@@ -203,9 +204,11 @@ class Config:
                "must not hold empty keys or keys with surrounding spaces")
         _check(not self.serving.api_keys_file or Path(self.serving.api_keys_file).is_file(), "serving.api_keys_file",
                self.serving.api_keys_file, "must be an existing file (one key per line)")
-        _check(self.tokenizer.kind in ("auto", "huggingface", "gguf"), "tokenizer.kind", self.tokenizer.kind,
-               "must be auto, huggingface or gguf")
-        _check(self.tokenizer.kind == "auto" or bool(self.tokenizer.path), "tokenizer.path", self.tokenizer.path,
+        _check(self.tokenizer.kind in ("auto", "huggingface", "gguf", "simple"), "tokenizer.kind", self.tokenizer.kind,
+               "must be auto, huggingface, gguf or simple (the built-in byte-level tokenizer)")
+        _check(self.tokenizer.kind != "simple" or not self.tokenizer.path, "tokenizer.path", self.tokenizer.path,
+               "must be null when tokenizer.kind is simple (it is built in)")
+        _check(self.tokenizer.kind in ("auto", "simple") or bool(self.tokenizer.path), "tokenizer.path", self.tokenizer.path,
                f"is required when tokenizer.kind is {self.tokenizer.kind}")
         _check(self.tokenizer.kind != "gguf" or str(self.tokenizer.path).endswith(".gguf"), "tokenizer.path",
                self.tokenizer.path, "must be a .gguf file when tokenizer.kind is gguf")

@@ -5,6 +5,10 @@
     hetero-infer generate --input "..."     one completion, in-process
     hetero-infer health ADDRESS             exit 0 when a service answers SERVING (container health checks)
     hetero-infer bench --url ...            load-test a running gateway (gRPC or HTTP)
+
+The seed's own forms work too, without a subcommand: `hetero-infer --input "..." [--max-tokens
+--temperature --top-p --config ...]` is `generate`, and `hetero-infer --serve [--config ...]` is
+`serve`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,22 @@ from hetero_infer.config_sources import add_config_arguments, config_from_args
 from hetero_common.errors import HeteroError
 from hetero_common.log import configure_logging
 from hetero_infer.parent_death import die_with_parent
+
+
+COMMANDS = ("serve", "gateway", "scheduler", "worker", "health", "bench", "generate")
+
+
+def seed_form(argv: list[str]) -> list[str]:
+    """The seed's command lines as subcommands: `--serve ...` -> `serve ...`, `--input ...` -> `generate --input ...`.
+    Anything that already names a subcommand (or asks for help) is left as it is."""
+    if not argv or argv[0] in COMMANDS or argv[0] in ("-h", "--help"):
+        return argv
+    if "--serve" in argv:
+        rest = [a for a in argv if a != "--serve"]
+        return ["serve", *rest]
+    if any(a == "--input" or a.startswith("--input=") for a in argv):
+        return ["generate", *argv]
+    return argv
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,7 +112,7 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(seed_form(list(sys.argv[1:] if argv is None else argv)))
     if args.command == "health":
         return _health(args)
     if args.command == "bench":
@@ -108,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "supervisor_pid", None) is not None and not die_with_parent(args.supervisor_pid):
         return 1  # `serve` is already gone: nothing to serve for
     try:
+        if config.tokenizer.kind == "simple" and args.command in ("serve", "gateway", "generate"):
+            # Refuse a model the simple tokenizer does not match now, before any model loads or process starts.
+            from gateway.server import load_gateway_tokenizer
+
+            load_gateway_tokenizer(config)
         if args.command == "serve":
             from hetero_infer.supervisor import serve
 

@@ -80,7 +80,7 @@ class Replica:
 
     def _validated(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
         seq = self._require_core().add_request(request.request_id, list(request.prompt_token_ids), request.params,
-                                               request.cache_salt)
+                                               request.cache_salt, request.priority)
         seq.deadline = deadline
         return seq
 

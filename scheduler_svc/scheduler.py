@@ -2,11 +2,12 @@
 
 Each step: running decodes first (one token each), then unfinished prompt chunks (at most
 `max_prefill_chunk_tokens` per request, so a long prompt cannot stall the decodes), then
-swapped-out sequences are brought back, then new requests are admitted from the waiting
-queue while blocks stay under `memory_threshold`; a new request computes only what the
-prefix cache does not hold (always at least its last token). When blocks run out mid-decode,
-the newest running sequence is preempted: `recompute` frees its blocks and re-queues it at
-the front (prompt plus the tokens it already produced), `swap` has the worker copy its blocks
+swapped-out sequences are brought back, then new requests are admitted from the waiting queue
+(lower priority value first, then arrival: `waiting_queue.py`) while blocks stay under
+`memory_threshold`; a new request computes only what the prefix cache does not hold (always at
+least its last token). When blocks run out mid-decode, the lowest-priority running sequence
+(the newest among equals) is preempted: `recompute` frees its blocks and re-queues it at the
+front of its class (prompt plus the tokens it produced), `swap` has the worker copy its blocks
 to host memory and brings them back later; either way its stream neither loses nor repeats a
 token. A request with n > 1 samples forks after its prompt. Which blocks a sequence holds
 (prefix hits, copy-on-write, sharing) is the `KVCacheManager`'s business; the scheduler
@@ -26,10 +27,12 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
+from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
 from scheduler_svc.token_output import SampledRows, TokenOutput, finish_reason
+from scheduler_svc.waiting_queue import WaitingQueue
 
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
@@ -52,7 +55,7 @@ class Scheduler:
             log.warning("max_model_len lowered to the KV pool's capacity", max_model_len=max_model_len,
                         capacity=capacity, hint="raise max_num_blocks or the KV memory budget")
         self.max_model_len = min(max_model_len, capacity)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.swapped: deque[Sequence] = deque()  # preempted to host memory, oldest first
         self.requests: dict[str, Sequence] = {}  # request id -> sample 0, while any sample is alive
@@ -76,7 +79,7 @@ class Scheduler:
     # ---------------------------------------------------------------- requests in and out
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: common_pb2.SamplingParams,
-                    cache_salt: str = "") -> Sequence:
+                    cache_salt: str = "", priority: int = 0) -> Sequence:
         if request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight; use a unique id per request")
         if not prompt_token_ids:
@@ -90,7 +93,7 @@ class Scheduler:
             raise ValidationError(f"prompt needs {needed} KV blocks but the pool has {self.num_blocks}; "
                                   "shorten the prompt, lower n or raise max_num_blocks")
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
-                       cache_salt=cache_salt, pending_forks=sampling.n - 1)
+                       cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority)
         self._next_seq_id += 1
         self.requests[request_id] = seq
         self.samples[request_id] = [seq]
@@ -118,7 +121,7 @@ class Scheduler:
         self.suspended = True
         if mode == "recompute":
             for seq in reversed(list(self.running)):
-                self._preempt_recompute(seq)
+                preempt_recompute(self, seq)
             self.kv_cache.reset_prefix_cache()
         log.info("suspended", mode=mode, waiting=len(self.waiting), swapped=len(self.swapped))
 
@@ -185,10 +188,10 @@ class Scheduler:
             seq.status, seq.swapped_status = seq.swapped_status or SequenceStatus.DECODE, None
             self.running.append(seq)
 
-        # 4. Admit waiting requests (FIFO; the head waits if it does not fit, keeping order).
+        # 4. Admit waiting requests (priority, then FIFO; the head waits if it does not fit, keeping order).
         while (self.waiting and not self.swapped and seq_budget > 0 and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             hits = self.kv_cache.match_prefix(seq)
             n = self._chunk(seq, token_budget, num_computed=len(hits) * self.block_size)
             if n == 0 or not self._admissible(seq, hits, n):
@@ -237,45 +240,24 @@ class Scheduler:
             seq.queue_seconds = time.monotonic() - seq.arrival_time
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Allocate (and copy-on-write) blocks for the next tokens, preempting the newest others not in this
-        step's batch if needed. Returns False when `seq` itself had to be preempted (nothing else could give way)."""
+        """Allocate (and copy-on-write) blocks for the next tokens, preempting others not in this step's batch
+        (lowest priority, then newest) if needed. Returns False when `seq` itself had to be preempted."""
         while True:
             copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
             if copies is not None:
                 add_block_copies(self._block_copies, seq, copies)
                 return True
-            victim = next((s for s in reversed(self.running) if s is not seq and s.last_scheduled_step != self.step_id), None)
-            self._preempt(victim or seq)
-            if victim is None:
+            victim = preemption_victim(self.running, seq, self.step_id, self.waiting.any_priority)
+            self._preempt(victim)
+            if victim is seq:
                 return False
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and seq.on_worker and seq.num_computed > 0:
-            self._preempt_swap(seq)
+            preempt_swap(self, seq)
         else:
-            self._preempt_recompute(seq)
-
-    def _preempt_recompute(self, seq: Sequence) -> None:
-        """Free the blocks, re-queue at the front with all tokens so far."""
-        self.running.remove(seq)
-        self.kv_cache.free(seq)
-        self._release_on_worker(seq)
-        seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
-        log.info("preempted", mode="recompute", request_id=seq.request_id, tokens=seq.num_tokens, free_blocks=self.kv_cache.num_free)
-
-    def _preempt_swap(self, seq: Sequence) -> None:
-        """The worker copies the blocks holding K/V to host memory; the device blocks are freed."""
-        self.running.remove(seq)
-        held = self.kv_cache.swap_out(seq)
-        self._swap_out.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=held))
-        seq.pending_edits = []
-        seq.num_swapped_blocks, seq.num_blocks_sent = len(held), 0
-        seq.swapped_status, seq.status = seq.status, SequenceStatus.SWAPPED
-        self.swapped.append(seq)
-        self.num_swap_outs += 1
-        log.info("preempted", mode="swap", request_id=seq.request_id, blocks=len(held), free_blocks=self.kv_cache.num_free)
+            preempt_recompute(self, seq)
 
     # ---------------------------------------------------------------- results
 

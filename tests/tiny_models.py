@@ -115,3 +115,17 @@ def make_tiny_qwen2(directory: Path, seed: int = 0) -> Path:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.5)
     return _save(model, directory)
+
+
+def make_tiny_byte_llama(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama over the simple tokenizer's vocabulary (tokenizer.kind simple: 256 bytes, then
+    PAD 256, BOS 257, EOS 258; gateway/simple_tokenizer.py). No tokenizer files: that tokenizer is built in."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                         pad_token_id=256, bos_token_id=257, eos_token_id=258, torch_dtype="float32")
+    directory.mkdir(parents=True, exist_ok=True)
+    LlamaForCausalLM(config).eval().save_pretrained(str(directory), safe_serialization=True)
+    return directory
