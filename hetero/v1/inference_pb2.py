@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hetero.v1 import common_pb2 as hetero_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hetero/v1/inference.proto\x12\thetero.v1\x1a\x16hetero/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"0\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.hetero.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x13.hetero.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.hetero.v1.ChatH\x00\x12)\n\x06params\x18\x06 \x01(\x0b\x32\x19.hetero.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x14 \x01(\t\x12\x10\n\x08priority\x18\x15 \x01(\x05\x42\x07\n\x05input\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"\xf0\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.hetero.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.hetero.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\r\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12)\n\x08logprobs\x18\n \x03(\x0b\x32\x17.hetero.v1.TokenLogprob\x12\x18\n\x10token_timestamps\x18\x0b \x03(\x01\x12\x32\n\x0ctop_logprobs\x18( \x03(\x0b\x32\x1c.hetero.v1.TokenAlternatives\x12\x30\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x17.hetero.v1.TokenLogprob\x12\x39\n\x13prompt_top_logprobs\x18* \x03(\x0b\x32\x1c.hetero.v1.TokenAlternatives\x12,\n\x07\x63hoices\x18\x14 \x03(\x0b\x32\x1b.hetero.v1.GenerateResponse\"@\n\x11TokenAlternatives\x12+\n\ncandidates\x18\x01 \x03(\x0b\x32\x17.hetero.v1.TokenLogprob\"\x92\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.hetero.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"[\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"U\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1e\n\x16include_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"-\n\x16\x41\x62ortGenerationRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"=\n\x17\x41\x62ortGenerationResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"\xb6\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x04 \x01(\t\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_bos_token_id\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.hetero.v1.ModelCard\"\x16\n\x14GetServerInfoRequest\"\xb6\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\"\n\x04pool\x18\x03 \x01(\x0b\x32\x14.hetero.v1.PoolStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12(\n\x07service\x18\x07 \x01(\x0b\x32\x17.hetero.v1.ServiceStats2\x8b\x04\n\tInference\x12\x45\n\x08Generate\x12\x1a.hetero.v1.GenerateRequest\x1a\x1b.hetero.v1.GenerateResponse0\x01\x12\x43\n\x08\x43omplete\x12\x1a.hetero.v1.GenerateRequest\x1a\x1b.hetero.v1.GenerateResponse\x12\x43\n\x08Tokenize\x12\x1a.hetero.v1.TokenizeRequest\x1a\x1b.hetero.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.hetero.v1.DetokenizeRequest\x1a\x1d.hetero.v1.DetokenizeResponse\x12N\n\x05\x41\x62ort\x12!.hetero.v1.AbortGenerationRequest\x1a\".hetero.v1.AbortGenerationResponse\x12I\n\nListModels\x12\x1c.hetero.v1.ListModelsRequest\x1a\x1d.hetero.v1.ListModelsResponse\x12G\n\rGetServerInfo\x12\x1f.hetero.v1.GetServerInfoRequest\x1a\x15.hetero.v1.ServerInfoBV\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hetero/v1/inference.proto\x12\thetero.v1\x1a\x16hetero/v1/common.proto\"y\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.hetero.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"e\n\x04\x43hat\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.hetero.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.hetero.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x13.hetero.v1.TokenIdsH\x00\x12\x1f\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x0f.hetero.v1.ChatH\x00\x12)\n\x06params\x18\x06 \x01(\x0b\x32\x19.hetero.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x14 \x01(\t\x12\x10\n\x08priority\x18\x15 \x01(\x05\x42\x07\n\x05input\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"\x99\x04\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.hetero.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.hetero.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\r\x12\x13\n\x0bstop_reason\x18\x08 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12)\n\x08logprobs\x18\n \x03(\x0b\x32\x17.hetero.v1.TokenLogprob\x12\x18\n\x10token_timestamps\x18\x0b \x03(\x01\x12\x32\n\x0ctop_logprobs\x18( \x03(\x0b\x32\x1c.hetero.v1.TokenAlternatives\x12\x30\n\x0fprompt_logprobs\x18) \x03(\x0b\x32\x17.hetero.v1.TokenLogprob\x12\x39\n\x13prompt_top_logprobs\x18* \x03(\x0b\x32\x1c.hetero.v1.TokenAlternatives\x12\'\n\ntool_calls\x18+ \x03(\x0b\x32\x13.hetero.v1.ToolCall\x12,\n\x07\x63hoices\x18\x14 \x03(\x0b\x32\x1b.hetero.v1.GenerateResponse\"@\n\x11TokenAlternatives\x12+\n\ncandidates\x18\x01 \x03(\x0b\x32\x17.hetero.v1.TokenLogprob\"\x92\x01\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1f\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0f.hetero.v1.ChatH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"[\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"U\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1e\n\x16include_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"-\n\x16\x41\x62ortGenerationRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"=\n\x17\x41\x62ortGenerationResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\"\xb6\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x04 \x01(\t\x12\x19\n\x11has_chat_template\x18\x05 \x01(\x08\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_bos_token_id\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.hetero.v1.ModelCard\"\x16\n\x14GetServerInfoRequest\"\xb6\x01\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\"\n\x04pool\x18\x03 \x01(\x0b\x32\x14.hetero.v1.PoolStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12(\n\x07service\x18\x07 \x01(\x0b\x32\x17.hetero.v1.ServiceStats2\x8b\x04\n\tInference\x12\x45\n\x08Generate\x12\x1a.hetero.v1.GenerateRequest\x1a\x1b.hetero.v1.GenerateResponse0\x01\x12\x43\n\x08\x43omplete\x12\x1a.hetero.v1.GenerateRequest\x1a\x1b.hetero.v1.GenerateResponse\x12\x43\n\x08Tokenize\x12\x1a.hetero.v1.TokenizeRequest\x1a\x1b.hetero.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.hetero.v1.DetokenizeRequest\x1a\x1d.hetero.v1.DetokenizeResponse\x12N\n\x05\x41\x62ort\x12!.hetero.v1.AbortGenerationRequest\x1a\".hetero.v1.AbortGenerationResponse\x12I\n\nListModels\x12\x1c.hetero.v1.ListModelsRequest\x1a\x1d.hetero.v1.ListModelsResponse\x12G\n\rGetServerInfo\x12\x1f.hetero.v1.GetServerInfoRequest\x1a\x15.hetero.v1.ServerInfoBV\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,41 +34,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\022dev.heteroinfer.v1P\001Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1'
   _globals['_CHATMESSAGE']._serialized_start=64
-  _globals['_CHATMESSAGE']._serialized_end=108
-  _globals['_CHAT']._serialized_start=110
-  _globals['_CHAT']._serialized_end=158
-  _globals['_TOKENIDS']._serialized_start=160
-  _globals['_TOKENIDS']._serialized_end=183
-  _globals['_GENERATEREQUEST']._serialized_start=186
-  _globals['_GENERATEREQUEST']._serialized_end=428
-  _globals['_TOKENLOGPROB']._serialized_start=430
-  _globals['_TOKENLOGPROB']._serialized_end=494
-  _globals['_GENERATERESPONSE']._serialized_start=497
-  _globals['_GENERATERESPONSE']._serialized_end=993
-  _globals['_TOKENALTERNATIVES']._serialized_start=995
-  _globals['_TOKENALTERNATIVES']._serialized_end=1059
-  _globals['_TOKENIZEREQUEST']._serialized_start=1062
-  _globals['_TOKENIZEREQUEST']._serialized_end=1208
-  _globals['_TOKENIZERESPONSE']._serialized_start=1210
-  _globals['_TOKENIZERESPONSE']._serialized_end=1301
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1303
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1388
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1390
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1424
-  _globals['_ABORTGENERATIONREQUEST']._serialized_start=1426
-  _globals['_ABORTGENERATIONREQUEST']._serialized_end=1471
-  _globals['_ABORTGENERATIONRESPONSE']._serialized_start=1473
-  _globals['_ABORTGENERATIONRESPONSE']._serialized_end=1534
-  _globals['_LISTMODELSREQUEST']._serialized_start=1536
-  _globals['_LISTMODELSREQUEST']._serialized_end=1555
-  _globals['_MODELCARD']._serialized_start=1558
-  _globals['_MODELCARD']._serialized_end=1740
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1742
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1800
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1802
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1824
-  _globals['_SERVERINFO']._serialized_start=1827
-  _globals['_SERVERINFO']._serialized_end=2009
-  _globals['_INFERENCE']._serialized_start=2012
-  _globals['_INFERENCE']._serialized_end=2535
+  _globals['_CHATMESSAGE']._serialized_end=185
+  _globals['_TOOL']._serialized_start=187
+  _globals['_TOOL']._serialized_end=253
+  _globals['_TOOLCALL']._serialized_start=255
+  _globals['_TOOLCALL']._serialized_end=310
+  _globals['_CHAT']._serialized_start=312
+  _globals['_CHAT']._serialized_end=413
+  _globals['_TOKENIDS']._serialized_start=415
+  _globals['_TOKENIDS']._serialized_end=438
+  _globals['_GENERATEREQUEST']._serialized_start=441
+  _globals['_GENERATEREQUEST']._serialized_end=683
+  _globals['_TOKENLOGPROB']._serialized_start=685
+  _globals['_TOKENLOGPROB']._serialized_end=749
+  _globals['_GENERATERESPONSE']._serialized_start=752
+  _globals['_GENERATERESPONSE']._serialized_end=1289
+  _globals['_TOKENALTERNATIVES']._serialized_start=1291
+  _globals['_TOKENALTERNATIVES']._serialized_end=1355
+  _globals['_TOKENIZEREQUEST']._serialized_start=1358
+  _globals['_TOKENIZEREQUEST']._serialized_end=1504
+  _globals['_TOKENIZERESPONSE']._serialized_start=1506
+  _globals['_TOKENIZERESPONSE']._serialized_end=1597
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1599
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1684
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1686
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1720
+  _globals['_ABORTGENERATIONREQUEST']._serialized_start=1722
+  _globals['_ABORTGENERATIONREQUEST']._serialized_end=1767
+  _globals['_ABORTGENERATIONRESPONSE']._serialized_start=1769
+  _globals['_ABORTGENERATIONRESPONSE']._serialized_end=1830
+  _globals['_LISTMODELSREQUEST']._serialized_start=1832
+  _globals['_LISTMODELSREQUEST']._serialized_end=1851
+  _globals['_MODELCARD']._serialized_start=1854
+  _globals['_MODELCARD']._serialized_end=2036
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2038
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2096
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2098
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2120
+  _globals['_SERVERINFO']._serialized_start=2123
+  _globals['_SERVERINFO']._serialized_end=2305
+  _globals['_INFERENCE']._serialized_start=2308
+  _globals['_INFERENCE']._serialized_end=2831
 # @@protoc_insertion_point(module_scope)
