@@ -1,7 +1,7 @@
 """Constrained decoding through the real three-process stack over gRPC, on the tiny random model at
 temperature 1: every sample of five JSON Schemas validates (jsonschema), regex samples fully match,
 choice samples are in their set, Lark-grammar samples parse; bad constraints are INVALID_ARGUMENT naming
-the field; constrained rows stay valid under recompute preemption (a pool too small for the batch), with
+the field; constrained rows stay valid under preemption (recompute and swap) (a pool too small for the batch), with
 n = 3 and with prefix-cache hits, while unconstrained greedy rows in the same steps stay token-exact
 against transformers."""
 
@@ -141,7 +141,9 @@ def test_a_bad_constraint_is_invalid_argument_naming_the_field(stack: Stack, kin
         assert info.value.details().startswith(f"params.{kind}"), info.value.details()
 
 
-def test_constrained_rows_under_preemption_with_n3_beside_exact_greedy_rows(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_constrained_rows_under_preemption_with_n3_beside_exact_greedy_rows(tiny_llama_dir: Path, mode: str) -> None:
+    """Recompute rebuilds each matcher from the generated tokens; swap keeps it on the worker."""
     prompts = make_prompts()
     reference = hf_greedy(tiny_llama_dir, prompts)
     schema = SCHEMAS["required_and_optional"]
@@ -150,7 +152,7 @@ def test_constrained_rows_under_preemption_with_n3_beside_exact_greedy_rows(tiny
     constrained += [request(seed=60 + i, n=3, max_tokens=60, prompt=prompts[i], regex=REGEXES[0]) for i in range(2)]
     plain = [ids_request(p, NEW_TOKENS) for p in prompts]
     with run_stack(tiny_llama_dir, "--block-size", "4", "--max-model-len", "512", "--max-num-blocks", "40",
-                   "--memory-threshold", "1.0", "--preemption-mode", "recompute") as small:
+                   "--memory-threshold", "1.0", "--preemption-mode", mode) as small:
         with ThreadPoolExecutor(len(constrained) + len(plain)) as pool_:
             answers = list(pool_.map(lambda r: small.inference.Complete(r, timeout=300), constrained + plain))
         # again, now that the prompts' blocks are in the prefix cache
