@@ -78,7 +78,11 @@ class Generation:
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         started = time.perf_counter()
-        prepared = prepare(request, self.tokenizer, self.model_name, self.max_model_len, request_id)
+        args = (request, self.tokenizer, self.model_name, self.max_model_len, request_id)
+        # Compiling a constraint (and, once, llguidance's tokenizer) can take milliseconds to a second for a
+        # large grammar; llguidance releases the GIL meanwhile, so it runs off the event loop.
+        constrained = request.params.WhichOneof("constraint") is not None
+        prepared = await asyncio.to_thread(prepare, *args) if constrained else prepare(*args)
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
         n = prepared.sampling.n
         finish, backend = NOT_FINISHED, ""
