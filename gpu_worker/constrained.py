@@ -73,7 +73,7 @@ def build_row_constraint(spec: ConstraintSpec, token_ids: Sequence[int], num_gen
                          vocabulary: GuidanceVocabulary) -> RowConstraint:
     """A matcher for `spec` that has consumed the last `num_generated` of `token_ids` (the tokens generated
     before this worker saw the sequence: after a recompute preemption or a fork)."""
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, LLParserLimits
 
     rc = RowConstraint()
     tokenizer = vocabulary.tokenizer
@@ -83,7 +83,8 @@ def build_row_constraint(spec: ConstraintSpec, token_ids: Sequence[int], num_gen
     try:
         grammar = grammar_text(spec)
         check_grammar(spec, grammar, tokenizer)  # raises with llguidance's message, as the gateway's check does
-        rc.matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        # Terse errors: the verbose ones dump the parser's state and grammar into the log.
+        rc.matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=LLParserLimits(verbose_errors=False))
     except Exception as exc:  # the gateway validated it: only a vocabulary that differs from its tokenizer gets here
         rc.fail(f"{spec.field} does not compile on the worker: {exc}")
         return rc

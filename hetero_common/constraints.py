@@ -135,10 +135,13 @@ def build_ll_tokenizer(tokenizer_json: str, eos_token_ids: list[int], n_vocab: i
     models alike). `n_vocab`: the width of the logits when it exceeds the tokenizer's (ids past the tokenizer
     are never allowed). EOS ids end a complete constraint; the first is llguidance's main EOS. Costs up to
     about a second for a large vocabulary: build it once."""
+    import tokenizers
     from llguidance import LLTokenizer
 
     if not eos_token_ids:
         raise ValueError("constrained decoding needs the model's end-of-sequence token id; this model has none")
+    if n_vocab is not None:  # llguidance refuses a size below the tokenizer's own (ids past the logits are cut later)
+        n_vocab = max(n_vocab, tokenizers.Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True))
     return LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos_token_ids))
 
 

@@ -199,3 +199,12 @@ def test_the_scheduler_fails_only_the_sample_whose_constraint_failed() -> None:
     assert outs["bad"].finish_reason == common_pb2.FINISH_REASON_ERROR and outs["bad"].error == CONSTRAINT_FAILED_MESSAGE
     assert outs["good"].finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED and outs["good"].token_ids == [7]
     assert "bad" not in s.requests and bad.seq_id in s.schedule().released_seq_ids
+
+
+def test_a_model_vocabulary_narrower_than_the_tokenizer_is_served(text_tokenizer) -> None:
+    """Ids the logits do not have are cut from the mask; llguidance keeps the tokenizer's own size."""
+    vocabulary = GuidanceVocabulary(text_tokenizer.tokenizer.to_str, [EOS], 300)  # the tokenizer has 384
+    row = Row(resolve(common_pb2.SamplingParams(choice=common_pb2.Choices(choices=["yes", "no"]), temperature=0)), [1])
+    masks = build_constraint_masks([row], [0], 300, vocabulary, torch.device("cpu"))
+    assert masks is not None and masks.allowed.shape == (1, 300) and not row.constraint.error
+    assert vocabulary.tokenizer.vocab_size == 384 and bool(masks.allowed.any())
