@@ -141,13 +141,15 @@ class ConstraintMasks:
 
 
 def build_constraint_masks(states: Sequence[ConstrainedSequence], candidates: Sequence[int], width: int,
-                           vocabulary: GuidanceVocabulary, device: torch.device) -> ConstraintMasks | None:
+                           vocabulary: GuidanceVocabulary | None, device: torch.device) -> ConstraintMasks | None:
     """The masks of the rows among `candidates` that carry a constraint, or None when none does. `width`:
     the logits' width. A row whose matcher failed, or that would have no token left, is marked failed
     and allowed every token (its token is replaced by CONSTRAINT_FAILED_TOKEN after sampling)."""
     rows = [i for i in candidates if states[i].sampling.constraint is not None]
     if not rows:
         return None
+    if vocabulary is None:  # a caller that forgot it must not sample constrained rows unconstrained
+        raise ValueError("constrained rows need llguidance's vocabulary (GuidanceVocabulary)")
     row_states = []
     for i in rows:
         st = states[i]

@@ -55,8 +55,7 @@ def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, 
         controls=build_logits_controls(states, extra, vocab_size, eos_token_ids, device) if extra else None,
         min_p=(torch.tensor([s.min_p for s in samplings], dtype=torch.float32, device=device)
                if any(samplings[i].min_p for i in extra) else None),
-        constraints=(build_constraint_masks(states, extra, vocab_size, vocabulary, device)  # type: ignore[arg-type]
-                     if extra and vocabulary is not None else None),
+        constraints=build_constraint_masks(states, extra, vocab_size, vocabulary, device) if extra else None,  # type: ignore[arg-type]
     )
 
 
