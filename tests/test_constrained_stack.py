@@ -1,7 +1,7 @@
 """Constrained decoding through the real three-process stack over gRPC, on the tiny random model at
 temperature 1: every sample of five JSON Schemas validates (jsonschema), regex samples fully match,
 choice samples are in their set, Lark-grammar samples parse; bad constraints are INVALID_ARGUMENT naming
-the field; constrained rows stay valid under preemption (recompute and swap) (a pool too small for the batch), with
+the field; tensor parallelism (TP 2) follows rank 0's tokens; constrained rows stay valid under preemption (recompute and swap) (a pool too small for the batch), with
 n = 3 and with prefix-cache hits, while unconstrained greedy rows in the same steps stay token-exact
 against transformers."""
 
@@ -174,3 +174,19 @@ def test_constrained_rows_under_preemption_with_n3_beside_exact_greedy_rows(tiny
     # the same seeds give the same samples with and without preemption and cache hits
     assert [[c.text for c in a.choices] for a in answers[:len(constrained)]] == [[c.text for c in a.choices]
                                                                                    for a in cached]
+
+
+def test_tensor_parallel_ranks_follow_rank_0s_tokens(stack: Stack, tiny_llama_dir: Path) -> None:
+    """Every rank keeps its own matchers and advances them with rank 0's token: greedy constrained output
+    equals TP 1's, and random samples stay valid."""
+    schema = SCHEMAS["nested_objects"]
+    greedy = [request(seed=1, n=1, prompt=p, json_schema=json.dumps(schema)) for p in make_prompts()[:4]]
+    for r in greedy:
+        r.params.temperature = 0.0
+    one = [stack.inference.Complete(r).text for r in greedy]
+    with run_stack(tiny_llama_dir, "--block-size", "4", "--max-model-len", "512", "--tensor-parallel-size", "2") as tp2:
+        two = [tp2.inference.Complete(r).text for r in greedy]
+        texts = samples(tp2, seeded(20, json_schema=json.dumps(schema)))
+    assert one == two
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
