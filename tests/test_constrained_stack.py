@@ -1,9 +1,9 @@
 """Constrained decoding through the real three-process stack over gRPC, on the tiny random model at
 temperature 1: every sample of five JSON Schemas validates (jsonschema), regex samples fully match,
 choice samples are in their set, Lark-grammar samples parse; bad constraints are INVALID_ARGUMENT naming
-the field; tensor parallelism (TP 2) follows rank 0's tokens; constrained rows stay valid under preemption (recompute and swap) (a pool too small for the batch), with
-n = 3 and with prefix-cache hits, while unconstrained greedy rows in the same steps stay token-exact
-against transformers."""
+the field; constrained rows stay valid under preemption (recompute and swap, a pool too small for the
+batch), with n = 3 and with prefix-cache hits, while unconstrained greedy rows in the same steps stay
+token-exact against transformers; tensor parallelism 2 follows rank 0's tokens."""
 
 from __future__ import annotations
 
