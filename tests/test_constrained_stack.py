@@ -40,9 +40,10 @@ SCHEMAS = {
         "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]},
                        "ok": {"type": "boolean"}}},
     "number_ranges": {
-        "type": "object", "additionalProperties": False, "required": ["age", "level"],
+        "type": "object", "additionalProperties": False, "required": ["age", "level", "ratio"],
         "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
-                       "level": {"type": "integer", "minimum": -5, "maximum": 5}}},
+                       "level": {"type": "integer", "minimum": -5, "maximum": 5},
+                       "ratio": {"type": "number", "minimum": -1.5, "maximum": 2.5}}},
     "required_and_optional": {
         "type": "array", "minItems": 1, "maxItems": 3, "items": {
             "type": "object", "additionalProperties": False, "required": ["id", "done"],
@@ -93,6 +94,8 @@ def test_json_schema_samples_validate(stack: Stack, name: str) -> None:
     for text in texts:
         assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)), text  # compact: no whitespace outside strings
         jsonschema.validate(json.loads(text), schema)
+    if name == "number_ranges":  # fractions and exponents are drawn too, inside the range
+        assert any(isinstance(json.loads(t)["ratio"], float) for t in texts), texts
 
 
 def test_regex_choice_grammar_and_json_object_samples_match(stack: Stack) -> None:
