@@ -64,7 +64,7 @@ def constraint_spec(params: common_pb2.SamplingParams) -> ConstraintSpec | None:
 
 
 def check_shape(spec: ConstraintSpec) -> None:
-    """Size and emptiness checks that need no compiler (the scheduler's validate runs these too)."""
+    """Size and emptiness checks that need no compiler (hetero_common.sampling.validate runs these)."""
     size = len(spec.text.encode("utf-8"))
     if size > MAX_CONSTRAINT_BYTES:
         raise ValidationError(f"{spec.field} is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are allowed", spec.kind)
