@@ -75,6 +75,10 @@ def refuse_logits_controls(sampling: Sampling) -> None:
         if getattr(sampling, name) != default:
             raise ValidationError(f"params.{name} is not supported by the command bridge backend "
                                   "(serving.backend.kind command_bridge); leave it unset")
+    if sampling.constraint is not None:  # a program's text cannot be constrained token by token
+        raise ValidationError(f"{sampling.constraint.field} (constrained decoding) is not supported by the command "
+                              "bridge backend (serving.backend.kind command_bridge); leave the constraint unset",
+                              sampling.constraint.kind)
 
 
 def refuse_tools_and_constraints(request: inference_pb2.GenerateRequest) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,16 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def guidance(self) -> Any:
+        """llguidance's tokenizer of this vocabulary (constraint validation), built at the first use."""
+        from hetero_common.constraints import build_ll_tokenizer
+
+        try:
+            return build_ll_tokenizer(self.tokenizer.to_str(), list(self.eos_token_ids))
+        except ValueError as exc:
+            raise ValidationError(f"constrained decoding is not available with this tokenizer: {exc}") from exc
 
 
 TOKENIZER_KINDS = ("auto", "huggingface", "gguf", "simple")  # the values of the config key tokenizer.kind

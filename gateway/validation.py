@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from gateway.tokenizer import TextTokenizer
 from gateway.tool_calls import template_input
 from hetero.v1 import inference_pb2
+from hetero_common.constraints import validate_constraint
 from hetero_common.errors import ModelNotFoundError, ValidationError
 from hetero_common.sampling import Sampling, validate
 
@@ -65,6 +66,8 @@ def prepare(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, se
         raise ValidationError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
     check_model(request.model, served_model)
     sampling = validate(request.params, tokenizer.vocab_size)
+    if sampling.constraint is not None:  # compiled against the served vocabulary, once more in the worker
+        validate_constraint(request.params, tokenizer.guidance)
     ids = prompt_token_ids(request, tokenizer)
     if len(ids) >= max_model_len:
         raise ValidationError(f"prompt is {len(ids)} tokens; max_model_len is {max_model_len} (prompt plus at least "

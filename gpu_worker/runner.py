@@ -17,6 +17,7 @@ import structlog
 import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
 from gpu_worker.cpu_setup import configure_cpu_threads, resolve_cpu_dtype
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
@@ -27,6 +28,7 @@ from gpu_worker.sampler import build_sampling_batch, sample, top_logprobs
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
+from hetero_common.constraints import CONSTRAINT_FAILED_TOKEN
 from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import Sampling, resolve
@@ -45,6 +47,7 @@ class SequenceState:
     num_computed: int = -1  # tokens whose K/V is in the cache; -1: new, take the plan's count (prefix-cache hits)
     prompt_logprobs: int | None = None  # alternatives per prompt position to score (gpu_worker/prompt_logprobs.py)
     controls: RowControls | None = None  # logits controls' state, built at the first sampled step (logits_processors)
+    constraint: RowConstraint | None = None  # the constraint's matcher, built at the first sampled step (constrained)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -98,6 +101,8 @@ class ModelRunner:
                                               kv_heads, mc.head_dim, self.dtype, self.device)
             self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                       kv_heads, mc.head_dim, self.device, self.dtype)
+        # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
+        self.vocabulary = GuidanceVocabulary(self._tokenizer_json, mc.eos_token_ids, mc.vocab_size)
         self.sequences: dict[int, SequenceState] = {}
         self.swapped: dict[int, torch.Tensor] = {}  # seq id -> its blocks in host memory (preemption by swap)
         self._suspended_kv: torch.Tensor | None = None  # the KV cache in host memory while suspended (offload)
@@ -109,6 +114,14 @@ class ModelRunner:
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
                  load_seconds=round(time.perf_counter() - started, 2))
+
+    def _tokenizer_json(self) -> str:
+        """The served tokenizer as `tokenizers` JSON, loaded as the gateway loads it (the same config keys), so
+        the worker's matchers and the gateway's validation see one vocabulary."""
+        from gateway.tokenizer import load_tokenizer  # the one loader of HF and GGUF tokenizers; needed only here
+
+        tk = self.config.tokenizer
+        return load_tokenizer(self.model_path, tk.path, kind=tk.kind).tokenizer.to_str()
 
     def describe(self) -> worker_pb2.WorkerInfo:
         mc = self.model_config
@@ -253,11 +266,13 @@ class ModelRunner:
             state.num_computed += n
         if sample_idx:
             sampled = [states[i] for i in sample_idx]
-            batch = build_sampling_batch(sampled, logits.shape[-1], self.model_config.eos_token_ids, self.device)
+            batch = build_sampling_batch(sampled, logits.shape[-1], self.model_config.eos_token_ids, self.device,
+                                         self.vocabulary)
             tokens, logprobs = sample(logits, batch)
             tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
             token_list = tokens.tolist()
-            batch.record(token_list)
+            for row in batch.record(token_list):  # a failed constraint: the scheduler fails that sample alone
+                token_list[row] = CONSTRAINT_FAILED_TOKEN
             for st, tok in zip(sampled, token_list):
                 st.token_ids.append(tok)
                 st.num_generated += 1

@@ -1,5 +1,6 @@
 """Vectorized sampling across the batch: greedy, temperature, top-k, top-p, per-request seeds,
-and the logits controls (logit_bias, min_tokens, penalties, min_p: gpu_worker/logits_processors.py).
+the logits controls (logit_bias, min_tokens, penalties, min_p: gpu_worker/logits_processors.py) and
+constrained decoding (the token masks of gpu_worker/constrained.py, after the controls).
 
 Random rows use the exponential-race trick: argmax(p / E) with E ~ Exp(1) draws from p,
 so one noise tensor serves the whole batch. A seeded row draws its noise from a generator
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.constrained import ConstraintMasks, GuidanceVocabulary, build_constraint_masks
 from gpu_worker.logits_processors import (ControlledSequence, LogitsControls, apply_logits_controls, apply_min_p,
                                           build_logits_controls)
 
@@ -28,16 +30,19 @@ class SamplingBatch:
     want_logprobs: bool = False
     controls: LogitsControls | None = None  # None: no row changes its logits before temperature
     min_p: torch.Tensor | None = None  # float32 [B]; None: no row uses min_p
+    constraints: ConstraintMasks | None = None  # None: no row is constrained
 
-    def record(self, token_ids: list[int]) -> None:
-        """After the step: count the sampled tokens of the rows with penalties."""
+    def record(self, token_ids: list[int]) -> list[int]:
+        """After the step: count the sampled tokens of the rows with penalties and advance the constrained
+        rows' matchers. Returns the rows whose constrained sample failed."""
         if self.controls is not None:
             self.controls.record(token_ids)
+        return self.constraints.advance(token_ids) if self.constraints is not None else []
 
 
 def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, eos_token_ids: Sequence[int],
-                         device: torch.device) -> SamplingBatch:
-    """The batch of the sequences sampled this step, in order."""
+                         device: torch.device, vocabulary: GuidanceVocabulary | None = None) -> SamplingBatch:
+    """The batch of the sequences sampled this step, in order. `vocabulary`: llguidance's (constrained rows)."""
     samplings = [st.sampling for st in states]
     extra = [i for i, s in enumerate(samplings) if s.uses_sampler_controls]  # usually none: one pass, then nothing
     return SamplingBatch(
@@ -50,6 +55,8 @@ def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, 
         controls=build_logits_controls(states, extra, vocab_size, eos_token_ids, device) if extra else None,
         min_p=(torch.tensor([s.min_p for s in samplings], dtype=torch.float32, device=device)
                if any(samplings[i].min_p for i in extra) else None),
+        constraints=(build_constraint_masks(states, extra, vocab_size, vocabulary, device)  # type: ignore[arg-type]
+                     if extra and vocabulary is not None else None),
     )
 
 
@@ -65,6 +72,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     The logprobs are those of the model's own distribution (`logits` as given), before the logits
     controls, temperature, min_p, top-k and top-p, as vLLM returns them by default."""
     processed = logits if batch.controls is None else apply_logits_controls(logits, batch.controls)
+    if batch.constraints is not None:  # after the controls, before temperature, min_p, top-k and top-p
+        processed = batch.constraints.apply(processed)
     tokens = processed.argmax(dim=-1)  # greedy rows see bias, penalties and min_tokens too
     random_rows = torch.nonzero(batch.temperature > 0).flatten()
     if random_rows.numel():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from hetero.v1 import common_pb2
+from hetero_common.constraints import ConstraintSpec, check_shape, constraint_spec
 from hetero_common.errors import ValidationError
 
 DEFAULT_MAX_TOKENS = 100
@@ -42,6 +43,8 @@ class Sampling:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
+    # Structured output (hetero_common/constraints.py; the worker's matcher: gpu_worker/constrained.py).
+    constraint: ConstraintSpec | None = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -56,7 +59,7 @@ class Sampling:
     @cached_property  # read for every sampled row of every step: computed once
     def uses_sampler_controls(self) -> bool:
         """Whether the sampler has anything to do for this sequence beyond temperature, top-k and top-p."""
-        return self.uses_logits_controls or self.min_p > 0.0
+        return self.uses_logits_controls or self.min_p > 0.0 or self.constraint is not None
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -85,6 +88,7 @@ def resolve(params: common_pb2.SamplingParams) -> Sampling:
         min_p=params.min_p if params.HasField("min_p") else 0.0,
         min_tokens=params.min_tokens if params.HasField("min_tokens") else 0,
         logit_bias=dict(params.logit_bias),
+        constraint=constraint_spec(params),
     )
 
 
@@ -115,7 +119,22 @@ def validate(params: common_pb2.SamplingParams, vocab_size: int | None = None) -
     if s.logprobs is not None and s.logprobs > MAX_LOGPROBS:
         raise ValidationError(f"params.logprobs must be <= {MAX_LOGPROBS} (got {s.logprobs})")
     _validate_controls(s, vocab_size)
+    if s.constraint is not None:
+        _validate_constraint_combination(s)
     return s
+
+
+def _validate_constraint_combination(s: Sampling) -> None:
+    """A constrained sample ends with EOS once its constraint is complete (the worker allows nothing else
+    then): controls that forbid that EOS would leave no token to sample, so they are refused."""
+    check_shape(s.constraint)  # type: ignore[arg-type]
+    field_name = s.constraint.field  # type: ignore[union-attr]
+    if s.ignore_eos:
+        raise ValidationError(f"params.ignore_eos cannot be combined with {field_name}: a constrained sample ends "
+                              "with EOS when its constraint is complete", "ignore_eos")
+    if s.min_tokens:
+        raise ValidationError(f"params.min_tokens cannot be combined with {field_name}: a constraint may be complete "
+                              "before min_tokens tokens, and then only EOS may follow", "min_tokens")
 
 
 def _in_range(name: str, value: float, low: float, high: float, low_open: bool = False) -> None:

@@ -24,6 +24,7 @@ import structlog
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
+from hetero_common.constraints import CONSTRAINT_FAILED_MESSAGE, CONSTRAINT_FAILED_TOKEN
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
@@ -278,6 +279,11 @@ class Scheduler:
             seq = sequences.get(seq_id)
             if seq is None or seq.status is COMPLETED or seq.status is FAILED:
                 continue  # aborted while the step ran
+            if token == CONSTRAINT_FAILED_TOKEN:  # the worker could not apply this sample's constraint
+                self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
+                outputs.append(TokenOutput(seq.request_id, finish_reason=FR.FINISH_REASON_ERROR,
+                                           error=CONSTRAINT_FAILED_MESSAGE, index=seq.index))
+                continue
             if seq.pending_forks:
                 self._fork(seq)
             was_running = seq.status is PREFILL or seq.status is DECODE  # the statuses in `running`

@@ -1,0 +1,150 @@
+"""Constrained decoding (structured output): `SamplingParams.constraint` as an llguidance grammar.
+
+One place for the gateway (validation: a bad constraint is INVALID_ARGUMENT naming the field,
+before anything is queued) and the worker (one matcher per constrained sequence,
+gpu_worker/constrained.py). The five kinds of the proto's oneof:
+
+- `json_schema`: a JSON Schema (JSON text); the output is compact JSON valid against it;
+- `json_object`: any JSON object, compact;
+- `regex`: the whole output matches the regular expression (Rust `regex` syntax);
+- `grammar`: a Lark grammar in llguidance's dialect, start rule `start`;
+- `choice`: exactly one of the strings.
+
+JSON is compact by default (llguidance's `whitespace_flexible: false`: "," and ":" separators, no
+whitespace between tokens), because a random sampler with flexible whitespace spends its tokens on
+long runs of spaces and newlines. A schema may opt out with its own `x-guidance` options.
+
+llguidance is imported lazily: the scheduler resolves SamplingParams too and never needs it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hetero.v1 import common_pb2
+from hetero_common.errors import ValidationError
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+
+MAX_CONSTRAINT_BYTES = 64 * 1024  # a constraint's text (schema, regex, grammar, all choices) at most
+MAX_CHOICES = 1024
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+# llguidance's JSON compiler options applied before the schema's own `x-guidance`: compact output.
+COMPACT_JSON = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """A request's constraint as sent: `kind` is the oneof field's name, `text` its value (for
+    `choice`, the strings as a JSON list; for `json_object`, empty)."""
+
+    kind: str
+    text: str
+
+    @property
+    def field(self) -> str:
+        return f"params.{self.kind}"
+
+
+def constraint_spec(params: common_pb2.SamplingParams) -> ConstraintSpec | None:
+    """The constraint of `params`, or None (no constraint). Cheap: nothing is compiled."""
+    kind = params.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not params.json_object:  # `json_object: false` asks for nothing: the same as no constraint
+            return None
+        return ConstraintSpec(kind, "")
+    if kind == "choice":
+        return ConstraintSpec(kind, json.dumps(list(params.choice.choices), ensure_ascii=False))
+    return ConstraintSpec(kind, getattr(params, kind))
+
+
+def check_shape(spec: ConstraintSpec) -> None:
+    """Size and emptiness checks that need no compiler (the scheduler's validate runs these too)."""
+    size = len(spec.text.encode("utf-8"))
+    if size > MAX_CONSTRAINT_BYTES:
+        raise ValidationError(f"{spec.field} is {size} bytes; at most {MAX_CONSTRAINT_BYTES} are allowed", spec.kind)
+    if spec.kind == "choice":
+        choices = json.loads(spec.text)
+        if not choices:
+            raise ValidationError("params.choice.choices must hold at least one string", spec.kind)
+        if len(choices) > MAX_CHOICES:
+            raise ValidationError(f"params.choice.choices has {len(choices)} strings; at most {MAX_CHOICES} are allowed",
+                                  spec.kind)
+        if any(not c for c in choices):
+            raise ValidationError("params.choice.choices must not contain empty strings", spec.kind)
+    elif spec.kind in ("regex", "grammar", "json_schema") and not spec.text.strip():
+        raise ValidationError(f"{spec.field} must not be empty", spec.kind)
+
+
+def grammar_text(spec: ConstraintSpec) -> str:
+    """The llguidance grammar (its JSON text) of a constraint; raises ValidationError naming the field when
+    the text cannot even be read (a schema that is not JSON). Compile errors show up in `validate_grammar`."""
+    from llguidance import LLMatcher
+
+    check_shape(spec)
+    if spec.kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=COMPACT_JSON)
+    if spec.kind == "json_schema":
+        try:
+            schema: Any = json.loads(spec.text)
+        except ValueError as exc:
+            raise ValidationError(f"params.json_schema is not valid JSON: {exc}", spec.kind) from exc
+        if not isinstance(schema, dict):
+            raise ValidationError(f"params.json_schema must be a JSON object (a schema), not {type(schema).__name__}",
+                                  spec.kind)
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT_JSON)
+        except (ValueError, TypeError) as exc:
+            raise ValidationError(f"params.json_schema: {exc}", spec.kind) from exc
+    if spec.kind == "regex":
+        return LLMatcher.grammar_from_regex(spec.text)
+    if spec.kind == "grammar":
+        return LLMatcher.grammar_from_lark(spec.text)
+    # choice: one alternative per string, each a Lark string literal (JSON's escapes are Lark's)
+    return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(spec.text)))
+
+
+def check_grammar(spec: ConstraintSpec, grammar: str, tokenizer: LLTokenizer | None) -> None:
+    """Compile `grammar` (against `tokenizer` when given: then its tokens' lexing is checked too) and raise
+    ValidationError naming the field with llguidance's first error."""
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if is_error:
+        message = (messages[0] if messages else "invalid").strip()
+        raise ValidationError(f"{spec.field}: {message}", spec.kind)
+
+
+def validate_constraint(params: common_pb2.SamplingParams, tokenizer: LLTokenizer | None = None) -> ConstraintSpec | None:
+    """The gateway's check of a request's constraint: None when there is none; raises ValidationError with
+    `param` the oneof field (`json_schema`, `regex`, ...) and a message starting `params.<field>: `."""
+    spec = constraint_spec(params)
+    if spec is None:
+        return None
+    check_grammar(spec, grammar_text(spec), tokenizer)
+    return spec
+
+
+def build_ll_tokenizer(tokenizer_json: str, eos_token_ids: list[int], n_vocab: int | None = None) -> LLTokenizer:
+    """llguidance's tokenizer from a `tokenizers` JSON (`tokenizers.Tokenizer.to_str()`: Hugging Face and GGUF
+    models alike). `n_vocab`: the width of the logits when it exceeds the tokenizer's (ids past the tokenizer
+    are never allowed). EOS ids end a complete constraint; the first is llguidance's main EOS. Costs up to
+    about a second for a large vocabulary: build it once."""
+    from llguidance import LLTokenizer
+
+    if not eos_token_ids:
+        raise ValueError("constrained decoding needs the model's end-of-sequence token id; this model has none")
+    return LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos_token_ids))
+
+
+# The token id a worker returns for a constrained sample whose matcher failed (the model's vocabulary
+# disagreeing with the grammar, a resource limit hit mid-generation): StepResult has no per-row error, so
+# this id, outside any vocabulary (uint32 max), tells the scheduler to fail that sample alone.
+CONSTRAINT_FAILED_TOKEN = 2**32 - 1
+CONSTRAINT_FAILED_MESSAGE = ("constrained decoding failed for this sample on the worker (its log says why); "
+                             "the other samples and requests go on")
