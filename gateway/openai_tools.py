@@ -99,9 +99,15 @@ def _calls(message: ChatMessageBody, i: int) -> list[inference_pb2.ToolCall]:
 def chat_proto(body: ChatBody) -> inference_pb2.Chat:
     """`messages`, `tools` and `tool_choice` as gRPC's Chat (the history's rules are checked on the
     shared path, `tool_calls.validate_history`, with the same field names)."""
-    tools = _tools(body.tools)
-    chat = inference_pb2.Chat(tools=tools, tool_choice=_tool_choice(body.tool_choice, tools))
-    for i, m in enumerate(body.messages):
+    return chat_of(body.messages, body.tools, body.tool_choice)
+
+
+def chat_of(messages: list[ChatMessageBody], tools: list[dict[str, Any]] | None,
+            tool_choice: str | dict[str, Any] | None) -> inference_pb2.Chat:
+    """As `chat_proto`, for any body with OpenAI's messages (also /tokenize's)."""
+    specs = _tools(tools)
+    chat = inference_pb2.Chat(tools=specs, tool_choice=_tool_choice(tool_choice, specs))
+    for i, m in enumerate(messages):
         chat.messages.append(inference_pb2.ChatMessage(role=m.role, content=m.text(), tool_calls=_calls(m, i),
                                                        tool_call_id=m.tool_call_id or "", name=m.name or ""))
     return chat

@@ -370,3 +370,18 @@ def test_served_defaults_and_tool_free_history_reach_the_bridge(client: TestClie
         response = client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4, **body})
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["message"] == {"role": "assistant", "content": "ok\n"}
+
+
+def test_tokenize_renders_tools_and_calls_as_generation_does(client: TestClient, tokenizer: TextTokenizer) -> None:
+    history = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21C"}]
+    answer = client.post("/tokenize", json={"messages": history, "tools": [FN]}).json()
+    chat_ = chat(msg("user", "hi"), msg("assistant", tool_calls=[inference_pb2.ToolCall(
+        id="call_1", name="weather", arguments='{"city": "Oslo"}')]), msg("tool", "21C", tool_call_id="call_1"),
+        tools=(tool("weather", WEATHER),))
+    assert answer["tokens"] == tokenizer.encode(render_chat(tokenizer, chat_), add_special_tokens=False)
+    plain = client.post("/tokenize", json={"messages": history}).json()["tokens"]
+    assert plain != answer["tokens"] and len(plain) < len(answer["tokens"])  # the default block offers the tool
+    bad = client.post("/tokenize", json={"messages": USER + [{"role": "tool", "content": "r", "tool_call_id": "x"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].tool_call_id"
