@@ -15,7 +15,7 @@ import re
 from contextlib import aclosing
 from typing import Any, AsyncIterator, TypeVar
 
-from gateway.tool_calls import check_schema
+from gateway.tool_calls import check_schema, json_value
 from hetero.v1 import common_pb2
 from hetero_common.errors import ValidationError
 
@@ -40,11 +40,14 @@ def _schema(value: Any, param: str) -> str:
     """A JSON Schema given as an object or as JSON text (its shape checked here, the rest by the engine's compiler)."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
+            value = json_value(value)
+        except ValueError as exc:
             raise _error(param, f"is not JSON: {exc}") from None
     check_schema(value, param)
-    return json.dumps(value)
+    try:
+        return json.dumps(value)
+    except RecursionError:
+        raise _error(param, "is nested too deeply") from None
 
 
 def _value(kind: str, value: Any, param: str) -> Any:

@@ -30,6 +30,14 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function name
 _CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S)
 
 
+def json_value(text: str) -> Any:
+    """json.loads; nesting too deep for the parser is a ValueError like any other bad JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -81,8 +89,8 @@ def tool_specs(chat: inference_pb2.Chat) -> list[ToolSpec]:
         if any(s.name == tool.name for s in specs):
             raise ValidationError(f"{where}.name {tool.name!r} is given twice", "tools")
         try:
-            parameters = json.loads(tool.parameters_json) if tool.parameters_json else {"type": "object"}
-        except json.JSONDecodeError as exc:
+            parameters = json_value(tool.parameters_json) if tool.parameters_json else {"type": "object"}
+        except ValueError as exc:
             raise ValidationError(f"{where}.parameters_json is not JSON: {exc}", "tools") from None
         specs.append(ToolSpec(tool.name, tool.description, check_schema(parameters, f"{where}.parameters_json")))
     return specs
@@ -90,8 +98,8 @@ def tool_specs(chat: inference_pb2.Chat) -> list[ToolSpec]:
 
 def _arguments(text: str, where: str) -> dict[str, Any]:
     try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError as exc:
+        value = json_value(text) if text else {}
+    except ValueError as exc:
         raise ValidationError(f"{where} is not JSON: {exc}", where.removeprefix("chat.")) from None
     if not isinstance(value, dict):
         raise ValidationError(f"{where} must be a JSON object", where.removeprefix("chat."))
@@ -250,8 +258,8 @@ class ToolPlan:
         args = value.get("arguments", value.get("parameters", {}))
         if isinstance(args, str):  # some models write the arguments as JSON text
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
+                args = json_value(args)
+            except ValueError:
                 return None
         if not isinstance(args, dict) or not any(t.name == value["name"] for t in self.tools):
             return None
@@ -265,11 +273,17 @@ class ToolPlan:
         constrained modes' output, and templates such as Llama 3's)."""
         if not self.active:
             return None
+        try:
+            return self._parse(text)
+        except (ValueError, RecursionError):  # e.g. arguments nested too deeply to write back out
+            return None
+
+    def _parse(self, text: str) -> ParsedAnswer | None:
         stripped = text.strip()
         if stripped[:1] in ("{", "["):
             try:
-                value = json.loads(stripped)
-            except json.JSONDecodeError:
+                value = json_value(stripped)
+            except ValueError:
                 value = None
             values = value if isinstance(value, list) else [value]
             calls = [self._call(v) for v in values]
@@ -281,8 +295,8 @@ class ToolPlan:
         calls = []
         for match in _CALL_BLOCK.finditer(text, start):
             try:
-                call = self._call(json.loads(match.group(1)))
-            except json.JSONDecodeError:
+                call = self._call(json_value(match.group(1)))
+            except ValueError:
                 return None
             if call is None:
                 return None

@@ -385,3 +385,13 @@ def test_tokenize_renders_tools_and_calls_as_generation_does(client: TestClient,
     assert plain != answer["tokens"] and len(plain) < len(answer["tokens"])  # the default block offers the tool
     bad = client.post("/tokenize", json={"messages": USER + [{"role": "tool", "content": "r", "tool_call_id": "x"}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].tool_call_id"
+
+
+def test_json_nested_too_deeply_is_refused_or_plain_content(client: TestClient) -> None:
+    deep = "[" * 100_000 + "]" * 100_000
+    assert AUTO.parse(deep) is None and AUTO.parse(f"<tool_call>{deep}</tool_call>") is None
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    bad = client.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "tool_calls": [call]}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].tool_calls[0].arguments"
+    schema = client.post("/v1/chat/completions", json={"messages": USER, "structured_outputs": {"json": deep}})
+    assert schema.status_code == 400 and schema.json()["error"]["param"] == "structured_outputs.json"
