@@ -80,7 +80,11 @@ class Generation:
         structlog.contextvars.bind_contextvars(request_id=request_id)
         started = time.perf_counter()
         request, tools = tool_request(request)  # tool_choice required / named: the call's schema as the constraint
-        prepared = prepare(request, self.tokenizer, self.model_name, self.max_model_len, request_id)
+        args = (request, self.tokenizer, self.model_name, self.max_model_len, request_id)
+        # Compiling a constraint (and, once, llguidance's tokenizer) can take milliseconds to a second for a
+        # large grammar; llguidance releases the GIL meanwhile, so it runs off the event loop.
+        constrained = request.params.WhichOneof("constraint") is not None
+        prepared = await asyncio.to_thread(prepare, *args) if constrained else prepare(*args)
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
         n = prepared.sampling.n
         finish, backend = NOT_FINISHED, ""

@@ -120,15 +120,15 @@ def validate(params: common_pb2.SamplingParams, vocab_size: int | None = None) -
         raise ValidationError(f"params.logprobs must be <= {MAX_LOGPROBS} (got {s.logprobs})")
     _validate_controls(s, vocab_size)
     if s.constraint is not None:
-        _validate_constraint_combination(s)
+        _validate_constraint_combination(s, s.constraint)
     return s
 
 
-def _validate_constraint_combination(s: Sampling) -> None:
+def _validate_constraint_combination(s: Sampling, spec: ConstraintSpec) -> None:
     """A constrained sample ends with EOS once its constraint is complete (the worker allows nothing else
     then): controls that forbid that EOS would leave no token to sample, so they are refused."""
-    check_shape(s.constraint)  # type: ignore[arg-type]
-    field_name = s.constraint.field  # type: ignore[union-attr]
+    check_shape(spec)
+    field_name = spec.field
     if s.ignore_eos:
         raise ValidationError(f"params.ignore_eos cannot be combined with {field_name}: a constrained sample ends "
                               "with EOS when its constraint is complete", "ignore_eos")

@@ -105,3 +105,12 @@ def test_bridge_refuses_the_logits_controls_it_cannot_honour(tiny_llama_dir: Pat
         params = common_pb2.SamplingParams(max_tokens=4, frequency_penalty=0, repetition_penalty=1, min_tokens=0)
         assert stub.Complete(inference_pb2.GenerateRequest(prompt=PROMPT, params=params), timeout=60).text == \
             f"bridge:{PROMPT}|4"
+        # A constraint (structured output) cannot be applied to a program's text: refused, naming its field.
+        for name, value in [("json_schema", '{"type": "object"}'), ("json_object", True), ("regex", "a+"),
+                            ("grammar", 'start: "a"'), ("choice", common_pb2.Choices(choices=["a", "b"]))]:
+            params = common_pb2.SamplingParams(max_tokens=4, **{name: value})
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Complete(inference_pb2.GenerateRequest(prompt=PROMPT, params=params), timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith(f"params.{name} (constrained decoding) is not supported by the "
+                                                   "command bridge"), info.value.details()
