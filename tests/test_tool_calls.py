@@ -395,3 +395,25 @@ def test_json_nested_too_deeply_is_refused_or_plain_content(client: TestClient) 
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].tool_calls[0].arguments"
     schema = client.post("/v1/chat/completions", json={"messages": USER, "structured_outputs": {"json": deep}})
     assert schema.status_code == 400 and schema.json()["error"]["param"] == "structured_outputs.json"
+
+
+def test_grpc_tool_requests_are_invalid_argument_on_the_command_bridge(tokenizer: TextTokenizer) -> None:
+    import asyncio
+
+    import grpc
+
+    backend = BackendConfig(kind="command_bridge", command=CommandConfig(shutil.which("echo") or "/bin/echo", ["ok"]))
+    config = Config(max_model_len=2048)
+    generation = Generation(config, tokenizer, CommandBridgeBackend(CommandBridge(backend), tokenizer, "tiny"))
+
+    async def answer(request: inference_pb2.GenerateRequest) -> str:
+        return "".join([r.text async for r in generation.generate(request)])
+
+    for choice, field in (("", "chat.tools"), ("required", "params.json_schema"), ("time", "params.json_schema")):
+        with pytest.raises(ValidationError) as caught:
+            asyncio.run(answer(inference_pb2.GenerateRequest(chat=chat(msg("user", "x"), tools=TOOLS, choice=choice))))
+        assert caught.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT and field in caught.value.message
+    # tool_choice none: no call can come back, so the bridge answers (the history's calls rendered as text).
+    history = chat(msg("user", "x"), msg("assistant", tool_calls=[CALL]), msg("tool", "r", tool_call_id="call_1"),
+                   tools=TOOLS, choice="none")
+    assert asyncio.run(answer(inference_pb2.GenerateRequest(chat=history))) == "ok\n"
