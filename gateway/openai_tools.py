@@ -36,7 +36,10 @@ def _function(entry: Any, param: str) -> dict[str, Any]:
     entry = _object(entry, param, {"type", "function"})
     if entry.get("type") != "function":
         raise _error(f"{param}.type", f"must be \"function\" (got {entry.get('type')!r})")
-    return entry.get("function") if isinstance(entry.get("function"), dict) else _object(None, f"{param}.function", set())
+    function = entry.get("function")
+    if not isinstance(function, dict):
+        raise _error(f"{param}.function", "must be an object")
+    return function
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[inference_pb2.Tool]:
