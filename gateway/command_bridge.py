@@ -81,6 +81,18 @@ def refuse_logits_controls(sampling: Sampling) -> None:
                               sampling.constraint.kind)
 
 
+def refuse_tools_and_constraints(request: inference_pb2.GenerateRequest) -> None:
+    """A program answers in free text: it can neither be constrained nor asked for tool calls."""
+    chat = request.chat if request.WhichOneof("input") == "chat" else None
+    if chat is not None and chat.tools and chat.tool_choice != "none":
+        raise ValidationError("tools: tool calls (chat.tools) are not served by the command_bridge backend "
+                              "(serving.backend.kind command_bridge); send tool_choice none or no tools", "tools")
+    kind = request.params.WhichOneof("constraint")
+    if kind is not None:
+        raise ValidationError(f"params.{kind}: structured output is not served by the command_bridge backend "
+                              "(serving.backend.kind command_bridge)", f"params.{kind}")
+
+
 class CommandBridge:
     name = "command_bridge"
 
@@ -214,6 +226,7 @@ class CommandBridgeBackend:
         if request.params.HasField("prompt_logprobs"):  # a program answers in text: it has no logits
             raise ValidationError("params.prompt_logprobs is not served by the command_bridge backend")
         refuse_logits_controls(prepared.sampling)
+        refuse_tools_and_constraints(request)
         prompt, sampling = bridge_prompt(request, self.tokenizer), prepared.sampling
         for index in range(sampling.n):
             if index and sampling.seed is not None:

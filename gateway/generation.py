@@ -21,6 +21,7 @@ from gateway.active_requests import ActiveRequests
 from gateway.backend import Backend
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.tokenizer import TextTokenizer
+from gateway.tool_stream import ToolCallStream, tool_request
 from gateway.validation import PreparedRequest, prepare
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
@@ -78,6 +79,7 @@ class Generation:
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         started = time.perf_counter()
+        request, tools = tool_request(request)  # tool_choice required / named: the call's schema as the constraint
         args = (request, self.tokenizer, self.model_name, self.max_model_len, request_id)
         # Compiling a constraint (and, once, llguidance's tokenizer) can take milliseconds to a second for a
         # large grammar; llguidance releases the GIL meanwhile, so it runs off the event loop.
@@ -88,7 +90,8 @@ class Generation:
         finish, backend = NOT_FINISHED, ""
         self.active.register(request_id, [request_id])
         try:  # aclosing: closing this generator closes the backend's stream at once (ends the request downstream)
-            async with aclosing(self._stream(request, prepared, timeout, timer, usage)) as responses:
+            calls = {i: ToolCallStream(tools) for i in range(n)} if tools else {}
+            async with aclosing(self._stream(request, prepared, timeout, timer, usage, calls)) as responses:
                 async for response in responses:
                     finish, backend = response.finish_reason, response.backend
                     yield response
@@ -98,13 +101,17 @@ class Generation:
                  completion_tokens=usage.completion_tokens, n=n, seconds=round(time.perf_counter() - started, 3))
 
     async def _stream(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest, timeout: float | None,
-                      timer: RequestTimer, usage: common_pb2.Usage) -> AsyncIterator[inference_pb2.GenerateResponse]:
+                      timer: RequestTimer, usage: common_pb2.Usage,
+                      calls: dict[int, ToolCallStream]) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """`calls`: per sample, when the answer may hold tool calls: they are taken out of the text."""
         running = set(range(prepared.sampling.n))
         # aclosing: leaving the loop early closes the backend's stream at once, which ends the
         # request downstream.
         async with aclosing(self.backend.generate(request, prepared, timeout)) as outputs:
             async for output in outputs:
                 response = output.response
+                if response.index in calls:
+                    calls[response.index].apply(response)
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, output.cached_prompt_tokens)
                 usage.completion_tokens += output.generated_tokens
                 timer.on_tokens(output.generated_tokens, output.queue_seconds)

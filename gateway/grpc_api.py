@@ -10,7 +10,7 @@ import structlog
 
 from gateway import tokenization
 from gateway.generation import Generation
-from gateway.validation import MAX_REQUEST_ID_LEN, chat_messages, check_model
+from gateway.validation import MAX_REQUEST_ID_LEN, check_model, render_chat
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common import __version__
 from hetero_common.errors import HeteroError, ValidationError
@@ -52,6 +52,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 answer.top_logprobs.extend(part.top_logprobs)
                 answer.prompt_logprobs.extend(part.prompt_logprobs)  # first message only
                 answer.prompt_top_logprobs.extend(part.prompt_top_logprobs)
+                answer.tool_calls.extend(part.tool_calls)  # last message only
                 if is_finished(part.finish_reason):
                     answer.finish_reason, answer.stop_reason = part.finish_reason, part.stop_reason
                 if part.HasField("usage"):
@@ -77,7 +78,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             kind = request.WhichOneof("input")
             if kind == "chat":
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else False
-                ids = tokenization.tokenize_chat(tokenizer, chat_messages(request.chat), add_special_tokens=add)
+                ids = tokenizer.encode(render_chat(tokenizer, request.chat), add_special_tokens=add)
             elif kind == "text":
                 add = request.add_special_tokens if request.HasField("add_special_tokens") else True
                 ids = tokenization.tokenize_text(tokenizer, request.text, add)

@@ -31,6 +31,8 @@ from gateway.http_request_id import OPENAPI_PARAMETER, RequestIdMiddleware, requ
 from gateway.http_streams import merged, unless_client_gone
 from gateway.http_tokenize import TokenizerRoutes
 from gateway.metrics import CONTENT_TYPE_LATEST
+from gateway.openai_structured import renamed_errors
+from gateway.openai_tools import call_deltas, chat_message
 from gateway.prompt_echo import PromptShaping
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
@@ -184,13 +186,15 @@ class HttpApi:
         requests = oa.completion_requests(body, rid, self.generation.tokenizer)
         shaping = PromptShaping.build(self.generation.tokenizer, requests, body.n, body.echo, body.logprobs,
                                       body.prompt_logprobs)
+        renames = oa.error_renames(body)
         if body.stream:
-            return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream, shaping)
-        return await unless_client_gone(request, self._completion(requests, body.n, rid, shaping))
+            return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream, shaping,
+                                      renames)
+        return await unless_client_gone(request, self._completion(requests, body.n, rid, shaping, renames))
 
     async def _completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str,
-                          shaping: PromptShaping | None) -> Response:
-        parts, usages = await self._collect(requests, n, rid, shaping)
+                          shaping: PromptShaping | None, renames: dict[str, str]) -> Response:
+        parts, usages = await self._collect(requests, n, rid, shaping, renames)
         choices = [{"index": i, "text": "".join(p.text for p in ps), "finish_reason": oa.finish_reason(ps[-1].finish_reason),
                     "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.completion_logprobs(self.generation.tokenizer, ps, shaping.text_offset(i) if shaping else 0)}
@@ -205,15 +209,16 @@ class HttpApi:
         rid = request_id(request.scope)
         requests = [oa.chat_request(body, rid, self.generation.tokenizer)]
         shaping = PromptShaping.build(self.generation.tokenizer, requests, body.n, False, None, body.prompt_logprobs)
+        renames = oa.error_renames(body)
         if body.stream:
             return await self._stream(requests, body.n, rid, "chat.completion.chunk", body.include_usage_in_stream,
-                                      shaping)
-        return await unless_client_gone(request, self._chat_completion(requests, body.n, rid, shaping))
+                                      shaping, renames)
+        return await unless_client_gone(request, self._chat_completion(requests, body.n, rid, shaping, renames))
 
     async def _chat_completion(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str,
-                               shaping: PromptShaping | None) -> Response:
-        parts, usages = await self._collect(requests, n, rid, shaping)
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(p.text for p in ps)},
+                               shaping: PromptShaping | None, renames: dict[str, str]) -> Response:
+        parts, usages = await self._collect(requests, n, rid, shaping, renames)
+        choices = [{"index": i, "message": chat_message(ps),
                     "finish_reason": oa.finish_reason(ps[-1].finish_reason), "stop_reason": ps[-1].stop_reason or None,
                     "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]
         for choice in choices if shaping else []:
@@ -223,12 +228,12 @@ class HttpApi:
         return JSONResponse(answer)
 
     async def _collect(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str,
-                       shaping: PromptShaping | None = None,
+                       shaping: PromptShaping | None = None, renames: dict[str, str] | None = None,
                        ) -> tuple[dict[int, list[inference_pb2.GenerateResponse]], list[common_pb2.Usage]]:
         """Every choice's messages (by choice index, in order) and each request's usage."""
         parts: dict[int, list[inference_pb2.GenerateResponse]] = {}
         usages: list[common_pb2.Usage] = []
-        async for index, part in merged(self.generation, requests, n, rid):
+        async for index, part in renamed_errors(merged(self.generation, requests, n, rid), renames or {}):
             parts.setdefault(index, []).append(part)
             if shaping:
                 shaping.observe(index, part)
@@ -237,10 +242,11 @@ class HttpApi:
         return dict(sorted(parts.items())), usages
 
     async def _stream(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str, kind: str,
-                      include_usage: bool, shaping: PromptShaping | None = None) -> Response:
+                      include_usage: bool, shaping: PromptShaping | None = None,
+                      renames: dict[str, str] | None = None) -> Response:
         """Server-sent events. The first message is awaited before answering, so a bad request still
         gets its 4xx status (not a 200 stream carrying an error)."""
-        events = merged(self.generation, requests, n, rid)
+        events = renamed_errors(merged(self.generation, requests, n, rid), renames or {})
         try:
             first = await anext(events)
         except StopAsyncIteration:
@@ -250,6 +256,18 @@ class HttpApi:
             raise
         created, model, chat = int(time.time()), self.generation.model_name, kind == "chat.completion.chunk"
         offsets: dict[int, int] = collections.defaultdict(int)
+
+        def chunks(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> list[dict[str, Any]]:
+            """One chunk, or with tool calls (chat) one per piece of them (the finish reason on the last)."""
+            first = chunk(index, part, first_of_choice)
+            if not part.tool_calls:
+                return [first]
+            pieces = call_deltas(list(part.tool_calls))
+            out = [first] + [oa.envelope(kind, rid, model, [{"index": index, "delta": {"tool_calls": d},  # type: ignore[arg-type]
+                                                             "logprobs": None, "finish_reason": None}], created)
+                             for d in pieces]
+            out[-1]["choices"][0]["finish_reason"], first["choices"][0]["finish_reason"] = "tool_calls", None
+            return out
 
         def chunk(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> dict[str, Any]:
             choice: dict[str, Any] = {"index": index, "finish_reason": oa.finish_reason(part.finish_reason)}
@@ -282,7 +300,8 @@ class HttpApi:
                 pending = [first] if first is not None else []
                 while True:
                     for index, part in pending:
-                        yield _sse(chunk(index, part, index not in started))
+                        for piece in chunks(index, part, index not in started):
+                            yield _sse(piece)
                         started.add(index)
                         if part.HasField("usage"):
                             usages.append(part.usage)

@@ -13,7 +13,8 @@ from gateway import tokenization
 from gateway.generation import Generation
 from gateway.openai_bodies import UINT32_MAX, ChatMessageBody, StrictBody
 from gateway.openai_fields import MESSAGE, Unserved, refuse_unserved
-from gateway.validation import check_model
+from gateway.openai_tools import chat_of
+from gateway.validation import check_model, render_chat
 from hetero_common.errors import ValidationError
 
 _CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
@@ -22,7 +23,6 @@ _UNSERVED = {
     "continue_final_message": Unserved(lambda v: not v, "a final message is not continued"),
     "chat_template": Unserved(lambda v: v is None, "the model's own chat template is used"),
     "chat_template_kwargs": Unserved(lambda v: not v, "the chat template takes no extra arguments"),
-    "tools": Unserved(lambda v: not v, "tool calling is not served"),
     "mm_processor_kwargs": Unserved(lambda v: v is None, "only text is served"),
 }
 
@@ -39,7 +39,7 @@ class TokenizeBody(StrictBody):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered as for generation (tool_choice auto)
     mm_processor_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
@@ -77,9 +77,11 @@ class TokenizerRoutes:
         g = self.generation
         check_model(body.model or "", g.model_name)
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = tokenization.tokenize_chat(g.tokenizer, messages, body.add_generation_prompt,
-                                             bool(body.add_special_tokens))
+            if not g.tokenizer.chat_template:
+                raise ValidationError("this model has no chat template; tokenize a plain `prompt` instead", "messages")
+            # The chat as generation renders it: tools, calls and tool results (gateway/tool_calls.py).
+            text = render_chat(g.tokenizer, chat_of(body.messages, body.tools, None), body.add_generation_prompt)
+            ids = g.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = tokenization.tokenize_text(g.tokenizer, body.prompt or "", add)

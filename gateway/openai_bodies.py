@@ -64,13 +64,14 @@ class _Body(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=1024, description="OpenAI's end-user id: accepted, informational only")
-    # Declared so that they are refused by name, not as unknown (openai_fields.COMMON).
+    # Structured output (openai_structured); the guided_* fields are vLLM's older names.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Declared so that they are refused by name, not as unknown (openai_fields.COMMON).
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     use_beam_search: bool = False
@@ -178,10 +179,10 @@ class TextPart(StrictBody):
 class ChatMessageBody(StrictBody):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None  # accepted; the chat template is given role and content only
+    name: str | None = None  # given to the chat template (a tool message's: the function's name)
     refusal: str | None = None  # OpenAI's assistant refusal text, when a client echoes a reply back
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (openai_tools)
+    tool_call_id: str | None = None  # tool: the call this message answers
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
 
@@ -197,10 +198,10 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Declared so that they are refused by name, not as unknown (openai_fields.CHAT).
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # checked in openai_tools
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # accepted: without tools it changes nothing
+    parallel_tool_calls: bool | None = None  # accepted: `auto` answers may hold several calls, `required` one
+    # Declared so that they are refused by name, not as unknown (openai_fields.CHAT).
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     store: bool | None = None
@@ -224,10 +225,7 @@ class ChatBody(_Body):
 
     @model_validator(mode="after")
     def _contract(self) -> "ChatBody":
-        sent = self.sent()
-        if sent.get("tool_choice") == "auto" and not self.tools:
-            sent.pop("tool_choice")  # "auto" with no tools can only answer in text
-        refuse_unserved(sent, CHAT)
+        refuse_unserved(self.sent(), CHAT)
         for i, message in enumerate(self.messages):
             refuse_unserved({k: getattr(message, k) for k in message.model_fields_set}, MESSAGE, f"messages[{i}].")
         self._check_common()

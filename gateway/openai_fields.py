@@ -41,20 +41,13 @@ def _is(*values: Any) -> Callable[[Any], bool]:
     return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
 
 
-_STRUCTURED = "structured output (JSON mode, JSON schema, grammars, guided decoding) is not served"
-_TOOLS = "tool and function calling is not served"
+_TOOLS = "the deprecated function-calling fields are not served; send tools and tool_choice"
 
 # Both routes.
 COMMON: dict[str, Unserved] = {
-    "response_format": Unserved(lambda v: v is None or v == {"type": "text"},
-                                f"{_STRUCTURED}; only {{\"type\": \"text\"}} is accepted"),
-    "structured_outputs": Unserved(_empty, _STRUCTURED),
-    "guided_json": Unserved(_none, _STRUCTURED),
-    "guided_regex": Unserved(_none, _STRUCTURED),
-    "guided_choice": Unserved(_none, _STRUCTURED),
-    "guided_grammar": Unserved(_none, _STRUCTURED),
-    "guided_decoding_backend": Unserved(_none, _STRUCTURED),
-    "guided_whitespace_pattern": Unserved(_none, _STRUCTURED),
+    # response_format, structured_outputs and guided_json/regex/choice/grammar are served (openai_structured).
+    "guided_decoding_backend": Unserved(_none, "one structured-output backend (llguidance) is served"),
+    "guided_whitespace_pattern": Unserved(_none, "JSON is always compact"),
     "use_beam_search": Unserved(_false, "beam search is not served"),
     "length_penalty": Unserved(_is(1.0, 1), "length_penalty applies to beam search, which is not served"),
     "include_stop_str_in_output": Unserved(_false, "stop strings are never included in the output"),
@@ -78,8 +71,7 @@ COMPLETION: dict[str, Unserved] = {
 
 CHAT: dict[str, Unserved] = {
     **COMMON,
-    "tools": Unserved(_empty, _TOOLS),
-    "tool_choice": Unserved(_is("none"), f"{_TOOLS}; only \"none\" (or \"auto\" without tools) is accepted"),
+    # tools, tool_choice and parallel_tool_calls are served (openai_tools).
     "functions": Unserved(_empty, _TOOLS),
     "function_call": Unserved(_is("none"), f"{_TOOLS}; only \"none\" is accepted"),
     "store": Unserved(_false, "completions are not stored"),
@@ -102,8 +94,6 @@ CHAT: dict[str, Unserved] = {
 }
 
 MESSAGE: dict[str, Unserved] = {
-    "tool_calls": Unserved(_empty, _TOOLS),
-    "tool_call_id": Unserved(_none, _TOOLS),
     "function_call": Unserved(_none, _TOOLS),
     "audio": Unserved(_none, "only text is served"),
 }

@@ -16,6 +16,8 @@ import time
 from typing import Any, Literal
 
 from gateway.openai_bodies import ChatBody, ChatMessageBody, CompletionBody, StreamOptions, _Body
+from gateway.openai_structured import apply_constraint
+from gateway.openai_tools import chat_proto
 from gateway.prompt_echo import engine_prompt_logprobs
 from gateway.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
@@ -25,7 +27,7 @@ from hetero_common.finish_reasons import finish_reason_name, is_finished
 __all__ = ["ChatBody", "ChatMessageBody", "CompletionBody", "StreamOptions", "chat_request", "completion_requests"]
 
 # The finish reasons OpenAI clients know; any other (error, deadline) is reported as "error".
-OPENAI_FINISH_REASONS = ("stop", "length", "abort")
+OPENAI_FINISH_REASONS = ("stop", "length", "abort", "tool_calls")
 
 
 def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -71,7 +73,16 @@ def _params(body: _Body, max_tokens: int | None, logprobs: int | None, vocab_siz
         p.logprobs = logprobs
     if body.prompt_logprobs is not None:
         p.prompt_logprobs = body.prompt_logprobs
+    apply_constraint(body.sent(), p)
     return p
+
+
+def error_renames(body: _Body) -> dict[str, str]:
+    """{constraint kind: the HTTP field that set it}: an engine error about the constraint names it."""
+    renames = apply_constraint(body.sent(), common_pb2.SamplingParams())
+    if isinstance(body, ChatBody) and body.tools and body.tool_choice not in (None, "none", "auto"):
+        renames["json_schema"] = "tool_choice"  # the gateway's constraint for required / a named tool
+    return renames
 
 
 def _request(body: _Body, request_id: str, params: common_pb2.SamplingParams) -> inference_pb2.GenerateRequest:
@@ -110,7 +121,7 @@ def completion_requests(body: CompletionBody, request_id: str,
 
 
 def chat_request(body: ChatBody, request_id: str, tokenizer: TextTokenizer) -> inference_pb2.GenerateRequest:
-    chat = inference_pb2.Chat(messages=[inference_pb2.ChatMessage(role=m.role, content=m.text()) for m in body.messages])
+    chat = chat_proto(body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     r = _request(body, f"{request_id}-0", _params(body, body.effective_max_tokens, logprobs, tokenizer.vocab_size))
     r.chat.CopyFrom(chat)

@@ -18,17 +18,6 @@ def tokenize_text(tokenizer: TextTokenizer, text: str, add_special_tokens: bool 
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def tokenize_chat(tokenizer: TextTokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                  add_special_tokens: bool = False) -> list[int]:
-    """The chat rendered with the model's template, then tokenized. The template writes the special
-    tokens it needs, so `add_special_tokens` (vLLM's default: false) adds only what it would add
-    to plain text."""
-    if not tokenizer.chat_template:
-        raise ValidationError("this model has no chat template; tokenize a plain `prompt` instead", "messages")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
 def token_strings(tokenizer: TextTokenizer, ids: list[int]) -> list[str]:
     """Each id's vocabulary entry (byte-level spelling, e.g. 'Ġthe'), as transformers' convert_ids_to_tokens."""
     return [tokenizer.tokenizer.id_to_token(i) or "" for i in ids]

@@ -57,7 +57,14 @@ class TextTokenizer:
         """The literal text of one token ("" for None or an unknown id), for template variables."""
         return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (the Hugging Face convention for
+        templates that render tool definitions and calls themselves)."""
+        return bool(self.chat_template) and "tools" in _template_variables(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Render `messages` into a prompt string, as `transformers`' apply_chat_template(tokenize=False)."""
         if not self.chat_template:
             raise TokenizerError(
@@ -73,6 +80,7 @@ class TextTokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.token_text(self.bos_token_id),
                 eos_token=self.token_text(eos),
+                tools=tools,
             )
         except TemplateError as exc:  # includes the template's own raise_exception("..."): a bad request
             raise ChatTemplateRejected(f"messages: the chat template rejected these messages: {exc}", "messages") from exc
@@ -264,6 +272,18 @@ def _from_gguf(path: Path) -> TextTokenizer:
 
 
 # --- chat templates -------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=16)
+def _template_variables(source: str) -> frozenset[str]:
+    from jinja2 import Environment, meta
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+
+    try:
+        return frozenset(meta.find_undeclared_variables(Environment(extensions=[loopcontrols]).parse(source)))
+    except TemplateError:
+        return frozenset()
 
 
 @lru_cache(maxsize=16)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.tokenizer import TextTokenizer
+from gateway.tool_calls import template_input
 from hetero.v1 import inference_pb2
 from hetero_common.constraints import validate_constraint
 from hetero_common.errors import ModelNotFoundError, ValidationError
@@ -27,19 +28,12 @@ def check_model(requested: str, served: str) -> None:
                                  "model")
 
 
-def chat_messages(chat: inference_pb2.Chat) -> list[dict[str, str]]:
-    if not chat.messages:
-        raise ValidationError("chat.messages must not be empty")
-    for i, m in enumerate(chat.messages):
-        if m.role not in ("system", "user", "assistant", "tool"):
-            raise ValidationError(f"chat.messages[{i}].role must be system, user, assistant or tool (got {m.role!r})")
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
-
-
-def render_chat(tokenizer: TextTokenizer, chat: inference_pb2.Chat) -> str:
+def render_chat(tokenizer: TextTokenizer, chat: inference_pb2.Chat, add_generation_prompt: bool = True) -> str:
+    """The chat as the model's template writes it, with its tools and tool calls (`tool_calls.py`)."""
     if not tokenizer.chat_template:
         raise ValidationError("this model has no chat template; send `prompt` (plain text) instead of `chat`")
-    return tokenizer.apply_chat_template(chat_messages(chat), add_generation_prompt=True)
+    messages, tools = template_input(chat, tokenizer)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 def prompt_token_ids(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer) -> list[int]:

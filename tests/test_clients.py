@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
@@ -44,6 +45,20 @@ def test_node_client_streams_a_generation(stack: Stack, node_example: Path) -> N
     assert run.returncode == 0, run.stderr
     assert run.stdout == reference.text
     assert "finish_reason=FINISH_REASON_" in run.stderr and "completion_tokens=" in run.stderr
+
+
+def test_node_client_makes_a_constrained_call(stack: Stack, node_example: Path) -> None:
+    """--json-schema: SamplingParams.json_schema from Node; the answer is JSON valid against it."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["color", "n"],
+              "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    params = common_pb2.SamplingParams(max_tokens=24, temperature=0.0, json_schema=json.dumps(schema))
+    reference = stack.inference.Complete(inference_pb2.GenerateRequest(prompt="the river and the city", params=params))
+    run = subprocess.run(["node", "stream.js", "the river and the city", "--raw", "--max-tokens", "24",
+                          "--json-schema", json.dumps(schema), "--address", stack.address],
+                         cwd=node_example, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == reference.text and "finish_reason=FINISH_REASON_STOP" in run.stderr
+    jsonschema.validate(json.loads(run.stdout), schema)
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])

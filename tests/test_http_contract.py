@@ -181,12 +181,6 @@ def test_unknown_fields_are_refused_by_name(client: TestClient, route: str, body
 
 # For every field of the refusal tables: a value the client could mean (refused), and the default.
 NON_DEFAULT: dict[str, tuple[Any, Any]] = {
-    "response_format": ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, {"type": "text"}),
-    "structured_outputs": ({"json": {"type": "object"}}, None),
-    "guided_json": ({"type": "object"}, None),
-    "guided_regex": ("a+", None),
-    "guided_choice": (["yes", "no"], None),
-    "guided_grammar": ("root ::= 'a'", None),
     "guided_decoding_backend": ("xgrammar", None),
     "guided_whitespace_pattern": (" ", None),
     "use_beam_search": (True, False),
@@ -204,8 +198,6 @@ NON_DEFAULT: dict[str, tuple[Any, Any]] = {
     "echo": (True, False),
     "suffix": ("tail", None),
     "prompt_embeds": ("AAAA", None),
-    "tools": ([{"type": "function", "function": {"name": "f", "parameters": {}}}], []),
-    "tool_choice": ("required", "none"),
     "functions": ([{"name": "f"}], []),
     "function_call": ("auto", "none"),
     "store": (True, False),
@@ -224,8 +216,6 @@ NON_DEFAULT: dict[str, tuple[Any, Any]] = {
     "chat_template": ("{{ messages }}", None),
     "chat_template_kwargs": ({"enable_thinking": True}, {}),
     "mm_processor_kwargs": ({}, None),
-    "tool_calls": ([{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}], []),
-    "tool_call_id": ("1", None),
 }
 STREAM_OPTIONS = {"continuous_usage_stats"}
 IN_MESSAGES = {"function_call": ({"name": "f", "arguments": "{}"}, None), "audio": ({"id": "a1"}, None)}

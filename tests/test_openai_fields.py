@@ -109,10 +109,9 @@ def test_min_p_one_is_greedy(stack: Stack, client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("field, value, route", [
-    ("response_format", {"type": "json_object"}, "chat"),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}, "chat"),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "chat"),
-    ("tool_choice", "required", "chat"),
+    # response_format, structured_outputs, tools and tool_choice are served: tests/test_tool_calls_stack.py.
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}], "chat"),
+    ("guided_decoding_backend", "xgrammar", "chat"),
     ("best_of", 3, "completions"),
 ])
 def test_unserved_fields_are_refused_naming_them(client: openai.OpenAI, field: str, value: Any, route: str) -> None:

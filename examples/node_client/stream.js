@@ -3,10 +3,11 @@
 //
 //   npm install
 //   node stream.js "What is the capital of France?" [--address 127.0.0.1:50051] [--max-tokens 64]
-//                  [--temperature 0] [--raw] [--ca ca.pem]
+//                  [--temperature 0] [--raw] [--ca ca.pem] [--json-schema SCHEMA]
 //
 // HETERO_API_KEY, when set, is sent as `authorization: Bearer <key>`. --raw sends the text as a
-// plain prompt instead of a chat message. Text is written to stdout as it arrives; the finish
+// plain prompt instead of a chat message. --json-schema constrains the answer to JSON valid
+// against SCHEMA (JSON text, or @file.json): SamplingParams.json_schema, structured output. Text is written to stdout as it arrives; the finish
 // reason and token usage go to stderr.
 "use strict";
 
@@ -16,7 +17,8 @@ const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
 function parseArgs(argv) {
-  const opts = { address: "127.0.0.1:50051", maxTokens: 64, temperature: 0, raw: false, ca: null, prompt: null };
+  const opts = { address: "127.0.0.1:50051", maxTokens: 64, temperature: 0, raw: false, ca: null, prompt: null,
+                 jsonSchema: null };
   for (let i = 0; i < argv.length; i++) {
     const a = argv[i];
     if (a === "--address") opts.address = argv[++i];
@@ -24,6 +26,7 @@ function parseArgs(argv) {
     else if (a === "--temperature") opts.temperature = Number(argv[++i]);
     else if (a === "--ca") opts.ca = argv[++i];
     else if (a === "--raw") opts.raw = true;
+    else if (a === "--json-schema") opts.jsonSchema = argv[++i];
     else if (opts.prompt === null) opts.prompt = a;
     else throw new Error(`unexpected argument ${a}`);
   }
@@ -52,8 +55,13 @@ function main() {
 
   const metadata = new grpc.Metadata();
   if (process.env.HETERO_API_KEY) metadata.set("authorization", `Bearer ${process.env.HETERO_API_KEY}`);
+  const params = { max_tokens: opts.maxTokens, temperature: opts.temperature };
+  if (opts.jsonSchema !== null) {
+    const text = opts.jsonSchema.startsWith("@") ? fs.readFileSync(opts.jsonSchema.slice(1), "utf8") : opts.jsonSchema;
+    params.json_schema = JSON.stringify(JSON.parse(text)); // the constraint oneof's JSON Schema (as JSON text)
+  }
   const request = {
-    params: { max_tokens: opts.maxTokens, temperature: opts.temperature },
+    params,
     ...(opts.raw ? { prompt: opts.prompt } : { chat: { messages: [{ role: "user", content: opts.prompt }] } }),
   };
 
