@@ -13,7 +13,7 @@ fork needs (they arrive as new sequences carrying prompt + generated ids). A swa
 its state here. A prefix-cache hit changes nothing: the matcher follows tokens, not KV.
 
 Failures (no tokenizer for llguidance, a grammar this vocabulary cannot serve, a matcher that errs) fail
-that sample alone: its token comes back as CONSTRAINT_FAILED_TOKEN and the scheduler ends it with an
+that sample alone: it comes back in StepResult.failures and the scheduler ends it with an
 error; the worker and the other rows go on.
 """
 
@@ -129,14 +129,14 @@ class ConstraintMasks:
         sub = logits.index_select(0, self.rows).masked_fill_(~self.allowed, float("-inf"))
         return logits.index_copy(0, self.rows, sub)
 
-    def advance(self, token_ids: list[int]) -> list[int]:
-        """Each matcher consumes its row's token; returns the batch rows whose sample failed."""
+    def advance(self, token_ids: list[int]) -> list[tuple[int, str]]:
+        """Each matcher consumes its row's token; returns (batch row, error) of the samples that failed."""
         failed = []
         for row, rc in self.row_states:
             if not rc.error and not rc.matcher.consume_token(token_ids[row]):
                 rc.fail(f"token {token_ids[row]} was refused: {rc.matcher.get_error()}")
             if rc.error:
-                failed.append(row)
+                failed.append((row, rc.error))
         return failed
 
 
@@ -144,7 +144,7 @@ def build_constraint_masks(states: Sequence[ConstrainedSequence], candidates: Se
                            vocabulary: GuidanceVocabulary | None, device: torch.device) -> ConstraintMasks | None:
     """The masks of the rows among `candidates` that carry a constraint, or None when none does. `width`:
     the logits' width. A row whose matcher failed, or that would have no token left, is marked failed
-    and allowed every token (its token is replaced by CONSTRAINT_FAILED_TOKEN after sampling)."""
+    and allowed every token (reported in StepResult.failures after sampling)."""
     rows = [i for i in candidates if states[i].sampling.constraint is not None]
     if not rows:
         return None

@@ -28,7 +28,6 @@ from gpu_worker.sampler import build_sampling_batch, sample, top_logprobs
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
-from hetero_common.constraints import CONSTRAINT_FAILED_TOKEN
 from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import Sampling, resolve
@@ -271,8 +270,8 @@ class ModelRunner:
             tokens, logprobs = sample(logits, batch)
             tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
             token_list = tokens.tolist()
-            for row in batch.record(token_list):  # a failed constraint: the scheduler fails that sample alone
-                token_list[row] = CONSTRAINT_FAILED_TOKEN
+            for row, error in batch.record(token_list):  # a failed constraint: the scheduler fails that sample alone
+                result.failures.add(seq_id=plan.scheduled[sample_idx[row]].seq_id, error=error)
             for st, tok in zip(sampled, token_list):
                 st.token_ids.append(tok)
                 st.num_generated += 1

@@ -32,9 +32,9 @@ class SamplingBatch:
     min_p: torch.Tensor | None = None  # float32 [B]; None: no row uses min_p
     constraints: ConstraintMasks | None = None  # None: no row is constrained
 
-    def record(self, token_ids: list[int]) -> list[int]:
+    def record(self, token_ids: list[int]) -> list[tuple[int, str]]:
         """After the step: count the sampled tokens of the rows with penalties and advance the constrained
-        rows' matchers. Returns the rows whose constrained sample failed."""
+        rows' matchers. Returns (row, error) of the constrained samples that failed."""
         if self.controls is not None:
             self.controls.record(token_ids)
         return self.constraints.advance(token_ids) if self.constraints is not None else []

@@ -144,10 +144,3 @@ def build_ll_tokenizer(tokenizer_json: str, eos_token_ids: list[int], n_vocab: i
         n_vocab = max(n_vocab, tokenizers.Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True))
     return LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos_token_ids))
 
-
-# The token id a worker returns for a constrained sample whose matcher failed (the model's vocabulary
-# disagreeing with the grammar, a resource limit hit mid-generation): StepResult has no per-row error, so
-# this id, outside any vocabulary (uint32 max), tells the scheduler to fail that sample alone.
-CONSTRAINT_FAILED_TOKEN = 2**32 - 1
-CONSTRAINT_FAILED_MESSAGE = ("constrained decoding failed for this sample on the worker (its log says why); "
-                             "the other samples and requests go on")

@@ -24,7 +24,6 @@ import structlog
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
-from hetero_common.constraints import CONSTRAINT_FAILED_MESSAGE, CONSTRAINT_FAILED_TOKEN
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
@@ -275,14 +274,15 @@ class Scheduler:
         rows = SampledRows(result, self.sequences)  # files the step's prompt logprobs first
         sequences, eos_token_ids, max_model_len = self.sequences, self.eos_token_ids, self.max_model_len
         any_finished = False
+        failures = {f.seq_id: f.error for f in result.failures}
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
             seq = sequences.get(seq_id)
             if seq is None or seq.status is COMPLETED or seq.status is FAILED:
                 continue  # aborted while the step ran
-            if token == CONSTRAINT_FAILED_TOKEN:  # the worker could not apply this sample's constraint
+            if failures and seq_id in failures:  # e.g. the worker could not apply this sample's constraint
                 self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
                 outputs.append(TokenOutput(seq.request_id, finish_reason=FR.FINISH_REASON_ERROR,
-                                           error=CONSTRAINT_FAILED_MESSAGE, index=seq.index))
+                                           error=f"this sample failed on the worker: {failures[seq_id]}", index=seq.index))
                 continue
             if seq.pending_forks:
                 self._fork(seq)
