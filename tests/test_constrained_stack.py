@@ -158,7 +158,10 @@ def test_constrained_rows_under_preemption_with_n3_beside_exact_greedy_rows(tiny
                    "--memory-threshold", "1.0", "--preemption-mode", mode) as small:
         with ThreadPoolExecutor(len(constrained) + len(plain)) as pool_:
             answers = list(pool_.map(lambda r: small.inference.Complete(r, timeout=300), constrained + plain))
-        # again, now that the prompts' blocks are in the prefix cache
+        # again, with the prompts' blocks in the prefix cache: the tiny pool may have evicted them while
+        # the plain rows ran, so each prompt is cached once more, one at a time, just before
+        for prompt in {tuple(prompts[i % 4]) for i in range(4)}:
+            small.inference.Complete(ids_request(list(prompt), 1), timeout=300)
         with ThreadPoolExecutor(len(constrained)) as pool_:
             cached = list(pool_.map(lambda r: small.inference.Complete(r, timeout=300), constrained))
         stats = wait_for_idle(small)
