@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.tokenizer import load_tokenizer  # noqa: E402
+from hetero_common.tokenizer import load_tokenizer  # noqa: E402
 from gpu_worker.constrained import GuidanceVocabulary, build_constraint_masks  # noqa: E402
 from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402

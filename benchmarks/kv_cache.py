@@ -229,7 +229,7 @@ def part_d() -> list[str]:
 
 
 def main() -> None:
-    from gateway.tokenizer import load_tokenizer
+    from hetero_common.tokenizer import load_tokenizer
     from gpu_worker.runner import ModelRunner
 
     global VOCAB

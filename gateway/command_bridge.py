@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import structlog
 
 from gateway.backend import SampleOutput
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest, render_chat
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import BackendConfig

@@ -20,7 +20,7 @@ import structlog
 from gateway.active_requests import ActiveRequests
 from gateway.backend import Backend
 from gateway.metrics import GatewayMetrics, RequestTimer
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from gateway.tool_stream import ToolCallStream, tool_request
 from gateway.validation import PreparedRequest, prepare
 from hetero.v1 import common_pb2, inference_pb2

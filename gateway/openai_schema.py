@@ -19,7 +19,7 @@ from gateway.openai_bodies import ChatBody, ChatMessageBody, CompletionBody, Str
 from gateway.openai_structured import apply_constraint
 from gateway.openai_tools import chat_proto
 from gateway.prompt_echo import engine_prompt_logprobs
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.finish_reasons import finish_reason_name, is_finished

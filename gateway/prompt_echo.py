@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import prompt_token_ids
 from hetero.v1 import inference_pb2
 

@@ -18,7 +18,7 @@ import structlog
 from gateway.backend import SampleOutput
 from gateway.prompt_logprobs import add_prompt_logprobs, drop_generated, engine_params, scoring_only
 from gateway.text_stream import TextStream
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config

@@ -19,7 +19,7 @@ from gateway.generation import Generation
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
 from gateway.http_api import HttpApi
 from gateway.scheduler_backend import SchedulerBackend
-from gateway.tokenizer import TextTokenizer, load_tokenizer
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import inference_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import UnavailableError

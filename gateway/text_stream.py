@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop_strings import StopStringMatcher
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from hetero_common.sampling import Sampling
 
 

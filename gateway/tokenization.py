@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from hetero_common.errors import ValidationError
 
 # tokenizer_config.json keys /tokenizer_info does not repeat: file names, and the added-token

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from hetero.v1 import inference_pb2
 from hetero_common.errors import ValidationError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.tokenizer import TextTokenizer
+from hetero_common.tokenizer import TextTokenizer
 from gateway.tool_calls import template_input
 from hetero.v1 import inference_pb2
 from hetero_common.constraints import validate_constraint

@@ -117,7 +117,7 @@ class ModelRunner:
     def _tokenizer_json(self) -> str:
         """The served tokenizer as `tokenizers` JSON, loaded as the gateway loads it (the same config keys), so
         the worker's matchers and the gateway's validation see one vocabulary."""
-        from gateway.tokenizer import load_tokenizer  # the one loader of HF and GGUF tokenizers; needed only here
+        from hetero_common.tokenizer import load_tokenizer  # lazily: only a constrained request needs it
 
         tk = self.config.tokenizer
         return load_tokenizer(self.model_path, tk.path, kind=tk.kind).tokenizer.to_str()

@@ -64,7 +64,7 @@ class ServingConfig:
 @dataclass
 class TokenizerConfig:
     # "auto": the model's own tokenizer (tokenizer.json next to the weights, or the GGUF's);
-    # "simple": the built-in byte-level tokenizer (the seed's SimpleTokenizer; gateway/simple_tokenizer.py).
+    # "simple": the built-in byte-level tokenizer (the seed's SimpleTokenizer; hetero_common/simple_tokenizer.py).
     kind: str = "auto"
     path: str | None = None
 

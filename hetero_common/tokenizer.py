@@ -1,4 +1,5 @@
-"""The gateway's text tokenizer: a `tokenizers.Tokenizer` plus the model's special ids and chat template.
+"""The served model's text tokenizer: a `tokenizers.Tokenizer` plus the model's special ids and chat template.
+The gateway tokenizes and renders chats with it; a worker loads the same one for constrained decoding.
 
 Built from a Hugging Face directory (tokenizer.json and its config files) or from a GGUF file's
 metadata alone. The GGUF path never touches the weights: a small header parser reads just the
@@ -18,7 +19,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from gateway.simple_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, check_model_vocabulary, simple_tokenizer_model
+from hetero_common.simple_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, check_model_vocabulary, simple_tokenizer_model
 from hetero_common.errors import ValidationError
 from hetero_common.model_files import ModelFileError, read_gguf_metadata, read_json, token_ids
 

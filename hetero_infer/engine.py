@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from gateway.text_stream import TextStream
-from gateway.tokenizer import TextTokenizer, load_tokenizer
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gateway.command_bridge import refuse_logits_controls
-from gateway.tokenizer import load_tokenizer
+from hetero_common.tokenizer import load_tokenizer
 from gateway.validation import prepare
 from gpu_worker.constrained import (GuidanceVocabulary, RowConstraint, build_constraint_masks, unpack_bitmask)
 from gpu_worker.sampler import build_sampling_batch, sample

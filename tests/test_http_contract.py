@@ -24,7 +24,7 @@ from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
 from gateway.http_api import HttpApi
 from gateway.openai_fields import CHAT, COMPLETION, MESSAGE
-from gateway.tokenizer import TextTokenizer, load_tokenizer
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import scheduler_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.errors import UnavailableError

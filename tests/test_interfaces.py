@@ -55,7 +55,7 @@ def test_interface_config_keys(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    from gateway.tokenizer import load_tokenizer
+    from hetero_common.tokenizer import load_tokenizer
     from tests.tiny_models import make_tokenizer
 
     directory = tmp_path_factory.mktemp("tokenizer")

@@ -13,7 +13,7 @@ import torch
 
 from gateway.command_bridge import refuse_logits_controls
 from gateway.text_stream import TextStream
-from gateway.tokenizer import load_tokenizer
+from hetero_common.tokenizer import load_tokenizer
 from gpu_worker.logits_processors import RowControls, apply_min_p
 from gpu_worker.sampler import build_sampling_batch, sample
 from hetero.v1 import common_pb2

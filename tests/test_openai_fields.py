@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.tokenizer import load_tokenizer
+from hetero_common.tokenizer import load_tokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from tests.stack import Stack, run_stack
 

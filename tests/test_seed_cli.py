@@ -5,12 +5,9 @@ tokenizer matches (a tiny byte-level Llama, named by HETERO_MODEL so the line st
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path

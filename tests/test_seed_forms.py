@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.simple_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE
-from gateway.tokenizer import TokenizerError, load_tokenizer
+from hetero_common.simple_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, VOCAB_SIZE
+from hetero_common.tokenizer import TokenizerError, load_tokenizer
 from hetero_common.errors import ConfigError
 from hetero_common.model_files import ModelFileError, default_model_path
 from hetero_infer.cli import _parser, seed_form

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gateway.tokenizer import load_tokenizer
+from hetero_common.tokenizer import load_tokenizer
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
 from hetero_common.model_files import default_model_path

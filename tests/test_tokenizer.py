@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gateway.tokenizer import TextTokenizer, TokenizerError, load_tokenizer, read_gguf_metadata
+from hetero_common.tokenizer import TextTokenizer, TokenizerError, load_tokenizer, read_gguf_metadata
 from tests.tiny_models import make_tiny_llama
 
 TEXTS = [

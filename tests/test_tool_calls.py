@@ -25,7 +25,7 @@ from gateway.generation import Generation
 from gateway.http_api import HttpApi
 from gateway.openai_structured import apply_constraint
 from gateway.openai_tools import call_deltas, chat_message
-from gateway.tokenizer import TextTokenizer, load_tokenizer
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from gateway.tool_calls import ToolPlan, default_tools_block, template_input, validate_history
 from gateway.tool_stream import ToolCallStream, tool_request
 from gateway.validation import render_chat

@@ -119,7 +119,7 @@ def make_tiny_qwen2(directory: Path, seed: int = 0) -> Path:
 
 def make_tiny_byte_llama(directory: Path, seed: int = 0) -> Path:
     """A 2-layer Llama over the simple tokenizer's vocabulary (tokenizer.kind simple: 256 bytes, then
-    PAD 256, BOS 257, EOS 258; gateway/simple_tokenizer.py). No tokenizer files: that tokenizer is built in."""
+    PAD 256, BOS 257, EOS 258; hetero_common/simple_tokenizer.py). No tokenizer files: that tokenizer is built in."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
