@@ -9,7 +9,8 @@ drops it, so the client sees no text, no token and `completion_tokens` 0.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Sequence
+from typing import Any, Callable
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 
@@ -37,14 +38,20 @@ def drop_generated(response: inference_pb2.GenerateResponse) -> None:
         response.finish_reason = common_pb2.FINISH_REASON_LENGTH  # max_tokens (0) reached
 
 
+def add_token_logprobs(entries: Any, alternatives: Any, token_ids: Sequence[int], logprobs: Sequence[float],
+                       tops: Sequence[common_pb2.TopLogprobs], token_text: Callable[[int], str]) -> None:
+    """Append one TokenLogprob per token to `entries` and its alternatives (best first; none past `tops`)
+    to `alternatives`: the shape of both the generated tokens' and the prompt's logprobs."""
+    for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+        entries.add(token_id=token_id, logprob=logprob, token=token_text(token_id))
+        candidates = alternatives.add().candidates
+        if i < len(tops):
+            for alt_id, alt_logprob in zip(tops[i].token_ids, tops[i].logprobs):
+                candidates.add(token_id=alt_id, logprob=alt_logprob, token=token_text(alt_id))
+
+
 def add_prompt_logprobs(response: inference_pb2.GenerateResponse, event: scheduler_pb2.TokenEvent,
                         prompt_token_ids: list[int], token_text: Callable[[int], str]) -> None:
     """Entry i scores prompt token i + 1; its alternatives best first (none when prompt_logprobs is 0)."""
-    for i, logprob in enumerate(event.prompt_logprobs):
-        token_id = prompt_token_ids[i + 1]
-        response.prompt_logprobs.add(token_id=token_id, logprob=logprob, token=token_text(token_id))
-        alternatives = response.prompt_top_logprobs.add()
-        if i < len(event.prompt_top_logprobs):
-            top = event.prompt_top_logprobs[i]
-            for alt_id, alt_logprob in zip(top.token_ids, top.logprobs):
-                alternatives.candidates.add(token_id=alt_id, logprob=alt_logprob, token=token_text(alt_id))
+    add_token_logprobs(response.prompt_logprobs, response.prompt_top_logprobs, prompt_token_ids[1:],
+                       event.prompt_logprobs, event.prompt_top_logprobs, token_text)

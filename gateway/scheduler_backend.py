@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from gateway.backend import SampleOutput
-from gateway.prompt_logprobs import add_prompt_logprobs, drop_generated, engine_params, scoring_only
+from gateway.prompt_logprobs import add_prompt_logprobs, add_token_logprobs, drop_generated, engine_params, scoring_only
 from gateway.text_stream import TextStream
 from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest
@@ -165,11 +165,5 @@ class SchedulerBackend:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _add_logprobs(self, response: inference_pb2.GenerateResponse, event: scheduler_pb2.TokenEvent) -> None:
-        token = self._token_text
-        for i, (token_id, logprob) in enumerate(zip(event.token_ids, event.logprobs)):
-            response.logprobs.add(token_id=token_id, logprob=logprob, token=token(token_id))
-            alternatives = response.top_logprobs.add()
-            if i < len(event.top_logprobs):
-                top = event.top_logprobs[i]
-                for alt_id, alt_logprob in zip(top.token_ids, top.logprobs):
-                    alternatives.candidates.add(token_id=alt_id, logprob=alt_logprob, token=token(alt_id))
+        add_token_logprobs(response.logprobs, response.top_logprobs, event.token_ids, event.logprobs,
+                           event.top_logprobs, self._token_text)

@@ -11,7 +11,6 @@ against `transformers` on the same tokenizer files).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import scheduler_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.errors import UnavailableError
+from tests.http_app import bridge_http_client
 from tests.tiny_models import make_tokenizer
 
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -47,15 +47,7 @@ def tokenizer(tokenizer_dir: Path) -> TextTokenizer:
 
 @pytest.fixture(scope="module")
 def client(tokenizer: TextTokenizer):
-    backend = BackendConfig(kind="command_bridge", command=CommandConfig(shutil.which("echo") or "/bin/echo", ["ok"]))
-    config = Config(max_model_len=64)
-    config.serving.backend = backend
-    generation = Generation(config, tokenizer, CommandBridgeBackend(CommandBridge(backend), tokenizer, "tiny"))
-
-    async def no_scheduler() -> scheduler_pb2.SchedulerStats:
-        raise UnavailableError("no scheduler in this test")
-
-    with TestClient(HttpApi(generation, ApiKeys([]), no_scheduler).app) as c:
+    with bridge_http_client(tokenizer, max_model_len=64) as c:
         yield c
 
 

@@ -19,20 +19,19 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gateway import openai_schema as oa
-from gateway.auth import ApiKeys
 from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
-from gateway.http_api import HttpApi
 from gateway.openai_structured import apply_constraint
 from gateway.openai_tools import call_deltas, chat_message
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from gateway.tool_calls import ToolPlan, default_tools_block, template_input, validate_history
 from gateway.tool_stream import ToolCallStream, tool_request
 from gateway.validation import render_chat
-from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
+from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config
-from hetero_common.errors import UnavailableError, ValidationError
+from hetero_common.errors import ValidationError
 from hetero_common.model_files import default_model_path
+from tests.http_app import bridge_http_client
 from tests.tiny_models import make_tokenizer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
@@ -299,15 +298,7 @@ def test_structured_output_fields_map_onto_the_constraint() -> None:
 
 @pytest.fixture(scope="module")
 def client(tokenizer: TextTokenizer):
-    backend = BackendConfig(kind="command_bridge", command=CommandConfig(shutil.which("echo") or "/bin/echo", ["ok"]))
-    config = Config(max_model_len=2048)
-    config.serving.backend = backend
-    generation = Generation(config, tokenizer, CommandBridgeBackend(CommandBridge(backend), tokenizer, "tiny"))
-
-    async def no_scheduler() -> scheduler_pb2.SchedulerStats:
-        raise UnavailableError("no scheduler in this test")
-
-    with TestClient(HttpApi(generation, ApiKeys([]), no_scheduler).app) as c:
+    with bridge_http_client(tokenizer, max_model_len=2048) as c:
         yield c
 
 
