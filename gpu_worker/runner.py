@@ -215,6 +215,7 @@ class ModelRunner:
         states: list[SequenceState] = []
         tables, qo_lens, kv_lens, inputs = [], [], [], []
         spans: list[PromptSpan] = []  # prompt positions whose logprobs are asked for
+        row_offset = 0  # this sequence's first row in the step's flattened tokens (the sum of qo_lens so far)
         for s in plan.scheduled:
             state = self.sequences.get(s.seq_id)
             if state is None:
@@ -236,7 +237,7 @@ class ModelRunner:
                                      f"({len(state.token_ids)} known, {len(state.block_table)} blocks)")
             if state.prompt_logprobs is not None:
                 span = prompt_span(s.seq_id, state.prompt_logprobs, state.token_ids, state.num_generated,
-                                   state.num_computed, s.num_tokens, sum(qo_lens))
+                                   state.num_computed, s.num_tokens, row_offset)
                 if span is None:  # the prompt is scored (chunks come in order): nothing more to look at
                     state.prompt_logprobs = None
                 else:
@@ -245,6 +246,7 @@ class ModelRunner:
             states.append(state)
             tables.append(state.block_table)
             qo_lens.append(s.num_tokens)
+            row_offset += s.num_tokens
             kv_lens.append(end)
         table = PageTable.build(tables, np.asarray(qo_lens), np.asarray(kv_lens), self.block_size)
         positions, slots = table.token_positions()
