@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from gpu_worker.checkpoint import ModelConfig  # noqa: E402
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache  # noqa: E402
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, convert_layout  # noqa: E402
 from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -234,9 +234,10 @@ def main() -> int:
         fi_seconds = cuda_time(lambda: attention.run(q, layer), 100)
         reference = TorchPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device)
         reference.plan(table)
+        ref_layer = convert_layout(layer, attention.kv_layout, reference.kv_layout)
         for _ in range(2):
-            reference.run(q, layer)
-        torch_seconds = cuda_time(lambda: reference.run(q, layer), 10)
+            reference.run(q, ref_layer)
+        torch_seconds = cuda_time(lambda: reference.run(q, ref_layer), 10)
         results["attention_us"] = {"flashinfer": fi_seconds * 1e6, "torch": torch_seconds * 1e6}
         print(f"decode attention, batch {b} x {args.context + 1} tokens, one layer: FlashInfer {fi_seconds * 1e6:.1f} us, "
               f"torch reference {torch_seconds * 1e6:.1f} us ({torch_seconds / fi_seconds:.1f}x)")

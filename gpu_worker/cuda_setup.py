@@ -51,7 +51,7 @@ def _warm_up(model, attention: AttentionBackend, num_tokens: int, rows: int, blo
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     scratch = allocate_kv_cache(mc.num_hidden_layers, pages, block_size, model.num_kv_heads, mc.head_dim,
-                                model.dtype, device)
+                                model.dtype, device, attention.kv_layout)
     scratch_bytes = scratch.numel() * scratch.element_size()
     table_pages = np.arange(pages, dtype=np.int32)
     started = time.perf_counter()
@@ -95,7 +95,7 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
     # in-place write made outside inference mode (a test filling the cache, a swap-in from a
     # caller that is not inside `execute`), and such a write would fail on CUDA alone.
     kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, block_size, model.num_kv_heads,
-                                 mc.head_dim, dtype, device)
+                                 mc.head_dim, dtype, device, attention.kv_layout)
     graphs = None
     if not config.enable_cuda_graphs:
         log.info("cuda graphs off", reason="enable_cuda_graphs is false")

@@ -96,10 +96,10 @@ class ModelRunner:
         else:
             budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
             self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
-            self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
-                                              kv_heads, mc.head_dim, self.dtype, self.device)
             self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                       kv_heads, mc.head_dim, self.device, self.dtype)
+            self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
+                                              kv_heads, mc.head_dim, self.dtype, self.device, self.attention.kv_layout)
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
         self.vocabulary = GuidanceVocabulary(self._tokenizer_json, mc.eos_token_ids, mc.vocab_size)
         self.sequences: dict[int, SequenceState] = {}

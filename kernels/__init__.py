@@ -12,7 +12,7 @@ import torch
 
 import structlog
 
-from kernels.cache_ops import allocate_kv_cache, copy_blocks, write_kv
+from kernels.cache_ops import allocate_kv_cache, convert_layout, copy_blocks, write_kv
 from kernels.flashinfer_backend import flashinfer_unavailable_reason
 from kernels.page_table import PageTable
 from kernels.torch_attention import TorchPagedAttention
@@ -22,6 +22,7 @@ log = structlog.get_logger("kernels")
 
 class AttentionBackend(Protocol):
     name: str
+    kv_layout: str  # the cache layout its kernels read: NHD | HND (kernels/cache_ops.py)
 
     def plan(self, table: PageTable) -> None: ...
 
@@ -64,5 +65,5 @@ def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, he
     return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device)
 
 
-__all__ = ["AttentionBackend", "PageTable", "TorchPagedAttention", "allocate_kv_cache", "copy_blocks",
+__all__ = ["AttentionBackend", "PageTable", "TorchPagedAttention", "allocate_kv_cache", "convert_layout", "copy_blocks",
            "create_attention_backend", "select_attention_backend", "write_kv"]

@@ -1,18 +1,42 @@
-"""KV-cache writes and block copies on the paged layout [num_blocks, 2, block_size, kv_heads, head_dim]."""
+"""KV-cache writes and block copies on the paged layouts, per layer (FlashInfer's names):
+
+- NHD: [num_blocks, 2 (K, V), block_size, kv_heads, head_dim]: FlashInfer's kernels read it;
+- HND: [num_blocks, 2 (K, V), kv_heads, block_size, head_dim]: the torch backend's. One head's
+  slots of a block are contiguous, so a decode gathers a sequence's K for one head as whole
+  [block_size, head_dim] runs straight into the [heads, tokens, head_dim] order that the
+  matmuls read, with no transposing copy afterwards.
+
+Either way a block is one contiguous run of every layer's dimension 1, so block copies and
+swaps do not depend on the layout.
+"""
 
 from __future__ import annotations
 
 import torch
 
+LAYOUTS = ("NHD", "HND")
+
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """One tensor for all layers: [layers, blocks, 2 (K, V), block_size, kv_heads, head_dim] (NHD per layer)."""
-    return torch.zeros(num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+                      dtype: torch.dtype, device: torch.device | str, layout: str = "NHD") -> torch.Tensor:
+    """One tensor for all layers: [layers, blocks, 2 (K, V), ...] with the block in `layout` order."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"kv cache layout {layout!r} is unknown; use one of {LAYOUTS}")
+    inner = (block_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, block_size)
+    return torch.zeros(num_layers, num_blocks, 2, *inner, head_dim, dtype=dtype, device=device)
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+def convert_layout(kv_cache: torch.Tensor, src: str, dst: str) -> torch.Tensor:
+    """A copy of a cache (one layer's or all layers') in another layout (tests, references)."""
+    return kv_cache if src == dst else kv_cache.transpose(-3, -2).contiguous()
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+             layout: str = "NHD") -> None:
     """Write new tokens' K/V [T, kv_heads, head_dim] into one layer's cache at flat slots [T]."""
+    if layout == "HND":
+        write_kv_hnd(kv_cache, key, value, hnd_rows(slots, kv_cache.shape[2], kv_cache.shape[3]))
+        return
     num_blocks, _, block_size = kv_cache.shape[:3]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
@@ -26,6 +50,24 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
         return
     kv_cache[blocks, 0, offsets] = key
     kv_cache[blocks, 1, offsets] = value
+
+
+def hnd_rows(slots: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
+    """Rows [T, kv_heads] of the K half of an HND layer cache seen as [blocks * 2 * heads * bs, head_dim]
+    (the V rows are these + heads * bs). Computed once per step: every layer writes the same slots."""
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    heads = torch.arange(num_kv_heads, device=slots.device)
+    return (blocks * (2 * num_kv_heads))[:, None] * block_size + heads[None, :] * block_size + offsets[:, None]
+
+
+def write_kv_hnd(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write K/V [T, kv_heads, head_dim] at `hnd_rows(slots, ...)` of one contiguous HND layer cache."""
+    heads, block_size, head_dim = kv_cache.shape[2:]
+    flat = kv_cache.view(-1, head_dim)
+    index = rows.reshape(-1)
+    flat.index_copy_(0, index, key.reshape(-1, head_dim).to(kv_cache.dtype))
+    flat.index_copy_(0, index + heads * block_size, value.reshape(-1, head_dim).to(kv_cache.dtype))
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

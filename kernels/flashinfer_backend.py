@@ -98,6 +98,7 @@ class FlashInferPagedAttention(_Shape):
     """Eager FlashInfer attention: any mix of prompt chunks and decodes."""
 
     name = "flashinfer"
+    kv_layout = "NHD"
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
                  dtype: torch.dtype = torch.bfloat16, workspace: torch.Tensor | None = None) -> None:
@@ -148,6 +149,7 @@ class FlashInferGraphDecode(_Shape):
     """
 
     name = "flashinfer"
+    kv_layout = "NHD"
 
     def __init__(self, batch_size: int, kv_indices_buffer: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device | str, dtype: torch.dtype, workspace: torch.Tensor) -> None:

@@ -1,9 +1,12 @@
 """Pure-torch paged attention: the CPU path and the oracle for the FlashInfer backend.
 
-`plan()` once per step turns the page table into gather indices and masks; `run()` once
-per layer. Decode sequences (one query token) are batched into one padded gather and two
-matmuls; sequences with several query tokens (prompt chunks) go through SDPA one by one
-with a causal mask offset by their cached prefix.
+Its cache is in the HND layout (kernels/cache_ops.py): one head's slots of a block are one
+contiguous [block_size, head_dim] run. `plan()` once per step turns the page table into row
+indices of those runs; `run()` once per layer gathers them with one `index_select` per K and V
+straight into [sequence, head, token, head_dim] order, which the matmuls read in place.
+Decode sequences (one query token) are batched into one padded gather and two batched
+matmuls; sequences with several query tokens (prompt chunks) go through SDPA one by one with
+a causal mask offset by their cached prefix.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cache_ops import write_kv
+from kernels.cache_ops import hnd_rows, write_kv_hnd
 from kernels.page_table import PageTable
 
 
@@ -42,8 +45,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 @dataclass
 class _DecodePlan:
     rows: torch.Tensor  # query rows of the decode sequences [Bd]
-    pages: torch.Tensor  # padded page ids [Bd, P]
-    mask: torch.Tensor  # additive mask [Bd, 1, P * block_size]: 0 valid, -inf padding
+    runs: torch.Tensor  # K runs to gather [Bd * Hkv * P] (padded pages; V's are these + Hkv)
+    num_slots: int  # P * block_size
+    mask: torch.Tensor  # additive mask [Bd, 1, 1, P * block_size]: 0 valid, -inf padding
 
 
 @dataclass
@@ -51,12 +55,20 @@ class _PrefillSeq:
     q_start: int
     q_len: int
     kv_len: int
-    pages: torch.Tensor  # [num_pages]
+    runs: torch.Tensor  # K runs to gather [Hkv * num_pages]
     mask: torch.Tensor | None  # bool [q_len, kv_len], None when plain causal (no cached prefix)
+
+
+def _runs(pages: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """K runs [..., Hkv, P] of pages [..., P] in a layer cache seen as [blocks * 2 * Hkv, bs, D]:
+    block b's K for head h is run (2 b) Hkv + h, its V run Hkv further."""
+    heads = np.arange(num_kv_heads, dtype=np.int64)[:, None]
+    return pages[..., None, :].astype(np.int64) * (2 * num_kv_heads) + heads
 
 
 class TorchPagedAttention:
     name = "torch"
+    kv_layout = "HND"
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu") -> None:
         if num_qo_heads % num_kv_heads:
@@ -69,6 +81,7 @@ class TorchPagedAttention:
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillSeq] = []
         self._new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._write_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, their cache rows)
 
     def plan(self, table: PageTable) -> None:
         bs = table.block_size
@@ -92,8 +105,9 @@ class TorchPagedAttention:
             mask.masked_fill_(torch.from_numpy(~slot_valid), float("-inf"))
             self._decode = _DecodePlan(
                 rows=torch.from_numpy(qo_indptr[decode_ids].astype(np.int64)).to(self.device),
-                pages=torch.from_numpy(pages.astype(np.int64)).to(self.device),
-                mask=mask[:, None, :].to(self.device),
+                runs=torch.from_numpy(_runs(pages, self.num_kv_heads).reshape(-1)).to(self.device),
+                num_slots=max_pages * bs,
+                mask=mask[:, None, None, :].to(self.device),
             )
         self._prefills = []
         for i in np.flatnonzero(~is_decode):
@@ -103,29 +117,36 @@ class TorchPagedAttention:
                 # Query j sits at position kv_len - q_len + j and sees keys 0..that position.
                 q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
                 mask = (torch.arange(kv_len)[None, :] <= q_pos).to(self.device)
-            pages = torch.from_numpy(kv_indices[kv_indptr[i]:kv_indptr[i + 1]].astype(np.int64)).to(self.device)
-            self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, pages, mask))
+            runs = _runs(kv_indices[kv_indptr[i]:kv_indptr[i + 1]], self.num_kv_heads).reshape(-1)
+            self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(runs).to(self.device),
+                                              mask))
+        self._write_rows = None
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        write_kv(kv_cache, key, value, slots)
+        if self._write_rows is None or self._write_rows[0] is not slots:  # every layer writes the same slots
+            self._write_rows = (slots, hnd_rows(slots, self.num_kv_heads, kv_cache.shape[3]))
+        write_kv_hnd(kv_cache, key, value, self._write_rows[1])
         # A prompt with no cached prefix attends to exactly these rows: run() reads them here
         # instead of gathering them back out of the pages (same values, so the same result).
         self._new_kv = (key, value)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D] and one layer's cache [blocks, 2, bs, Hkv, D] -> attention output [T, Hq, D]."""
+        """q [T, Hq, D] and one layer's cache [blocks, 2, Hkv, bs, D] (HND) -> attention output [T, Hq, D]."""
+        if kv_cache.shape[2] != self.num_kv_heads or kv_cache.shape[4] != self.head_dim:
+            raise ValueError(f"cache shape {tuple(kv_cache.shape)} is not an HND layer cache [blocks, 2, "
+                             f"{self.num_kv_heads}, block_size, {self.head_dim}]")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)  # [blocks * 2 * Hkv, bs, D]
         if self._decode is not None:
-            out.index_copy_(0, self._decode.rows, self._run_decode(q, kv_cache, self._decode))
+            out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
         group = self.num_qo_heads // self.num_kv_heads
         for p in self._prefills:
             if p.mask is None and self._new_kv is not None:  # the whole sequence is new this step
                 k = self._new_kv[0][p.q_start : p.q_start + p.q_len].transpose(0, 1)
                 v = self._new_kv[1][p.q_start : p.q_start + p.q_len].transpose(0, 1)
-            else:
-                k = kv_cache[:, 0].index_select(0, p.pages).view(-1, self.num_kv_heads, self.head_dim)[: p.kv_len]
-                v = kv_cache[:, 1].index_select(0, p.pages).view(-1, self.num_kv_heads, self.head_dim)[: p.kv_len]
-                k, v = k.transpose(0, 1), v.transpose(0, 1)
+            else:  # [Hkv, kv_len, D], gathered in that order
+                k = runs.index_select(0, p.runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+                v = runs.index_select(0, p.runs + self.num_kv_heads).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
             qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, q_len, D]
             # 4-D inputs: the CPU SDPA kernels are several times faster than on 3-D ones.
             o = _sdpa(qp[None], k[None], v[None], p.mask, self.scale, group)
@@ -133,30 +154,18 @@ class TorchPagedAttention:
         self._new_kv = None
         return out
 
-    def _run_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, d: _DecodePlan) -> torch.Tensor:
+    def _run_decode(self, q: torch.Tensor, runs: torch.Tensor, d: _DecodePlan) -> torch.Tensor:
         """One query token per sequence, all sequences at once -> [Bd, Hq, D].
 
-        K and V are gathered by whole pages with `index_select` (a memcpy per page; advanced
-        indexing was ~4-15x slower for the same bytes), each into a dense [Bd, S, Hkv, D].
+        K and V are gathered by whole [block_size, D] runs with `index_select` (a memcpy per run)
+        into dense [Bd, Hkv, S, D]; the matmuls read them in place (K as a transposed operand).
+        Not SDPA: its rows change bitwise with the batch size, and padding a decode batch must not.
         """
-        bd = d.pages.shape[0]
-        flat = d.pages.view(-1)
-        k = kv_cache[:, 0].index_select(0, flat).view(bd, -1, self.num_kv_heads, self.head_dim)
-        v = kv_cache[:, 1].index_select(0, flat).view(bd, -1, self.num_kv_heads, self.head_dim)
-        qd = q.index_select(0, d.rows)  # [Bd, Hq, D]
-        group = self.num_qo_heads // self.num_kv_heads
-        qg = qd.view(bd, self.num_kv_heads, group, self.head_dim)
-        if q.dtype == torch.float32:
-            # float32: one bmm pair per KV head on strided views (BLAS reads them in place; the
-            # 4-D matmul below copies K and V first and measured slower). Not SDPA: its rows
-            # change bitwise with the batch size, and padding a decode batch must not.
-            heads = []
-            for h in range(self.num_kv_heads):
-                scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).mul_(self.scale).add_(d.mask)  # [Bd, G, S]
-                heads.append(torch.bmm(torch.softmax(scores, dim=-1), v[:, :, h]))  # [Bd, G, D]
-            return torch.stack(heads, dim=1).view(bd, self.num_qo_heads, self.head_dim)
-        # bfloat16: batched matmuls over [Bd, Hkv, G, *] with a float32 softmax (the per-head
-        # loop measured 4.6x slower, strided-view SDPA 10x slower).
-        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float().mul_(self.scale).add_(d.mask[:, None])
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [Bd, Hkv, G, S]
-        return torch.matmul(probs, v.transpose(1, 2)).view(bd, self.num_qo_heads, self.head_dim)
+        bd = d.rows.shape[0]
+        k = runs.index_select(0, d.runs).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
+        v = runs.index_select(0, d.runs + self.num_kv_heads).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
+        qg = q.index_select(0, d.rows).view(bd, self.num_kv_heads, -1, self.head_dim)  # [Bd, Hkv, G, D]
+        # The softmax in float32 whatever the cache's dtype.
+        scores = torch.matmul(qg, k.transpose(2, 3)).float().mul_(self.scale).add_(d.mask)  # [Bd, Hkv, G, S]
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return torch.matmul(probs, v).view(bd, self.num_qo_heads, self.head_dim)

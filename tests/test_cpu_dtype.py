@@ -33,7 +33,7 @@ def prefill_logits(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]]
     lens = np.array([len(p) for p in prompts])
     table = PageTable.build(tables, lens, lens, block_size)
     cache = allocate_kv_cache(config.num_hidden_layers, int(starts[-1]), block_size, model.num_kv_heads,
-                              config.head_dim, dtype, "cpu")
+                              config.head_dim, dtype, "cpu", TorchPagedAttention.kv_layout)
     attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim)
     attention.plan(table)
     positions, slots = table.token_positions()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, write_kv
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, convert_layout, write_kv
 from kernels.flashinfer_backend import flashinfer_unavailable_reason
 
 pytestmark = [
@@ -85,7 +85,7 @@ def test_flashinfer_attention_matches_torch_reference(page_size: int, group: int
 
     reference = TorchPagedAttention(hq, hkv, head_dim, CUDA)
     reference.plan(table)
-    ref = reference.run(q.float(), cache.float())
+    ref = reference.run(q.float(), convert_layout(cache.float(), "NHD", reference.kv_layout))
     assert out.shape == q.shape and out.dtype == DTYPE
     start = 0
     for i, (_, n) in enumerate(shapes):

@@ -64,7 +64,8 @@ def test_padding_leaves_real_rows_unchanged(block_size: int) -> None:
     assert positions[3:].tolist() == [0] * 5 and slots[3:].tolist() == [pad_block * block_size] * 5
     real_positions, real_slots = table.token_positions()
     assert (positions[:3] == real_positions).all() and (slots[:3] == real_slots).all()
-    cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu")[0].normal_()
+    cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu",
+                              TorchPagedAttention.kv_layout)[0].normal_()
     q = torch.randn(8, hq, d)
     attention = TorchPagedAttention(hq, hkv, d)
     attention.plan(table)

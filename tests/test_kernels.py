@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, copy_blocks, write_kv
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, convert_layout, copy_blocks, write_kv
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
@@ -28,7 +28,7 @@ def test_paged_attention_matches_dense(block_size: int, heads: tuple[int, int]) 
     # (cached tokens, new tokens): decodes, a fresh prompt, a chunk after a cached prefix.
     shapes = [(9, 1), (0, 7), (20, 5), (3, 1), (0, 1), (16, 16)]
     num_blocks = 128
-    cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu")[0]
+    cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu", TorchPagedAttention.kv_layout)[0]
     free = list(np.random.default_rng(0).permutation(num_blocks))
     tables, keys, values, queries = [], [], [], []
     for cached, new in shapes:
@@ -47,7 +47,7 @@ def test_paged_attention_matches_dense(block_size: int, heads: tuple[int, int]) 
     for i, (cached, new) in enumerate(shapes):
         pos = torch.arange(cached + new)
         slot = torch.from_numpy(tables[i][(pos // block_size).numpy()].astype(np.int64)) * block_size + pos % block_size
-        write_kv(cache, keys[i], values[i], slot)
+        write_kv(cache, keys[i], values[i], slot, TorchPagedAttention.kv_layout)
     expected_positions = np.concatenate([np.arange(c, c + n) for c, n in shapes])
     assert (positions == expected_positions).all()
     backend = TorchPagedAttention(hq, hkv, d)
@@ -77,3 +77,19 @@ def test_copy_blocks_copies_every_layer() -> None:
     copy_blocks(cache, torch.tensor([1, 5]), torch.tensor([6, 2]))
     assert torch.equal(cache[:, 6], before[:, 1]) and torch.equal(cache[:, 2], before[:, 5])
     assert torch.equal(cache[:, 0], before[:, 0])
+
+
+def test_hnd_write_matches_nhd_write() -> None:
+    """The torch backend's HND cache holds, slot for slot, what the NHD (FlashInfer) layout holds."""
+    torch.manual_seed(1)
+    layers, blocks, bs, hkv, d = 2, 6, 4, 3, 8
+    nhd = allocate_kv_cache(layers, blocks, bs, hkv, d, torch.float32, "cpu", "NHD")
+    hnd = allocate_kv_cache(layers, blocks, bs, hkv, d, torch.float32, "cpu", "HND")
+    assert hnd.shape == (layers, blocks, 2, hkv, bs, d)
+    slots = torch.tensor([0, 5, 6, 23, 13])
+    for layer in range(layers):
+        k, v = torch.randn(len(slots), hkv, d), torch.randn(len(slots), hkv, d)
+        write_kv(nhd[layer], k, v, slots, "NHD")
+        write_kv(hnd[layer], k, v, slots, "HND")
+    assert torch.equal(convert_layout(nhd, "NHD", "HND"), hnd)
+    assert hnd.count_nonzero() == 2 * layers * len(slots) * hkv * d
