@@ -31,13 +31,14 @@ from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
-from scheduler_svc.token_output import SampledRows, TokenOutput, finish_reason
+from scheduler_svc.token_output import SampledRows, TokenOutput, new_output, process_row, process_rows
 from scheduler_svc.waiting_queue import WaitingQueue
 
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
 PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
 COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`: an Enum's hash is Python code
+UNSPECIFIED = FR.FINISH_REASON_UNSPECIFIED
 _last_scheduled = attrgetter("last_scheduled_step")
 
 
@@ -48,6 +49,9 @@ class Scheduler:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Every token id that may end a sequence: EOS and any request's stop ids (it only grows). A sampled
+        # token outside it ends a sequence by length alone, which process_result checks inline.
+        self._maybe_stop_ids = set(self.eos_token_ids)
         capacity = num_blocks * self.block_size
         if max_model_len > capacity:
             # A sequence longer than the whole pool would preempt itself forever: it stops with finish
@@ -95,6 +99,7 @@ class Scheduler:
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
                        cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority)
         self._next_seq_id += 1
+        self._maybe_stop_ids.update(sampling.stop_token_ids)
         self.requests[request_id] = seq
         self.samples[request_id] = [seq]
         self.sequences[seq.seq_id] = seq
@@ -264,41 +269,41 @@ class Scheduler:
     def process_result(self, result: worker_pb2.StepResult) -> list[TokenOutput]:
         """Apply one step's sampled tokens; return per-sample outputs (finished ones included)."""
         now = time.time()
+        caching, bs = self.kv_cache.enable_prefix_caching, self.block_size
         register_full_blocks = self.kv_cache.register_full_blocks
         for seq, n in self._in_flight:
-            if seq.status is PREFILL or seq.status is DECODE:  # not finished, preempted or swapped meanwhile
-                seq.num_computed += n
-                register_full_blocks(seq)
+            status = seq.status
+            if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
+                computed = seq.num_computed = seq.num_computed + n
+                if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
+                    register_full_blocks(seq)
         self._in_flight = []
+        if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
+            return process_rows(self, result, now)
+        # The common step: tokens only. A decode's token that neither can end it (no stop or EOS id, under
+        # its length limits) nor is its first output is appended and its output built inline; any other
+        # row takes the general path.
         outputs: list[TokenOutput] = []
-        rows = SampledRows(result, self.sequences)  # files the step's prompt logprobs first
-        sequences, eos_token_ids, max_model_len = self.sequences, self.eos_token_ids, self.max_model_len
+        append = outputs.append
+        get = self.sequences.get
+        maybe_stop, max_model_len = self._maybe_stop_ids, self.max_model_len
+        rows = None
         any_finished = False
-        failures = {f.seq_id: f.error for f in result.failures}
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-            seq = sequences.get(seq_id)
-            if seq is None or seq.status is COMPLETED or seq.status is FAILED:
+            seq = get(seq_id)
+            if seq is None:
                 continue  # aborted while the step ran
-            if failures and seq_id in failures:  # e.g. the worker could not apply this sample's constraint
-                self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
-                outputs.append(TokenOutput(seq.request_id, finish_reason=FR.FINISH_REASON_ERROR,
-                                           error=f"this sample failed on the worker: {failures[seq_id]}", index=seq.index))
-                continue
-            if seq.pending_forks:
-                self._fork(seq)
-            was_running = seq.status is PREFILL or seq.status is DECODE  # the statuses in `running`
-            seq.token_ids.append(token)
-            seq.status = DECODE
-            out = rows.output(seq, token, i, now)
-            reason = finish_reason(seq, token, eos_token_ids, max_model_len)
-            if reason:
-                if was_running:  # left in `running` until the loop ends: one pass, not a search per sequence
-                    self._end(seq, reason, SequenceStatus.COMPLETED)
-                    any_finished = True
-                else:
-                    self._finish(seq, reason, SequenceStatus.COMPLETED)
-                out.finish_reason = reason
-            outputs.append(out)
+            if seq.status is DECODE and seq.first_output_sent:
+                token_ids = seq.token_ids
+                token_ids.append(token)
+                num = len(token_ids)
+                if num < seq.stop_len and num < max_model_len and token not in maybe_stop:
+                    append(new_output((seq.request_id, [token], UNSPECIFIED, "", (), now, (), 0.0, seq.index, 0, (), ())))
+                    continue
+                token_ids.pop()  # the general path appends it again
+            if rows is None:
+                rows = SampledRows(result)
+            any_finished |= process_row(self, seq, token, i, rows, now, outputs)
         if any_finished:
             self.running = [s for s in self.running if s.status is not COMPLETED]
         return outputs
@@ -376,6 +381,7 @@ class Scheduler:
         """Queue a sample taken from a replica (possibly this one) for recompute, under a new seq id."""
         seq.seq_id = self._next_seq_id
         self._next_seq_id += 1
+        self._maybe_stop_ids.update(seq.sampling.stop_token_ids)
         self.samples.setdefault(seq.request_id, []).append(seq)
         if seq.index == 0 or seq.request_id not in self.requests:
             self.requests[seq.request_id] = seq

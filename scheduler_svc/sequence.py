@@ -62,6 +62,10 @@ class Sequence:
     queue_seconds: float | None = None  # arrival to first admission (metrics)
     deadline: float | None = None  # time.monotonic() after which the request is dropped (the caller's gRPC deadline)
     prompt_logprobs: PromptLogprobs | None = None  # filled step by step until the first token (prompt_logprobs.py)
+    stop_len: int = field(init=False, default=0)  # tokens (prompt + max_tokens) at which it ends by length
+
+    def __post_init__(self) -> None:
+        self.stop_len = self.prompt_len + self.sampling.max_tokens
 
     @property
     def num_tokens(self) -> int:

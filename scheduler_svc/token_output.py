@@ -3,32 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as ListLike
-from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple, Protocol
 
 from hetero.v1 import common_pb2, worker_pb2
 from scheduler_svc.prompt_logprobs import PromptLogprobs
-from scheduler_svc.sequence import Sequence
+from scheduler_svc.sequence import Sequence, SequenceStatus
+
+PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
+COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED
 
 
-# slots: one is built per sampled sequence per step.
-@dataclass(slots=True)
-class TokenOutput:
-    """What one step produced for one request (the service turns it into a TokenEvent)."""
+class TokenOutput(NamedTuple):
+    """What one step produced for one request (the service turns it into a TokenEvent).
+
+    A named tuple, not a dataclass: one is built per sampled sequence per step, and `new_output`
+    (tuple.__new__ on a ready tuple, in C) costs a third of a dataclass's generated __init__.
+    Nothing changes an output once built; the sequence-valued fields default to empty tuples."""
 
     request_id: str
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: ListLike[int] = ()  # a list of the sampled token on a token's output
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     error: str = ""
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: ListLike[float] = ()
     timestamp: float = 0.0
-    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # per token, when asked
+    top_logprobs: ListLike[common_pb2.TopLogprobs] = ()  # per token, when asked
     queue_seconds: float = 0.0  # on the first output: arrival to first admission
     index: int = 0  # sample index (n > 1)
     cached_prompt_tokens: int = 0  # set on a sample's first output
-    # First output, when params.prompt_logprobs is set. Empty tuples by default: one TokenOutput is built per
-    # sampled row per step, and two fresh lists each made the scheduler's per-token cost measurably higher.
-    prompt_logprobs: ListLike[float] = ()
+    prompt_logprobs: ListLike[float] = ()  # first output, when params.prompt_logprobs is set
     prompt_top_logprobs: ListLike[common_pb2.TopLogprobs] = ()
+
+
+# TokenOutput from a tuple of every field in declaration order: tuple.__new__ in C, no Python frame.
+new_output = partial(tuple.__new__, TokenOutput)
 
 
 class SampledRows:
@@ -41,25 +49,24 @@ class SampledRows:
         self.logprobs = list(result.logprobs)
         self.num_top = result.num_top_logprobs
 
-    def output(self, seq: Sequence, token: int, row: int, now: float) -> TokenOutput:
-        """The output for the token the worker sampled for `seq` in row `row`."""
-        # Every field positionally (in declaration order): half the cost of keywords and default factories.
-        out = TokenOutput(seq.request_id, [token], common_pb2.FINISH_REASON_UNSPECIFIED, "",
-                          [self.logprobs[row]] if self.logprobs else [], now, [], 0.0, seq.index, 0)
+    def output(self, seq: Sequence, token: int, row: int, now: float, reason: int) -> TokenOutput:
+        """The output for the token the worker sampled for `seq` in row `row`, ending it with `reason` if set."""
+        top: ListLike[common_pb2.TopLogprobs] = ()
         if self.num_top and seq.sampling.logprobs:
             result, k, n = self.result, seq.sampling.logprobs, self.num_top
-            top = slice(row * n, (row + 1) * n)
-            out.top_logprobs = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[top][:k],
-                                                       logprobs=result.top_logprobs[top][:k])]
-        if not seq.first_output_sent:
-            if seq.needs_prompt_logits:
-                scored = seq.prompt_logprobs or PromptLogprobs(seq.prompt_len)
-                out.prompt_logprobs, out.prompt_top_logprobs = scored.take(seq.request_id)
-                seq.prompt_logprobs = None
-            out.cached_prompt_tokens = seq.cached_prompt_tokens or 0
-            out.queue_seconds = seq.queue_seconds or 0.0
-            seq.first_output_sent = True
-        return out
+            rows = slice(row * n, (row + 1) * n)
+            top = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[rows][:k], logprobs=result.top_logprobs[rows][:k])]
+        logprobs = [self.logprobs[row]] if self.logprobs else ()
+        if seq.first_output_sent:
+            return new_output((seq.request_id, [token], reason, "", logprobs, now, top, 0.0, seq.index, 0, (), ()))
+        prompt_logprobs: tuple[ListLike[float], ListLike[common_pb2.TopLogprobs]] = ((), ())
+        if seq.needs_prompt_logits:
+            scored = seq.prompt_logprobs or PromptLogprobs(seq.prompt_len)
+            prompt_logprobs = scored.take(seq.request_id)
+            seq.prompt_logprobs = None
+        seq.first_output_sent = True
+        return new_output((seq.request_id, [token], reason, "", logprobs, now, top, seq.queue_seconds or 0.0, seq.index,
+                           seq.cached_prompt_tokens or 0, *prompt_logprobs))
 
 
 def collect_prompt_logprobs(result: worker_pb2.StepResult, sequences: dict[int, Sequence]) -> None:
@@ -83,3 +90,63 @@ def finish_reason(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_
     if num_tokens - seq.prompt_len >= s.max_tokens or num_tokens >= max_model_len:
         return common_pb2.FINISH_REASON_LENGTH
     return common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class Scheduler(Protocol):
+    """What applying a result touches of the Scheduler (scheduler.py; not imported: it imports this module)."""
+
+    sequences: dict[int, Sequence]
+    running: list[Sequence]
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+
+    def _fork(self, parent: Sequence) -> None: ...
+    def _end(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
+    def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
+
+
+def process_rows(s: Scheduler, result: worker_pb2.StepResult, now: float) -> list[TokenOutput]:
+    """Every row of a result through `process_row`: a step with logprobs, prompt logprobs or failed samples
+    (`Scheduler.process_result` takes the common step, tokens only, on its own fast path)."""
+    outputs: list[TokenOutput] = []
+    rows = SampledRows(result, s.sequences)  # files the step's prompt logprobs first
+    sequences = s.sequences
+    any_finished = False
+    failures = {f.seq_id: f.error for f in result.failures}
+    for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
+        seq = sequences.get(seq_id)
+        if seq is None:
+            continue  # aborted while the step ran
+        if failures and seq_id in failures:  # e.g. the worker could not apply this sample's constraint
+            if seq.status is not COMPLETED and seq.status is not FAILED:
+                s._finish(seq, common_pb2.FINISH_REASON_ERROR, SequenceStatus.FAILED)
+                outputs.append(TokenOutput(seq.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR,
+                                           error=f"this sample failed on the worker: {failures[seq_id]}", index=seq.index))
+            continue
+        any_finished |= process_row(s, seq, token, i, rows, now, outputs)
+    if any_finished:
+        s.running = [q for q in s.running if q.status is not COMPLETED]
+    return outputs
+
+
+def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: SampledRows, now: float,
+                outputs: list[TokenOutput]) -> bool:
+    """Apply one sampled token to its sequence and append its output; True when that ended a sequence still
+    in `running` (left there until the caller's loop ends: one pass, not a search per sequence)."""
+    status = seq.status
+    if status is COMPLETED or status is FAILED:
+        return False  # aborted while the step ran
+    if seq.pending_forks:
+        s._fork(seq)
+    was_running = status is PREFILL or status is DECODE  # the statuses in `running`
+    seq.token_ids.append(token)
+    seq.status = DECODE
+    reason = finish_reason(seq, token, s.eos_token_ids, s.max_model_len)
+    outputs.append(rows.output(seq, token, row, now, reason))
+    if not reason:
+        return False
+    if was_running:
+        s._end(seq, reason, SequenceStatus.COMPLETED)
+        return True
+    s._finish(seq, reason, SequenceStatus.COMPLETED)
+    return False
