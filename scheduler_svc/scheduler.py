@@ -27,10 +27,10 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
-from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim
+from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim, swap_in_ready
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
-from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
+from scheduler_svc.step_plan import SMALL_VARINTS, add_block_copies, plan_needs_worker, write_entry
 from scheduler_svc.token_output import SampledRows, TokenOutput, new_output, process_row, process_rows
 from scheduler_svc.waiting_queue import WaitingQueue
 
@@ -146,26 +146,45 @@ class Scheduler:
         # step's batch, which no preemption may pick (O(1), where a list of the batch made it O(batch)).
         scheduled: list[tuple[Sequence, int]] = []
 
-        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size); stable, about one pass.
-        decodes = sorted([s for s in self.running if s.status is DECODE], key=_last_scheduled)
-        allocate_slots = self.kv_cache.allocate_slots
-        for seq in decodes:
-            if seq_budget == 0 or token_budget == 0:
+        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size); stable, about one pass
+        # (sorting `running` whole keeps the decodes' order: the others are skipped). A decode whose next token
+        # fits in blocks it holds alone and whose entry is the plain one (step_plan.write_entry: fast_until)
+        # takes the fast path: scheduled, and its entry written, with no call. `room`: decodes the budgets
+        # still allow, counted down by the fast path; the budgets themselves are brought up to date by the rest.
+        parts: list[bytes] = []  # the scheduled entries' wire bytes, in order
+        write, small = parts.extend, SMALL_VARINTS
+        append = scheduled.append
+        allocate_slots, kv_cache = self.kv_cache.allocate_slots, self.kv_cache
+        room = room_at_sync = min(seq_budget, token_budget)
+        for seq in sorted(self.running, key=_last_scheduled):
+            if room == 0:
                 break
-            if seq.status is not DECODE:  # preempted by an earlier iteration
+            if seq.status is not DECODE:  # a prompt still computing, or preempted by an earlier iteration
                 continue
-            n = len(seq.token_ids) - seq.num_computed  # 1, or a forked sample recomputing its last prompt token
-            if n > token_budget:
+            num = len(seq.token_ids)
+            if num <= seq.fast_until and num - seq.num_computed == 1:
+                seq.last_scheduled_step = step_id
+                append((seq, 1))
+                write((seq.decode_head, small[num - 1]))
+                room -= 1
                 continue
-            copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
-            if copies is None and not self._reserve(seq, n):
-                continue
-            if copies:
-                add_block_copies(self._block_copies, seq, copies)
-            seq.last_scheduled_step = step_id
-            scheduled.append((seq, n))
-            seq_budget -= 1
-            token_budget -= n
+            seq_budget -= room_at_sync - room
+            token_budget -= room_at_sync - room
+            n = num - seq.num_computed  # 1, or a forked sample recomputing its last prompt token
+            if n <= token_budget:
+                copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
+                if copies is not None or self._reserve(seq, n):
+                    if copies:
+                        add_block_copies(self._block_copies, seq, copies)
+                    seq.last_scheduled_step = step_id
+                    append((seq, n))
+                    write_entry(plan, parts, seq, n, kv_cache)
+                    seq_budget -= 1
+                    token_budget -= n
+            room = room_at_sync = min(seq_budget, token_budget)
+        seq_budget -= room_at_sync - room
+        token_budget -= room_at_sync - room
+        num_written = len(scheduled)
 
         # 2. Prompts already admitted and partly computed (chunked prefill).
         for seq in [s for s in self.running if s.status is PREFILL]:
@@ -180,18 +199,9 @@ class Scheduler:
                 seq_budget -= 1
                 token_budget -= n
 
-        # 3. Swapped-out sequences come back before anything new is admitted. Not while a block
-        # copy is pending: a swap-in lands before the copies on the worker and could overwrite a source.
-        while self.swapped and not self._block_copies and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
-            if not self.kv_cache.can_swap_in(seq):
-                break
-            self.swapped.popleft()
-            block_ids = self.kv_cache.swap_in(seq)
-            seq.num_blocks_sent = len(block_ids)
-            plan.swap_in.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=block_ids))
-            seq.status, seq.swapped_status = seq.swapped_status or SequenceStatus.DECODE, None
-            self.running.append(seq)
+        # 3. Swapped-out sequences come back before anything new is admitted (preemption.swap_in_ready).
+        if self.swapped:
+            swap_in_ready(self, plan)
 
         # 4. Admit waiting requests (priority, then FIFO; the head waits if it does not fit, keeping order).
         while (self.waiting and not self.swapped and seq_budget > 0 and token_budget > 0
@@ -212,7 +222,9 @@ class Scheduler:
         plan.swap_out.extend(self._swap_out)
         plan.block_copies.extend(self._block_copies)
         self._swap_out, self._block_copies = [], []
-        add_scheduled(plan, scheduled)
+        for seq, n in scheduled[num_written:]:
+            write_entry(plan, parts, seq, n, kv_cache)
+        plan.MergeFromString(b"".join(parts))
         if plan_needs_worker(plan):
             # A plan with nothing to compute or move is not sent: released ids wait for the next one.
             plan.released_seq_ids.extend(self._released)
@@ -308,16 +320,6 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is not COMPLETED]
         return outputs
 
-    def _fork(self, parent: Sequence) -> None:
-        """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
-        for index in range(1, parent.pending_forks + 1):
-            child = self.kv_cache.fork(parent, index, self._next_seq_id)
-            self._next_seq_id += 1
-            self.sequences[child.seq_id] = child
-            self.samples[parent.request_id].append(child)
-            self.running.append(child)
-        parent.pending_forks = 0
-
     def fail_all(self, error: str) -> list[TokenOutput]:
         """A step failed beyond retries: every admitted request ends with an error."""
         outputs = []
@@ -357,6 +359,7 @@ class Scheduler:
         if seq.on_worker:
             self._released.append(seq.seq_id)
             seq.on_worker = False
+            seq.fast_until = 0
 
     # ---------------------------------------------------------------- scale and resilience
     # Moving sequences off a worker that failed: they are recomputed from their prompt plus the

@@ -62,6 +62,10 @@ class Sequence:
     queue_seconds: float | None = None  # arrival to first admission (metrics)
     deadline: float | None = None  # time.monotonic() after which the request is dropped (the caller's gRPC deadline)
     prompt_logprobs: PromptLogprobs | None = None  # filled step by step until the first token (prompt_logprobs.py)
+    # The scheduler's decode fast path (step_plan.write_entry): while len(token_ids) <= fast_until, a decode
+    # needs no block and its plan entry is decode_head + num_cached_tokens' varint. 0: take the general path.
+    fast_until: int = 0
+    decode_head: bytes = b""
     stop_len: int = field(init=False, default=0)  # tokens (prompt + max_tokens) at which it ends by length
 
     def __post_init__(self) -> None:
@@ -89,6 +93,7 @@ class Sequence:
         self.pending_edits = []
         self.num_computed = self.num_blocks_sent = self.num_swapped_blocks = 0
         self.on_worker = False
+        self.fast_until = 0
         self.status, self.swapped_status = SequenceStatus.PENDING, None
 
 

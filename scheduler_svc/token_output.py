@@ -7,6 +7,7 @@ from functools import partial
 from typing import NamedTuple, Protocol
 
 from hetero.v1 import common_pb2, worker_pb2
+from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.prompt_logprobs import PromptLogprobs
 from scheduler_svc.sequence import Sequence, SequenceStatus
 
@@ -100,7 +101,10 @@ class Scheduler(Protocol):
     eos_token_ids: frozenset[int]
     max_model_len: int
 
-    def _fork(self, parent: Sequence) -> None: ...
+    samples: dict[str, list[Sequence]]
+    kv_cache: KVCacheManager
+    _next_seq_id: int
+
     def _end(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
 
@@ -137,7 +141,7 @@ def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: Sampled
     if status is COMPLETED or status is FAILED:
         return False  # aborted while the step ran
     if seq.pending_forks:
-        s._fork(seq)
+        fork_samples(s, seq)
     was_running = status is PREFILL or status is DECODE  # the statuses in `running`
     seq.token_ids.append(token)
     seq.status = DECODE
@@ -150,3 +154,14 @@ def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: Sampled
         return True
     s._finish(seq, reason, SequenceStatus.COMPLETED)
     return False
+
+
+def fork_samples(s: Scheduler, parent: Sequence) -> None:
+    """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
+    for index in range(1, parent.pending_forks + 1):
+        child = s.kv_cache.fork(parent, index, s._next_seq_id)
+        s._next_seq_id += 1
+        s.sequences[child.seq_id] = child
+        s.samples[parent.request_id].append(child)
+        s.running.append(child)
+    parent.pending_forks = 0
