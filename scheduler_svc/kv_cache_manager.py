@@ -146,11 +146,16 @@ class KVCacheManager:
 
     def decode_room(self, seq: Sequence, num_computed: int) -> int:
         """The token count up to which the sequence's decodes from position `num_computed` on write into
-        blocks it already holds alone (no allocation, no copy-on-write: `allocate_slots` returns []); 0 if none."""
-        table, first = seq.block_table, num_computed // self.block_size
+        blocks it already holds alone (no allocation, no copy-on-write: `allocate_slots` returns []) and,
+        with prefix caching, fill no block still to register (`register_full_blocks` has nothing to do
+        after them); 0 if none."""
+        bs = self.block_size
+        table, first = seq.block_table, num_computed // bs
         if first >= len(table) or any(self.pool.ref_counts[b] != 1 for b in table[first:]):
             return 0
-        return len(table) * self.block_size
+        if self.enable_prefix_caching:
+            return min(len(table) * bs, (seq.num_registered + 1) * bs - 1)
+        return len(table) * bs
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's newly computed full blocks to the prefix cache."""

@@ -31,14 +31,13 @@ from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import SMALL_VARINTS, add_block_copies, plan_needs_worker, write_entry
-from scheduler_svc.token_output import SampledRows, TokenOutput, new_output, process_row, process_rows
+from scheduler_svc.token_output import TokenOutput, apply_result
 from scheduler_svc.waiting_queue import WaitingQueue
 
 log = structlog.get_logger("scheduler_svc.scheduler")
 FR = common_pb2
 PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
 COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`: an Enum's hash is Python code
-UNSPECIFIED = FR.FINISH_REASON_UNSPECIFIED
 _last_scheduled = attrgetter("last_scheduled_step")
 
 
@@ -73,7 +72,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.suspended = False
-        self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed)
+        self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed), fast decodes aside
 
     @property
     def num_blocks(self) -> int:
@@ -162,9 +161,8 @@ class Scheduler:
             if seq.status is not DECODE:  # a prompt still computing, or preempted by an earlier iteration
                 continue
             num = len(seq.token_ids)
-            if num <= seq.fast_until and num - seq.num_computed == 1:
+            if num <= seq.fast_until and num - seq.num_computed == 1:  # not in `scheduled`: see process_result
                 seq.last_scheduled_step = step_id
-                append((seq, 1))
                 write((seq.decode_head, small[num - 1]))
                 room -= 1
                 continue
@@ -280,45 +278,7 @@ class Scheduler:
 
     def process_result(self, result: worker_pb2.StepResult) -> list[TokenOutput]:
         """Apply one step's sampled tokens; return per-sample outputs (finished ones included)."""
-        now = time.time()
-        caching, bs = self.kv_cache.enable_prefix_caching, self.block_size
-        register_full_blocks = self.kv_cache.register_full_blocks
-        for seq, n in self._in_flight:
-            status = seq.status
-            if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
-                computed = seq.num_computed = seq.num_computed + n
-                if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
-                    register_full_blocks(seq)
-        self._in_flight = []
-        if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
-            return process_rows(self, result, now)
-        # The common step: tokens only. A decode's token that neither can end it (no stop or EOS id, under
-        # its length limits) nor is its first output is appended and its output built inline; any other
-        # row takes the general path.
-        outputs: list[TokenOutput] = []
-        append = outputs.append
-        get = self.sequences.get
-        maybe_stop, max_model_len = self._maybe_stop_ids, self.max_model_len
-        rows = None
-        any_finished = False
-        for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-            seq = get(seq_id)
-            if seq is None:
-                continue  # aborted while the step ran
-            if seq.status is DECODE and seq.first_output_sent:
-                token_ids = seq.token_ids
-                token_ids.append(token)
-                num = len(token_ids)
-                if num < seq.stop_len and num < max_model_len and token not in maybe_stop:
-                    append(new_output((seq.request_id, [token], UNSPECIFIED, "", (), now, (), 0.0, seq.index, 0, (), ())))
-                    continue
-                token_ids.pop()  # the general path appends it again
-            if rows is None:
-                rows = SampledRows(result)
-            any_finished |= process_row(self, seq, token, i, rows, now, outputs)
-        if any_finished:
-            self.running = [s for s in self.running if s.status is not COMPLETED]
-        return outputs
+        return apply_result(self, result)
 
     def fail_all(self, error: str) -> list[TokenOutput]:
         """A step failed beyond retries: every admitted request ends with an error."""

@@ -66,10 +66,11 @@ class Sequence:
     # needs no block and its plan entry is decode_head + num_cached_tokens' varint. 0: take the general path.
     fast_until: int = 0
     decode_head: bytes = b""
-    stop_len: int = field(init=False, default=0)  # tokens (prompt + max_tokens) at which it ends by length
+    # prompt + max_tokens - 1: a token sampled when the sequence holds this many (or more) ends it by length.
+    last_len: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
-        self.stop_len = self.prompt_len + self.sampling.max_tokens
+        self.last_len = self.prompt_len + self.sampling.max_tokens - 1
 
     @property
     def num_tokens(self) -> int:

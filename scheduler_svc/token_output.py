@@ -1,9 +1,10 @@
-"""What one step produced for one sample: its token, logprobs, finish reason, first-output metrics."""
+"""A step's result applied to its sequences (`apply_result`, the body of `Scheduler.process_result`), and what
+one step produced for one sample: its token, logprobs, finish reason, first-output metrics (`TokenOutput`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as ListLike
-from functools import partial
 from typing import NamedTuple, Protocol
 
 from hetero.v1 import common_pb2, worker_pb2
@@ -12,14 +13,15 @@ from scheduler_svc.prompt_logprobs import PromptLogprobs
 from scheduler_svc.sequence import Sequence, SequenceStatus
 
 PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
-COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED
+COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class TokenOutput(NamedTuple):
     """What one step produced for one request (the service turns it into a TokenEvent).
 
-    A named tuple, not a dataclass: one is built per sampled sequence per step, and `new_output`
-    (tuple.__new__ on a ready tuple, in C) costs a third of a dataclass's generated __init__.
+    A named tuple, not a dataclass: one is built per sampled sequence per step, and building it from a
+    ready tuple (tuple.__new__(TokenOutput, fields), in C) costs half of a dataclass's generated __init__.
     Nothing changes an output once built; the sequence-valued fields default to empty tuples."""
 
     request_id: str
@@ -34,10 +36,6 @@ class TokenOutput(NamedTuple):
     cached_prompt_tokens: int = 0  # set on a sample's first output
     prompt_logprobs: ListLike[float] = ()  # first output, when params.prompt_logprobs is set
     prompt_top_logprobs: ListLike[common_pb2.TopLogprobs] = ()
-
-
-# TokenOutput from a tuple of every field in declaration order: tuple.__new__ in C, no Python frame.
-new_output = partial(tuple.__new__, TokenOutput)
 
 
 class SampledRows:
@@ -59,14 +57,14 @@ class SampledRows:
             top = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[rows][:k], logprobs=result.top_logprobs[rows][:k])]
         logprobs = [self.logprobs[row]] if self.logprobs else ()
         if seq.first_output_sent:
-            return new_output((seq.request_id, [token], reason, "", logprobs, now, top, 0.0, seq.index, 0, (), ()))
+            return tuple.__new__(TokenOutput, (seq.request_id, [token], reason, "", logprobs, now, top, 0.0, seq.index, 0, (), ()))
         prompt_logprobs: tuple[ListLike[float], ListLike[common_pb2.TopLogprobs]] = ((), ())
         if seq.needs_prompt_logits:
             scored = seq.prompt_logprobs or PromptLogprobs(seq.prompt_len)
             prompt_logprobs = scored.take(seq.request_id)
             seq.prompt_logprobs = None
         seq.first_output_sent = True
-        return new_output((seq.request_id, [token], reason, "", logprobs, now, top, seq.queue_seconds or 0.0, seq.index,
+        return tuple.__new__(TokenOutput, (seq.request_id, [token], reason, "", logprobs, now, top, seq.queue_seconds or 0.0, seq.index,
                            seq.cached_prompt_tokens or 0, *prompt_logprobs))
 
 
@@ -98,6 +96,9 @@ class Scheduler(Protocol):
 
     sequences: dict[int, Sequence]
     running: list[Sequence]
+    block_size: int
+    _in_flight: list[tuple[Sequence, int]]
+    _maybe_stop_ids: set[int]
     eos_token_ids: frozenset[int]
     max_model_len: int
 
@@ -107,6 +108,56 @@ class Scheduler(Protocol):
 
     def _end(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
+
+
+def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutput]:
+    """`Scheduler.process_result`: apply one step's sampled tokens; return per-sample outputs (finished ones
+    included)."""
+    now = time.time()
+    caching, bs = s.kv_cache.enable_prefix_caching, s.block_size
+    register_full_blocks = s.kv_cache.register_full_blocks
+    # The step's entries but its fast decodes (schedule(): those are not in _in_flight): tokens computed,
+    # full blocks offered to the prefix cache, in plan order, before any row below frees blocks.
+    for seq, n in s._in_flight:
+        status = seq.status
+        if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
+            computed = seq.num_computed = seq.num_computed + n
+            if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
+                register_full_blocks(seq)
+    s._in_flight = []
+    if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
+        return process_rows(s, result, now)
+    # The common step: tokens only. A decode whose token neither can end it (no stop or EOS id, under its
+    # length limits) nor is its first output is appended and its output built inline; any other row takes
+    # the general path (token_output.process_row). A fast decode's computed count is brought up to date
+    # here: every token before the sampled one is computed, which for a row already counted above is no
+    # change; it fills no block (KVCacheManager.decode_room), so nothing was to register for it above.
+    outputs: list[TokenOutput] = []
+    append = outputs.append
+    get = s.sequences.get
+    new, output_type = tuple.__new__, TokenOutput
+    maybe_stop, last_model_len = s._maybe_stop_ids, s.max_model_len - 1
+    rows = None
+    any_finished = False
+    for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
+        seq = get(seq_id)
+        if seq is None:
+            continue  # aborted while the step ran
+        if seq.status is DECODE and seq.first_output_sent:
+            token_ids = seq.token_ids
+            num = seq.num_computed = len(token_ids)
+            token_ids.append(token)
+            if num < seq.last_len and num < last_model_len and token not in maybe_stop:
+                append(new(output_type, (seq.request_id, [token], UNSPECIFIED, "", (), now, (), 0.0, seq.index, 0,
+                                         (), ())))
+                continue
+            token_ids.pop()  # the general path appends it again
+        if rows is None:
+            rows = SampledRows(result)
+        any_finished |= process_row(s, seq, token, i, rows, now, outputs)
+    if any_finished:
+        s.running = [q for q in s.running if q.status is not COMPLETED]
+    return outputs
 
 
 def process_rows(s: Scheduler, result: worker_pb2.StepResult, now: float) -> list[TokenOutput]:
@@ -143,6 +194,8 @@ def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: Sampled
     if seq.pending_forks:
         fork_samples(s, seq)
     was_running = status is PREFILL or status is DECODE  # the statuses in `running`
+    if was_running:  # every token before the sampled one is computed (a fast decode's count: process_result)
+        seq.num_computed = len(seq.token_ids)
     seq.token_ids.append(token)
     seq.status = DECODE
     reason = finish_reason(seq, token, s.eos_token_ids, s.max_model_len)
