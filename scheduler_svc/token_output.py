@@ -138,9 +138,8 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
     new, output_type = tuple.__new__, TokenOutput
     maybe_stop, last_model_len = s._maybe_stop_ids, s.max_model_len - 1
     rows = None
-    any_finished = False
-    for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-        seq = get(seq_id)
+    ended: list[Sequence] = []
+    for seq, token in zip(map(get, result.seq_ids), result.token_ids):
         if seq is None:
             continue  # aborted while the step ran
         if seq.status is DECODE and seq.first_output_sent:
@@ -154,9 +153,9 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
             token_ids.pop()  # the general path appends it again
         if rows is None:
             rows = SampledRows(result)
-        any_finished |= process_row(s, seq, token, i, rows, now, outputs)
-    if any_finished:
-        s.running = [q for q in s.running if q.status is not COMPLETED]
+        process_row(s, seq, token, 0, rows, now, outputs, ended)  # the row index: for logprobs, none here
+    if ended:
+        drop_ended(s, ended)
     return outputs
 
 
@@ -166,7 +165,7 @@ def process_rows(s: Scheduler, result: worker_pb2.StepResult, now: float) -> lis
     outputs: list[TokenOutput] = []
     rows = SampledRows(result, s.sequences)  # files the step's prompt logprobs first
     sequences = s.sequences
-    any_finished = False
+    ended: list[Sequence] = []
     failures = {f.seq_id: f.error for f in result.failures}
     for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
         seq = sequences.get(seq_id)
@@ -178,19 +177,29 @@ def process_rows(s: Scheduler, result: worker_pb2.StepResult, now: float) -> lis
                 outputs.append(TokenOutput(seq.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR,
                                            error=f"this sample failed on the worker: {failures[seq_id]}", index=seq.index))
             continue
-        any_finished |= process_row(s, seq, token, i, rows, now, outputs)
-    if any_finished:
-        s.running = [q for q in s.running if q.status is not COMPLETED]
+        process_row(s, seq, token, i, rows, now, outputs, ended)
+    if ended:
+        drop_ended(s, ended)
     return outputs
 
 
+def drop_ended(s: Scheduler, ended: list[Sequence]) -> None:
+    """Take the sequences that ended in `running` this step off it, in one pass when there are many (a few
+    are removed one by one: a search in C each, where a pass rebuilt the whole list in Python)."""
+    if len(ended) <= 8:
+        for seq in ended:
+            s.running.remove(seq)
+    else:
+        s.running = [q for q in s.running if q.status is not COMPLETED]
+
+
 def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: SampledRows, now: float,
-                outputs: list[TokenOutput]) -> bool:
-    """Apply one sampled token to its sequence and append its output; True when that ended a sequence still
-    in `running` (left there until the caller's loop ends: one pass, not a search per sequence)."""
+                outputs: list[TokenOutput], ended: list[Sequence]) -> None:
+    """Apply one sampled token to its sequence and append its output. A sequence this ends that is still in
+    `running` is added to `ended` and left there until the caller's loop ends (`drop_ended`)."""
     status = seq.status
     if status is COMPLETED or status is FAILED:
-        return False  # aborted while the step ran
+        return  # aborted while the step ran
     if seq.pending_forks:
         fork_samples(s, seq)
     was_running = status is PREFILL or status is DECODE  # the statuses in `running`
@@ -201,12 +210,12 @@ def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: Sampled
     reason = finish_reason(seq, token, s.eos_token_ids, s.max_model_len)
     outputs.append(rows.output(seq, token, row, now, reason))
     if not reason:
-        return False
+        return
     if was_running:
         s._end(seq, reason, SequenceStatus.COMPLETED)
-        return True
-    s._finish(seq, reason, SequenceStatus.COMPLETED)
-    return False
+        ended.append(seq)
+    else:
+        s._finish(seq, reason, SequenceStatus.COMPLETED)
 
 
 def fork_samples(s: Scheduler, parent: Sequence) -> None:
