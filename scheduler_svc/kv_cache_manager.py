@@ -153,8 +153,9 @@ class KVCacheManager:
         table, first = seq.block_table, num_computed // bs
         if first >= len(table) or any(self.pool.ref_counts[b] != 1 for b in table[first:]):
             return 0
-        if self.enable_prefix_caching:
-            return min(len(table) * bs, (seq.num_registered + 1) * bs - 1)
+        if self.enable_prefix_caching:  # the blocks registered once the step computing up to `num_computed` is applied
+            registered = max(seq.num_registered, num_computed // bs)
+            return min(len(table) * bs, (registered + 1) * bs - 1)
         return len(table) * bs
 
     def register_full_blocks(self, seq: Sequence) -> None:
