@@ -155,10 +155,12 @@ class Scheduler:
         append = scheduled.append
         allocate_slots, kv_cache = self.kv_cache.allocate_slots, self.kv_cache
         room = room_at_sync = min(seq_budget, token_budget)
-        for seq in sorted(self.running, key=_last_scheduled):
+        prompts_seen = False  # a prompt still computing was met: stage 2 has work (the loop breaks only when
+        for seq in sorted(self.running, key=_last_scheduled):  # the budgets are spent, and stage 2 with them)
             if room == 0:
                 break
             if seq.status is not DECODE:  # a prompt still computing, or preempted by an earlier iteration
+                prompts_seen = prompts_seen or seq.status is PREFILL
                 continue
             num = len(seq.token_ids)
             if num <= seq.fast_until and num - seq.num_computed == 1:  # not in `scheduled`: see process_result
@@ -185,7 +187,7 @@ class Scheduler:
         num_written = len(scheduled)
 
         # 2. Prompts already admitted and partly computed (chunked prefill).
-        for seq in [s for s in self.running if s.status is PREFILL]:
+        for seq in [s for s in self.running if s.status is PREFILL] if prompts_seen else ():
             if seq_budget == 0 or token_budget == 0:
                 break
             if seq.status is not PREFILL:
