@@ -72,6 +72,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.suspended = False
+        # Every sequence in `running` was scheduled in the last step (so all hold the same last_scheduled_step and
+        # `running` is already in the decode pass's order): set by schedule(), cleared when a fork joins running.
+        self._running_in_order = False
         self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed), fast decodes aside
 
     @property
@@ -155,8 +158,10 @@ class Scheduler:
         append = scheduled.append
         allocate_slots, kv_cache = self.kv_cache.allocate_slots, self.kv_cache
         room = room_at_sync = min(seq_budget, token_budget)
-        prompts_seen = False  # a prompt still computing was met: stage 2 has work (the loop breaks only when
-        for seq in sorted(self.running, key=_last_scheduled):  # the budgets are spent, and stage 2 with them)
+        # prompts_seen: a prompt still computing was met, so stage 2 has work (the loop breaks only when the
+        # budgets are spent, and stage 2 with them). When the last step scheduled all of running, it is in order.
+        prompts_seen = False
+        for seq in list(self.running) if self._running_in_order else sorted(self.running, key=_last_scheduled):
             if room == 0:
                 break
             if seq.status is not DECODE:  # a prompt still computing, or preempted by an earlier iteration
@@ -230,6 +235,7 @@ class Scheduler:
             plan.released_seq_ids.extend(self._released)
             self._released.clear()
         self._in_flight = scheduled
+        self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)  # one each, in running
         return plan
 
     def _chunk(self, seq: Sequence, token_budget: int, num_computed: int | None = None) -> int:

@@ -123,6 +123,7 @@ class Scheduler(Protocol):
     block_size: int
     _in_flight: list[tuple[Sequence, int]]
     _maybe_stop_ids: set[int]
+    _running_in_order: bool
     eos_token_ids: frozenset[int]
     max_model_len: int
 
@@ -254,4 +255,5 @@ def fork_samples(s: Scheduler, parent: Sequence) -> None:
         s.sequences[child.seq_id] = child
         s.samples[parent.request_id].append(child)
         s.running.append(child)
+        s._running_in_order = False  # the child was never scheduled
     parent.pending_forks = 0
