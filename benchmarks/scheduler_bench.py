@@ -30,6 +30,15 @@ stand-in `nanovllm.config.Config` holding the fields the scheduler reads; `engin
 Its block manager needs `xxhash` (not a project dependency: `pip install --target DIR xxhash`
 and put DIR on PYTHONPATH).
 
+What each side's timed calls do (the work is not the same, and the difference is in nano-vllm's favour):
+ours writes the step's protobuf `StepPlan` (an entry per scheduled sequence, each new sequence's tokens
+and parameters, block ids), reads the worker's `StepResult` (upb repeated fields) and builds a
+`TokenOutput` per sampled token, as the service uses it; nano-vllm's `schedule()` returns its list of
+sequences (its model runner turns them into tensors outside these calls) and `postprocess()` appends
+the tokens (its engine builds outputs, for finished sequences only, outside them). Both keep block
+tables, reference counts and prefix-cache hashes (blake2b here, xxhash there). nano-vllm does not mix
+prompts and decodes in a step and chunks only the first prompt of one; ours does both.
+
 Our `Config` allows block sizes up to 128 (the worker's kernels); the scheduler itself has no
 such limit, so for larger sizes the bench validates the config at 128 and then sets the size.
 """

@@ -144,6 +144,20 @@ class KVCacheManager:
             copies.append(CopiedBlock(i, src, dst))
         return copies
 
+    def decode_room(self, seq: Sequence, num_computed: int) -> int:
+        """The token count up to which the sequence's decodes from position `num_computed` on write into
+        blocks it already holds alone (no allocation, no copy-on-write: `allocate_slots` returns []) and,
+        with prefix caching, fill no block still to register (`register_full_blocks` has nothing to do
+        after them); 0 if none."""
+        bs = self.block_size
+        table, first = seq.block_table, num_computed // bs
+        if first >= len(table) or any(self.pool.ref_counts[b] != 1 for b in table[first:]):
+            return 0
+        if self.enable_prefix_caching:  # the blocks registered once the step computing up to `num_computed` is applied
+            registered = max(seq.num_registered, num_computed // bs)
+            return min(len(table) * bs, (registered + 1) * bs - 1)
+        return len(table) * bs
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's newly computed full blocks to the prefix cache."""
         bs = self.block_size
@@ -160,6 +174,7 @@ class KVCacheManager:
     def fork(self, parent: Sequence, index: int, seq_id: int) -> Sequence:
         """Sample `index` of the parent's request, holding the parent's prompt blocks by reference."""
         child = fork_sample(parent, index, seq_id, self.block_size)
+        parent.fast_until = 0  # its blocks are shared now: its next write may need a copy
         for b in child.block_table:
             self.pool.share(b)
         return child
@@ -170,6 +185,7 @@ class KVCacheManager:
         """Drop the sequence's references; its table is empty afterwards."""
         self.pool.release(seq.block_table)
         seq.block_table = []
+        seq.fast_until = 0
         seq.num_registered = 0
 
     def swap_out(self, seq: Sequence) -> list[int]:

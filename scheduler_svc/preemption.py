@@ -15,6 +15,7 @@ from typing import Protocol
 import structlog
 
 from hetero.v1 import worker_pb2
+from hetero_common.config import Config
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.waiting_queue import WaitingQueue
@@ -30,7 +31,9 @@ class Scheduler(Protocol):
     swapped: deque[Sequence]
     kv_cache: KVCacheManager
     _swap_out: list[worker_pb2.SwapBlocks]
+    _block_copies: list[worker_pb2.BlockCopy]
     num_swap_outs: int
+    config: Config
 
     def _release_on_worker(self, seq: Sequence) -> None: ...
 
@@ -70,3 +73,19 @@ def preempt_swap(s: Scheduler, seq: Sequence) -> None:
     s.swapped.append(seq)
     s.num_swap_outs += 1
     log.info("preempted", mode="swap", request_id=seq.request_id, blocks=len(held), free_blocks=s.kv_cache.num_free)
+
+
+def swap_in_ready(s: Scheduler, plan: worker_pb2.StepPlan) -> None:
+    """Bring swapped-out sequences back, oldest first, while their blocks fit (a step's third stage, before
+    anything new is admitted). Not while a block copy is pending: a swap-in lands before the copies on the
+    worker and could overwrite a source."""
+    while s.swapped and not s._block_copies and len(s.running) < s.config.max_num_seqs:
+        seq = s.swapped[0]
+        if not s.kv_cache.can_swap_in(seq):
+            break
+        s.swapped.popleft()
+        block_ids = s.kv_cache.swap_in(seq)
+        seq.num_blocks_sent = len(block_ids)
+        plan.swap_in.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=block_ids))
+        seq.status, seq.swapped_status = seq.swapped_status or SequenceStatus.DECODE, None
+        s.running.append(seq)

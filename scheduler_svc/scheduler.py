@@ -27,11 +27,11 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
-from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim
+from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim, swap_in_ready
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
-from scheduler_svc.step_plan import add_block_copies, add_scheduled, plan_needs_worker
-from scheduler_svc.token_output import SampledRows, TokenOutput, finish_reason
+from scheduler_svc.step_plan import SMALL_VARINTS, add_block_copies, plan_needs_worker, write_entry
+from scheduler_svc.token_output import TokenOutput, apply_result
 from scheduler_svc.waiting_queue import WaitingQueue
 
 log = structlog.get_logger("scheduler_svc.scheduler")
@@ -48,6 +48,9 @@ class Scheduler:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
         self.eos_token_ids = frozenset(eos_token_ids)
+        # Every token id that may end a sequence: EOS and any request's stop ids (it only grows). A sampled
+        # token outside it ends a sequence by length alone, which process_result checks inline.
+        self._maybe_stop_ids = set(self.eos_token_ids)
         capacity = num_blocks * self.block_size
         if max_model_len > capacity:
             # A sequence longer than the whole pool would preempt itself forever: it stops with finish
@@ -69,7 +72,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.suspended = False
-        self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed)
+        # Every sequence in `running` was scheduled in the last step (so all hold the same last_scheduled_step and
+        # `running` is already in the decode pass's order): set by schedule(), cleared when a fork joins running.
+        self._running_in_order = False
+        self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed), fast decodes aside
 
     @property
     def num_blocks(self) -> int:
@@ -95,6 +101,7 @@ class Scheduler:
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
                        cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority)
         self._next_seq_id += 1
+        self._maybe_stop_ids.update(sampling.stop_token_ids)
         self.requests[request_id] = seq
         self.samples[request_id] = [seq]
         self.sequences[seq.seq_id] = seq
@@ -141,29 +148,51 @@ class Scheduler:
         # step's batch, which no preemption may pick (O(1), where a list of the batch made it O(batch)).
         scheduled: list[tuple[Sequence, int]] = []
 
-        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size); stable, about one pass.
-        decodes = sorted([s for s in self.running if s.status is DECODE], key=_last_scheduled)
-        allocate_slots = self.kv_cache.allocate_slots
-        for seq in decodes:
-            if seq_budget == 0 or token_budget == 0:
+        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size); stable, about one pass
+        # (sorting `running` whole keeps the decodes' order: the others are skipped). A decode whose next token
+        # fits in blocks it holds alone and whose entry is the plain one (step_plan.write_entry: fast_until)
+        # takes the fast path: scheduled, and its entry written, with no call. `room`: decodes the budgets
+        # still allow, counted down by the fast path; the budgets themselves are brought up to date by the rest.
+        parts: list[bytes] = []  # the scheduled entries' wire bytes, in order
+        write, small = parts.extend, SMALL_VARINTS
+        append = scheduled.append
+        allocate_slots, kv_cache = self.kv_cache.allocate_slots, self.kv_cache
+        room = room_at_sync = min(seq_budget, token_budget)
+        # prompts_seen: a prompt still computing was met, so stage 2 has work (the loop breaks only when the
+        # budgets are spent, and stage 2 with them). When the last step scheduled all of running, it is in order.
+        prompts_seen = False
+        for seq in list(self.running) if self._running_in_order else sorted(self.running, key=_last_scheduled):
+            if room == 0:
                 break
-            if seq.status is not DECODE:  # preempted by an earlier iteration
+            if seq.status is not DECODE:  # a prompt still computing, or preempted by an earlier iteration
+                prompts_seen = prompts_seen or seq.status is PREFILL
                 continue
-            n = len(seq.token_ids) - seq.num_computed  # 1, or a forked sample recomputing its last prompt token
-            if n > token_budget:
+            num = len(seq.token_ids)
+            if num <= seq.fast_until and num - seq.num_computed == 1:  # not in `scheduled`: see process_result
+                seq.last_scheduled_step = step_id
+                write((seq.decode_head, small[num - 1]))
+                room -= 1
                 continue
-            copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
-            if copies is None and not self._reserve(seq, n):
-                continue
-            if copies:
-                add_block_copies(self._block_copies, seq, copies)
-            seq.last_scheduled_step = step_id
-            scheduled.append((seq, n))
-            seq_budget -= 1
-            token_budget -= n
+            seq_budget -= room_at_sync - room
+            token_budget -= room_at_sync - room
+            n = num - seq.num_computed  # 1, or a forked sample recomputing its last prompt token
+            if n <= token_budget:
+                copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
+                if copies is not None or self._reserve(seq, n):
+                    if copies:
+                        add_block_copies(self._block_copies, seq, copies)
+                    seq.last_scheduled_step = step_id
+                    append((seq, n))
+                    write_entry(plan, parts, seq, n, kv_cache)
+                    seq_budget -= 1
+                    token_budget -= n
+            room = room_at_sync = min(seq_budget, token_budget)
+        seq_budget -= room_at_sync - room
+        token_budget -= room_at_sync - room
+        num_written = len(scheduled)
 
         # 2. Prompts already admitted and partly computed (chunked prefill).
-        for seq in [s for s in self.running if s.status is PREFILL]:
+        for seq in [s for s in self.running if s.status is PREFILL] if prompts_seen else ():
             if seq_budget == 0 or token_budget == 0:
                 break
             if seq.status is not PREFILL:
@@ -175,18 +204,9 @@ class Scheduler:
                 seq_budget -= 1
                 token_budget -= n
 
-        # 3. Swapped-out sequences come back before anything new is admitted. Not while a block
-        # copy is pending: a swap-in lands before the copies on the worker and could overwrite a source.
-        while self.swapped and not self._block_copies and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
-            if not self.kv_cache.can_swap_in(seq):
-                break
-            self.swapped.popleft()
-            block_ids = self.kv_cache.swap_in(seq)
-            seq.num_blocks_sent = len(block_ids)
-            plan.swap_in.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=block_ids))
-            seq.status, seq.swapped_status = seq.swapped_status or SequenceStatus.DECODE, None
-            self.running.append(seq)
+        # 3. Swapped-out sequences come back before anything new is admitted (preemption.swap_in_ready).
+        if self.swapped:
+            swap_in_ready(self, plan)
 
         # 4. Admit waiting requests (priority, then FIFO; the head waits if it does not fit, keeping order).
         while (self.waiting and not self.swapped and seq_budget > 0 and token_budget > 0
@@ -207,12 +227,15 @@ class Scheduler:
         plan.swap_out.extend(self._swap_out)
         plan.block_copies.extend(self._block_copies)
         self._swap_out, self._block_copies = [], []
-        add_scheduled(plan, scheduled)
+        for seq, n in scheduled[num_written:]:
+            write_entry(plan, parts, seq, n, kv_cache)
+        plan.MergeFromString(b"".join(parts))
         if plan_needs_worker(plan):
             # A plan with nothing to compute or move is not sent: released ids wait for the next one.
             plan.released_seq_ids.extend(self._released)
             self._released.clear()
         self._in_flight = scheduled
+        self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)  # one each, in running
         return plan
 
     def _chunk(self, seq: Sequence, token_budget: int, num_computed: int | None = None) -> int:
@@ -263,55 +286,7 @@ class Scheduler:
 
     def process_result(self, result: worker_pb2.StepResult) -> list[TokenOutput]:
         """Apply one step's sampled tokens; return per-sample outputs (finished ones included)."""
-        now = time.time()
-        register_full_blocks = self.kv_cache.register_full_blocks
-        for seq, n in self._in_flight:
-            if seq.status is PREFILL or seq.status is DECODE:  # not finished, preempted or swapped meanwhile
-                seq.num_computed += n
-                register_full_blocks(seq)
-        self._in_flight = []
-        outputs: list[TokenOutput] = []
-        rows = SampledRows(result, self.sequences)  # files the step's prompt logprobs first
-        sequences, eos_token_ids, max_model_len = self.sequences, self.eos_token_ids, self.max_model_len
-        any_finished = False
-        failures = {f.seq_id: f.error for f in result.failures}
-        for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-            seq = sequences.get(seq_id)
-            if seq is None or seq.status is COMPLETED or seq.status is FAILED:
-                continue  # aborted while the step ran
-            if failures and seq_id in failures:  # e.g. the worker could not apply this sample's constraint
-                self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
-                outputs.append(TokenOutput(seq.request_id, finish_reason=FR.FINISH_REASON_ERROR,
-                                           error=f"this sample failed on the worker: {failures[seq_id]}", index=seq.index))
-                continue
-            if seq.pending_forks:
-                self._fork(seq)
-            was_running = seq.status is PREFILL or seq.status is DECODE  # the statuses in `running`
-            seq.token_ids.append(token)
-            seq.status = DECODE
-            out = rows.output(seq, token, i, now)
-            reason = finish_reason(seq, token, eos_token_ids, max_model_len)
-            if reason:
-                if was_running:  # left in `running` until the loop ends: one pass, not a search per sequence
-                    self._end(seq, reason, SequenceStatus.COMPLETED)
-                    any_finished = True
-                else:
-                    self._finish(seq, reason, SequenceStatus.COMPLETED)
-                out.finish_reason = reason
-            outputs.append(out)
-        if any_finished:
-            self.running = [s for s in self.running if s.status is not COMPLETED]
-        return outputs
-
-    def _fork(self, parent: Sequence) -> None:
-        """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
-        for index in range(1, parent.pending_forks + 1):
-            child = self.kv_cache.fork(parent, index, self._next_seq_id)
-            self._next_seq_id += 1
-            self.sequences[child.seq_id] = child
-            self.samples[parent.request_id].append(child)
-            self.running.append(child)
-        parent.pending_forks = 0
+        return apply_result(self, result)
 
     def fail_all(self, error: str) -> list[TokenOutput]:
         """A step failed beyond retries: every admitted request ends with an error."""
@@ -352,6 +327,7 @@ class Scheduler:
         if seq.on_worker:
             self._released.append(seq.seq_id)
             seq.on_worker = False
+            seq.fast_until = 0
 
     # ---------------------------------------------------------------- scale and resilience
     # Moving sequences off a worker that failed: they are recomputed from their prompt plus the
@@ -376,6 +352,7 @@ class Scheduler:
         """Queue a sample taken from a replica (possibly this one) for recompute, under a new seq id."""
         seq.seq_id = self._next_seq_id
         self._next_seq_id += 1
+        self._maybe_stop_ids.update(seq.sampling.stop_token_ids)
         self.samples.setdefault(seq.request_id, []).append(seq)
         if seq.index == 0 or seq.request_id not in self.requests:
             self.requests[seq.request_id] = seq

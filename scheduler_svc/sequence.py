@@ -62,6 +62,15 @@ class Sequence:
     queue_seconds: float | None = None  # arrival to first admission (metrics)
     deadline: float | None = None  # time.monotonic() after which the request is dropped (the caller's gRPC deadline)
     prompt_logprobs: PromptLogprobs | None = None  # filled step by step until the first token (prompt_logprobs.py)
+    # The scheduler's decode fast path (step_plan.write_entry): while len(token_ids) <= fast_until, a decode
+    # needs no block and its plan entry is decode_head + num_cached_tokens' varint. 0: take the general path.
+    fast_until: int = 0
+    decode_head: bytes = b""
+    # prompt + max_tokens - 1: a token sampled when the sequence holds this many (or more) ends it by length.
+    last_len: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.last_len = self.prompt_len + self.sampling.max_tokens - 1
 
     @property
     def num_tokens(self) -> int:
@@ -85,6 +94,7 @@ class Sequence:
         self.pending_edits = []
         self.num_computed = self.num_blocks_sent = self.num_swapped_blocks = 0
         self.on_worker = False
+        self.fast_until = 0
         self.status, self.swapped_status = SequenceStatus.PENDING, None
 
 

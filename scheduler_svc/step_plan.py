@@ -4,7 +4,7 @@ a sequence is sent whole once, afterwards only its appended blocks and table edi
 from __future__ import annotations
 
 from hetero.v1 import worker_pb2
-from scheduler_svc.kv_cache_manager import CopiedBlock
+from scheduler_svc.kv_cache_manager import CopiedBlock, KVCacheManager
 from scheduler_svc.sequence import Sequence
 
 
@@ -25,12 +25,12 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
-_SMALL_VARINTS = [_varint(v) for v in range(1 << 14)]  # every value below 16,384: one or two bytes
+SMALL_VARINTS = [_varint(v) for v in range(1 << 14)]  # every value below 16,384: one or two bytes
 
 
 def varint(value: int) -> bytes:
     """Protobuf's base-128 encoding of a non-negative integer."""
-    return _SMALL_VARINTS[value] if value < 16384 else _varint(value)
+    return SMALL_VARINTS[value] if value < 16384 else _varint(value)
 
 
 def _tag(message: type, field: str, wire_type: int) -> bytes:
@@ -48,37 +48,62 @@ _PLAN_SCHEDULED = _tag(worker_pb2.StepPlan, "scheduled", _LENGTH_DELIMITED)
 _DECODE_TAG_BYTES = len(_SEQ_ID) + len(_NUM_TOKENS) + len(_SAMPLE_TRUE) + len(_NUM_CACHED)
 
 
-def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int]]) -> None:
+def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int]],
+                  kv_cache: KVCacheManager | None = None) -> None:
     """Schedule each sequence's next `num_tokens` uncomputed tokens; their blocks are already allocated.
 
     The `scheduled` entries are one per sequence per step, so they are written as wire bytes and
     parsed into the plan in one call: building a message per entry cost several times more. The
     bytes are protobuf's own encoding (an empty proto3 field is left out, as protobuf does), and the
     plan holds the parsed messages, so its serialization is the one of entries built field by field.
-    Only the common entry, a decode into blocks the worker already has, is written by hand; the others
-    (a sequence's new blocks, prompt chunks, copy-on-write edits) are built as messages and serialized."""
-    add_new = plan.new_sequences.add
-    small = _SMALL_VARINTS  # looked up inline below: a function call per field cost more than the rest
+    With `kv_cache`, each entry arms its sequence's decode fast path (`write_entry`)."""
     parts: list[bytes] = []
-    write = parts.extend
     for seq, num_tokens in scheduled:
-        token_ids = seq.token_ids
-        if not seq.on_worker:
-            add_new(seq_id=seq.seq_id, token_ids=token_ids, params=seq.params, num_generated=len(token_ids) - seq.prompt_len)
-            seq.on_worker = True
-        seq_id, num_computed, table, sent = seq.seq_id, seq.num_computed, seq.block_table, seq.num_blocks_sent
-        sample = num_computed + num_tokens == len(token_ids)
-        if seq.pending_edits or len(table) > sent or not sample or not num_computed:
-            body = _entry_bytes(seq, num_tokens, sample)
-            write((_PLAN_SCHEDULED, varint(len(body)), body))
-        else:  # a decode in blocks the worker has: seq_id, num_tokens, sample = true, num_cached_tokens
-            a = small[seq_id] if seq_id < 16384 else _varint(seq_id)
-            b = small[num_tokens] if num_tokens < 16384 else _varint(num_tokens)
-            c = small[num_computed] if num_computed < 16384 else _varint(num_computed)
-            write((_PLAN_SCHEDULED, small[len(a) + len(b) + len(c) + _DECODE_TAG_BYTES], _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE,
-                   _NUM_CACHED, c))
-        seq.num_blocks_sent = len(table)
+        write_entry(plan, parts, seq, num_tokens, kv_cache)
     plan.MergeFromString(b"".join(parts))
+
+
+def write_entry(plan: worker_pb2.StepPlan, parts: list[bytes], seq: Sequence, num_tokens: int,
+                kv_cache: KVCacheManager | None) -> None:
+    """One `scheduled` entry's wire bytes, appended to `parts` (a sequence not on the worker yet is
+    added to the plan's new sequences first).
+
+    Only the common entry, a decode into blocks the worker already has, is written by hand; the others
+    (a sequence's new blocks, prompt chunks, copy-on-write edits) are built as messages and serialized.
+    Then the sequence's next decode is prepared (with `kv_cache`): `seq.fast_until` is the token count up
+    to which that decode's entry is the hand-written one with its bytes before num_cached_tokens the same
+    (`seq.decode_head`, kept on the sequence) and needs no block: no new block, no copy-on-write (blocks
+    it holds alone), num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
+    (`decode_head` + num_cached_tokens' varint) without coming here; anything that changes the sequence's
+    blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `_release_on_worker`)."""
+    token_ids = seq.token_ids
+    if not seq.on_worker:
+        plan.new_sequences.add(seq_id=seq.seq_id, token_ids=token_ids, params=seq.params,
+                               num_generated=len(token_ids) - seq.prompt_len)
+        seq.on_worker = True
+    num_computed, table = seq.num_computed, seq.block_table
+    sample = num_computed + num_tokens == len(token_ids)
+    if seq.pending_edits or len(table) > seq.num_blocks_sent or not sample or not num_computed:
+        body = _entry_bytes(seq, num_tokens, sample)
+        parts += (_PLAN_SCHEDULED, varint(len(body)), body)
+    else:  # a decode in blocks the worker has: seq_id, num_tokens, sample = true, num_cached_tokens
+        parts += (decode_head(seq.seq_id, num_computed, num_tokens), varint(num_computed))
+    seq.num_blocks_sent = len(table)
+    computed = num_computed + num_tokens  # the next decode's num_cached_tokens
+    room = kv_cache.decode_room(seq, computed) if kv_cache is not None and sample else 0
+    if room:
+        seq.fast_until = min(room, 128 if computed < 128 else 16384 if computed < 16384 else 0)
+        seq.decode_head = decode_head(seq.seq_id, computed, 1)
+    else:
+        seq.fast_until = 0
+
+
+def decode_head(seq_id: int, num_computed: int, num_tokens: int) -> bytes:
+    """A decode entry's bytes up to its num_cached_tokens value: the plan's field key, the entry's length,
+    seq_id, num_tokens, sample = true and num_cached_tokens' key (the length counts its varint)."""
+    a, b = varint(seq_id), varint(num_tokens)
+    size = len(a) + len(b) + len(varint(num_computed)) + _DECODE_TAG_BYTES
+    return b"".join((_PLAN_SCHEDULED, varint(size), _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE, _NUM_CACHED))
 
 
 def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool) -> bytes:

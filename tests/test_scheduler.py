@@ -138,11 +138,13 @@ def test_hand_written_decode_entries_equal_protobufs_own_encoding() -> None:
     """step_plan writes the common decode entry as wire bytes: they must parse to, and serialize
     as, the message built field by field, for one- to three-byte varints."""
     from hetero.v1 import worker_pb2
+    from hetero_common.sampling import resolve
     from scheduler_svc.sequence import Sequence
     from scheduler_svc.step_plan import add_scheduled
 
+    plain = common_pb2.SamplingParams()
     for seq_id, computed in ((0, 1), (5, 127), (200, 128), (70_000, 20_000)):
-        seq = Sequence(seq_id, "r", list(range(computed + 1)), 1, None, None)  # type: ignore[arg-type]
+        seq = Sequence(seq_id, "r", list(range(computed + 1)), 1, resolve(plain), plain)
         seq.on_worker, seq.num_computed, seq.block_table, seq.num_blocks_sent = True, computed, [3, 4], 2
         plan = worker_pb2.StepPlan()
         add_scheduled(plan, [(seq, 1)])
