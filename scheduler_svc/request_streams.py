@@ -110,12 +110,34 @@ class RequestStreams:
                 stream.open_samples.discard(out.index)
                 if stream.status is None:
                     stream.status = STATUS_FOR_REASON.get(out.finish_reason)
-            stream.publish(scheduler_pb2.TokenEvent(
-                position=len(stream.history), request_id=out.request_id, token_ids=out.token_ids, finish_reason=out.finish_reason, error=out.error,
-                index=out.index, cached_prompt_tokens=out.cached_prompt_tokens, logprobs=out.logprobs,
-                token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else [],
-                top_logprobs=out.top_logprobs, queue_seconds=out.queue_seconds,
-                prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs))
+            stream.publish(token_event(out, len(stream.history)))
             if ends_sample and not stream.open_samples:
                 stream.finished = True
                 self._streams.pop(out.request_id, None)
+
+
+def token_event(out: TokenOutput, position: int) -> scheduler_pb2.TokenEvent:
+    """`out` as a TokenEvent. Only the fields it has are passed: most events carry one token and
+    nothing else, and every keyword protobuf is given costs (3.5 µs per event with all of them
+    against 1.1 µs; 64 events a step at batch 64)."""
+    event = scheduler_pb2.TokenEvent(position=position, request_id=out.request_id, token_ids=out.token_ids,
+                                     index=out.index)
+    if out.timestamp and out.token_ids:
+        event.token_timestamps.extend([out.timestamp] * len(out.token_ids))
+    if out.finish_reason:
+        event.finish_reason = out.finish_reason
+    if out.error:
+        event.error = out.error
+    if out.cached_prompt_tokens:
+        event.cached_prompt_tokens = out.cached_prompt_tokens
+    if out.logprobs:
+        event.logprobs.extend(out.logprobs)
+    if out.top_logprobs:
+        event.top_logprobs.extend(out.top_logprobs)
+    if out.queue_seconds:
+        event.queue_seconds = out.queue_seconds
+    if out.prompt_logprobs:
+        event.prompt_logprobs.extend(out.prompt_logprobs)
+    if out.prompt_top_logprobs:
+        event.prompt_top_logprobs.extend(out.prompt_top_logprobs)
+    return event
