@@ -80,19 +80,18 @@ class WorkerGroup:
         return next((p for p in self.processes if p.poll() is not None), None)
 
 
-# OpenMP spin settings a user may have chosen; any of them set means "leave the policy alone".
-OMP_SPIN_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+def worker_environment(env: dict[str, str], omp_wait_policy: str) -> dict[str, str]:
+    """A worker's environment: `omp_wait_policy` (config) as OMP_WAIT_POLICY, when set.
 
-
-def worker_environment(env: dict[str, str]) -> dict[str, str]:
-    """A worker's environment: torch's OpenMP threads sleep when a parallel region ends instead of
-    spinning (libgomp's default spins ~300k iterations). Between steps the worker waits on gRPC
-    while the gateway and the scheduler need the cores: spinning threads took them. Measured on
-    the 2-core box, tiny model, 64 streams x 128 tokens: worker CPU 1.3-2.7 s -> 0.4 s per run,
-    stack time per step 11-24 ms -> 9-10 ms (a noisy box; benchmarks/step_cost.py)."""
-    if any(name in env for name in OMP_SPIN_VARIABLES):
+    passive: torch's OpenMP threads sleep when a parallel region ends instead of spinning
+    (libgomp's default spins ~300k iterations). It is not the default: measured on the 2-core
+    box, it helps many streams of a tiny model, where the spinning threads take the cores the
+    gateway and the scheduler need (benchmarks/step_cost.py, B=64: 4.1-5.7 ms/step against
+    6.0), but every parallel region then pays a wake-up: SmolLM2 at batch 1 went from 22 to 32
+    ms per output token, and the tiny model at B=16 from 2.9 to 3.4-4.4 ms/step."""
+    if not omp_wait_policy:
         return dict(env)
-    return {**env, "OMP_WAIT_POLICY": "PASSIVE"}
+    return {**env, "OMP_WAIT_POLICY": omp_wait_policy.upper()}
 
 
 class Supervisor:
@@ -108,7 +107,7 @@ class Supervisor:
         with os.fdopen(fd, "w") as f:
             json.dump(config.to_dict(), f)
         self.child_env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
-        self.worker_env = worker_environment(self.child_env)
+        self.worker_env = worker_environment(self.child_env, config.omp_wait_policy)
 
     def _start_group(self, group: WorkerGroup) -> None:
         tp = self.config.tensor_parallel_size
