@@ -67,9 +67,6 @@ class FollowCall:
             for queue in queues:
                 queue.put_nowait(error)
 
-    def close(self) -> None:
-        self._call.cancel()
-
 
 class FollowStreams:
     """Opens the Follow stream on the first request, and a new one after it breaks."""
@@ -93,7 +90,3 @@ class FollowStreams:
             queues.remove(queue)
             if not queues:
                 del call.queues[request_id]
-
-    def close(self) -> None:
-        if self._current is not None:
-            self._current.close()
