@@ -1,6 +1,7 @@
 """The stack's own cost per step, with a model whose compute is negligible.
 
     python benchmarks/step_cost.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 8] [--json FILE]
+                                   [--serve-flags "--omp-wait-policy passive"]
 
 A seeded random 2-layer Llama (tests/tiny_models.py, hidden 64, vocab 512): its forward costs
 well under a millisecond, so what is left of a step is the serving machinery itself (scheduler
@@ -70,13 +71,14 @@ def engine_step_cost(model: Path, prompts: list[list[int]], new_tokens: int, max
 
 
 def stack_step_cost(model: Path, batches: list[int], prompts: list[list[int]], new_tokens: int,
-                    max_batch: int) -> dict[int, dict[str, Any]]:
+                    max_batch: int, serve_flags: list[str]) -> dict[int, dict[str, Any]]:
     import grpc
 
     from hetero.v1 import inference_pb2_grpc
 
     results: dict[int, dict[str, Any]] = {}
-    with run_stack(model, "--log-level", "warning", "--max-batch-size", str(max_batch), "--dtype", "float32") as stack:
+    with run_stack(model, "--log-level", "warning", "--max-batch-size", str(max_batch), "--dtype", "float32",
+                   *serve_flags) as stack:
         services = {name: stack.service_process(name) for name in SERVICES}
         client = psutil.Process()
         stack.inference.Complete(inference_pb2.GenerateRequest(
@@ -120,6 +122,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--serve-flags", default="", help="more `serve` flags for the stack, e.g. \"--omp-wait-policy passive\"")
     args = parser.parse_args()
     configure_logging("warning", "console")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -131,10 +134,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_llama(Path(tmp) / "tiny-llama")
         print(f"tiny 2-layer Llama (hidden 64, vocab 512); B streams x {args.new_tokens} new tokens, "
-              f"{args.prompt_len}-token prompts, max_batch_size {max_batch}, {os.cpu_count()} cores")
+              f"{args.prompt_len}-token prompts, max_batch_size {max_batch}, {os.cpu_count()} cores"
+              + (f"; serve {args.serve_flags}" if args.serve_flags else ""))
         for b in batches:
             report["engine"][b] = engine_step_cost(model, prompts[:b], args.new_tokens, max_batch)
-        report["stack"] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch)
+        report["stack"] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch, args.serve_flags.split())
     print(f"\n{'B':>4} {'engine ms/step':>15} {'stack ms/step':>14} {'stack/engine':>13}   CPU seconds "
           f"(engine | {' '.join(SERVICES)} client)")
     for b in batches:

@@ -1,15 +1,17 @@
 """The scheduler backend: token ids from `hetero.v1.Scheduler`, turned into text here.
 
-A request is one Submit stream of token events; each sample has its own detokenizer and
-stop-string state (`TextStream`), so the text never breaks a UTF-8 character. When the
-client cancels or disconnects, the Submit call is cancelled, which aborts the request in
-the scheduler and frees its blocks.
+A request is one Submit call, whose token events come on this gateway's Follow stream (one
+message per engine step for all requests: scheduler_events.py); each sample has its own
+detokenizer and stop-string state (`TextStream`), so the text never breaks a UTF-8 character.
+When the client cancels or disconnects, the Submit call is cancelled, which aborts the request
+in the scheduler and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -17,6 +19,7 @@ import structlog
 
 from gateway.backend import SampleOutput
 from gateway.prompt_logprobs import add_prompt_logprobs, add_token_logprobs, drop_generated, engine_params, scoring_only
+from gateway.scheduler_events import FollowCall, FollowStreams, SubmitEnded
 from gateway.text_stream import TextStream
 from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest
@@ -38,6 +41,7 @@ class SchedulerBackend:
         self.model_name = config.serving.model_name
         self.channel = internal_channel(config, config.scheduler_address)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.follows = FollowStreams(self.scheduler)
 
     async def stats(self) -> scheduler_pb2.SchedulerStats:
         """The scheduler's pool and model figures (retried on UNAVAILABLE)."""
@@ -93,14 +97,18 @@ class SchedulerBackend:
 
     async def _events(self, prepared: PreparedRequest, params: common_pb2.SamplingParams,
                       timeout: float | None = None, cache_salt: str = "", priority: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        """The scheduler's token events. Failing to reach it (before the first event) is retried;
-        the scheduler treats a repeated request id as the same request, so a retry never starts
-        a second generation. `timeout` (the client's remaining time) becomes the Submit deadline."""
-        submit = scheduler_pb2.SubmitRequest(request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                                             params=params, cache_salt=cache_salt, priority=priority)
+        """The scheduler's token events, from this gateway's Follow stream (scheduler_events.py);
+        the request's own Submit call ends with it. Failing to reach the scheduler (before the
+        first event) is retried; the scheduler treats a repeated request id as the same request
+        and replays its events so far, so a retry never starts a second generation. `timeout`
+        (the client's remaining time) becomes the Submit deadline."""
+        rid = prepared.request_id
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        state = _EventState(set(range(prepared.sampling.n)))
         call: grpc.aio.UnaryStreamCall | None = None
+        follow: FollowCall | None = None
+        queue: asyncio.Queue[object] | None = None
         attempts = 0
         try:
             try:
@@ -108,13 +116,22 @@ class SchedulerBackend:
                     with attempt:
                         if call is not None:
                             call.cancel()
+                        if follow is not None and queue is not None:
+                            self.follows.unsubscribe(follow, rid, queue)
                         attempts += 1
+                        follow, queue = self.follows.subscribe(rid)
+                        submit = scheduler_pb2.SubmitRequest(
+                            request_id=rid, prompt_token_ids=prepared.prompt_token_ids, params=params,
+                            cache_salt=cache_salt, priority=priority, follower_id=follow.follower_id)
                         call = self.scheduler.Submit(
                             submit, timeout=None if deadline is None else max(0.001, deadline - loop.time()))
-                        event = await call.read()
-                while event is not grpc.aio.EOF:
+                        _report_end(call, queue)
+                        event = await _next_event(queue, state)
+                while True:
                     yield event
-                    event = await call.read()
+                    if not state.open_samples:
+                        return
+                    event = await _next_event(queue, state)  # type: ignore[arg-type]
             except grpc.aio.AioRpcError as exc:
                 error = from_grpc_error(exc, "scheduler")
                 if isinstance(error, UnavailableError):
@@ -124,6 +141,8 @@ class SchedulerBackend:
         finally:
             if call is not None:
                 call.cancel()  # no-op when finished; aborts the request downstream otherwise
+            if follow is not None and queue is not None:
+                self.follows.unsubscribe(follow, rid, queue)
 
     async def abort(self, request_id: str) -> bool:
         """The scheduler's Abort: the request's Submit stream ends with FINISH_REASON_ABORT, its blocks freed."""
@@ -167,3 +186,39 @@ class SchedulerBackend:
     def _add_logprobs(self, response: inference_pb2.GenerateResponse, event: scheduler_pb2.TokenEvent) -> None:
         add_token_logprobs(response.logprobs, response.top_logprobs, event.token_ids, event.logprobs,
                            event.top_logprobs, self._token_text)
+
+
+@dataclass
+class _EventState:
+    open_samples: set[int]  # samples whose last event has not come yet
+    next_position: int = 0  # TokenEvent.position expected next (a replay repeats the ones before)
+
+
+def _report_end(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[object]) -> None:
+    """Put SubmitEnded on `queue` when the Submit call ends (it carries no events itself)."""
+
+    def ended(read: asyncio.Future[object]) -> None:
+        if not read.cancelled():
+            error = read.exception()
+            queue.put_nowait(SubmitEnded(None if isinstance(error, asyncio.CancelledError) else error))
+
+    asyncio.ensure_future(call.read()).add_done_callback(ended)
+
+
+async def _next_event(queue: asyncio.Queue[object], state: _EventState) -> scheduler_pb2.TokenEvent:
+    """The request's next event; raises the Submit call's error or the Follow stream's."""
+    while True:
+        item = queue.get_nowait() if queue.qsize() else await queue.get()
+        if isinstance(item, scheduler_pb2.TokenEvent):
+            if item.position < state.next_position:
+                continue  # replayed after a re-attach: already had it
+            state.next_position = item.position + 1
+            if is_finished(item.finish_reason):
+                state.open_samples.discard(item.index)
+            return item
+        if isinstance(item, SubmitEnded):
+            if item.error is not None:
+                raise item.error
+            continue  # ended OK: its last events may still be on the way on the Follow stream
+        assert isinstance(item, BaseException)
+        raise item

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -20,6 +21,12 @@ from scheduler_svc.scheduler import TokenOutput
 STATUS_FOR_REASON = {common_pb2.FINISH_REASON_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+class Listener(Protocol):
+    """Where a Submit call takes its events: an asyncio.Queue, or a Follow stream's forwarder."""
+
+    def put_nowait(self, event: scheduler_pb2.TokenEvent) -> None: ...
+
+
 @dataclass
 class RequestStream:
     """One generation's events so far and the Submit calls following it."""
@@ -27,7 +34,7 @@ class RequestStream:
     request_id: str
     fingerprint: bytes  # the SubmitRequest: a re-attaching Submit must be the same request
     history: list[scheduler_pb2.TokenEvent] = field(default_factory=list)
-    listeners: list[asyncio.Queue[scheduler_pb2.TokenEvent]] = field(default_factory=list)
+    listeners: list[Listener] = field(default_factory=list)
     open_samples: set[int] = field(default_factory=lambda: {0})  # n > 1: the stream ends when every sample has
     finished: bool = False
     status: grpc.StatusCode | None = None  # end the calls with this status instead of the last event
@@ -35,13 +42,17 @@ class RequestStream:
     def attach(self) -> asyncio.Queue[scheduler_pb2.TokenEvent]:
         """A queue holding the events so far and then every new one, until `detach`."""
         queue: asyncio.Queue[scheduler_pb2.TokenEvent] = asyncio.Queue()
-        for event in self.history:
-            queue.put_nowait(event)
-        self.listeners.append(queue)
+        self.attach_listener(queue)
         return queue
 
-    def detach(self, queue: asyncio.Queue[scheduler_pb2.TokenEvent]) -> None:
-        self.listeners.remove(queue)
+    def attach_listener(self, listener: Listener) -> None:
+        """Replay the events so far to `listener`, then every new one until `detach`."""
+        for event in self.history:
+            listener.put_nowait(event)
+        self.listeners.append(listener)
+
+    def detach(self, listener: Listener) -> None:
+        self.listeners.remove(listener)
 
     def samples_to_follow(self) -> set[int]:
         """The samples a newly attached caller reads to their end: open ones, and ended ones whose
@@ -99,12 +110,34 @@ class RequestStreams:
                 stream.open_samples.discard(out.index)
                 if stream.status is None:
                     stream.status = STATUS_FOR_REASON.get(out.finish_reason)
-            stream.publish(scheduler_pb2.TokenEvent(
-                request_id=out.request_id, token_ids=out.token_ids, finish_reason=out.finish_reason, error=out.error,
-                index=out.index, cached_prompt_tokens=out.cached_prompt_tokens, logprobs=out.logprobs,
-                token_timestamps=[out.timestamp] * len(out.token_ids) if out.timestamp else [],
-                top_logprobs=out.top_logprobs, queue_seconds=out.queue_seconds,
-                prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs))
+            stream.publish(token_event(out, len(stream.history)))
             if ends_sample and not stream.open_samples:
                 stream.finished = True
                 self._streams.pop(out.request_id, None)
+
+
+def token_event(out: TokenOutput, position: int) -> scheduler_pb2.TokenEvent:
+    """`out` as a TokenEvent. Only the fields it has are passed: most events carry one token and
+    nothing else, and every keyword protobuf is given costs (3.5 µs per event with all of them
+    against 1.1 µs; 64 events a step at batch 64)."""
+    event = scheduler_pb2.TokenEvent(position=position, request_id=out.request_id, token_ids=out.token_ids,
+                                     index=out.index)
+    if out.timestamp and out.token_ids:
+        event.token_timestamps.extend([out.timestamp] * len(out.token_ids))
+    if out.finish_reason:
+        event.finish_reason = out.finish_reason
+    if out.error:
+        event.error = out.error
+    if out.cached_prompt_tokens:
+        event.cached_prompt_tokens = out.cached_prompt_tokens
+    if out.logprobs:
+        event.logprobs.extend(out.logprobs)
+    if out.top_logprobs:
+        event.top_logprobs.extend(out.top_logprobs)
+    if out.queue_seconds:
+        event.queue_seconds = out.queue_seconds
+    if out.prompt_logprobs:
+        event.prompt_logprobs.extend(out.prompt_logprobs)
+    if out.prompt_top_logprobs:
+        event.prompt_top_logprobs.extend(out.prompt_top_logprobs)
+    return event

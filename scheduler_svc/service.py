@@ -10,6 +10,7 @@ fan-out and re-attach).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -22,8 +23,9 @@ from hetero_common.finish_reasons import finish_reason_name, is_finished
 from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
                                       internal_listen_address, server_credentials, set_serving_aio,
                                       termination_signal)
+from scheduler_svc.followers import Followers, Forwarder
 from scheduler_svc.replica_set import ReplicaSet
-from scheduler_svc.request_streams import RequestStreams
+from scheduler_svc.request_streams import Listener, RequestStream, RequestStreams
 
 log = structlog.get_logger("scheduler_svc.service")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -35,6 +37,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.streams = RequestStreams()
+        self.followers = Followers()
         self.replica_set = ReplicaSet(config, self.streams.dispatch, self._end)
 
     async def start(self) -> None:
@@ -54,6 +57,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             # A little before gRPC's own deadline, so the request ends here (finish reason DEADLINE,
             # blocks freed) rather than by the caller's cancellation racing it.
             deadline = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
+            # Where the events go is no part of the request: a retry re-attaches on a new Follow stream.
+            follower_id = request.follower_id
+            request.ClearField("follower_id")
             fingerprint = request.SerializeToString(deterministic=True)
             if stream is None:
                 try:
@@ -67,6 +73,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     f"request_id {rid!r} is in flight with a different prompt or parameters; use a unique id per request")))
             else:
                 log.info("submit for a request in flight: re-attached to its stream")
+            if follower_id:  # the events go out on that Follow stream; this call only ends with the request
+                await self._forward(stream, follower_id, deadline, context)
+                return
             queue = stream.attach()
             open_samples = stream.samples_to_follow()
             done = False
@@ -80,15 +89,52 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         await context.abort(stream.status, event.error or finish_reason_name(event.finish_reason))
                     yield event
             finally:
-                stream.detach(queue)
-                if not stream.finished and not stream.listeners:
-                    # The last caller went away (cancelled, or its deadline passed): free the blocks now.
-                    passed = deadline is not None and time.monotonic() >= deadline
-                    if passed:
-                        self.replica_set.counters.num_deadline_exceeded += 1
-                    self._end(rid, common_pb2.FINISH_REASON_DEADLINE if passed else common_pb2.FINISH_REASON_ABORT)
-                    self.streams.close(rid)
-                    log.info("deadline passed" if passed else "aborted by caller")
+                self._detach(stream, queue, deadline)
+
+    async def _forward(self, stream: RequestStream, follower_id: str, deadline: float | None,
+                       context: grpc.aio.ServicerContext) -> None:
+        follower = self.followers.get(follower_id)
+        forwarder = Forwarder(stream, follower)
+        follower.submits += 1
+        stream.attach_listener(forwarder)
+        try:
+            await forwarder.done.wait()
+            last = forwarder.last
+            if stream.status is not None and last is not None:
+                await context.abort(stream.status, last.error or finish_reason_name(last.finish_reason))
+        finally:
+            follower.submits -= 1
+            self.followers.release(follower)
+            self._detach(stream, forwarder, deadline)
+
+    def _detach(self, stream: RequestStream, listener: Listener, deadline: float | None) -> None:
+        stream.detach(listener)
+        if not stream.finished and not stream.listeners:
+            # The last caller went away (cancelled, or its deadline passed): free the blocks now.
+            passed = deadline is not None and time.monotonic() >= deadline
+            if passed:
+                self.replica_set.counters.num_deadline_exceeded += 1
+            self._end(stream.request_id, common_pb2.FINISH_REASON_DEADLINE if passed else common_pb2.FINISH_REASON_ABORT)
+            self.streams.close(stream.request_id)
+            log.info("deadline passed" if passed else "aborted by caller")
+
+    async def Follow(self, request: scheduler_pb2.FollowRequest, context: grpc.aio.ServicerContext):
+        """One gateway's token events, a message per step, until it cancels (or this server drains)."""
+        follower = self.followers.get(request.follower_id)
+        follower.followed = True
+        try:
+            while (batch := await follower.next_batch()) is not None:
+                yield scheduler_pb2.TokenEventBatch(events=batch)
+        finally:
+            follower.followed = False
+            self.followers.release(follower)
+
+    async def close_follows_when_idle(self, stopping: asyncio.Future[None]) -> None:
+        """Draining: Follow calls never end by themselves, so end them once no request is in
+        flight (their last events sent), or when the server stops anyway."""
+        while len(self.streams) and not stopping.done():
+            await asyncio.sleep(0.05)
+        self.followers.close_all()
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
         reason = request.reason or common_pb2.FINISH_REASON_ABORT
@@ -139,5 +185,7 @@ async def serve_scheduler(config: Config) -> None:
     # Drain: report NOT_SERVING, refuse new calls, let in-flight ones finish within drain_grace_s.
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
     log.info("draining", grace_s=config.drain_grace_s, in_flight=len(servicer.streams))
-    await server.stop(grace=config.drain_grace_s)
+    stopping = asyncio.ensure_future(server.stop(grace=config.drain_grace_s))
+    await servicer.close_follows_when_idle(stopping)
+    await stopping
     log.info("scheduler stopped")

@@ -40,6 +40,11 @@ class SchedulerStub:
                 request_serializer=hetero_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_stream(
+                '/hetero.v1.Scheduler/Follow',
+                request_serializer=hetero_dot_v1_dot_scheduler__pb2.FollowRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_scheduler__pb2.TokenEventBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/hetero.v1.Scheduler/Abort',
                 request_serializer=hetero_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -69,6 +74,16 @@ class SchedulerServicer:
     def Submit(self, request, context):
         """Queue a tokenized request; its token events stream back until it finishes.
         Cancelling the call aborts the request and frees its blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Follow(self, request, context):
+        """One gateway's token events, one message per engine step for all of its requests: a
+        Submit that names this stream's `follower_id` (SubmitRequest.follower_id) sends its events
+        here instead of on its own stream, which then only ends (OK, or the request's error status)
+        when the request does. Ends when the caller cancels it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +122,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=hetero_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=hetero_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Follow': grpc.unary_stream_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=hetero_dot_v1_dot_scheduler__pb2.FollowRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_scheduler__pb2.TokenEventBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -157,6 +177,33 @@ class Scheduler:
             '/hetero.v1.Scheduler/Submit',
             hetero_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             hetero_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hetero.v1.Scheduler/Follow',
+            hetero_dot_v1_dot_scheduler__pb2.FollowRequest.SerializeToString,
+            hetero_dot_v1_dot_scheduler__pb2.TokenEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
