@@ -4,9 +4,8 @@ Its cache is in the HND layout (kernels/cache_ops.py): one head's slots of a blo
 contiguous [block_size, head_dim] run. `plan()` once per step turns the page table into row
 indices of those runs; `run()` once per layer gathers them with one `index_select` per K and V
 straight into [sequence, head, token, head_dim] order, which the matmuls read in place.
-Decode sequences (one query token) are batched into a few groups of similar length, each one
-padded gather and two batched matmuls (one group for all pads every sequence to the longest:
-about half the work with evenly spread lengths); sequences with several query tokens (prompt chunks) go through SDPA one by one with
+Decode sequences (one query token) are batched into one padded gather and two batched
+matmuls; sequences with several query tokens (prompt chunks) go through SDPA one by one with
 a causal mask offset by their cached prefix.
 """
 
@@ -67,40 +66,6 @@ def _runs(pages: np.ndarray, num_kv_heads: int) -> np.ndarray:
     return pages[..., None, :].astype(np.int64) * (2 * num_kv_heads) + heads
 
 
-# What one more decode group costs per layer (its gathers, matmuls, softmax and copy-back), in
-# units of one sequence-page of padded work; a new group pays off only where it saves more.
-GROUP_COST_PAGES = 96
-
-
-def _length_groups(decode_ids: np.ndarray, table: PageTable) -> list[np.ndarray]:
-    """Decode sequences split into groups of similar page counts, each padded to its own longest.
-
-    One padded batch pads every sequence to the longest: with lengths spread evenly, about half of
-    the gathered K/V and of the attention matmuls is padding. The split minimises padded pages plus
-    GROUP_COST_PAGES per group, by dynamic programming over the distinct page counts (few: at most
-    max_model_len / block_size)."""
-    if decode_ids.size == 0:
-        return []
-    kv_indptr = table.kv_indptr.numpy()
-    num_pages = (kv_indptr[decode_ids + 1] - kv_indptr[decode_ids]).astype(np.int64)
-    order = np.argsort(num_pages, kind="stable")
-    values, counts = np.unique(num_pages, return_counts=True)
-    if values.size == 1:
-        return [decode_ids]
-    below = np.concatenate([[0], np.cumsum(counts)])  # sequences with fewer pages than values[j]
-    best = np.zeros(values.size + 1)
-    cut = np.zeros(values.size + 1, dtype=np.int64)
-    for j in range(1, values.size + 1):  # best split of the sequences with at most values[j-1] pages
-        costs = best[:j] + (below[j] - below[:j]) * values[j - 1] + GROUP_COST_PAGES
-        cut[j] = int(np.argmin(costs))
-        best[j] = costs[cut[j]]
-    groups, j = [], values.size
-    while j > 0:
-        groups.append(decode_ids[order[below[cut[j]]:below[j]]])
-        j = int(cut[j])
-    return groups[::-1]
-
-
 class TorchPagedAttention:
     name = "torch"
     kv_layout = "HND"
@@ -113,17 +78,37 @@ class TorchPagedAttention:
         self.head_dim = head_dim
         self.device = torch.device(device)
         self.scale = head_dim ** -0.5
-        self._decodes: list[_DecodePlan] = []  # decode sequences, in groups of similar length
+        self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillSeq] = []
         self._new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._write_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, their cache rows)
 
     def plan(self, table: PageTable) -> None:
+        bs = table.block_size
         qo_indptr = table.qo_indptr.numpy()
         kv_indptr = table.kv_indptr.numpy()
         kv_indices = table.kv_indices.numpy()
         is_decode = table.qo_lens == 1
-        self._decodes = [self._plan_decode(table, ids) for ids in _length_groups(np.flatnonzero(is_decode), table)]
+        self._decode = None
+        decode_ids = np.flatnonzero(is_decode)
+        if decode_ids.size:
+            num_pages = kv_indptr[decode_ids + 1] - kv_indptr[decode_ids]
+            max_pages = int(num_pages.max())
+            # Padded [Bd, P] page matrix built with one fancy-index: pad entries point at page 0
+            # and are masked out below.
+            col = np.arange(max_pages)
+            valid = col[None, :] < num_pages[:, None]
+            flat = np.where(valid, kv_indptr[decode_ids][:, None] + col[None, :], 0)
+            pages = np.where(valid, kv_indices[np.minimum(flat, max(len(kv_indices) - 1, 0))], 0)
+            slot_valid = np.arange(max_pages * bs)[None, :] < table.kv_lens[decode_ids][:, None]
+            mask = torch.zeros(slot_valid.shape, dtype=torch.float32)
+            mask.masked_fill_(torch.from_numpy(~slot_valid), float("-inf"))
+            self._decode = _DecodePlan(
+                rows=torch.from_numpy(qo_indptr[decode_ids].astype(np.int64)).to(self.device),
+                runs=torch.from_numpy(_runs(pages, self.num_kv_heads).reshape(-1)).to(self.device),
+                num_slots=max_pages * bs,
+                mask=mask[:, None, None, :].to(self.device),
+            )
         self._prefills = []
         for i in np.flatnonzero(~is_decode):
             q_len, kv_len = int(table.qo_lens[i]), int(table.kv_lens[i])
@@ -136,26 +121,6 @@ class TorchPagedAttention:
             self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(runs).to(self.device),
                                               mask))
         self._write_rows = None
-
-    def _plan_decode(self, table: PageTable, decode_ids: np.ndarray) -> _DecodePlan:
-        """One padded gather for these decode sequences: [Bd, P] pages, pad entries page 0, masked out."""
-        bs = table.block_size
-        kv_indptr, kv_indices = table.kv_indptr.numpy(), table.kv_indices.numpy()
-        num_pages = kv_indptr[decode_ids + 1] - kv_indptr[decode_ids]
-        max_pages = int(num_pages.max())
-        col = np.arange(max_pages)
-        valid = col[None, :] < num_pages[:, None]
-        flat = np.where(valid, kv_indptr[decode_ids][:, None] + col[None, :], 0)
-        pages = np.where(valid, kv_indices[np.minimum(flat, max(len(kv_indices) - 1, 0))], 0)
-        slot_valid = np.arange(max_pages * bs)[None, :] < table.kv_lens[decode_ids][:, None]
-        mask = torch.zeros(slot_valid.shape, dtype=torch.float32)
-        mask.masked_fill_(torch.from_numpy(~slot_valid), float("-inf"))
-        return _DecodePlan(
-            rows=torch.from_numpy(table.qo_indptr.numpy()[decode_ids].astype(np.int64)).to(self.device),
-            runs=torch.from_numpy(_runs(pages, self.num_kv_heads).reshape(-1)).to(self.device),
-            num_slots=max_pages * bs,
-            mask=mask[:, None, None, :].to(self.device),
-        )
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         if self._write_rows is None or self._write_rows[0] is not slots:  # every layer writes the same slots
@@ -172,8 +137,8 @@ class TorchPagedAttention:
                              f"{self.num_kv_heads}, block_size, {self.head_dim}]")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)  # [blocks * 2 * Hkv, bs, D]
-        for d in self._decodes:
-            out.index_copy_(0, d.rows, self._run_decode(q, runs, d))
+        if self._decode is not None:
+            out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
         group = self.num_qo_heads // self.num_kv_heads
         for p in self._prefills:
             if p.mask is None and self._new_kv is not None:  # the whole sequence is new this step

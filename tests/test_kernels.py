@@ -93,26 +93,3 @@ def test_hnd_write_matches_nhd_write() -> None:
         write_kv(hnd[layer], k, v, slots, "HND")
     assert torch.equal(convert_layout(nhd, "NHD", "HND"), hnd)
     assert hnd.count_nonzero() == 2 * layers * len(slots) * hkv * d
-
-
-def test_decode_length_groups_partition_and_split_clusters(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decodes of two very different lengths go in two padded groups; every sequence in exactly one."""
-    from kernels import torch_attention
-
-    block_size = 16
-    lengths = [20, 1000, 30, 990, 17, 1010]  # 2 pages vs ~63 pages
-    tables = [np.arange(-(-n // block_size), dtype=np.int32) for n in lengths]
-    table = PageTable.build(tables, np.ones(len(lengths)), np.array(lengths), block_size)
-    groups = torch_attention._length_groups(np.arange(len(lengths)), table)
-    assert sorted(np.concatenate(groups).tolist()) == list(range(len(lengths)))
-    assert [sorted(g.tolist()) for g in groups] == [[0, 2, 4], [1, 3, 5]]
-    monkeypatch.setattr(torch_attention, "GROUP_COST_PAGES", 10**9)  # a group costs more than any padding
-    assert len(torch_attention._length_groups(np.arange(len(lengths)), table)) == 1
-
-
-def test_grouped_decode_matches_dense(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a group per distinct length, decode attention still equals dense attention."""
-    from kernels import torch_attention
-
-    monkeypatch.setattr(torch_attention, "GROUP_COST_PAGES", 0)
-    test_paged_attention_matches_dense(4, (4, 2))
