@@ -22,10 +22,20 @@ from hetero_infer.supervisor import wait_healthy
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+_ISSUED_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free right now and never handed out before by this process: the kernel
+    may give the same just-closed port to two bind(0) calls in a row, and two services of one
+    test (a gateway's gRPC and HTTP ports) then collided (seen once in CI)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ISSUED_PORTS:
+            _ISSUED_PORTS.add(port)
+            return port
 
 
 @dataclass
