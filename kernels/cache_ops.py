@@ -35,7 +35,7 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
              layout: str = "NHD") -> None:
     """Write new tokens' K/V [T, kv_heads, head_dim] into one layer's cache at flat slots [T]."""
     if layout == "HND":
-        write_kv_hnd(kv_cache, key, value, hnd_rows(slots, kv_cache.shape[2], kv_cache.shape[3]))
+        write_kv_hnd(kv_cache, key, value, *hnd_rows(slots, kv_cache.shape[2], kv_cache.shape[3]))
         return
     num_blocks, _, block_size = kv_cache.shape[:3]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
@@ -52,22 +52,24 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     kv_cache[blocks, 1, offsets] = value
 
 
-def hnd_rows(slots: torch.Tensor, num_kv_heads: int, block_size: int) -> torch.Tensor:
-    """Rows [T, kv_heads] of the K half of an HND layer cache seen as [blocks * 2 * heads * bs, head_dim]
-    (the V rows are these + heads * bs). Computed once per step: every layer writes the same slots."""
+def hnd_rows(slots: torch.Tensor, num_kv_heads: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K rows, V rows), each [T * kv_heads], of an HND layer cache seen as [blocks * 2 * heads * bs,
+    head_dim]. Computed once per step: every layer writes the same slots."""
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
     heads = torch.arange(num_kv_heads, device=slots.device)
-    return (blocks * (2 * num_kv_heads))[:, None] * block_size + heads[None, :] * block_size + offsets[:, None]
+    k_rows = ((blocks * (2 * num_kv_heads))[:, None] * block_size + heads[None, :] * block_size
+              + offsets[:, None]).reshape(-1)
+    return k_rows, k_rows + num_kv_heads * block_size
 
 
-def write_kv_hnd(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor) -> None:
+def write_kv_hnd(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_rows: torch.Tensor,
+                 v_rows: torch.Tensor) -> None:
     """Write K/V [T, kv_heads, head_dim] at `hnd_rows(slots, ...)` of one contiguous HND layer cache."""
-    heads, block_size, head_dim = kv_cache.shape[2:]
+    head_dim = kv_cache.shape[-1]
     flat = kv_cache.view(-1, head_dim)
-    index = rows.reshape(-1)
-    flat.index_copy_(0, index, key.reshape(-1, head_dim).to(kv_cache.dtype))
-    flat.index_copy_(0, index + heads * block_size, value.reshape(-1, head_dim).to(kv_cache.dtype))
+    flat.index_copy_(0, k_rows, key.reshape(-1, head_dim).to(kv_cache.dtype))
+    flat.index_copy_(0, v_rows, value.reshape(-1, head_dim).to(kv_cache.dtype))
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -45,7 +45,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 @dataclass
 class _DecodePlan:
     rows: torch.Tensor  # query rows of the decode sequences [Bd]
-    runs: torch.Tensor  # K runs to gather [Bd * Hkv * P] (padded pages; V's are these + Hkv)
+    k_runs: torch.Tensor  # K runs to gather [Bd * Hkv * P] (padded pages)
+    v_runs: torch.Tensor  # the V runs: k_runs + Hkv
     num_slots: int  # P * block_size
     mask: torch.Tensor  # additive mask [Bd, 1, 1, P * block_size]: 0 valid, -inf padding
 
@@ -55,7 +56,8 @@ class _PrefillSeq:
     q_start: int
     q_len: int
     kv_len: int
-    runs: torch.Tensor  # K runs to gather [Hkv * num_pages]
+    k_runs: torch.Tensor  # K runs to gather [Hkv * num_pages]
+    v_runs: torch.Tensor  # the V runs: k_runs + Hkv
     mask: torch.Tensor | None  # bool [q_len, kv_len], None when plain causal (no cached prefix)
 
 
@@ -81,7 +83,7 @@ class TorchPagedAttention:
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillSeq] = []
         self._new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._write_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (slots, their cache rows)
+        self._write_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (slots, K rows, V rows)
 
     def plan(self, table: PageTable) -> None:
         bs = table.block_size
@@ -103,9 +105,11 @@ class TorchPagedAttention:
             slot_valid = np.arange(max_pages * bs)[None, :] < table.kv_lens[decode_ids][:, None]
             mask = torch.zeros(slot_valid.shape, dtype=torch.float32)
             mask.masked_fill_(torch.from_numpy(~slot_valid), float("-inf"))
+            k_runs = _runs(pages, self.num_kv_heads).reshape(-1)
             self._decode = _DecodePlan(
                 rows=torch.from_numpy(qo_indptr[decode_ids].astype(np.int64)).to(self.device),
-                runs=torch.from_numpy(_runs(pages, self.num_kv_heads).reshape(-1)).to(self.device),
+                k_runs=torch.from_numpy(k_runs).to(self.device),
+                v_runs=torch.from_numpy(k_runs + self.num_kv_heads).to(self.device),
                 num_slots=max_pages * bs,
                 mask=mask[:, None, None, :].to(self.device),
             )
@@ -117,15 +121,15 @@ class TorchPagedAttention:
                 # Query j sits at position kv_len - q_len + j and sees keys 0..that position.
                 q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
                 mask = (torch.arange(kv_len)[None, :] <= q_pos).to(self.device)
-            runs = _runs(kv_indices[kv_indptr[i]:kv_indptr[i + 1]], self.num_kv_heads).reshape(-1)
-            self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(runs).to(self.device),
-                                              mask))
+            k_runs = _runs(kv_indices[kv_indptr[i]:kv_indptr[i + 1]], self.num_kv_heads).reshape(-1)
+            self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(k_runs).to(self.device),
+                                              torch.from_numpy(k_runs + self.num_kv_heads).to(self.device), mask))
         self._write_rows = None
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         if self._write_rows is None or self._write_rows[0] is not slots:  # every layer writes the same slots
-            self._write_rows = (slots, hnd_rows(slots, self.num_kv_heads, kv_cache.shape[3]))
-        write_kv_hnd(kv_cache, key, value, self._write_rows[1])
+            self._write_rows = (slots, *hnd_rows(slots, self.num_kv_heads, kv_cache.shape[3]))
+        write_kv_hnd(kv_cache, key, value, self._write_rows[1], self._write_rows[2])
         # A prompt with no cached prefix attends to exactly these rows: run() reads them here
         # instead of gathering them back out of the pages (same values, so the same result).
         self._new_kv = (key, value)
@@ -145,8 +149,8 @@ class TorchPagedAttention:
                 k = self._new_kv[0][p.q_start : p.q_start + p.q_len].transpose(0, 1)
                 v = self._new_kv[1][p.q_start : p.q_start + p.q_len].transpose(0, 1)
             else:  # [Hkv, kv_len, D], gathered in that order
-                k = runs.index_select(0, p.runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
-                v = runs.index_select(0, p.runs + self.num_kv_heads).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+                k = runs.index_select(0, p.k_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+                v = runs.index_select(0, p.v_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
             qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, q_len, D]
             # 4-D inputs: the CPU SDPA kernels are several times faster than on 3-D ones.
             o = _sdpa(qp[None], k[None], v[None], p.mask, self.scale, group)
@@ -162,8 +166,8 @@ class TorchPagedAttention:
         Not SDPA: its rows change bitwise with the batch size, and padding a decode batch must not.
         """
         bd = d.rows.shape[0]
-        k = runs.index_select(0, d.runs).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
-        v = runs.index_select(0, d.runs + self.num_kv_heads).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
+        k = runs.index_select(0, d.k_runs).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
+        v = runs.index_select(0, d.v_runs).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
         qg = q.index_select(0, d.rows).view(bd, self.num_kv_heads, -1, self.head_dim)  # [Bd, Hkv, G, D]
         # The softmax in float32 whatever the cache's dtype.
         scores = torch.matmul(qg, k.transpose(2, 3)).float().mul_(self.scale).add_(d.mask)  # [Bd, Hkv, G, S]
