@@ -20,6 +20,8 @@ from pathlib import Path
 import structlog
 import torch
 
+from gpu_worker.linear import linear, pack_weight, prepack_supported
+
 log = structlog.get_logger("gpu_worker.cpu_setup")
 
 # bfloat16 must beat float32 by this factor: the element-wise passes gain little or lose
@@ -37,28 +39,33 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _matmul_seconds(dtype: torch.dtype, rows: int, width: int, out: int, repeats: int = 6) -> float:
-    """Best-of time of one [rows, width] x [out, width]^T product (after a warm-up)."""
+def _matmul_seconds(dtype: torch.dtype, rows: int, width: int, out: int, prepack: bool, repeats: int = 6) -> float:
+    """Best-of time of one [rows, width] x [out, width]^T product (after a warm-up), with the
+    weight in the form the model will hold it (`prepack`: oneDNN's blocked layout)."""
     a = torch.randn(rows, width).to(dtype)
     b = torch.randn(out, width).to(dtype)
-    torch.nn.functional.linear(a, b)  # first call: oneDNN primitive creation, page faults
+    if prepack and prepack_supported(torch.device("cpu"), dtype):
+        b = pack_weight(b)
+    linear(a, b)  # first call: oneDNN primitive creation, page faults
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.nn.functional.linear(a, b)
+        linear(a, b)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def measure_bf16_speedup(width: int, rows: int = 128) -> float:
+def measure_bf16_speedup(width: int, prepack: bool = True, rows: int = 128) -> float:
     """float32 time / bfloat16 time of a product shaped like the model's MLP (width -> 4*width)."""
     width = max(64, min(width, 4096))
     out = 4 * width
-    return _matmul_seconds(torch.float32, rows, width, out) / _matmul_seconds(torch.bfloat16, rows, width, out)
+    return (_matmul_seconds(torch.float32, rows, width, out, prepack)
+            / _matmul_seconds(torch.bfloat16, rows, width, out, prepack))
 
 
-def resolve_cpu_dtype(name: str, hidden_size: int) -> tuple[torch.dtype, str]:
-    """(dtype, why) for a CPU worker; `name` is the config's dtype."""
+def resolve_cpu_dtype(name: str, hidden_size: int, prepack: bool = True) -> tuple[torch.dtype, str]:
+    """(dtype, why) for a CPU worker; `name` is the config's dtype, `prepack` the config's
+    `weight_prepack` (it changes both dtypes' speed, float32's most)."""
     if name != "auto":
         return getattr(torch, name), "configured"
     flags = cpu_flags()
@@ -66,7 +73,7 @@ def resolve_cpu_dtype(name: str, hidden_size: int) -> tuple[torch.dtype, str]:
         return torch.bfloat16, "cpu has amx_bf16"
     if "avx512_bf16" not in flags and flags:
         return torch.float32, "cpu has neither amx_bf16 nor avx512_bf16"
-    speedup = measure_bf16_speedup(hidden_size)
+    speedup = measure_bf16_speedup(hidden_size, prepack)
     if speedup >= BF16_MIN_SPEEDUP:
         return torch.bfloat16, f"bfloat16 matmul measured {speedup:.1f}x float32"
     return torch.float32, f"bfloat16 matmul measured only {speedup:.1f}x float32 (needs {BF16_MIN_SPEEDUP}x)"

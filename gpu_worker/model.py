@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.checkpoint import ModelConfig
+from gpu_worker.linear import linear, pack_weight
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels import AttentionBackend
 
@@ -47,7 +48,9 @@ class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here is trained)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 max_positions: int, tp: TensorParallel = TensorParallel()) -> None:
+                 max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False) -> None:
+        """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
+        gpu_worker/linear.py); the caller checks `prepack_supported`."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -62,8 +65,12 @@ class LlamaModel:
             tensor = weights[name] if shard is None else shard(weights[name])
             return tensor.to(device=device, dtype=dtype).contiguous()
 
+        def matrix(tensor: torch.Tensor) -> torch.Tensor:
+            return pack_weight(tensor) if prepack else tensor
+
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        # A tied LM head is packed as its own copy: the embedding lookup needs the plain rows.
+        self.lm_head = matrix(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers: list[dict[str, torch.Tensor | None]] = []
         for i in range(c.num_hidden_layers):
@@ -75,12 +82,12 @@ class LlamaModel:
                 qkv_bias = torch.cat([w(p + f"self_attn.{n}_proj.bias", tp.rows) for n in "qkv"])
             self.layers.append({
                 "input_norm": w(p + "input_layernorm.weight"),
-                "qkv": torch.cat([w(p + f"self_attn.{n}_proj.weight", tp.rows) for n in "qkv"]),
+                "qkv": matrix(torch.cat([w(p + f"self_attn.{n}_proj.weight", tp.rows) for n in "qkv"])),
                 "qkv_bias": qkv_bias,
-                "o": w(p + "self_attn.o_proj.weight", tp.columns),
+                "o": matrix(w(p + "self_attn.o_proj.weight", tp.columns)),
                 "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight", tp.rows), w(p + "mlp.up_proj.weight", tp.rows)]),
-                "down": w(p + "mlp.down_proj.weight", tp.columns),
+                "gate_up": matrix(torch.cat([w(p + "mlp.gate_proj.weight", tp.rows), w(p + "mlp.up_proj.weight", tp.rows)])),
+                "down": matrix(w(p + "mlp.down_proj.weight", tp.columns)),
             })
         positions = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(positions, rope_inv_freq(c))
@@ -112,7 +119,7 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over rows of `hidden_states`: float32 logits [rows, vocab]."""
-        return F.linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
+        return linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       kv_cache: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
@@ -125,17 +132,17 @@ class LlamaModel:
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, c.head_dim
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer["input_norm"])
-            qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             # RoPE on q and k together: one pass over their [T, Hq + Hkv, D] view instead of two.
             qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim), cos, sin)
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
             attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
             attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
             # Residual adds in place: `hidden` is this forward's own buffer (embedding output).
-            hidden.add_(self.tp.all_reduce(F.linear(attn, layer["o"])))
+            hidden.add_(self.tp.all_reduce(linear(attn, layer["o"])))
             x = self._rms_norm(hidden, layer["post_norm"])
-            gate_up = F.linear(x, layer["gate_up"])
+            gate_up = linear(x, layer["gate_up"])
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate, inplace=True).mul_(up)  # SiLU(gate) * up written over gate: no new buffer
-            hidden.add_(self.tp.all_reduce(F.linear(act, layer["down"])))
+            hidden.add_(self.tp.all_reduce(linear(act, layer["down"])))
         return hidden

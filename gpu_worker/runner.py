@@ -18,6 +18,7 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
+from gpu_worker.linear import prepack_supported
 from gpu_worker.cpu_setup import configure_cpu_threads, resolve_cpu_dtype
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
@@ -55,10 +56,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, hidden_size: int = 0) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, hidden_size: int = 0, prepack: bool = True) -> torch.dtype:
     """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 where its matrix products are faster (cpu_setup)."""
     if device.type == "cpu":
-        return resolve_cpu_dtype(name, hidden_size)[0]
+        return resolve_cpu_dtype(name, hidden_size, prepack)[0]
     return torch.bfloat16 if name == "auto" else getattr(torch, name)
 
 
@@ -75,14 +76,15 @@ class ModelRunner:
         self.model_config, weights = load_checkpoint(self.model_path)
         mc: ModelConfig = self.model_config
         if self.device.type == "cpu":
-            self.dtype, why = tp.rank0_choice(resolve_cpu_dtype(config.dtype, mc.hidden_size))  # type: ignore[misc]
+            self.dtype, why = tp.rank0_choice(resolve_cpu_dtype(config.dtype, mc.hidden_size, config.weight_prepack))  # type: ignore[misc]
             log.info("cpu dtype and threads", dtype=str(self.dtype).removeprefix("torch."), requested=config.dtype,
-                     reason=why, threads=threads)
+                     reason=why, threads=threads, weight_prepack=config.weight_prepack)
         else:
             self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.max_positions = min(config.max_model_len, mc.max_position_embeddings)
-        self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp)
+        prepack = config.weight_prepack and prepack_supported(self.device, self.dtype)
+        self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp, prepack=prepack)
         del weights
         elem = torch.empty(0, dtype=self.dtype).element_size()
         kv_heads = self.model.num_kv_heads  # this rank's share

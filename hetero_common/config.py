@@ -95,6 +95,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (CPU: bfloat16 where its matmuls are faster, see gpu_worker/cpu_setup.py; GPU: bfloat16) | float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto | torch | flashinfer
+    weight_prepack: bool = True  # CPU: hold linear weights in oneDNN's blocked layout (gpu_worker/linear.py)
     kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
     num_threads: int = 0  # torch threads per worker process; 0 = host cores / (data_parallel_size x tensor_parallel_size)
     omp_wait_policy: str = ""  # workers' OMP_WAIT_POLICY set by serve: "" = OpenMP's default (spin) | passive | active

@@ -23,10 +23,11 @@ REL_TOL = 0.03  # ||logits_bf16 - logits_fp32|| / ||logits_fp32||, per sequence
 FIRST_TOKENS = 3  # greedy tokens that must be identical
 
 
-def prefill_logits(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], block_size: int = 4) -> torch.Tensor:
+def prefill_logits(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], block_size: int = 4,
+                   prepack: bool = False) -> torch.Tensor:
     """Last-position logits [len(prompts), vocab] of all prompts computed in one batched step."""
     config, weights = load_checkpoint(model_dir)
-    model = LlamaModel(config, weights, torch.device("cpu"), dtype, max_positions=128)
+    model = LlamaModel(config, weights, torch.device("cpu"), dtype, max_positions=128, prepack=prepack)
     pages = [(len(p) + block_size - 1) // block_size for p in prompts]
     starts = np.concatenate([[0], np.cumsum(pages)])
     tables = [np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, pages)]
@@ -72,9 +73,9 @@ def test_auto_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx2", "fma"})
     assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.float32
     monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width: 4.0)
+    monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width, prepack=True: 4.0)
     assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.bfloat16
-    monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width: 1.1)
+    monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width, prepack=True: 1.1)
     assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.float32
     assert cpu_setup.measure_bf16_speedup(64) > 0
 
