@@ -4,6 +4,9 @@ FROM python:3.12-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HETERO_LOG_FORMAT=json
 WORKDIR /app
 
+# A C compiler for the CPU decode-attention kernel (kernels/native/, built on first use; without one
+# the worker falls back to the slower torch path and logs why).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # CPU torch from PyTorch's index first, so pip does not pull a multi-GB CUDA build.
 RUN pip install "torch>=2.4,<2.14" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./

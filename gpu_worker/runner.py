@@ -99,7 +99,8 @@ class ModelRunner:
             budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
             self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
             self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
-                                                      kv_heads, mc.head_dim, self.device, self.dtype)
+                                                      kv_heads, mc.head_dim, self.device, self.dtype,
+                                                      decode_kernel=config.cpu_decode_attention)
             self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
                                               kv_heads, mc.head_dim, self.dtype, self.device, self.attention.kv_layout)
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
@@ -113,6 +114,7 @@ class ModelRunner:
         self.steps = 0
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
+                 c_decode_attention=getattr(self.attention, "native_decode", False),
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
                  load_seconds=round(time.perf_counter() - started, 2))
 

@@ -51,8 +51,9 @@ def select_attention_backend(name: str, device: torch.device | str, head_dim: in
 
 def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                              device: torch.device | str, dtype: torch.dtype | None = None,
-                             workspace: torch.Tensor | None = None) -> AttentionBackend:
-    """`auto` picks FlashInfer on a CUDA device of sm75+ when it is importable, else torch."""
+                             workspace: torch.Tensor | None = None, decode_kernel: str = "torch") -> AttentionBackend:
+    """`auto` picks FlashInfer on a CUDA device of sm75+ when it is importable, else torch.
+    `decode_kernel`: the torch backend's decode path on the CPU (TorchPagedAttention)."""
     device = torch.device(device)
     chosen, reason = select_attention_backend(name, device, head_dim, dtype)
     if chosen == "flashinfer":
@@ -62,7 +63,7 @@ def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, he
                                         dtype=dtype or torch.bfloat16, workspace=workspace)
     if device.type == "cuda":
         log.warning("attention on CUDA uses the torch reference (slow)", reason=reason)
-    return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device)
+    return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device, decode_kernel=decode_kernel)
 
 
 __all__ = ["AttentionBackend", "PageTable", "TorchPagedAttention", "allocate_kv_cache", "convert_layout", "copy_blocks",

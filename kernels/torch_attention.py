@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels import native_decode
 from kernels.cache_ops import hnd_rows, write_kv_hnd
 from kernels.page_table import PageTable
 
@@ -53,6 +54,8 @@ class _DecodePlan:
     v_runs: torch.Tensor  # the V runs: k_runs + Hkv
     num_slots: int  # P * block_size
     mask: torch.Tensor  # additive mask [Bd, 1, 1, P * block_size]: 0 valid, -inf padding
+    pages: torch.Tensor  # int32 [Bd, P], padded with page 0 (the C kernel's page table)
+    kv_lens: torch.Tensor  # int32 [Bd]
 
 
 @dataclass
@@ -77,9 +80,15 @@ class TorchPagedAttention:
     name = "torch"
     kv_layout = "HND"
 
-    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
+                 decode_kernel: str = "torch") -> None:
+        """`decode_kernel` (config `cpu_decode_attention`): "c" runs bfloat16 decodes on the CPU through the C
+        kernel (kernels/native_decode.py; raises if it cannot be built), "auto" does so where it can be
+        built, "torch" never."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if decode_kernel not in ("auto", "c", "torch"):
+            raise ValueError(f"decode_kernel {decode_kernel!r} is unknown; use auto, c or torch")
         self.num_qo_heads = num_qo_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -89,6 +98,14 @@ class TorchPagedAttention:
         self._prefills: list[_PrefillSeq] = []
         self._new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._write_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (slots, K rows, V rows)
+        self.native_decode = False  # bfloat16 decodes through the C kernel
+        if decode_kernel != "torch" and self.device.type == "cpu" and native_decode.supports(
+                torch.bfloat16, num_qo_heads, num_kv_heads, head_dim):
+            self.native_decode = native_decode.load() is not None
+        if decode_kernel == "c" and not self.native_decode:
+            raise ValueError("cpu_decode_attention 'c' cannot be used: "
+                             f"{native_decode.unavailable_reason() or 'the CPU kernel does not take these shapes'}; "
+                             "use 'auto' or 'torch'")
 
     def plan(self, table: PageTable) -> None:
         bs = table.block_size
@@ -117,6 +134,8 @@ class TorchPagedAttention:
                 v_runs=torch.from_numpy(k_runs + self.num_kv_heads).to(self.device),
                 num_slots=max_pages * bs,
                 mask=mask[:, None, None, :].to(self.device),
+                pages=torch.from_numpy(pages.astype(np.int32)),
+                kv_lens=torch.from_numpy(table.kv_lens[decode_ids].astype(np.int32)),
             )
         self._prefills = []
         for i in np.flatnonzero(~is_decode):
@@ -147,7 +166,11 @@ class TorchPagedAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)  # [blocks * 2 * Hkv, bs, D]
         if self._decode is not None:
-            out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
+            if self.native_decode and q.dtype == torch.bfloat16:
+                d = self._decode
+                native_decode.decode_attention(q, d.rows, kv_cache, d.pages, d.kv_lens, out, self.scale)
+            else:
+                out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
         group = self.num_qo_heads // self.num_kv_heads
         for p in self._prefills:
             if p.mask is None and self._new_kv is not None:  # the whole sequence is new this step

@@ -1,0 +1,116 @@
+/* Paged decode attention for the CPU, bfloat16 KV cache in the HND layout (kernels/cache_ops.py).
+ *
+ * One query token per sequence. Each (sequence, KV head) reads its K and V rows once, in place
+ * in the cache pages (no gather into a padded copy, no padding to the longest sequence), for all
+ * G query heads of that KV head; scores, softmax and the weighted sum of V stay in float32. The
+ * work items are spread over the OpenMP threads of torch's own runtime: this library is loaded
+ * after torch, so its libgomp.so.1 dependency resolves to the copy torch already loaded.
+ *
+ * Every sequence's result depends only on its own inputs, never on the rest of the batch.
+ * Plain C loops written for the compiler to vectorize (-O3 -march=native -ffast-math).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, like torch */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* q: the step's query rows, row r of sequence b at q + q_rows[b] * q_row_stride, its heads D apart.
+ * cache: one layer [blocks, 2, Hkv, bs, D]. pages: [B, max_pages] page ids. kv_lens: [B].
+ * out: rows like q (out_row_stride), heads D apart. Returns 0, or -1 for unsupported sizes. */
+int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+                          const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
+                          uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
+                          int num_kv_heads, int head_dim, int block_size, float scale) {
+    const int group = num_qo_heads / num_kv_heads;
+    const int D = head_dim;
+    if (D > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_qo_heads) return -1;
+    int max_len = 0;
+    for (int b = 0; b < num_seqs; b++) max_len = kv_lens[b] > max_len ? kv_lens[b] : max_len;
+    const int64_t run = (int64_t)block_size * D;  /* one head's slots of one block */
+    int failed = 0;
+
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)(max_len > 0 ? max_len : 1));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_seqs * num_kv_heads; item++) {
+            if (!scores) continue;
+            const int b = item / num_kv_heads, h = item % num_kv_heads;
+            const int len = kv_lens[b];
+            const int32_t *seq_pages = pages + (int64_t)b * max_pages;
+            float qf[MAX_GROUP][MAX_HEAD_DIM];
+            float acc[MAX_GROUP][MAX_HEAD_DIM];
+            float row[MAX_HEAD_DIM];
+            for (int g = 0; g < group; g++) {
+                const uint16_t *qh = q + q_rows[b] * q_row_stride + (int64_t)(h * group + g) * D;
+                for (int d = 0; d < D; d++) qf[g][d] = bf16_to_f32(qh[d]) * scale;
+                for (int d = 0; d < D; d++) acc[g][d] = 0.0f;
+            }
+            /* Scores: q . k for every cached token, page by page. */
+            for (int t0 = 0; t0 < len; t0 += block_size) {
+                const uint16_t *k = cache + ((int64_t)seq_pages[t0 / block_size] * 2 * num_kv_heads + h) * run;
+                const int n = len - t0 < block_size ? len - t0 : block_size;
+                for (int i = 0; i < n; i++, k += D) {
+                    for (int d = 0; d < D; d++) row[d] = bf16_to_f32(k[d]);
+                    for (int g = 0; g < group; g++) {
+                        float s = 0.0f;
+                        for (int d = 0; d < D; d++) s += qf[g][d] * row[d];
+                        scores[g * len + t0 + i] = s;
+                    }
+                }
+            }
+            /* Softmax in place, per query head. */
+            float inv_sum[MAX_GROUP];
+            for (int g = 0; g < group; g++) {
+                float *s = scores + g * len;
+                float m = -FLT_MAX, sum = 0.0f;  /* not -INFINITY: -ffast-math assumes finite values */
+                for (int t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+                for (int t = 0; t < len; t++) {
+                    s[t] = expf(s[t] - m);
+                    sum += s[t];
+                }
+                inv_sum[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+            }
+            /* Weighted sum of V. */
+            for (int t0 = 0; t0 < len; t0 += block_size) {
+                const uint16_t *v = cache + (((int64_t)seq_pages[t0 / block_size] * 2 + 1) * num_kv_heads + h) * run;
+                const int n = len - t0 < block_size ? len - t0 : block_size;
+                for (int i = 0; i < n; i++, v += D) {
+                    for (int d = 0; d < D; d++) row[d] = bf16_to_f32(v[d]);
+                    for (int g = 0; g < group; g++) {
+                        const float p = scores[g * len + t0 + i];
+                        for (int d = 0; d < D; d++) acc[g][d] += p * row[d];
+                    }
+                }
+            }
+            for (int g = 0; g < group; g++) {
+                uint16_t *o = out + q_rows[b] * out_row_stride + (int64_t)(h * group + g) * D;
+                for (int d = 0; d < D; d++) o[d] = f32_to_bf16(acc[g][d] * inv_sum[g]);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,112 @@
+"""The C decode-attention kernel (kernels/native_decode.py) against dense float32 attention, its
+batch invariance, and the fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_decode, write_kv
+from tests.test_kernels import dense_attention
+
+REASON = native_decode.unavailable_reason()
+# CI has a C compiler (its FlashInfer compile check needs one): there the kernel must build.
+needs_kernel = pytest.mark.skipif(REASON is not None and os.environ.get("CI") != "true",
+                                  reason=f"the C kernel cannot be built here: {REASON}")
+
+
+def decode_case(lens: list[int], hq: int, hkv: int, d: int, block_size: int, seed: int = 0):
+    """A bf16 HND cache holding len K/V rows per sequence in shuffled pages, one query per sequence."""
+    torch.manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.bfloat16, "cpu", "HND")[0]
+    free = list(np.random.default_rng(seed).permutation(num_blocks))
+    tables, keys, values = [], [], []
+    for n in lens:
+        table = np.array([free.pop() for _ in range(-(-n // block_size))], dtype=np.int32)
+        k, v = torch.randn(n, hkv, d).to(torch.bfloat16), torch.randn(n, hkv, d).to(torch.bfloat16)
+        pos = torch.arange(n)
+        slots = torch.from_numpy(table[(pos // block_size).numpy()].astype(np.int64)) * block_size + pos % block_size
+        write_kv(cache, k, v, slots, "HND")
+        tables.append(table)
+        keys.append(k)
+        values.append(v)
+    table = PageTable.build(tables, np.ones(len(lens), dtype=np.int64), np.array(lens), block_size)
+    # Query rows strided like the model's (q heads of a fused q/k/v buffer).
+    q = torch.randn(len(lens), hq + 2 * hkv, d).to(torch.bfloat16)[:, :hq]
+    return cache, table, q, keys, values
+
+
+def run_backend(kernel: str, cache, table, q) -> torch.Tensor:
+    hq, d, hkv = q.shape[1], q.shape[2], cache.shape[2]
+    backend = TorchPagedAttention(hq, hkv, d, decode_kernel=kernel)
+    assert backend.native_decode == (kernel == "c")
+    backend.plan(table)
+    return backend.run(q, cache)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_c_decode_matches_dense_float32(block_size: int, heads: tuple[int, int], head_dim: int) -> None:
+    lens = [1, 9, 33, 16, 250]
+    cache, table, q, keys, values = decode_case(lens, heads[0], heads[1], head_dim, block_size)
+    out = run_backend("c", cache, table, q)
+    torch_path = run_backend("torch", cache, table, q)
+    for i, n in enumerate(lens):
+        ref = dense_attention(q[i:i + 1].float(), keys[i].float(), values[i].float(), n - 1)
+        # float32 inside, one bfloat16 rounding at the end: closer to the reference than the torch path.
+        torch.testing.assert_close(out[i:i + 1].float(), ref, rtol=1e-2, atol=1e-2)
+        assert (out[i:i + 1].float() - ref).abs().max() <= (torch_path[i:i + 1].float() - ref).abs().max() + 1e-2
+
+
+@needs_kernel
+def test_c_decode_rows_do_not_depend_on_the_batch() -> None:
+    lens = [40, 3, 129, 17]
+    cache, table, q, _, _ = decode_case(lens, 9, 3, 64, 16)
+    together = run_backend("c", cache, table, q)
+    for i, n in enumerate(lens):
+        alone = PageTable.build([table.kv_indices[table.kv_indptr[i]:table.kv_indptr[i + 1]].numpy()],
+                                np.array([1]), np.array([n]), 16)
+        assert torch.equal(run_backend("c", cache, alone, q[i:i + 1]), together[i:i + 1])
+
+
+@needs_kernel
+def test_c_decode_in_a_mixed_step_leaves_prompt_rows_to_the_torch_path() -> None:
+    torch.manual_seed(1)
+    cache = allocate_kv_cache(1, 32, 4, 2, 8, torch.bfloat16, "cpu", "HND")[0]
+    # Sequence 0 decodes its 10th token, sequence 1 is a 6-token prompt: rows 0 and 1-6.
+    k, v = torch.randn(16, 2, 8).to(torch.bfloat16), torch.randn(16, 2, 8).to(torch.bfloat16)
+    tables = [np.array([3, 7, 1], dtype=np.int32), np.array([10, 11], dtype=np.int32)]
+    slots = torch.tensor([3 * 4 + i for i in range(4)] + [7 * 4 + i for i in range(4)] + [1 * 4, 1 * 4 + 1]
+                         + [10 * 4 + i for i in range(4)] + [11 * 4, 11 * 4 + 1])
+    write_kv(cache, k, v, slots, "HND")
+    table = PageTable.build(tables, np.array([1, 6]), np.array([10, 6]), 4)
+    q = torch.randn(7, 4, 8).to(torch.bfloat16)
+    c_out, torch_out = run_backend("c", cache, table, q), run_backend("torch", cache, table, q)
+    assert torch.equal(c_out[1:], torch_out[1:])  # the prompt rows: the same torch code
+    ref = dense_attention(q[:1].float(), k[:10].float(), v[:10].float(), 9)
+    torch.testing.assert_close(c_out[:1].float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_without_a_compiler_auto_falls_back_and_c_refuses(tmp_path) -> None:
+    script = (
+        "import torch\n"
+        "from kernels import TorchPagedAttention, native_decode\n"
+        "assert TorchPagedAttention(4, 2, 8, decode_kernel='auto').native_decode is False\n"
+        "try:\n"
+        "    TorchPagedAttention(4, 2, 8, decode_kernel='c')\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = {**os.environ, "PATH": str(tmp_path), "HETERO_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    env.pop("CC", None)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "refused: cpu_decode_attention 'c' cannot be used: no C compiler" in done.stdout
