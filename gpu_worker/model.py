@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.checkpoint import ModelConfig
+from gpu_worker import fused_ops
 from gpu_worker.linear import linear, pack_weight
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels import AttentionBackend
@@ -48,9 +49,11 @@ class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here is trained)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False) -> None:
+                 max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
+                 fused: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
-        gpu_worker/linear.py); the caller checks `prepack_supported`."""
+        gpu_worker/linear.py); the caller checks `prepack_supported`. `fused`: run RMSNorm, RoPE and
+        SiLU·mul through the C kernels (gpu_worker/fused_ops.py) where they are available (bfloat16 CPU)."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -96,6 +99,9 @@ class LlamaModel:
         self.sin = freqs.sin().to(device=device, dtype=dtype)
         self.q_size = self.num_heads * c.head_dim
         self.kv_size = self.num_kv_heads * c.head_dim
+        self.fused = fused and fused_ops.available(device, dtype)
+        if self.fused:  # the kernel reads [max_positions, head_dim / 2] rows
+            self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -119,12 +125,18 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over rows of `hidden_states`: float32 logits [rows, vocab]."""
-        return linear(self._rms_norm(hidden, self.final_norm), self.lm_head).float()
+        if self.fused:
+            normed = fused_ops.add_rms_norm(hidden.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
+        else:
+            normed = self._rms_norm(hidden, self.final_norm)
+        return linear(normed, self.lm_head).float()
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       kv_cache: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
         """Run all layers over T flattened tokens; return the last layer's output [T, hidden]
         (before the final norm). Callers pick the rows that need logits (`logits`)."""
+        if self.fused:
+            return self._hidden_states_fused(input_ids, positions, slots, kv_cache, attention)
         c = self.config
         t = input_ids.shape[0]
         hidden = F.embedding(input_ids, self.embed)
@@ -145,4 +157,28 @@ class LlamaModel:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate, inplace=True).mul_(up)  # SiLU(gate) * up written over gate: no new buffer
             hidden.add_(self.tp.all_reduce(linear(act, layer["down"])))
+        return hidden
+
+    def _hidden_states_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                             kv_cache: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+        """`hidden_states` with the element-wise passes as C kernels (bfloat16 CPU): each residual add is
+        fused into the next RMSNorm, RoPE rotates q and k in place in the q/k/v buffer."""
+        c = self.config
+        t = input_ids.shape[0]
+        eps, heads, kv_heads, dim = c.rms_norm_eps, self.num_heads, self.num_kv_heads, c.head_dim
+        hidden = F.embedding(input_ids, self.embed)
+        positions = positions.to(torch.int64)
+        delta: torch.Tensor | None = None  # the last block's output, not yet added to `hidden`
+        for i, layer in enumerate(self.layers):
+            x = fused_ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            fused_ops.rope_(qkv, heads + kv_heads, dim, positions, self.cos, self.sin)
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
+            attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
+            attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
+            x = fused_ops.add_rms_norm(hidden, self.tp.all_reduce(linear(attn, layer["o"])), layer["post_norm"], eps)
+            delta = self.tp.all_reduce(linear(fused_ops.silu_mul(linear(x, layer["gate_up"])), layer["down"]))
+        if delta is not None:
+            hidden.add_(delta)
         return hidden

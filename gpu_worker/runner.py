@@ -84,7 +84,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_positions = min(config.max_model_len, mc.max_position_embeddings)
         prepack = config.weight_prepack and prepack_supported(self.device, self.dtype)
-        self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp, prepack=prepack)
+        self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp, prepack=prepack,
+                                fused=config.cpu_kernels != "torch")
         del weights
         elem = torch.empty(0, dtype=self.dtype).element_size()
         kv_heads = self.model.num_kv_heads  # this rank's share
@@ -100,7 +101,7 @@ class ModelRunner:
             self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
             self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                       kv_heads, mc.head_dim, self.device, self.dtype,
-                                                      decode_kernel=config.cpu_decode_attention)
+                                                      decode_kernel=config.cpu_kernels)
             self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
                                               kv_heads, mc.head_dim, self.dtype, self.device, self.attention.kv_layout)
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
@@ -114,7 +115,7 @@ class ModelRunner:
         self.steps = 0
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
-                 c_decode_attention=getattr(self.attention, "native_decode", False),
+                 c_decode_attention=getattr(self.attention, "native_decode", False), c_elementwise=self.model.fused,
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
                  load_seconds=round(time.perf_counter() - started, 2))
 

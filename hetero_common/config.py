@@ -95,7 +95,7 @@ class Config:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (CPU: bfloat16 where its matmuls are faster, see gpu_worker/cpu_setup.py; GPU: bfloat16) | float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto | torch | flashinfer
-    cpu_decode_attention: str = "auto"  # auto (bfloat16 decodes through the C kernel where it builds) | c | torch
+    cpu_kernels: str = "auto"  # bfloat16 on the CPU: auto (the C kernels of kernels/native/ where they build) | c | torch
     weight_prepack: bool = True  # CPU: hold linear weights in oneDNN's blocked layout (gpu_worker/linear.py)
     kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
     num_threads: int = 0  # torch threads per worker process; 0 = host cores / (data_parallel_size x tensor_parallel_size)
@@ -174,7 +174,7 @@ class Config:
                "must be auto, cpu, cuda or cuda:N")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "must be auto, float32, bfloat16 or float16")
-        _check(self.cpu_decode_attention in ("auto", "c", "torch"), "cpu_decode_attention", self.cpu_decode_attention,
+        _check(self.cpu_kernels in ("auto", "c", "torch"), "cpu_kernels", self.cpu_kernels,
                "must be auto, c or torch")
         _check(self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend", self.attention_backend,
                "must be auto, torch or flashinfer")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import native_decode
+from kernels import native_decode, native_lib
 from kernels.cache_ops import hnd_rows, write_kv_hnd
 from kernels.page_table import PageTable
 
@@ -82,7 +82,7 @@ class TorchPagedAttention:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                  decode_kernel: str = "torch") -> None:
-        """`decode_kernel` (config `cpu_decode_attention`): "c" runs bfloat16 decodes on the CPU through the C
+        """`decode_kernel` (config `cpu_kernels`): "c" runs bfloat16 decodes on the CPU through the C
         kernel (kernels/native_decode.py; raises if it cannot be built), "auto" does so where it can be
         built, "torch" never."""
         if num_qo_heads % num_kv_heads:
@@ -101,10 +101,10 @@ class TorchPagedAttention:
         self.native_decode = False  # bfloat16 decodes through the C kernel
         if decode_kernel != "torch" and self.device.type == "cpu" and native_decode.supports(
                 torch.bfloat16, num_qo_heads, num_kv_heads, head_dim):
-            self.native_decode = native_decode.load() is not None
+            self.native_decode = native_lib.load() is not None
         if decode_kernel == "c" and not self.native_decode:
-            raise ValueError("cpu_decode_attention 'c' cannot be used: "
-                             f"{native_decode.unavailable_reason() or 'the CPU kernel does not take these shapes'}; "
+            raise ValueError("cpu_kernels 'c' cannot be used: "
+                             f"{native_lib.unavailable_reason() or 'the CPU kernel does not take these shapes'}; "
                              "use 'auto' or 'torch'")
 
     def plan(self, table: PageTable) -> None:

@@ -2,7 +2,9 @@
 
 bfloat16 keeps 8 mantissa bits, so logits cannot match float32 exactly: they must agree
 within REL_TOL (relative L2 error over the vocabulary), and greedy decoding must pick the
-same first tokens on the seeded prompts of the oracle tests.
+same first tokens on the seeded prompts of the oracle tests, up to the first step whose choice
+float32 itself makes by less than TIE_MARGIN (a near-tie, which bfloat16 rounding may break
+either way: that step and what follows it are not compared).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tests.oracle import engine_greedy, make_prompts
 
 REL_TOL = 0.03  # ||logits_bf16 - logits_fp32|| / ||logits_fp32||, per sequence
 FIRST_TOKENS = 3  # greedy tokens that must be identical
+TIE_MARGIN = 0.01  # float32 top-1 minus top-2 logit, relative to the top-1 logit (about two bfloat16 steps)
 
 
 def prefill_logits(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], block_size: int = 4,
@@ -62,7 +65,15 @@ def test_bfloat16_first_greedy_tokens_match_float32(model_fixture: str, request:
     prompts = make_prompts()
     exact = engine_greedy(model_dir, prompts, dtype="float32")
     fast = engine_greedy(model_dir, prompts, dtype="bfloat16")
-    assert [o[:FIRST_TOKENS] for o in fast] == [o[:FIRST_TOKENS] for o in exact]
+    compared = 0
+    for prompt, want, got in zip(prompts, exact, fast):
+        for j in range(FIRST_TOKENS):
+            top2 = prefill_logits(model_dir, torch.float32, [prompt + want[:j]])[0].topk(2).values
+            if float(top2[0] - top2[1]) < TIE_MARGIN * abs(float(top2[0])):
+                break  # a near-tie in float32: bfloat16 may pick either
+            assert got[j] == want[j], (prompt, j, want[:FIRST_TOKENS], got[:FIRST_TOKENS])
+            compared += 1
+    assert compared >= len(prompts) * FIRST_TOKENS // 2  # most steps are clear choices
 
 
 def test_auto_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:

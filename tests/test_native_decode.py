@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_decode, write_kv
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_lib, write_kv
 from tests.test_kernels import dense_attention
 
-REASON = native_decode.unavailable_reason()
+REASON = native_lib.unavailable_reason()
 # CI has a C compiler (its FlashInfer compile check needs one): there the kernel must build.
 needs_kernel = pytest.mark.skipif(REASON is not None and os.environ.get("CI") != "true",
                                   reason=f"the C kernel cannot be built here: {REASON}")
@@ -98,7 +98,7 @@ def test_c_decode_in_a_mixed_step_leaves_prompt_rows_to_the_torch_path() -> None
 def test_without_a_compiler_auto_falls_back_and_c_refuses(tmp_path) -> None:
     script = (
         "import torch\n"
-        "from kernels import TorchPagedAttention, native_decode\n"
+        "from kernels import TorchPagedAttention\n"
         "assert TorchPagedAttention(4, 2, 8, decode_kernel='auto').native_decode is False\n"
         "try:\n"
         "    TorchPagedAttention(4, 2, 8, decode_kernel='c')\n"
@@ -109,4 +109,4 @@ def test_without_a_compiler_auto_falls_back_and_c_refuses(tmp_path) -> None:
     env.pop("CC", None)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "refused: cpu_decode_attention 'c' cannot be used: no C compiler" in done.stdout
+    assert "refused: cpu_kernels 'c' cannot be used: no C compiler" in done.stdout

@@ -1,0 +1,100 @@
+/* Fused element-wise passes of a Llama layer for bfloat16 on the CPU (gpu_worker/model.py).
+ *
+ * In eager torch each of these is 2-10 separate ops, each a pass over memory and a dispatch of
+ * a few microseconds: at batch 1 a SmolLM2 step spends milliseconds on them. Here each is one
+ * pass, float32 inside, one bfloat16 rounding per output (round to nearest even, like torch).
+ * Rows are spread over torch's OpenMP threads only when there are enough of them to pay off.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN_ELEMENTS 32768
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* hidden[r] += delta[r] (rounded to bfloat16, as torch's add_), then
+ * out[r] = weight * bf16(hidden[r] / rms(hidden[r])). delta may be NULL (no residual add).
+ * hidden, delta, out: [rows, dim] with row strides; weight [dim]. */
+void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,
+                       const uint16_t *weight, uint16_t *out, int64_t out_stride, int64_t rows, int dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *h = hidden + r * hidden_stride;
+        uint16_t *o = out + r * out_stride;
+        float sum = 0.0f;
+        if (delta) {
+            const uint16_t *dl = delta + r * delta_stride;
+            for (int i = 0; i < dim; i++) {
+                uint16_t s = f32_to_bf16(bf16_to_f32(h[i]) + bf16_to_f32(dl[i]));
+                h[i] = s;
+                float x = bf16_to_f32(s);
+                sum += x * x;
+            }
+        } else {
+            for (int i = 0; i < dim; i++) {
+                float x = bf16_to_f32(h[i]);
+                sum += x * x;
+            }
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)dim + eps);
+        for (int i = 0; i < dim; i++) {
+            float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(h[i]) * inv));
+            o[i] = f32_to_bf16(bf16_to_f32(weight[i]) * normed);
+        }
+    }
+}
+
+/* Rotate-half RoPE in place on the first num_heads heads of each row of x ([rows, ..., head_dim],
+ * row stride x_stride, heads head_dim apart): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin with
+ * cos/sin [max_positions, head_dim / 2] rows picked by positions [rows]. */
+void rope_bf16(uint16_t *x, int64_t x_stride, int64_t rows, int num_heads, int head_dim, const int64_t *positions,
+               const uint16_t *cos_table, const uint16_t *sin_table) {
+    const int half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows * num_heads * head_dim >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *c = cos_table + positions[r] * half;
+        const uint16_t *s = sin_table + positions[r] * half;
+        float cf[512], sf[512];
+        for (int i = 0; i < half; i++) {
+            cf[i] = bf16_to_f32(c[i]);
+            sf[i] = bf16_to_f32(s[i]);
+        }
+        for (int h = 0; h < num_heads; h++) {
+            uint16_t *x1 = x + r * x_stride + (int64_t)h * head_dim;
+            uint16_t *x2 = x1 + half;
+            for (int i = 0; i < half; i++) {
+                float a = bf16_to_f32(x1[i]), b = bf16_to_f32(x2[i]);
+                x1[i] = f32_to_bf16(a * cf[i] - b * sf[i]);
+                x2[i] = f32_to_bf16(b * cf[i] + a * sf[i]);
+            }
+        }
+    }
+}
+
+/* out[r] = silu(gate_up[r, :n]) * gate_up[r, n:] for gate_up [rows, 2n] (row stride gu_stride). */
+void silu_mul_bf16(const uint16_t *gate_up, int64_t gu_stride, uint16_t *out, int64_t out_stride, int64_t rows,
+                   int n) {
+#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + r * gu_stride;
+        const uint16_t *u = g + n;
+        uint16_t *o = out + r * out_stride;
+        for (int i = 0; i < n; i++) {
+            float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
+        }
+    }
+}

@@ -1,0 +1,102 @@
+"""The CPU C kernels of kernels/native/, built into one library on first use and loaded with ctypes.
+
+Built with the host's C compiler (`cc`, or `$CC`) into a per-user cache (`$HETERO_CACHE_DIR`,
+else `$XDG_CACHE_HOME` or `~/.cache`, then `hetero-infer/native/`) keyed by the sources, the
+flags, the compiler and the CPU's flags (`-march=native`), in about a second: no torch headers.
+Where it cannot be built (no compiler, a failed build) callers fall back to their torch code and
+the reason is logged once. OpenMP: the library is loaded after torch, so its libgomp.so.1
+dependency resolves to the copy torch already loaded: the same threads, the same thread count
+(`torch.set_num_threads`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import structlog
+import torch  # noqa: F401  (loaded first: see the module doc)
+
+log = structlog.get_logger("kernels.native_lib")
+
+SOURCES = sorted((Path(__file__).resolve().parent / "native").glob("*.c"))
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+
+_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, argtypes)
+    "decode_attention_bf16": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i32, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _f32]),
+    "add_rms_norm_bf16": (None, [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i32, _f32]),
+    "rope_bf16": (None, [_p, _i64, _i64, _i32, _i32, _p, _p, _p]),
+    "silu_mul_bf16": (None, [_p, _i64, _p, _i64, _i64, _i32]),
+}
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failure: str | None = None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HETERO_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "hetero-infer" / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = [p.read_text() for p in SOURCES] + [" ".join(FLAGS), version, _cpu_flags()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    target = cache_dir() / f"hetero_cpu_kernels-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed in: concurrent workers are safe
+        built = Path(tmp) / target.name
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(built, target)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The library, building it the first time; None (reason: `unavailable_reason()`) when it cannot be."""
+    global _library, _failure
+    with _lock:
+        if _library is not None or _failure is not None:
+            return _library
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            _failure = "no C compiler (cc, gcc or $CC) on PATH"
+        else:
+            try:
+                library = ctypes.CDLL(str(_build(compiler)))
+                for name, (restype, argtypes) in SIGNATURES.items():
+                    fn = getattr(library, name)
+                    fn.restype, fn.argtypes = restype, argtypes
+                _library = library
+            except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+                _failure = f"building the CPU kernels failed: {e}"
+        if _failure:
+            log.warning("CPU C kernels unavailable; using the torch code instead", reason=_failure)
+        return _library
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _failure
