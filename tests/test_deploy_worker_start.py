@@ -1,0 +1,67 @@
+"""The worker pod's start command, taken from the rendered StatefulSet (deploy/overlays/cpu) and
+run here as the container would run it: `/bin/sh -c <script>` with the container's HETERO_*
+variables and the rendered config.json. With the tensor-parallel size at 2 it must start both
+ranks, which join through torch.distributed (gloo) and answer Describe as one replica of
+size 2 on the configured port; SIGTERM to the pod's main process (rank 0, which the script
+exec'd) stops both. Only the addresses (loopback), the model (the tiny test model) and the
+thread count differ from a pod. No cluster is involved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from hetero.v1 import worker_pb2, worker_pb2_grpc
+from hetero_common.config import Config
+from hetero_infer.supervisor import wait_healthy
+from tests.stack import free_port
+from tests.test_deploy_manifests import DEPLOY, DISCOVERY_KEYS, container, env_of, find, kubectl, render  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def test_worker_start_command_runs_a_tensor_parallel_replica(kubectl: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    docs = render(kubectl, DEPLOY / "overlays" / "cpu")
+    worker = container(find(docs, "StatefulSet", "hetero-worker"))
+    assert worker["command"][:2] == ["/bin/sh", "-c"]
+    config = json.loads(find(docs, "ConfigMap", "hetero-config")["data"]["config.json"])
+    for key in DISCOVERY_KEYS:  # until b18-discovery is merged, Config does not know these yet
+        if key not in Config.__dataclass_fields__:
+            config.pop(key)
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(config))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
+    env.update(env_of(worker))
+    env.update(HETERO_CONFIG=str(config_file), HETERO_TENSOR_PARALLEL_SIZE="2", HETERO_NUM_THREADS="1",
+               HETERO_MODEL=str(tiny_llama_dir), HETERO_WORKER_ADDRESS=f"127.0.0.1:{port}",
+               HETERO_INTERNAL_BIND_HOST="127.0.0.1", HETERO_DTYPE="float32", HETERO_LOG_LEVEL="warning")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the image's hetero-infer
+    pod = subprocess.Popen([*worker["command"], *worker["args"]], env=env, cwd=tmp_path)
+    try:
+        wait_healthy(f"127.0.0.1:{port}", 180, pod)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            described = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
+        assert described.tensor_parallel_size == 2 and described.pid == pod.pid  # rank 0 is the pod's main process
+        ranks = [p for p in psutil.Process(pod.pid).children() if "--tp-rank" in p.cmdline()]
+        assert [p.cmdline()[p.cmdline().index("--tp-rank") + 1] for p in ranks] == ["1"]
+        pod.send_signal(signal.SIGTERM)  # what the kubelet sends
+        assert pod.wait(60) == 0
+        deadline = time.monotonic() + 30
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "rank 1 outlived rank 0"
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+            pod.wait()
