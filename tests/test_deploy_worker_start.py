@@ -22,22 +22,20 @@ import psutil
 import pytest
 
 from hetero.v1 import worker_pb2, worker_pb2_grpc
-from hetero_common.config import Config
 from hetero_infer.supervisor import wait_healthy
+from tests.k8s_manifests import DEPLOY, container, env_of, find, kubectl_binary, pending_discovery_keys, render
 from tests.stack import free_port
-from tests.test_deploy_manifests import DEPLOY, DISCOVERY_KEYS, container, env_of, find, kubectl, render  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
 
-def test_worker_start_command_runs_a_tensor_parallel_replica(kubectl: str, tiny_llama_dir: Path, tmp_path: Path) -> None:
-    docs = render(kubectl, DEPLOY / "overlays" / "cpu")
+def test_worker_start_command_runs_a_tensor_parallel_replica(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    docs = render(kubectl_binary(), DEPLOY / "overlays" / "cpu")
     worker = container(find(docs, "StatefulSet", "hetero-worker"))
     assert worker["command"][:2] == ["/bin/sh", "-c"]
     config = json.loads(find(docs, "ConfigMap", "hetero-config")["data"]["config.json"])
-    for key in DISCOVERY_KEYS:  # until b18-discovery is merged, Config does not know these yet
-        if key not in Config.__dataclass_fields__:
-            config.pop(key)
+    for key in pending_discovery_keys():  # until b18-discovery is merged, Config does not know these yet
+        config.pop(key)
     config_file = tmp_path / "config.json"
     config_file.write_text(json.dumps(config))
     port = free_port()
