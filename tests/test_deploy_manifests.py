@@ -155,6 +155,10 @@ def test_services_probes_and_ports_agree_with_the_config(rendered, overlay) -> N
     assert container(worker)["ports"] == [{"name": "grpc", "containerPort": dns_port}]
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert container(worker)[probe]["grpc"]["port"] == dns_port
+    # The scheduler turns SERVING only once a worker is up: its start-up may last a worker's.
+    budget = {name: c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+              for name, c in (("scheduler", container(scheduler)), ("worker", container(worker)))}
+    assert budget["scheduler"] >= budget["worker"] >= config.get("startup_timeout_s", 600.0), budget
 
     for pdb in [d for d in docs if d["kind"] == "PodDisruptionBudget"]:
         selected = [w for w in (gateway, worker) if w["spec"]["selector"] == pdb["spec"]["selector"]]
