@@ -47,6 +47,18 @@ def render(kubectl: str, path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
+def variant_dir(root: Path, overlay: str, components: tuple[str, ...]) -> Path:
+    """deploy/overlays/<overlay> itself, or a new overlay on it with `components`, in a copy of deploy/ under root."""
+    if not components:
+        return root / "overlays" / overlay
+    path = root / "overlays" / f"test-{overlay}-{'-'.join(components)}"
+    path.mkdir()
+    (path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [f"../{overlay}"],
+        "components": [f"../../components/{c}" for c in components]}))
+    return path
+
+
 def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name)]
     assert len(hits) == 1, f"{kind} {name}: {len(hits)} found"

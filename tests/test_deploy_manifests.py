@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import yaml
 
 from hetero_common.errors import ConfigError
 from hetero_infer.config_sources import config_keys, load_config
 from tests.k8s_manifests import (DEPLOY, config_json, container, env_of, find, kubectl_binary, missing,
-                                 pending_discovery_keys, render)
+                                 pending_discovery_keys, render, variant_dir)
 
 OVERLAYS = ("cpu", "gpu")
 COMPONENTS = ("internal-mtls", "public-tls", "model-hostpath")
@@ -45,18 +44,6 @@ def validator() -> Any:
     except ImportError:
         missing("kubernetes-validate")
     return kubernetes_validate
-
-
-def variant_dir(root: Path, overlay: str, components: tuple[str, ...]) -> Path:
-    """deploy/overlays/<overlay> itself, or a new overlay on it with `components`, in a copy of deploy/ under root."""
-    if not components:
-        return root / "overlays" / overlay
-    path = root / "overlays" / f"test-{overlay}-{'-'.join(components)}"
-    path.mkdir()
-    (path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "resources": [f"../{overlay}"],
-        "components": [f"../../components/{c}" for c in components]}))
-    return path
 
 
 @pytest.fixture(scope="module")
