@@ -151,6 +151,7 @@ def test_services_probes_and_ports_agree_with_the_config(rendered, overlay) -> N
         selected = [w for w in (gateway, worker) if w["spec"]["selector"] == pdb["spec"]["selector"]]
         assert len(selected) == 1, pdb["metadata"]["name"]
     for workload in (gateway, scheduler, worker):
+        assert workload["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
         requests = container(workload)["resources"]["requests"]
         assert "cpu" in requests and "memory" in requests, workload["metadata"]["name"]
         assert container(workload)["livenessProbe"] and container(workload)["readinessProbe"]
