@@ -155,7 +155,8 @@ def run_follower_rank(runner: ModelRunner) -> None:
 
 
 def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = None) -> None:
-    tp = TensorParallel.initialize(tp_rank, config.tensor_parallel_size, tp_init_file, resolve_device(config.device))
+    tp = TensorParallel.initialize(tp_rank, config.tensor_parallel_size, tp_init_file, resolve_device(config.device),
+                                   config.tp_init_method)
     runner = ModelRunner(config, tp)
     if tp.rank > 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

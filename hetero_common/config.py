@@ -111,6 +111,10 @@ class Config:
     internal_tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS: gateway->scheduler->worker
     data_parallel_size: int = 1  # worker replicas, each with its own block pool in the scheduler
     tensor_parallel_size: int = 1  # worker processes per replica (attention heads and MLP split across ranks)
+    # Where a replica's ranks meet when they run on different hosts: a torch.distributed init method,
+    # e.g. tcp://<rank 0's address>:29500 (rank 0 serves the store; gloo on the CPU, NCCL on GPUs).
+    # "" = the rendezvous file `serve` makes (every rank on its host). Each rank: `worker --tp-rank R`.
+    tp_init_method: str = ""
     # Comma-separated rank-0 addresses of the replicas; empty = worker_address, then the next ports.
     worker_addresses: str = ""
     # How long `serve` waits for each service to become ready. A CUDA worker is ready only after its
@@ -185,6 +189,13 @@ class Config:
         _check(not self.use_cuda_graphs_for_non_decode_steps, "use_cuda_graphs_for_non_decode_steps",
                self.use_cuda_graphs_for_non_decode_steps,
                "is not available in this version (only decode-only steps are captured); set it to false")
+        method = self.tp_init_method
+        _check(not method or method.startswith(("tcp://", "file://", "env://")), "tp_init_method", method,
+               "must be empty (serve's rendezvous file), tcp://host:port, file:///path or env://")
+        if method.startswith("tcp://"):
+            host, _, port = method[len("tcp://"):].rstrip("/").rpartition(":")
+            _check(bool(host) and port.isdigit() and 1 <= int(port) <= 65535, "tp_init_method", method,
+                   "must be tcp://host:port (rank 0's address and a free port)")
 
     def _validate_serving(self) -> None:
         _check(1 <= self.serving.port <= 65535, "serving.port", self.serving.port, "must be a TCP port (1-65535)")
