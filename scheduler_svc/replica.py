@@ -60,6 +60,8 @@ class Replica:
         self._last_ok = 0.0
         self.num_deadline_exceeded = 0
         self.tasks: list[asyncio.Task[None]] = []
+        self.from_dns = False  # found through worker_dns (it leaves when its address does)
+        self.retired = False  # its address left worker_dns: no tasks, no requests, not counted
 
     # ------------------------------------------------------------------ requests
 
@@ -143,7 +145,20 @@ class Replica:
         self._join(info)
 
     def start_tasks(self) -> None:
+        """The engine loop and the health watch (which Describes a replica not up yet until it joins)."""
+        self.retired = False
         self.tasks = [asyncio.create_task(self._engine_loop()), asyncio.create_task(self._watch())]
+
+    async def retire(self) -> None:
+        """Its address left worker_dns: after the step in flight, go down as a dead worker does
+        (its sequences are recomputed elsewhere, its blocks freed) and stop probing it."""
+        async with self._lock:
+            self.retired = True
+            for task in self.tasks:
+                task.cancel()
+            self.tasks = []
+            if self.up:
+                self._go_down("its address left worker_dns")
 
     def _join(self, info: worker_pb2.WorkerInfo) -> None:
         """A worker (new or restarted) answered Describe: a fresh pool sized from what it reports."""
