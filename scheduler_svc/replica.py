@@ -29,6 +29,13 @@ from scheduler_svc.sequence import Sequence
 log = structlog.get_logger("scheduler_svc.replica")
 
 
+def link_silent(exc: grpc.aio.AioRpcError) -> bool:
+    """The call failed because the peer stopped answering keepalive pings, not because it closed
+    or refused the connection (gRPC core says "ping timeout"; older cores "keepalive watchdog")."""
+    details = (exc.details() or "").lower()
+    return "ping timeout" in details or "keepalive" in details
+
+
 class Replica:
     """`dispatch` takes the token events of its steps; `lost` its sequences when it goes down
     (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers."""
@@ -53,6 +60,8 @@ class Replica:
         self._last_ok = 0.0
         self.num_deadline_exceeded = 0
         self.tasks: list[asyncio.Task[None]] = []
+        self.from_dns = False  # found through worker_dns (it leaves when its address does)
+        self.retired = False  # its address left worker_dns: no tasks, no requests, not counted
 
     # ------------------------------------------------------------------ requests
 
@@ -136,7 +145,20 @@ class Replica:
         self._join(info)
 
     def start_tasks(self) -> None:
+        """The engine loop and the health watch (which Describes a replica not up yet until it joins)."""
+        self.retired = False
         self.tasks = [asyncio.create_task(self._engine_loop()), asyncio.create_task(self._watch())]
+
+    async def retire(self) -> None:
+        """Its address left worker_dns: after the step in flight, go down as a dead worker does
+        (its sequences are recomputed elsewhere, its blocks freed) and stop probing it."""
+        async with self._lock:
+            self.retired = True
+            for task in self.tasks:
+                task.cancel()
+            self.tasks = []
+            if self.up:
+                self._go_down("its address left worker_dns")
 
     def _join(self, info: worker_pb2.WorkerInfo) -> None:
         """A worker (new or restarted) answered Describe: a fresh pool sized from what it reports."""
@@ -279,7 +301,12 @@ class Replica:
         try:
             result = await self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if is_transient(exc):
+            if is_transient(exc) and link_silent(exc):
+                # The keepalive ping went unanswered (internal_keepalive_s): a cut link or a frozen
+                # host. Probing would only wait for connect timeouts; the watch re-Describes it.
+                self._go_down(f"no answer to a keepalive ping within internal_keepalive_s "
+                              f"({self.config.internal_keepalive_s:g} s): {exc.details()}")
+            elif is_transient(exc):
                 await self._step_lost(core, exc.details() or "UNAVAILABLE")
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Alive but hung: its sequences move on (another replica, or this one once it
