@@ -152,6 +152,12 @@ class Host:
         lines += [f"{address} {name}" for name, addresses in names.items() for address in addresses]
         path = NETNS_ETC / self.netns / "hosts"
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Names come from this file alone (no DNS server is reachable from the namespace): a name
+        # not in it is "no such name" at once, as a headless Service without endpoints answers,
+        # not "try again" after a resolver's timeout. Read at exec, so set hosts before starting.
+        nsswitch = Path("/etc/nsswitch.conf")
+        others = [l for l in nsswitch.read_text().splitlines() if not l.startswith("hosts:")] if nsswitch.exists() else []
+        (path.parent / "nsswitch.conf").write_text("\n".join(["hosts: files", *others]) + "\n")
         with open(path, "a+") as f:  # same inode: the bind mount follows it
             f.seek(0)
             f.truncate()
