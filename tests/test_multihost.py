@@ -7,7 +7,11 @@ netem delay on every link. The test is skipped only where namespaces cannot be m
 
 from __future__ import annotations
 
+import signal
 import socket
+import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +24,7 @@ from tests.multihost_stack import (GATEWAY_PORT, HTTP_PORT, SCHEDULER_PORT, WORK
                                    run_streams, start_service, start_worker, stream_prompts, wait_ready)
 from hetero.v1 import worker_pb2, worker_pb2_grpc
 from tests.netns import Host, Network, netem_reason, network, network_or_skip  # noqa: F401  (a fixture)
+from tests.stack import REPO_ROOT
 from tests.oracle import NEW_TOKENS, engine_greedy, make_prompts
 from tests.stack_requests import ids_request
 
@@ -31,8 +36,12 @@ DETECT_WITHIN_S = 2.0
 
 
 class MultiHost:
-    def __init__(self, net: Network, model: Path) -> None:
-        self.net, self.model = net, model
+    """`relayed`: every internal hop goes through a delay relay (tests/delay_relay.py) in the
+    server's namespace, scheduler -> worker and gateway -> scheduler, for link latency without netem."""
+
+    def __init__(self, net: Network, model: Path, relayed: bool = False) -> None:
+        self.net, self.model, self.relayed = net, model, relayed
+        self.relays: list = []
         self.gateway, self.scheduler = net.add_host("gateway"), net.add_host("scheduler")
         self.workers = [net.add_host(f"worker-{x}") for x in "ab"]
         self.added = net.add_host("worker-c")  # joins later, behind the DNS name
@@ -54,23 +63,41 @@ class MultiHost:
     def start(self) -> None:
         workers = [start_worker(h, self.model) for h in self.workers]
         for host, process in zip(self.workers, workers):
-            wait_ready(self.address(host), process)
+            wait_ready(f"{host.address}:{WORKER_PORT}", process)
+        worker_targets = [f"{h.address}:{WORKER_PORT}" for h in self.workers]
+        scheduler_target = self.front.scheduler
+        if self.relayed:  # the services reach each other through the relays' ports
+            worker_targets = [self.relay(h, WORKER_PORT) for h in self.workers]
+            scheduler_target = self.relay(self.scheduler, SCHEDULER_PORT)
         # The static list names replicas a and b; the DNS name has no record yet (c is added to it later).
         self.scheduler.set_hosts({})
         discovery = ["--worker-dns", f"{DNS_NAME}:{WORKER_PORT}", "--worker-dns-refresh-s", "0.5"] \
             if has_config_key("worker_dns") else []  # before b18-discovery: the added replica's test fails
         scheduler = start_service(self.scheduler, "scheduler", self.model, "--scheduler-address", self.front.scheduler,
                                   "--data-parallel-size", "2",
-                                  "--worker-addresses", ",".join(self.address(h) for h in self.workers), *discovery)
+                                  "--worker-addresses", ",".join(worker_targets), *discovery)
         wait_ready(self.front.scheduler, scheduler)
-        gateway = start_service(self.gateway, "gateway", self.model, "--scheduler-address", self.front.scheduler,
+        gateway = start_service(self.gateway, "gateway", self.model, "--scheduler-address", scheduler_target,
                                 "--serving-host", self.gateway.address, "--serving-port", str(GATEWAY_PORT),
                                 "--serving-http-port", str(HTTP_PORT))
         wait_ready(self.front.gateway, gateway)
 
-    @staticmethod
-    def address(host: Host) -> str:
-        return f"{host.address}:{WORKER_PORT}"
+    def relay(self, host: Host, port: int) -> str:
+        """A delay relay on `host` in front of its service at `port`; returns the relay's address."""
+        listen, target = f"{host.address}:{port + 100}", f"{host.address}:{port}"
+        relay = host.popen([sys.executable, "-m", "tests.delay_relay", listen, target, "1"], cwd=REPO_ROOT,
+                           stdout=subprocess.PIPE)
+        assert relay.stdout is not None and relay.stdout.readline() == b"relaying\n"
+        self.relays.append(relay)
+        return listen
+
+    def set_delay(self, on: bool) -> None:
+        for relay in self.relays:
+            relay.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
+
+    def address(self, host: Host) -> str:
+        """The worker's address as the scheduler knows it (through its relay when relayed)."""
+        return f"{host.address}:{WORKER_PORT + (100 if self.relayed else 0)}"
 
     def steps(self, host: Host) -> int:
         replica = self.front.replica(self.address(host))
@@ -214,3 +241,23 @@ def test_tensor_parallel_ranks_on_two_hosts_match_tp1(network: Network, tiny_lla
     assert described.tensor_parallel_size == 2
     replicas = stack.stats().replicas
     assert [r.address for r in replicas] == [worker] and replicas[0].pool.used_blocks == 0
+
+
+def test_link_latency_of_1_ms_each_way_through_relays(tiny_llama_dir: Path) -> None:
+    """Without netem (this kernel has none): every internal hop through a relay that delays each
+    chunk 1 ms each way, on and off in turns; the streams stay identical, and the throughput is
+    printed next to the same relays without delay (noisy on a shared 2-core box: medians of 3)."""
+    with network_or_skip() as net:
+        stack = MultiHost(net, tiny_llama_dir, relayed=True)
+        stack.start()
+        reference = stack.reference
+        plain, delayed = [], []
+        for _ in range(3):
+            plain.append(run_streams(stack.front, stack.prompts, MAX_TOKENS))
+            stack.set_delay(True)
+            delayed.append(run_streams(stack.front, stack.prompts, MAX_TOKENS))
+            stack.set_delay(False)
+        assert all(r.outputs == reference for r in plain + delayed)
+        fast, slow = (statistics.median(r.tokens_per_s for r in runs) for runs in (plain, delayed))
+        print(f"\nthroughput through relays: {fast:.0f} tokens/s without delay, {slow:.0f} tokens/s with 1 ms each way "
+              f"on every internal hop ({slow / fast:.2f}x; {NUM_STREAMS} streams x {MAX_TOKENS} tokens, 2 replicas)")
