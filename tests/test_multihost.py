@@ -3,7 +3,8 @@ its own network namespace (tests/netns.py), talking over a bridge with their own
 they would on separate machines. Then the faults: a worker host's link cut mid-stream (every
 stream completes unchanged, no KV block leaks, the cut is noticed within 2 s, the replica rejoins
 when the link is back), a replica added behind the DNS name while the stack serves, and 1 ms of
-netem delay on every link. The test is skipped only where namespaces cannot be made."""
+delay on every link (netem where the kernel has it; else a delaying relay on each internal hop).
+Last, tensor parallel 2 with its ranks on two hosts. Skipped only where namespaces cannot be made."""
 
 from __future__ import annotations
 
