@@ -126,12 +126,16 @@ def internal_listen_address(config: Config, address: str) -> str:
     return address
 
 
-def internal_channel(config: Config, address: str) -> grpc.aio.Channel:
-    """An asyncio channel to an internal service (scheduler, worker), with mutual TLS when configured."""
+def internal_channel(config: Config, address: str, server_name: str | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to an internal service (scheduler, worker), with mutual TLS when configured.
+    `server_name`: the name the peer's certificate must carry when it is not `address`'s host (a
+    replica found through worker_dns is dialled by its IP, but its certificate names the DNS name)."""
     creds = channel_credentials(config.internal_tls, mutual=True)
     options = internal_channel_options(config)
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
+    if server_name:
+        options = [*options, ("grpc.ssl_target_name_override", server_name)]
     return grpc.aio.secure_channel(address, creds, options=options)
 
 

@@ -45,14 +45,15 @@ class Replica:
     (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers."""
 
     def __init__(self, index: int, address: str, config: Config, dispatch: Callable[[list[TokenOutput]], None],
-                 lost: Callable[[Replica, list[Sequence]], None], joined: Callable[[Replica], None]) -> None:
+                 lost: Callable[[Replica, list[Sequence]], None], joined: Callable[[Replica], None],
+                 tls_server_name: str | None = None) -> None:
         self.index = index
         self.address = address
         self.config = config
         self._dispatch = dispatch
         self._lost = lost
         self._joined = joined
-        self.channel = internal_channel(config, address)
+        self.channel = internal_channel(config, address, tls_server_name)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._core: Scheduler | None = None  # from the first Describe on; a fresh one per new worker process
         self.info: worker_pb2.WorkerInfo | None = None

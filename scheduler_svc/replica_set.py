@@ -28,7 +28,7 @@ import structlog
 from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError, UnavailableError
-from scheduler_svc.discovery import resolve, watch_dns
+from scheduler_svc.discovery import resolve, split_host_port, watch_dns
 from scheduler_svc.replica import Replica
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import TokenOutput
@@ -111,8 +111,9 @@ class ReplicaSet:
         for address in addresses:
             replica = by_address.get(address)
             if replica is None:
+                # Dialled by its IP; with internal TLS its certificate names the DNS name.
                 replica = Replica(len(self.replicas), address, self.config, self._dispatch, self._replica_lost,
-                                  self._replica_joined)
+                                  self._replica_joined, tls_server_name=split_host_port(self.config.worker_dns)[0])
                 replica.from_dns = True
                 self.replicas.append(replica)
                 self.router.add_replica()

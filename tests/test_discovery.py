@@ -21,11 +21,14 @@ from typing import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import scheduler_pb2, scheduler_pb2_grpc
 from hetero_infer.supervisor import wait_healthy
-from tests.stack import REPO_ROOT, Stack, free_port, run_stack, stop_process
-from tests.stack_requests import service_stats, wait_for_idle
+from tests.certs import make_pki
+from tests.oracle import NEW_TOKENS, hf_greedy, make_prompts
+from tests.stack import REPO_ROOT, free_port, run_stack, stop_process
+from tests.stack_requests import ids_request, service_stats, wait_for_idle
 from tests.test_resilience import NUM_STREAMS, run_streams
 
 pytestmark = pytest.mark.slow
@@ -61,7 +64,8 @@ class Hosts:
 
 
 @contextmanager
-def workers(model: Path, ips: list[str], port: int) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+def workers(model: Path, ips: list[str], port: int, *flags: str,
+            credentials: grpc.ChannelCredentials | None = None) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """One real worker process per ip, all on `port` (started together, stopped at the end)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -69,14 +73,30 @@ def workers(model: Path, ips: list[str], port: int) -> Iterator[dict[str, subpro
         for ip in ips:
             procs[ip] = subprocess.Popen([sys.executable, "-m", "hetero_infer.cli", "worker", "--worker-address",
                                           f"{ip}:{port}", "--model", str(model), "--num-threads", "1",
-                                          "--log-level", "warning", "--log-format", "json", *MODEL_FLAGS],
+                                          "--log-level", "warning", "--log-format", "json", *MODEL_FLAGS, *flags],
                                          cwd=REPO_ROOT, env=env)
         for ip, proc in procs.items():
-            wait_healthy(f"{ip}:{port}", 120, proc)
+            if credentials is None:
+                wait_healthy(f"{ip}:{port}", 120, proc)
+            else:  # dialled by IP, checked under the DNS name (as the scheduler does)
+                wait_serving_tls(f"{ip}:{port}", credentials, proc)
         yield procs
     finally:
         for proc in procs.values():
             stop_process(proc, grace_s=10)
+
+
+def wait_serving_tls(address: str, credentials: grpc.ChannelCredentials, proc: subprocess.Popen[bytes]) -> None:
+    with grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", NAME)]) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, f"worker at {address} not ready"
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
 
 
 def replicas(scheduler: str) -> dict[str, scheduler_pb2.ReplicaStatus]:
@@ -140,3 +160,26 @@ def test_replicas_behind_a_dns_name_join_leave_and_rejoin(tiny_llama_dir: Path, 
         assert run_streams(stack) == reference
         p, s = wait_for_idle(stack), service_stats(stack)
         assert (p.used_blocks, s.num_workers, s.num_workers_up) == (0, 3, 3)
+
+
+def test_a_replica_found_by_dns_is_dialled_with_mutual_tls_under_the_name(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """With internal mutual TLS the scheduler dials a DNS replica by its IP but checks the
+    certificate against the DNS name (one certificate for every pod behind a headless Service):
+    this worker's certificate names hetero-workers.test, 127.0.0.1 and localhost, not 127.0.0.12."""
+    if (reason := can_mount_namespace()) is not None:
+        pytest.skip(reason)
+    pki = make_pki(tmp_path / "pki", dns_names=(NAME,))
+    tls = ["--internal-tls-cert-file", str(pki.cert_file), "--internal-tls-key-file", str(pki.key_file),
+           "--internal-tls-ca-file", str(pki.ca_file)]
+    port, ip = free_port(), "127.0.0.12"
+    hosts = Hosts(tmp_path / "hosts")
+    hosts.write([ip])
+    credentials = grpc.ssl_channel_credentials(pki.ca_file.read_bytes(), pki.key_file.read_bytes(),
+                                               pki.cert_file.read_bytes())
+    flags = [*MODEL_FLAGS, *tls, "--log-level", "warning", "--worker-dns", f"{NAME}:{port}"]
+    with workers(tiny_llama_dir, [ip], port, *tls, credentials=credentials), \
+            run_stack(tiny_llama_dir, *flags, wrap=hosts.wrap()) as stack:
+        assert service_stats(stack).num_workers_up == 1
+        prompt = make_prompts()[4]
+        tokens = [t for m in stack.inference.Generate(ids_request(prompt, NEW_TOKENS), timeout=60) for t in m.token_ids]
+        assert tokens == hf_greedy(tiny_llama_dir, [prompt])[0]

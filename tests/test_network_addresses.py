@@ -17,7 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import grpc
 import httpx
 import psutil
 import pytest
