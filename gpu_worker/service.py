@@ -25,8 +25,9 @@ from gpu_worker.tensor_parallel import Command, TensorParallel
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import HeteroError
-from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
-                                      internal_listen_address, server_credentials, set_serving)
+from hetero_common.grpc_server import (add_health_and_reflection, bind, error_status,
+                                      internal_listen_address, internal_server_options, server_credentials,
+                                      set_serving)
 
 log = structlog.get_logger("gpu_worker.service")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -155,7 +156,8 @@ def run_follower_rank(runner: ModelRunner) -> None:
 
 
 def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = None) -> None:
-    tp = TensorParallel.initialize(tp_rank, config.tensor_parallel_size, tp_init_file, resolve_device(config.device))
+    tp = TensorParallel.initialize(tp_rank, config.tensor_parallel_size, tp_init_file, resolve_device(config.device),
+                                   config.tp_init_method)
     runner = ModelRunner(config, tp)
     if tp.rank > 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -163,7 +165,7 @@ def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = No
         tp.shutdown()
         return
     servicer = WorkerServicer(runner)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=internal_server_options(config))
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=False)
     listen = internal_listen_address(config, config.worker_address)

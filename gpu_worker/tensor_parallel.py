@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gpu_worker.tp_rendezvous import init_method, prepare_gloo
 from hetero_common.errors import ConfigError
 
 # What rank 0 sends the other ranks, in the order it runs them: ("step", serialized StepPlan),
@@ -37,13 +38,19 @@ class TensorParallel:
         return self.size > 1
 
     @staticmethod
-    def initialize(rank: int, size: int, init_file: str | None, device: torch.device) -> "TensorParallel":
+    def initialize(rank: int, size: int, init_file: str | None, device: torch.device,
+                   configured_init_method: str = "") -> "TensorParallel":
+        """Join the replica's group: through `serve`'s rendezvous file when given (ranks on one
+        host), else through the configured `tp_init_method` (ranks on several hosts)."""
         if size > 1:
-            if not init_file:
-                raise ConfigError("tensor_parallel_size > 1 needs --tp-init-file (hetero-infer serve passes it)")
+            method = init_method(init_file, configured_init_method)
+            if method is None:
+                raise ConfigError("tensor_parallel_size > 1 needs tp_init_method (e.g. tcp://<rank 0's address>:29500) "
+                                  "or --tp-init-file (hetero-infer serve passes it)")
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=size,
-                                    timeout=COLLECTIVE_TIMEOUT)
+            if backend == "gloo":
+                prepare_gloo(method)
+            dist.init_process_group(backend, init_method=method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
         return TensorParallel(rank, size)
 
     def check_divides(self, **dims: int) -> None:

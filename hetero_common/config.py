@@ -113,8 +113,21 @@ class Config:
     internal_tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS: gateway->scheduler->worker
     data_parallel_size: int = 1  # worker replicas, each with its own block pool in the scheduler
     tensor_parallel_size: int = 1  # worker processes per replica (attention heads and MLP split across ranks)
-    # Comma-separated rank-0 addresses of the replicas; empty = worker_address, then the next ports.
+    # Where a replica's ranks meet when they run on different hosts: a torch.distributed init method,
+    # e.g. tcp://<rank 0's address>:29500 (rank 0 serves the store; gloo on the CPU, NCCL on GPUs).
+    # "" = the rendezvous file `serve` makes (every rank on its host). Each rank: `worker --tp-rank R`.
+    tp_init_method: str = ""
+    # Comma-separated rank-0 addresses of the replicas; empty = worker_address, then the next ports
+    # (or none at all when worker_dns is set).
     worker_addresses: str = ""
+    # "host:port": every A/AAAA record of host is one more replica's rank-0 address on that port (a
+    # Kubernetes headless Service), re-resolved every worker_dns_refresh_s; "" = the static list only.
+    worker_dns: str = ""
+    worker_dns_refresh_s: float = 2.0
+    # gRPC keepalive on the internal links (gateway->scheduler->worker): a ping after this long
+    # without data, the link closed when its answer does not come within as long again. A cut link
+    # sends no reset, so without it a dead peer is noticed only at the TCP timeout (7-9 s seen).
+    internal_keepalive_s: float = 0.5
     # How long `serve` waits for each service to become ready. A CUDA worker is ready only after its
     # warm-up, which JIT-compiles FlashInfer's kernels on a cold cache (minutes); a crash during
     # start-up is noticed at once whatever this is (the process exits), so a long wait costs nothing.
@@ -189,6 +202,13 @@ class Config:
         _check(not self.use_cuda_graphs_for_non_decode_steps, "use_cuda_graphs_for_non_decode_steps",
                self.use_cuda_graphs_for_non_decode_steps,
                "is not available in this version (only decode-only steps are captured); set it to false")
+        method = self.tp_init_method
+        _check(not method or method.startswith(("tcp://", "file://", "env://")), "tp_init_method", method,
+               "must be empty (serve's rendezvous file), tcp://host:port, file:///path or env://")
+        if method.startswith("tcp://"):
+            host, _, port = method[len("tcp://"):].rstrip("/").rpartition(":")
+            _check(bool(host) and port.isdigit() and 1 <= int(port) <= 65535, "tp_init_method", method,
+                   "must be tcp://host:port (rank 0's address and a free port)")
 
     def _validate_serving(self) -> None:
         _check(1 <= self.serving.port <= 65535, "serving.port", self.serving.port, "must be a TCP port (1-65535)")
@@ -238,8 +258,13 @@ class Config:
         for value in addresses:
             _check(":" in value and value.rsplit(":", 1)[1].isdigit(), "worker_addresses", self.worker_addresses,
                    "must be comma-separated host:port entries")
-        _check(len(addresses) == self.data_parallel_size, "worker_addresses", self.worker_addresses,
-               f"must list data_parallel_size ({self.data_parallel_size}) addresses")
+        _check(bool(self.worker_dns) or len(addresses) == self.data_parallel_size, "worker_addresses",
+               self.worker_addresses, f"must list data_parallel_size ({self.data_parallel_size}) addresses")
+        dns_host, _, dns_port = self.worker_dns.rpartition(":")
+        _check(not self.worker_dns or (bool(dns_host.strip("[]")) and dns_port.isdigit() and 1 <= int(dns_port) <= 65535),
+               "worker_dns", self.worker_dns, "must be host:port (a DNS name whose A/AAAA records are the replicas), or empty")
+        _check(self.worker_dns_refresh_s > 0, "worker_dns_refresh_s", self.worker_dns_refresh_s, "must be positive")
+        _check(self.internal_keepalive_s > 0, "internal_keepalive_s", self.internal_keepalive_s, "must be positive")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be positive")
 
     def _validate_resilience(self) -> None:
@@ -262,9 +287,12 @@ class Config:
         _check(self.log_format in ("auto", "json", "console"), "log_format", self.log_format, "must be auto, json or console")
 
     def replica_addresses(self) -> list[str]:
-        """The gRPC address of each worker replica (its tensor-parallel rank 0)."""
+        """The gRPC address of each static worker replica (its tensor-parallel rank 0); those found
+        through worker_dns come on top (scheduler_svc/discovery.py)."""
         if self.worker_addresses.strip():
             return [a.strip() for a in self.worker_addresses.split(",") if a.strip()]
+        if self.worker_dns:
+            return []
         host, port = self.worker_address.rsplit(":", 1)
         return [f"{host}:{int(port) + i}" for i in range(self.data_parallel_size)]
 

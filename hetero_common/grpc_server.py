@@ -28,6 +28,36 @@ INTERNAL_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_m
                             ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
+def _with(options: list[tuple[str, int]], overrides: dict[str, int]) -> list[tuple[str, int]]:
+    """`options` with some keys replaced (gRPC would not say which of two equal keys wins)."""
+    return [(k, v) for k, v in options if k not in overrides] + list(overrides.items())
+
+
+def internal_channel_options(config: Config) -> list[tuple[str, int]]:
+    """The internal links' client side: a keepalive ping after `internal_keepalive_s` without data
+    received, and the link closed (its calls fail UNAVAILABLE) when the ping is not answered
+    within as long again; so a peer behind a cut link (no RST) is noticed within about
+    2 x internal_keepalive_s, not at the TCP timeout. Pings go also with no call open (an idle
+    replica is watched too) and with no data sent (max_pings_without_data 0 = no limit)."""
+    ms = max(1, int(config.internal_keepalive_s * 1000))
+    return _with(INTERNAL_CHANNEL_OPTIONS, {"grpc.keepalive_time_ms": ms, "grpc.keepalive_timeout_ms": ms,
+                                            "grpc.keepalive_permit_without_calls": 1,
+                                            "grpc.http2.max_pings_without_data": 0, "grpc.http2.ping_timeout_ms": ms})
+
+
+def internal_server_options(config: Config) -> list[tuple[str, int]]:
+    """The internal servers' side (scheduler, worker): accept a ping every internal_keepalive_s
+    (gRPC's default policy answers pings more often than every 5 minutes without data with a
+    GOAWAY "too_many_pings", which would cut the link the pings are there to watch), and ping
+    idle clients at the same rate, so a dead client's connection is closed too."""
+    ms = max(1, int(config.internal_keepalive_s * 1000))
+    return _with(CHANNEL_OPTIONS, {"grpc.keepalive_time_ms": ms, "grpc.keepalive_timeout_ms": ms,
+                                   "grpc.keepalive_permit_without_calls": 1, "grpc.http2.max_pings_without_data": 0,
+                                   "grpc.http2.min_recv_ping_interval_without_data_ms": max(1, ms // 2),
+                                   "grpc.http2.min_ping_interval_without_data_ms": max(1, ms // 2),
+                                   "grpc.http2.max_ping_strikes": 0})
+
+
 def add_health_and_reflection(server: grpc.Server | grpc.aio.Server, service_names: Iterable[str],
                               aio: bool) -> health.HealthServicer | health.aio.HealthServicer:
     """Register grpc.health.v1 (every service SERVING) and server reflection."""
@@ -96,12 +126,16 @@ def internal_listen_address(config: Config, address: str) -> str:
     return address
 
 
-def internal_channel(config: Config, address: str) -> grpc.aio.Channel:
-    """An asyncio channel to an internal service (scheduler, worker), with mutual TLS when configured."""
+def internal_channel(config: Config, address: str, server_name: str | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to an internal service (scheduler, worker), with mutual TLS when configured.
+    `server_name`: the name the peer's certificate must carry when it is not `address`'s host (a
+    replica found through worker_dns is dialled by its IP, but its certificate names the DNS name)."""
     creds = channel_credentials(config.internal_tls, mutual=True)
-    options = INTERNAL_CHANNEL_OPTIONS
+    options = internal_channel_options(config)
     if creds is None:
         return grpc.aio.insecure_channel(address, options=options)
+    if server_name:
+        options = [*options, ("grpc.ssl_target_name_override", server_name)]
     return grpc.aio.secure_channel(address, creds, options=options)
 
 

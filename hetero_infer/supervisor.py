@@ -30,6 +30,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero_common.config import Config
+from hetero_common.errors import ConfigError
 from hetero_common.grpc_server import channel_credentials
 
 log = structlog.get_logger("hetero_infer.supervisor")
@@ -96,6 +97,11 @@ def worker_environment(env: dict[str, str], omp_wait_policy: str) -> dict[str, s
 
 class Supervisor:
     def __init__(self, config: Config) -> None:
+        if config.tp_init_method and config.data_parallel_size > 1:
+            # Every replica would meet at the one address: the groups would mix.
+            raise ConfigError(f"config key 'tp_init_method' = {config.tp_init_method!r} serves one tensor-parallel "
+                              "group; with data_parallel_size > 1 leave it empty (serve gives each replica its own "
+                              "rendezvous file) or start each replica's ranks with `hetero-infer worker`")
         self.config = config
         self.children: list[Child] = []
         self.groups: list[WorkerGroup] = []
@@ -116,8 +122,8 @@ class Supervisor:
         for rank in range(tp):
             cmd = [sys.executable, "-m", "hetero_infer.cli", "worker", "--config", self.config_path,
                    "--worker-address", group.address, "--supervisor-pid", str(os.getpid())]
-            if tp > 1:
-                cmd += ["--tp-rank", str(rank), "--tp-init-file", init_file]
+            if tp > 1:  # a configured tp_init_method (read from the config file) replaces the file
+                cmd += ["--tp-rank", str(rank)] + ([] if self.config.tp_init_method else ["--tp-init-file", init_file])
             process = subprocess.Popen(cmd, env=self.worker_env)
             group.processes.append(process)
             log.info("starting", service="worker", replica=group.replica, rank=rank, pid=process.pid, address=group.address)

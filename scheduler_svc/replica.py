@@ -29,19 +29,31 @@ from scheduler_svc.sequence import Sequence
 log = structlog.get_logger("scheduler_svc.replica")
 
 
+def link_silent(exc: grpc.aio.AioRpcError) -> bool:
+    """The call failed because the peer stopped answering keepalive pings, not because it closed
+    or refused the connection (gRPC core says "ping timeout"; older cores "keepalive watchdog").
+    With data in flight the kernel may say it first: gRPC sets TCP_USER_TIMEOUT to the keepalive
+    timeout, and unacknowledged data then ends the call with "recvmsg:Connection timed out (110)"
+    (seen mid-stream in tests/test_multihost.py about one cut in three: taken for a lost step, the
+    replica was retried and went down only after 3.0 s)."""
+    details = (exc.details() or "").lower()
+    return "ping timeout" in details or "keepalive" in details or "connection timed out" in details
+
+
 class Replica:
     """`dispatch` takes the token events of its steps; `lost` its sequences when it goes down
     (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers."""
 
     def __init__(self, index: int, address: str, config: Config, dispatch: Callable[[list[TokenOutput]], None],
-                 lost: Callable[[Replica, list[Sequence]], None], joined: Callable[[Replica], None]) -> None:
+                 lost: Callable[[Replica, list[Sequence]], None], joined: Callable[[Replica], None],
+                 tls_server_name: str | None = None) -> None:
         self.index = index
         self.address = address
         self.config = config
         self._dispatch = dispatch
         self._lost = lost
         self._joined = joined
-        self.channel = internal_channel(config, address)
+        self.channel = internal_channel(config, address, tls_server_name)
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._core: Scheduler | None = None  # from the first Describe on; a fresh one per new worker process
         self.info: worker_pb2.WorkerInfo | None = None
@@ -53,6 +65,8 @@ class Replica:
         self._last_ok = 0.0
         self.num_deadline_exceeded = 0
         self.tasks: list[asyncio.Task[None]] = []
+        self.from_dns = False  # found through worker_dns (it leaves when its address does)
+        self.retired = False  # its address left worker_dns: no tasks, no requests, not counted
 
     # ------------------------------------------------------------------ requests
 
@@ -136,7 +150,20 @@ class Replica:
         self._join(info)
 
     def start_tasks(self) -> None:
+        """The engine loop and the health watch (which Describes a replica not up yet until it joins)."""
+        self.retired = False
         self.tasks = [asyncio.create_task(self._engine_loop()), asyncio.create_task(self._watch())]
+
+    async def retire(self) -> None:
+        """Its address left worker_dns: after the step in flight, go down as a dead worker does
+        (its sequences are recomputed elsewhere, its blocks freed) and stop probing it."""
+        async with self._lock:
+            self.retired = True
+            for task in self.tasks:
+                task.cancel()
+            self.tasks = []
+            if self.up:
+                self._go_down("its address left worker_dns")
 
     def _join(self, info: worker_pb2.WorkerInfo) -> None:
         """A worker (new or restarted) answered Describe: a fresh pool sized from what it reports."""
@@ -279,7 +306,12 @@ class Replica:
         try:
             result = await self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if is_transient(exc):
+            if is_transient(exc) and link_silent(exc):
+                # The keepalive ping went unanswered (internal_keepalive_s): a cut link or a frozen
+                # host. Probing would only wait for connect timeouts; the watch re-Describes it.
+                self._go_down(f"no answer to a keepalive ping within internal_keepalive_s "
+                              f"({self.config.internal_keepalive_s:g} s): {exc.details()}")
+            elif is_transient(exc):
                 await self._step_lost(core, exc.details() or "UNAVAILABLE")
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # Alive but hung: its sequences move on (another replica, or this one once it

@@ -6,6 +6,13 @@ A lost replica's sequences are recomputed on another replica from the tokens the
 produced (their streams go on without a gap or a repeat). While every replica is down they
 are parked as orphans and wait up to `worker_recovery_timeout_s` for one to come back, then
 end with UNAVAILABLE.
+
+Replicas are the static list (`worker_addresses`) plus those behind `worker_dns`
+(discovery.py). A replica's index is its position in `replicas`, given once and never reused:
+an address that appears gets the next index and joins after a `Describe`; one that leaves the
+DNS answer is retired (handled as a dead worker, then kept, not counted); if it comes back it
+takes its old index again. So indexes in logs, stats and the router stay stable while replicas
+come and go.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import structlog
 from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError, UnavailableError
+from scheduler_svc.discovery import resolve, split_host_port, watch_dns
 from scheduler_svc.replica import Replica
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import TokenOutput
@@ -55,25 +63,64 @@ class ReplicaSet:
         self.counters = ServiceCounters()
         self._end_request = end_request
         self._orphan_task: asyncio.Task[None] | None = None
+        self._dns_task: asyncio.Task[None] | None = None
+        self._dispatch = dispatch
 
     async def start(self) -> None:
-        """Wait for the workers (at least one must answer), then start the engine loops and watches."""
-        results = await asyncio.gather(*(r.connect(self.config.startup_timeout_s) for r in self.replicas),
+        """Wait for the static workers and for at least one replica to answer, then start the
+        engine loops, the watches and the DNS discovery."""
+        static = list(self.replicas)
+        if self.config.worker_dns:  # the replicas behind the name at start join through their watch
+            await self.update_dns(await resolve(self.config.worker_dns) or [])
+        results = await asyncio.gather(*(r.connect(self.config.startup_timeout_s) for r in static),
                                        return_exceptions=True)
-        for replica, result in zip(self.replicas, results):
+        for replica, result in zip(static, results):
             if isinstance(result, BaseException):
                 log.error("worker replica not ready at start", replica=replica.index, address=replica.address, error=str(result))
-        if not any(r.up for r in self.replicas):
-            raise RuntimeError(f"no worker replica answered within startup_timeout_s ({self.config.startup_timeout_s:g} s)")
-        for replica in self.replicas:
+        for replica in static:
             replica.start_tasks()
+        if self.config.worker_dns:
+            self._dns_task = asyncio.create_task(watch_dns(self.config.worker_dns, self.config.worker_dns_refresh_s,
+                                                           self.update_dns))
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not self.up() and self.config.worker_dns and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # no static replica answered: wait for one behind worker_dns
+        if not self.up():
+            raise RuntimeError(f"no worker replica answered within startup_timeout_s ({self.config.startup_timeout_s:g} s)")
         self._orphan_task = asyncio.create_task(self._orphan_watch())
         first = next(r for r in self.replicas if r.up)
-        log.info("scheduler ready", replicas=len(self.replicas), replicas_up=len(self.up()),
+        log.info("scheduler ready", replicas=len(self.active()), replicas_up=len(self.up()),
                  routing=self.config.routing_policy, num_blocks=first.num_blocks)
 
     def up(self) -> list[Replica]:
         return [r for r in self.replicas if r.up]
+
+    def active(self) -> list[Replica]:
+        """Every replica but those whose address left worker_dns."""
+        return [r for r in self.replicas if not r.retired]
+
+    async def update_dns(self, addresses: list[str]) -> None:
+        """The replicas behind worker_dns are now `addresses`: new ones are added (they join once
+        they answer Describe); those missing are retired as dead workers."""
+        wanted = set(addresses)
+        for replica in self.replicas:
+            if replica.from_dns and not replica.retired and replica.address not in wanted:
+                log.warning("replica left worker_dns; retiring it", replica=replica.index, address=replica.address)
+                await replica.retire()
+        by_address = {r.address: r for r in self.replicas}
+        for address in addresses:
+            replica = by_address.get(address)
+            if replica is None:
+                # Dialled by its IP; with internal TLS its certificate names the DNS name.
+                replica = Replica(len(self.replicas), address, self.config, self._dispatch, self._replica_lost,
+                                  self._replica_joined, tls_server_name=split_host_port(self.config.worker_dns)[0])
+                replica.from_dns = True
+                self.replicas.append(replica)
+                self.router.add_replica()
+                log.info("replica found through worker_dns", replica=replica.index, address=address)
+            elif not replica.retired:
+                continue  # already here (a static replica, or found before)
+            replica.start_tasks()
 
     # ------------------------------------------------------------------ requests
 
@@ -185,11 +232,11 @@ class ReplicaSet:
             await replica.resume()
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
-        statuses = [r.status() for r in self.replicas]
+        statuses = [r.status() for r in self.active()]
         pool = merge_pools(s.pool for s in statuses)
         pool.num_waiting += sum(len(o.seqs) for o in self._orphans.values())
         service = common_pb2.ServiceStats(
-            num_workers=len(self.replicas), num_workers_up=len(self.up()),
+            num_workers=len(self.active()), num_workers_up=len(self.up()),
             num_deadline_exceeded=self.counters.num_deadline_exceeded + sum(r.num_deadline_exceeded for r in self.replicas),
             num_rejected_queue_full=self.counters.num_rejected_queue_full,
             num_recovered_sequences=self.counters.num_recovered_sequences,

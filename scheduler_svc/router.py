@@ -62,10 +62,16 @@ class Router:
             raise ValueError(f"unknown routing policy {policy!r}")
         self.policy = policy
         self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
         self.indexes = [PrefixIndex(capacity_blocks) for _ in range(num_replicas)]
         self._next = 0
         self.blocks_queried = 0
         self.blocks_hit = 0
+
+    def add_replica(self) -> int:
+        """A replica that joined later (worker_dns): the next index."""
+        self.indexes.append(PrefixIndex(self.capacity_blocks))
+        return len(self.indexes) - 1
 
     def set_capacity(self, replica: int, capacity_blocks: int) -> None:
         self.indexes[replica].capacity = max(1, capacity_blocks)

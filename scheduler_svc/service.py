@@ -20,9 +20,9 @@ from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, HeteroError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
-from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, error_status,
+from hetero_common.grpc_server import (add_health_and_reflection, bind, error_status,
                                       internal_listen_address, server_credentials, set_serving_aio,
-                                      termination_signal)
+                                      internal_server_options, termination_signal)
 from scheduler_svc.followers import Followers, Forwarder
 from scheduler_svc.replica_set import ReplicaSet
 from scheduler_svc.request_streams import Listener, RequestStream, RequestStreams
@@ -171,7 +171,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 async def serve_scheduler(config: Config) -> None:
     servicer = SchedulerServicer(config)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=internal_server_options(config))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
     listen = internal_listen_address(config, config.scheduler_address)

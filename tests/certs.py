@@ -29,7 +29,8 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
                                        serialization.NoEncryption()))
 
 
-def make_pki(directory: Path, name: str = "test") -> Pki:
+def make_pki(directory: Path, name: str = "test", dns_names: tuple[str, ...] = ()) -> Pki:
+    """`dns_names`: more names the certificate carries (besides localhost and 127.0.0.1)."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -45,7 +46,7 @@ def make_pki(directory: Path, name: str = "test") -> Pki:
     cert = (x509.CertificateBuilder().subject_name(_name("localhost")).issuer_name(ca.subject)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+            .add_extension(x509.SubjectAlternativeName([*(x509.DNSName(n) for n in dns_names), x509.DNSName("localhost"),
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH,

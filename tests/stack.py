@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 import psutil
@@ -46,10 +46,11 @@ class Stack:
     address: str
     channel: grpc.Channel
     http_port: int = 0  # the OpenAI-style HTTP API of the gateway
+    host: str = "127.0.0.1"  # where every service of the stack listens
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     @property
     def inference(self) -> inference_pb2_grpc.InferenceStub:
@@ -69,11 +70,14 @@ class Stack:
 
 
 @contextmanager
-def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0) -> Iterator[Stack]:
+def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0, host: str = "127.0.0.1",
+              wrap: Sequence[str] = ()) -> Iterator[Stack]:
+    """`host`: the address every service listens on and is reached at (flags may still name
+    others); `wrap`: a command line that runs `serve` (e.g. in its own mount namespace)."""
     gateway_port, http_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--serving-port", str(gateway_port),
-           "--serving-http-port", str(http_port),
-           "--scheduler-address", f"127.0.0.1:{free_port()}", "--worker-address", f"127.0.0.1:{free_port()}",
+    cmd = [*wrap, sys.executable, "-m", "hetero_infer.cli", "serve", "--serving-host", host,
+           "--serving-port", str(gateway_port), "--serving-http-port", str(http_port),
+           "--scheduler-address", f"{host}:{free_port()}", "--worker-address", f"{host}:{free_port()}",
            "--log-format", "json", *flags]
     if "--dtype" not in flags:  # the exact mode: `auto` may pick bfloat16 on this CPU, and tests compare tokens
         cmd += ["--dtype", "float32"]
@@ -81,11 +85,11 @@ def run_stack(model: Path | None, *flags: str, timeout_s: float = 240.0) -> Iter
         cmd += ["--model", str(model)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
     process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
-    address = f"127.0.0.1:{gateway_port}"
+    address = f"{host}:{gateway_port}"
     try:
         wait_healthy(address, timeout_s, process)
         with grpc.insecure_channel(address) as channel:
-            yield Stack(process, address, channel, http_port)
+            yield Stack(process, address, channel, http_port, host)
     finally:
         stop_process(process)
 
