@@ -5,8 +5,10 @@ contiguous [block_size, head_dim] run. `plan()` once per step turns the page tab
 indices of those runs; `run()` once per layer gathers them with one `index_select` per K and V
 straight into [sequence, head, token, head_dim] order, which the matmuls read in place.
 Decode sequences (one query token) are batched into one padded gather and two batched
-matmuls; sequences with several query tokens (prompt chunks) go through SDPA one by one with
-a causal mask offset by their cached prefix.
+matmuls, or, for a bfloat16 cache on the CPU, go through the C kernel that reads the pages in
+place (kernels/native_decode.py, `cpu_kernels`); sequences with several query tokens (prompt
+chunks) run one by one with a causal mask offset by their cached prefix: as two matmuls in
+bfloat16/float16, through SDPA in float32 or when their score matrix would be large.
 """
 
 from __future__ import annotations
