@@ -29,11 +29,18 @@ from scheduler_svc.sequence import Sequence
 log = structlog.get_logger("scheduler_svc.replica")
 
 
+# How gRPC reports a link that went silent (no reset, nothing acknowledged), as measured with a
+# cut veth link: a keepalive ping unanswered ("ping timeout"; older cores: "keepalive watchdog"),
+# or, while a step is in flight, the kernel's TCP_USER_TIMEOUT, which gRPC sets to the keepalive
+# timeout ("recvmsg:Connection timed out (110)", ETIMEDOUT).
+SILENT_LINK_ERRORS = ("ping timeout", "keepalive", "connection timed out")
+
+
 def link_silent(exc: grpc.aio.AioRpcError) -> bool:
-    """The call failed because the peer stopped answering keepalive pings, not because it closed
-    or refused the connection (gRPC core says "ping timeout"; older cores "keepalive watchdog")."""
+    """The call failed because the peer stopped answering at all for internal_keepalive_s, not
+    because it closed or refused the connection (a dead process, a restart)."""
     details = (exc.details() or "").lower()
-    return "ping timeout" in details or "keepalive" in details
+    return any(error in details for error in SILENT_LINK_ERRORS)
 
 
 class Replica:
@@ -303,10 +310,11 @@ class Replica:
             result = await self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if is_transient(exc) and link_silent(exc):
-                # The keepalive ping went unanswered (internal_keepalive_s): a cut link or a frozen
-                # host. Probing would only wait for connect timeouts; the watch re-Describes it.
-                self._go_down(f"no answer to a keepalive ping within internal_keepalive_s "
-                              f"({self.config.internal_keepalive_s:g} s): {exc.details()}")
+                # Nothing came back for internal_keepalive_s (ping or TCP acknowledgement): a cut
+                # link or a frozen host. Probing would only wait for connect timeouts; the health
+                # watch re-Describes it and it rejoins once it answers.
+                self._go_down(f"the link went silent (internal_keepalive_s "
+                              f"{self.config.internal_keepalive_s:g} s): {exc.details()}")
             elif is_transient(exc):
                 await self._step_lost(core, exc.details() or "UNAVAILABLE")
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
