@@ -176,7 +176,7 @@ def test_a_replica_found_by_dns_is_dialled_with_mutual_tls_under_the_name(tiny_l
     hosts.write([ip])
     credentials = grpc.ssl_channel_credentials(pki.ca_file.read_bytes(), pki.key_file.read_bytes(),
                                                pki.cert_file.read_bytes())
-    flags = [*MODEL_FLAGS, *tls, "--log-level", "warning", "--worker-dns", f"{NAME}:{port}"]
+    flags = [*MODEL_FLAGS, *tls, "--log-level", "warning", "--worker-dns", f"{NAME}:{port}", "--startup-timeout-s", "60"]
     with workers(tiny_llama_dir, [ip], port, *tls, credentials=credentials), \
             run_stack(tiny_llama_dir, *flags, wrap=hosts.wrap()) as stack:
         assert service_stats(stack).num_workers_up == 1
