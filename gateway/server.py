@@ -57,6 +57,7 @@ async def serve_gateway(config: Config) -> None:
     server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generation), server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
+    await set_serving_aio(health, [SERVICE_NAME], serving=False)  # grpc's default for "" is SERVING
     address = f"{config.serving.host}:{config.serving.port}"
     if bind(server, address, server_credentials(config.serving.tls, mutual=False)) == 0:
         raise SystemExit(f"gateway: cannot bind {address}; is another process using it?")

@@ -307,10 +307,11 @@ class Replica:
             result = await self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if is_transient(exc) and link_silent(exc):
-                # The keepalive ping went unanswered (internal_keepalive_s): a cut link or a frozen
-                # host. Probing would only wait for connect timeouts; the watch re-Describes it.
-                self._go_down(f"no answer to a keepalive ping within internal_keepalive_s "
-                              f"({self.config.internal_keepalive_s:g} s): {exc.details()}")
+                # Nothing came back for internal_keepalive_s (ping or TCP acknowledgement): a cut
+                # link or a frozen host. Probing would only wait for connect timeouts; the health
+                # watch re-Describes it and it rejoins once it answers.
+                self._go_down(f"the link went silent (internal_keepalive_s "
+                              f"{self.config.internal_keepalive_s:g} s): {exc.details()}")
             elif is_transient(exc):
                 await self._step_lost(core, exc.details() or "UNAVAILABLE")
             elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

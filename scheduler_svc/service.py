@@ -174,6 +174,9 @@ async def serve_scheduler(config: Config) -> None:
     server = grpc.aio.server(options=internal_server_options(config))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
+    # grpc's health servicer answers SERVING for "" from the start: not ready until a worker
+    # replica answered (`serve` and a Kubernetes readiness probe ask before sending requests).
+    await set_serving_aio(health, [SERVICE_NAME], serving=False)
     listen = internal_listen_address(config, config.scheduler_address)
     if bind(server, listen, server_credentials(config.internal_tls, mutual=True)) == 0:
         raise SystemExit(f"scheduler: cannot bind {listen}; is another process using it?")

