@@ -168,6 +168,8 @@ class LlamaModel:
         eps, heads, kv_heads, dim = c.rms_norm_eps, self.num_heads, self.num_kv_heads, c.head_dim
         hidden = F.embedding(input_ids, self.embed)
         positions = positions.to(torch.int64)
+        if t and int(positions.max()) >= self.cos.shape[0]:  # the RoPE kernel reads its tables unchecked
+            raise IndexError(f"position {int(positions.max())} is beyond the model's {self.cos.shape[0]} positions")
         delta: torch.Tensor | None = None  # the last block's output, not yet added to `hidden`
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)

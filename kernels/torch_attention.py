@@ -58,6 +58,7 @@ class _DecodePlan:
     mask: torch.Tensor  # additive mask [Bd, 1, 1, P * block_size]: 0 valid, -inf padding
     pages: torch.Tensor  # int32 [Bd, P], padded with page 0 (the C kernel's page table)
     kv_lens: torch.Tensor  # int32 [Bd]
+    max_page: int  # the largest page id: the C kernel reads pages unchecked, so run() checks this once
 
 
 @dataclass
@@ -138,6 +139,7 @@ class TorchPagedAttention:
                 mask=mask[:, None, None, :].to(self.device),
                 pages=torch.from_numpy(pages.astype(np.int32)),
                 kv_lens=torch.from_numpy(table.kv_lens[decode_ids].astype(np.int32)),
+                max_page=int(pages.max()),
             )
         self._prefills = []
         for i in np.flatnonzero(~is_decode):
@@ -170,6 +172,8 @@ class TorchPagedAttention:
         if self._decode is not None:
             if self.native_decode and q.dtype == torch.bfloat16:
                 d = self._decode
+                if d.max_page >= kv_cache.shape[0]:
+                    raise IndexError(f"page {d.max_page} is outside the cache's {kv_cache.shape[0]} blocks")
                 native_decode.decode_attention(q, d.rows, kv_cache, d.pages, d.kv_lens, out, self.scale)
             else:
                 out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
