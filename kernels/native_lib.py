@@ -26,7 +26,12 @@ import torch  # noqa: F401  (loaded first: see the module doc)
 log = structlog.get_logger("kernels.native_lib")
 
 SOURCES = sorted((Path(__file__).resolve().parent / "native").glob("*.c"))
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# -ffast-math for the compile only (the kernels' vectorized reductions, glibc's vector expf):
+# linking a shared library with it (GCC < 13) adds crtfastmath.o, whose constructor sets
+# flush-to-zero and denormals-are-zero for the whole process on load, changing every float
+# operation of torch, numpy and Python code around it. So: compile, then link without it.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, argtypes)
@@ -58,7 +63,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [p.read_text() for p in SOURCES] + [" ".join(FLAGS), version, _cpu_flags()]
+    parts = [p.read_text() for p in SOURCES] + [" ".join(COMPILE_FLAGS + LINK_FLAGS), version, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_dir() / f"hetero_cpu_kernels-{key[:16]}.so"
     if target.exists():
@@ -66,10 +71,13 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed in: concurrent workers are safe
         built = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
+        steps = [[compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj] for source, obj in zip(SOURCES, objects)]
+        steps.append([compiler, *LINK_FLAGS, *objects, "-o", str(built), "-lm"])
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(step[:2])} ... failed: {done.stderr.strip()[-2000:]}")
         os.replace(built, target)
     return target
 

@@ -110,3 +110,14 @@ def test_without_a_compiler_auto_falls_back_and_c_refuses(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "refused: cpu_kernels 'c' cannot be used: no C compiler" in done.stdout
+
+
+@needs_kernel
+def test_loading_and_running_the_kernels_leaves_ieee_floats_alone() -> None:
+    """Built with -ffast-math the library's load would set flush-to-zero and denormals-are-zero for
+    the whole process (crtfastmath.o): every float op of torch, numpy and Python around it changes."""
+    assert native_lib.load() is not None
+    run_backend("c", *decode_case([5, 20], 4, 2, 8, 4)[:3])
+    subnormal = np.array([1e-40], dtype=np.float32)
+    assert (subnormal * np.float32(2.0))[0] != 0.0
+    assert float((torch.tensor([1e-40]) * 2)[0]) != 0.0

@@ -7,7 +7,7 @@
  * after torch, so its libgomp.so.1 dependency resolves to the copy torch already loaded.
  *
  * Every sequence's result depends only on its own inputs, never on the rest of the batch.
- * Plain C loops written for the compiler to vectorize (-O3 -march=native -ffast-math).
+ * Plain C loops written for the compiler to vectorize (-O3 -march=native -ffast-math, at compile only: kernels/native_lib.py).
  */
 #include <float.h>
 #include <math.h>
