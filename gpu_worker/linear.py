@@ -7,8 +7,9 @@ blocked (an opaque `torch._mkldnn` tensor) and `_linear_pointwise` multiplies wi
 the same oneDNN kernel minus the per-call reorder, so it gains most where the product is
 small: measured on an AVX512-BF16 CPU (no AMX), SmolLM2-135M shapes, bfloat16: 1.7-2x at
 one row (batch-1 decode), 1.2-1.3x at 32-64 rows, ~5% at 512 rows; float32 runs on oneDNN
-instead of MKL and gains 2-3x. bfloat16 results are bit-identical to `F.linear`'s; float32
-results differ in the last bits (another kernel), so the token-exact oracle mode turns it off.
+instead of MKL and gains 2-3x. bfloat16 results are bit-identical to `F.linear`'s here; float32
+results differ from MKL's in the last bits (another kernel). The float32 oracle tests stay
+token-exact against `transformers` with it; `weight_prepack: false` gives MKL's own products.
 
 `weight_prepack` in the config turns it off; CUDA weights are never packed.
 """
