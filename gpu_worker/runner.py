@@ -115,7 +115,8 @@ class ModelRunner:
         self.steps = 0
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
-                 c_decode_attention=getattr(self.attention, "native_decode", False), c_elementwise=self.model.fused,
+                 c_decode_attention=getattr(self.attention, "native_decode", False) and self.dtype == torch.bfloat16,
+                 c_elementwise=self.model.fused,
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
                  load_seconds=round(time.perf_counter() - started, 2))
 

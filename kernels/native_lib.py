@@ -25,7 +25,9 @@ import torch  # noqa: F401  (loaded first: see the module doc)
 
 log = structlog.get_logger("kernels.native_lib")
 
-SOURCES = sorted((Path(__file__).resolve().parent / "native").glob("*.c"))
+NATIVE_DIR = Path(__file__).resolve().parent / "native"
+SOURCES = sorted(NATIVE_DIR.glob("*.c"))
+HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 # -ffast-math for the compile only (the kernels' vectorized reductions, glibc's vector expf):
 # linking a shared library with it (GCC < 13) adds crtfastmath.o, whose constructor sets
 # flush-to-zero and denormals-are-zero for the whole process on load, changing every float
@@ -63,7 +65,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [p.read_text() for p in SOURCES] + [" ".join(COMPILE_FLAGS + LINK_FLAGS), version, _cpu_flags()]
+    parts = [p.read_text() for p in SOURCES + HEADERS] + [" ".join(COMPILE_FLAGS + LINK_FLAGS), version, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_dir() / f"hetero_cpu_kernels-{key[:16]}.so"
     if target.exists():
@@ -85,6 +87,8 @@ def _build(compiler: str) -> Path:
 def load() -> ctypes.CDLL | None:
     """The library, building it the first time; None (reason: `unavailable_reason()`) when it cannot be."""
     global _library, _failure
+    if _library is not None:  # the per-call path (every fused op of every layer): no lock
+        return _library
     with _lock:
         if _library is not None or _failure is not None:
             return _library

@@ -54,3 +54,19 @@ def start_streams_to_suspend(stack: Stack, results: dict[int, list[int]]) -> lis
         assert time.monotonic() < deadline
         time.sleep(0.01)
     return threads
+
+
+def generate_concurrently(stack: Stack, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> list[list[int] | None]:
+    """Each prompt's greedy tokens, all streamed at once (one thread each); None where a stream did not finish."""
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i] = [t for m in stack.inference.Generate(ids_request(prompts[i], max_tokens), timeout=timeout_s)
+                      for t in m.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 30)
+    return [results.get(i) for i in range(len(prompts))]

@@ -24,7 +24,7 @@ import pytest
 from hetero_infer.supervisor import wait_healthy
 from tests.oracle import NEW_TOKENS, hf_greedy, make_prompts
 from tests.stack import REPO_ROOT, Stack, free_port, run_stack, stop_process
-from tests.stack_requests import ids_request, service_stats, wait_for_idle
+from tests.stack_requests import generate_concurrently, service_stats, wait_for_idle
 from tests.test_discovery import MODEL_FLAGS, NAME, Hosts, can_mount_namespace, replicas, wait_until
 from tests.test_resilience import NUM_STREAMS, requests
 
@@ -93,17 +93,7 @@ def test_every_service_on_non_loopback_addresses(tiny_llama_dir: Path) -> None:
                  "--worker-addresses", ",".join(workers), "--scheduler-address", scheduler]
         with run_stack(tiny_llama_dir, *flags, host=first) as stack:
             prompts = make_prompts()
-            results: dict[int, list[int]] = {}
-
-            def run(i: int) -> None:
-                results[i] = [t for m in stack.inference.Generate(ids_request(prompts[i], NEW_TOKENS), timeout=60)
-                              for t in m.token_ids]
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(90)
-            assert [results.get(i) for i in range(len(prompts))] == hf_greedy(tiny_llama_dir, prompts)
+            assert generate_concurrently(stack, prompts, NEW_TOKENS, 60) == hf_greedy(tiny_llama_dir, prompts)
             assert httpx.get(f"{stack.http_url}/v1/models", timeout=10).status_code == 200
             assert service_stats(stack).num_workers_up == 2
             assert set(replicas(scheduler)) == set(workers)

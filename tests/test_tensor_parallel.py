@@ -3,7 +3,6 @@ across a KV-cache suspend/resume, which every rank carries out."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import grpc
@@ -12,7 +11,7 @@ import pytest
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.oracle import NEW_TOKENS, engine_greedy, make_prompts
 from tests.stack import free_port, run_stack
-from tests.stack_requests import ids_request, start_streams_to_suspend, wait_for_idle
+from tests.stack_requests import generate_concurrently, start_streams_to_suspend, wait_for_idle
 
 pytestmark = pytest.mark.slow
 
@@ -22,20 +21,10 @@ def test_tp2_stack_matches_tp1(model_fixture: str, request: pytest.FixtureReques
     model_dir: Path = request.getfixturevalue(model_fixture)
     prompts = make_prompts()
     tp1 = engine_greedy(model_dir, prompts, block_size=5)  # tensor parallel 1 (the transformers-checked path)
-    results: dict[int, list[int]] = {}
     worker = f"127.0.0.1:{free_port()}"
     with run_stack(model_dir, "--block-size", "5", "--max-model-len", "512", "--tensor-parallel-size", "2",
                    "--worker-address", worker, "--log-level", "warning") as stack:
-        def run(i: int) -> None:
-            results[i] = [t for m in stack.inference.Generate(ids_request(prompts[i], NEW_TOKENS), timeout=120)
-                          for t in m.token_ids]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(150)
-        assert [results[i] for i in range(len(prompts))] == tp1
+        assert generate_concurrently(stack, prompts, NEW_TOKENS, 120) == tp1
         assert wait_for_idle(stack).used_blocks == 0
         info = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest())
         assert info.service.num_workers_up == 1

@@ -15,22 +15,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, like torch */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* q: the step's query rows, row r of sequence b at q + q_rows[b] * q_row_stride, its heads D apart.
  * cache: one layer [blocks, 2, Hkv, bs, D]. pages: [B, max_pages] page ids. kv_lens: [B].

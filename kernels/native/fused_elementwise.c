@@ -9,21 +9,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PARALLEL_MIN_ELEMENTS 32768
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* hidden[r] += delta[r] (rounded to bfloat16, as torch's add_), then
  * out[r] = weight * bf16(hidden[r] / rms(hidden[r])). delta may be NULL (no residual add).
