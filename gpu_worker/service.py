@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import time
 from concurrent import futures
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import grpc
@@ -24,50 +26,99 @@ from gpu_worker.runner import ModelRunner, resolve_device
 from gpu_worker.tensor_parallel import Command, TensorParallel
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
-from hetero_common.errors import HeteroError
+from hetero_common.errors import HeteroError, StepOrderError
 from hetero_common.grpc_server import (add_health_and_reflection, bind, error_status,
                                       internal_listen_address, internal_server_options, server_credentials,
                                       set_serving)
 
 log = structlog.get_logger("gpu_worker.service")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+HOLD_TIMEOUT_S = 10.0  # how long a plan waits for the step it follows (StepPlan.after_step_id)
+
+
+@dataclass
+class ModelCall:
+    """A call for the model thread: a step, a Describe, a suspend or a resume."""
+
+    what: str
+    call: Callable[[], Any]
+    future: futures.Future[Any] = field(default_factory=futures.Future)
+    step_id: int = 0  # a step's id (0: not a step)
+    after_step_id: int = 0  # StepPlan.after_step_id: run only right after that step
+    held_since: float = 0.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.steps: queue.Queue[tuple[str, Callable[[], Any], futures.Future[Any]] | None] = queue.Queue()
+        self.steps: queue.Queue[ModelCall | None] = queue.Queue()
         self.stopping = False
+        # Overlap: a plan sent while the step it follows was in flight may reach the model thread
+        # first (each unary call has its own handler thread). It is held until that step has run.
+        self._held: dict[int, ModelCall] = {}  # by the step id it follows
+        self._last_step, self._last_step_ok = 0, True
 
     def run_model_loop(self) -> None:
         """Run on the main thread until `None` arrives: run each queued call (steps, suspend, resume) in order."""
-        while (item := self.steps.get()) is not None:
-            what, call, future = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(call())
-                except Exception as exc:  # reported to the scheduler, which resets this worker's state
-                    log.exception("call failed", call=what)
-                    if self.runner.tp.enabled and not isinstance(exc, HeteroError):
-                        # A collective failed: another rank is gone and this group cannot compute any
-                        # more. Exit, so the scheduler sees the replica die (its requests are recomputed
-                        # elsewhere or after the restart) instead of failing them.
-                        log.error("tensor-parallel group broken; exiting", rank=0)
-                        os._exit(70)
-                    future.set_exception(exc)
+        while (item := self._next_call()) is not None:
+            if item.after_step_id and item.after_step_id != self._last_step:
+                item.held_since = time.monotonic()  # arrived before the step it follows
+                self._held[item.after_step_id] = item
+                continue
+            if item.future.set_running_or_notify_cancel():
+                self._run(item)
         # Stopping: calls still queued are cancelled, not left blocking their handler threads.
         self.stopping = True
+        for item in self._held.values():
+            item.future.cancel()
         while not self.steps.empty():
             if (item := self.steps.get_nowait()) is not None:
-                item[2].cancel()
+                item.future.cancel()
 
-    def _on_model_thread(self, what: str, call: Callable[[], Any], context: grpc.ServicerContext) -> Any:
+    def _next_call(self) -> ModelCall | None:
+        """The plan held for the step just run, else the next queued call; held plans whose step never
+        came fail after HOLD_TIMEOUT_S (the scheduler lost that step and has moved on)."""
+        if (held := self._held.pop(self._last_step, None)) is not None:
+            return held
+        while True:
+            try:
+                return self.steps.get(timeout=1.0 if self._held else None)
+            except queue.Empty:
+                now = time.monotonic()
+                for after, item in list(self._held.items()):
+                    if now - item.held_since > HOLD_TIMEOUT_S:
+                        del self._held[after]
+                        item.future.set_exception(StepOrderError(
+                            f"{item.what} follows step {after}, which never reached this worker"))
+
+    def _run(self, item: ModelCall) -> None:
+        try:
+            if item.after_step_id and not self._last_step_ok:
+                raise StepOrderError(f"{item.what} was planned assuming step {item.after_step_id}, which failed")
+            item.future.set_result(item.call())
+            ok = True
+        except Exception as exc:  # reported to the scheduler, which resets this worker's state
+            ok = False
+            if not isinstance(exc, StepOrderError):
+                log.exception("call failed", call=item.what)
+            if self.runner.tp.enabled and not isinstance(exc, HeteroError):
+                # A collective failed: another rank is gone and this group cannot compute any
+                # more. Exit, so the scheduler sees the replica die (its requests are recomputed
+                # elsewhere or after the restart) instead of failing them.
+                log.error("tensor-parallel group broken; exiting", rank=0)
+                os._exit(70)
+            item.future.set_exception(exc)
+        if item.step_id:
+            self._last_step, self._last_step_ok = item.step_id, ok
+
+    def _on_model_thread(self, what: str, call: Callable[[], Any], context: grpc.ServicerContext,
+                         step_id: int = 0, after_step_id: int = 0) -> Any:
         if self.stopping:
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker is stopping")
-        future: futures.Future[Any] = futures.Future()
-        self.steps.put((what, call, future))
+        item = ModelCall(what, call, step_id=step_id, after_step_id=after_step_id)
+        self.steps.put(item)
         try:
-            return future.result()
+            return item.future.result()
         except futures.CancelledError:
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker is stopping")
             raise
@@ -81,7 +132,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._on_model_thread("describe", self.runner.describe, context)
 
     def ExecuteStep(self, plan: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
-        return self._on_model_thread(f"step {plan.step_id}", lambda: self._execute_step(plan), context)
+        return self._on_model_thread(f"step {plan.step_id}", lambda: self._execute_step(plan), context,
+                                     plan.step_id, plan.after_step_id)
 
     def _execute_step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         if self.runner.tp.enabled:  # every rank runs the same plan on its shard of heads

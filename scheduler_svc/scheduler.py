@@ -27,6 +27,7 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
+from scheduler_svc.overlap import assume_in_flight, can_plan_ahead, drop_placeholders
 from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim, swap_in_ready
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
@@ -70,12 +71,14 @@ class Scheduler:
         self._next_seq_id = 0
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_planned_ahead = 0  # plans made while the step before was in flight (overlap.py)
         self.num_swap_outs = 0
         self.suspended = False
         # Every sequence in `running` was scheduled in the last step (so all hold the same last_scheduled_step and
         # `running` is already in the decode pass's order): set by schedule(), cleared when a fork joins running.
         self._running_in_order = False
         self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed), fast decodes aside
+        self._assumed_step = 0  # the last step planned ahead of (overlap.py): its result's tokens are already counted
 
     @property
     def num_blocks(self) -> int:
@@ -176,6 +179,8 @@ class Scheduler:
             seq_budget -= room_at_sync - room
             token_budget -= room_at_sync - room
             n = num - seq.num_computed  # 1, or a forked sample recomputing its last prompt token
+            if n == 0:
+                continue  # planned ahead, and the token in flight ends it by length (overlap.py)
             if n <= token_budget:
                 copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
                 if copies is not None or self._reserve(seq, n):
@@ -212,6 +217,8 @@ class Scheduler:
         while (self.waiting and not self.swapped and seq_budget > 0 and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting.peek()
+            if seq.awaiting_token:
+                break  # preempted while its token was in flight: admitted once it is back (overlap.py)
             hits = self.kv_cache.match_prefix(seq)
             n = self._chunk(seq, token_budget, num_computed=len(hits) * self.block_size)
             if n == 0 or not self._admissible(seq, hits, n):
@@ -236,6 +243,17 @@ class Scheduler:
             self._released.clear()
         self._in_flight = scheduled
         self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)  # one each, in running
+        return plan
+
+    def plan_ahead(self) -> worker_pb2.StepPlan | None:
+        """The next step's plan while the last one is still in flight (overlap.py), assuming its outcome;
+        None when it must wait for that step's result. The plan runs right after it (after_step_id)."""
+        if not can_plan_ahead(self):
+            return None
+        assume_in_flight(self)
+        plan = self.schedule()
+        plan.after_step_id = self._assumed_step
+        self.num_planned_ahead += plan_needs_worker(plan)
         return plan
 
     def _chunk(self, seq: Sequence, token_budget: int, num_computed: int | None = None) -> int:
@@ -290,6 +308,9 @@ class Scheduler:
 
     def fail_all(self, error: str) -> list[TokenOutput]:
         """A step failed beyond retries: every admitted request ends with an error."""
+        if self._assumed_step:  # a step planned ahead of offered its blocks to the prefix cache before it ran
+            self.kv_cache.reset_prefix_cache()
+            self._assumed_step = 0
         outputs = []
         for rid, seqs in list(self.samples.items()):
             for seq in list(seqs):
@@ -338,6 +359,7 @@ class Scheduler:
 
         The prefix cache is forgotten too: a step that failed half-way may have written into blocks."""
         seqs = sorted((s for samples in self.samples.values() for s in samples), key=lambda s: (s.arrival_time, s.index))
+        drop_placeholders(seqs)
         for seq in seqs:
             self.kv_cache.free(seq)
             seq.reset_for_recompute()
@@ -345,6 +367,7 @@ class Scheduler:
                       self._released, self._swap_out, self._block_copies):
             queue.clear()
         self._in_flight = []
+        self._assumed_step = 0
         self.kv_cache.reset_prefix_cache()
         return seqs
 

@@ -66,6 +66,9 @@ class Sequence:
     # needs no block and its plan entry is decode_head + num_cached_tokens' varint. 0: take the general path.
     fast_until: int = 0
     decode_head: bytes = b""
+    # Overlap (scheduler_svc/overlap.py): the step in flight samples this sequence's next token, and the
+    # next step was planned before it came back; token_ids ends with a placeholder for it until then.
+    awaiting_token: bool = False
     # prompt + max_tokens - 1: a token sampled when the sequence holds this many (or more) ends it by length.
     last_len: int = field(init=False, default=0)
 

@@ -20,12 +20,14 @@ class PoolOwner(Protocol):
     waiting: Sized
     swapped: Sized
     num_preemptions: int
+    num_planned_ahead: int
     step_id: int
     suspended: bool
 
 # Pool figures that add up across replicas; the others are merged by `merge_pools` below.
 SUMMED_POOL_FIELDS = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting",
-                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_swapped")
+                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_swapped",
+                      "steps_planned_ahead")
 
 
 def pool_stats(s: PoolOwner) -> common_pb2.PoolStats:
@@ -35,7 +37,7 @@ def pool_stats(s: PoolOwner) -> common_pb2.PoolStats:
         cached_blocks=kv.num_cached_free, usage=kv.usage, num_running=len(s.running),
         num_waiting=len(s.waiting), num_preemptions=s.num_preemptions, internal_waste=kv.internal_waste(s.running),
         steps=s.step_id, prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-        num_swapped=len(s.swapped), suspended=s.suspended,
+        num_swapped=len(s.swapped), suspended=s.suspended, steps_planned_ahead=s.num_planned_ahead,
     )
 
 

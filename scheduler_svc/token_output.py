@@ -122,6 +122,7 @@ class Scheduler(Protocol):
     running: list[Sequence]
     block_size: int
     _in_flight: list[tuple[Sequence, int]]
+    _assumed_step: int
     _maybe_stop_ids: set[int]
     _running_in_order: bool
     eos_token_ids: frozenset[int]
@@ -143,13 +144,15 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
     register_full_blocks = s.kv_cache.register_full_blocks
     # The step's entries but its fast decodes (schedule(): those are not in _in_flight): tokens computed,
     # full blocks offered to the prefix cache, in plan order, before any row below frees blocks.
-    for seq, n in s._in_flight:
-        status = seq.status
-        if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
-            computed = seq.num_computed = seq.num_computed + n
-            if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
-                register_full_blocks(seq)
-    s._in_flight = []
+    # A step planned ahead of (overlap.py) had all this done then, and _in_flight is the next step's.
+    if result.step_id != s._assumed_step:
+        for seq, n in s._in_flight:
+            status = seq.status
+            if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
+                computed = seq.num_computed = seq.num_computed + n
+                if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
+                    register_full_blocks(seq)
+        s._in_flight = []
     if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
         return process_rows(s, result, now)
     # The common step: tokens only. A decode whose token neither can end it (no stop or EOS id, under its
@@ -169,9 +172,18 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
             continue  # aborted while the step ran
         if seq.status is DECODE and seq.first_output_sent:
             token_ids = seq.token_ids
-            num = seq.num_computed = len(token_ids)
-            token_ids.append(token)
-            if num < seq.last_len and num < last_model_len and token not in maybe_stop:
+            if seq.awaiting_token:  # planned ahead (overlap.py): the token takes its placeholder's place
+                num = len(token_ids) - 1
+                simple = num < seq.last_len and num < last_model_len and token not in maybe_stop
+                if simple:
+                    token_ids[num] = token
+                    seq.awaiting_token = False
+            else:
+                num = seq.num_computed = len(token_ids)
+                simple = num < seq.last_len and num < last_model_len and token not in maybe_stop
+                if simple:
+                    token_ids.append(token)
+            if simple:
                 out = new(TokenOutput)  # its own four fields on a bare instance, the rest class defaults
                 out.request_id = seq.request_id
                 out.token_ids = [token]
@@ -179,7 +191,6 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
                 out.index = seq.index
                 append(out)
                 continue
-            token_ids.pop()  # the general path appends it again
         if rows is None:
             rows = SampledRows(result)
         process_row(s, seq, token, 0, rows, now, outputs, ended)  # the row index: for logprobs, none here
@@ -232,10 +243,14 @@ def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: Sampled
     if seq.pending_forks:
         fork_samples(s, seq)
     was_running = status is PREFILL or status is DECODE  # the statuses in `running`
-    if was_running:  # every token before the sampled one is computed (a fast decode's count: process_result)
-        seq.num_computed = len(seq.token_ids)
-    seq.token_ids.append(token)
-    seq.status = DECODE
+    if seq.awaiting_token:  # planned ahead (overlap.py): counted then; preempted since, it stays where it is
+        seq.token_ids[-1] = token
+        seq.awaiting_token = False
+    else:
+        if was_running:  # every token before the sampled one is computed (a fast decode's count: process_result)
+            seq.num_computed = len(seq.token_ids)
+        seq.token_ids.append(token)
+        seq.status = DECODE
     reason = finish_reason(seq, token, s.eos_token_ids, s.max_model_len)
     outputs.append(rows.output(seq, token, row, now, reason))
     if not reason:

@@ -100,7 +100,7 @@ class SwapBlocks(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_sequences", "scheduled", "released_seq_ids", "block_copies", "reset", "swap_out", "swap_in")
+    __slots__ = ("step_id", "new_sequences", "scheduled", "released_seq_ids", "block_copies", "reset", "swap_out", "swap_in", "after_step_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class StepPlan(_message.Message):
     RESET_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    AFTER_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_sequences: _containers.RepeatedCompositeFieldContainer[NewSequence]
     scheduled: _containers.RepeatedCompositeFieldContainer[ScheduledSequence]
@@ -117,7 +118,8 @@ class StepPlan(_message.Message):
     reset: bool
     swap_out: _containers.RepeatedCompositeFieldContainer[SwapBlocks]
     swap_in: _containers.RepeatedCompositeFieldContainer[SwapBlocks]
-    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., reset: _Optional[bool] = ..., swap_out: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ...) -> None: ...
+    after_step_id: int
+    def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., reset: _Optional[bool] = ..., swap_out: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "failures")
