@@ -5,6 +5,7 @@ and vLLM's CPU engine in float32 and bfloat16 when its environment exists
     python benchmarks/throughput.py [--mode both|batch|single] [--requests 64] [--new-tokens 64]
                                     [--min-prompt 16] [--max-prompt 256] [--single 8]
                                     [--max-batch-size N] [--hf-batch 16] [--skip-hf] [--skip-vllm]
+                                    [--stack-variant "SERVE FLAGS" ...]
                                     [--vllm-dtypes float32,bfloat16] [--model PATH] [--json FILE]
 
 Workload: `--requests` concurrent requests (batch mode), prompt lengths uniform in [min, max]
@@ -93,6 +94,8 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=None,
                         help="sequences per engine step for the stack and the engine (default: the config's)")
     parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--stack-variant", action="append", default=[],
+                        help="also run the stack with these extra serve flags (repeatable), e.g. \"--async-scheduling false\"")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-dtypes", default="float32,bfloat16")
@@ -131,6 +134,10 @@ def main() -> int:
     flags_for_stack = ["--dtype", config.dtype] + (["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else [])
     runs[STACK] = systems.bench_stack(flags_for_stack, args.model, prompts, args.new_tokens, batch, single)
     names[STACK] = stack_dtype
+    for variant in args.stack_variant:  # A/B in the same run, e.g. "--async-scheduling false"
+        runs[f"stack {variant}"] = systems.bench_stack(flags_for_stack + variant.split(), args.model, prompts,
+                                                       args.new_tokens, batch, single)
+        names[f"stack {variant}"] = stack_dtype
     runs[ENGINE] = systems.bench_engine(config, prompts, args.new_tokens, batch, single)
     names[ENGINE] = stack_dtype
     if not args.skip_hf:

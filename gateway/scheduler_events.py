@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from hetero.v1 import scheduler_pb2, scheduler_pb2_grpc
+from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from hetero_common.finish_reasons import is_finished
 
 log = structlog.get_logger("gateway.scheduler_events")
 
@@ -90,3 +91,26 @@ class FollowStreams:
             queues.remove(queue)
             if not queues:
                 del call.queues[request_id]
+
+
+def can_merge(event: scheduler_pb2.TokenEvent, later: scheduler_pb2.TokenEvent) -> bool:
+    """Whether `later` (the next event of the same request) may be sent as part of `event`: the same
+    sample, `event` not its last, `later` carrying nothing that only a sample's first event has, and not
+    an error (which ends the stream: the tokens before it go out first)."""
+    return (later.index == event.index and not is_finished(event.finish_reason) and not later.prompt_logprobs
+            and not later.cached_prompt_tokens and not later.queue_seconds
+            and later.finish_reason != common_pb2.FINISH_REASON_ERROR)
+
+
+def merge_events(event: scheduler_pb2.TokenEvent, later: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
+    """One event holding `event`'s tokens then `later`'s, with `later`'s position, finish reason and error."""
+    merged = scheduler_pb2.TokenEvent()
+    merged.CopyFrom(event)  # the events belong to a Follow batch message: left as they are
+    merged.token_ids.extend(later.token_ids)
+    merged.token_timestamps.extend(later.token_timestamps)
+    merged.logprobs.extend(later.logprobs)
+    merged.top_logprobs.extend(later.top_logprobs)
+    merged.position = later.position
+    merged.finish_reason = later.finish_reason
+    merged.error = later.error
+    return merged
