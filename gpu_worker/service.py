@@ -45,6 +45,7 @@ class ModelCall:
     future: futures.Future[Any] = field(default_factory=futures.Future)
     step_id: int = 0  # a step's id (0: not a step)
     after_step_id: int = 0  # StepPlan.after_step_id: run only right after that step
+    resets: bool = False  # StepPlan.reset: a new start (a scheduler that restarted, a failed step)
     held_since: float = 0.0
 
 
@@ -61,6 +62,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def run_model_loop(self) -> None:
         """Run on the main thread until `None` arrives: run each queued call (steps, suspend, resume) in order."""
         while (item := self._next_call()) is not None:
+            if item.resets:  # plans held from before it (a scheduler that restarted) can never run
+                self._fail_held(f"a reset (step {item.step_id}) came first", keep=item.step_id)
             if item.after_step_id and item.after_step_id != self._last_step:
                 item.held_since = time.monotonic()  # arrived before the step it follows
                 self._held[item.after_step_id] = item
@@ -84,12 +87,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 return self.steps.get(timeout=1.0 if self._held else None)
             except queue.Empty:
-                now = time.monotonic()
-                for after, item in list(self._held.items()):
-                    if now - item.held_since > HOLD_TIMEOUT_S:
-                        del self._held[after]
-                        item.future.set_exception(StepOrderError(
-                            f"{item.what} follows step {after}, which never reached this worker"))
+                self._fail_held(f"it never reached this worker within {HOLD_TIMEOUT_S:g} s", older_than_s=HOLD_TIMEOUT_S)
+
+    def _fail_held(self, why: str, older_than_s: float = 0.0, keep: int = 0) -> None:
+        """Refuse the held plans (but the one following step `keep`) held for `older_than_s` or more."""
+        now = time.monotonic()
+        for after, item in list(self._held.items()):
+            if after != keep and now - item.held_since >= older_than_s:
+                del self._held[after]
+                item.future.set_exception(StepOrderError(f"{item.what} follows step {after}, but {why}"))
 
     def _run(self, item: ModelCall) -> None:
         try:
@@ -112,10 +118,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._last_step, self._last_step_ok = item.step_id, ok
 
     def _on_model_thread(self, what: str, call: Callable[[], Any], context: grpc.ServicerContext,
-                         step_id: int = 0, after_step_id: int = 0) -> Any:
+                         step_id: int = 0, after_step_id: int = 0, resets: bool = False) -> Any:
         if self.stopping:
             context.abort(grpc.StatusCode.UNAVAILABLE, "worker is stopping")
-        item = ModelCall(what, call, step_id=step_id, after_step_id=after_step_id)
+        item = ModelCall(what, call, step_id=step_id, after_step_id=after_step_id, resets=resets)
         self.steps.put(item)
         try:
             return item.future.result()
@@ -133,7 +139,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def ExecuteStep(self, plan: worker_pb2.StepPlan, context: grpc.ServicerContext) -> worker_pb2.StepResult:
         return self._on_model_thread(f"step {plan.step_id}", lambda: self._execute_step(plan), context,
-                                     plan.step_id, plan.after_step_id)
+                                     plan.step_id, plan.after_step_id, plan.reset)
 
     def _execute_step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         if self.runner.tp.enabled:  # every rank runs the same plan on its shard of heads

@@ -272,7 +272,7 @@ def test_a_lost_step_planned_ahead_of_leaves_no_placeholder() -> None:
 
 def _call(servicer: WorkerServicer, plan: worker_pb2.StepPlan) -> ModelCall:
     return ModelCall(f"step {plan.step_id}", lambda: servicer._execute_step(plan), step_id=plan.step_id,
-                     after_step_id=plan.after_step_id)
+                     after_step_id=plan.after_step_id, resets=plan.reset)
 
 
 def _run_calls(runner: ModelRunner, plans: list[worker_pb2.StepPlan]) -> list[worker_pb2.StepResult]:
@@ -314,8 +314,11 @@ def test_a_plan_made_ahead_of_a_failed_step_fails_too(tiny_llama_dir: Path) -> N
     servicer = WorkerServicer(runner)
     bad = worker_pb2.StepPlan(step_id=10, scheduled=[worker_pb2.ScheduledSequence(seq_id=99, num_tokens=1, sample=True)])
     dependent = worker_pb2.StepPlan(step_id=11, after_step_id=10)
+    stale = worker_pb2.StepPlan(step_id=21, after_step_id=20)  # held when a scheduler restarted:
+    fresh = worker_pb2.StepPlan(step_id=1, reset=True)  # its plans start again from a reset
     orphan = worker_pb2.StepPlan(step_id=13, after_step_id=12)  # its step never comes
-    calls = [_call(servicer, bad), _call(servicer, dependent), _call(servicer, orphan)]
+    calls = [_call(servicer, bad), _call(servicer, dependent), _call(servicer, stale), _call(servicer, fresh),
+             _call(servicer, orphan)]
     for c in calls:
         servicer.steps.put(c)
     worker_service.HOLD_TIMEOUT_S, saved = 0.2, worker_service.HOLD_TIMEOUT_S
@@ -330,5 +333,8 @@ def test_a_plan_made_ahead_of_a_failed_step_fails_too(tiny_llama_dir: Path) -> N
         calls[0].future.result()
     with pytest.raises(StepOrderError, match="step 10, which failed"):
         calls[1].future.result()
-    with pytest.raises(StepOrderError, match="never reached"):
+    with pytest.raises(StepOrderError, match="a reset .step 1. came first"):
         calls[2].future.result()
+    assert calls[3].future.result().step_id == 1
+    with pytest.raises(StepOrderError, match="never reached"):
+        calls[4].future.result()
