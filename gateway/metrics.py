@@ -59,6 +59,10 @@ class GatewayMetrics:
                                     namespace=ns, registry=r)
         self.prefix_hits = Gauge("prefix_cache_hits", "Prompt tokens found in the prefix cache (monotonic)",
                                  namespace=ns, registry=r)
+        self.steps = Gauge("engine_steps", "Engine steps planned (monotonic; the most of any replica)",
+                           namespace=ns, registry=r)
+        self.steps_ahead = Gauge("engine_steps_planned_ahead", "Of those, steps planned while the step before was "
+                                 "in flight (async_scheduling; summed over replicas, monotonic)", namespace=ns, registry=r)
         self.workers_up = Gauge("workers_up", "Workers answering the scheduler", namespace=ns, registry=r)
         self.scheduler_up = Gauge("scheduler_up", "1 when the last GetStats succeeded", namespace=ns, registry=r)
 
@@ -75,6 +79,8 @@ class GatewayMetrics:
         self.usage.set(pool.usage)
         self.prefix_queries.set(pool.prefix_cache_queries)
         self.prefix_hits.set(pool.prefix_cache_hits)
+        self.steps.set(pool.steps)
+        self.steps_ahead.set(pool.steps_planned_ahead)
         self.workers_up.set(service.num_workers_up)
 
     def exposition(self) -> bytes:

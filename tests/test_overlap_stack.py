@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
@@ -72,6 +73,8 @@ def test_overlap_gives_the_same_streams_as_one_step_at_a_time(tiny_llama_dir: Pa
             assert idle.used_blocks == 0
             ahead = pool(stack).steps_planned_ahead
             assert (ahead > 0) == (overlap == "true"), ahead
+            metrics = httpx.get(f"{stack.http_url}/metrics", timeout=10).text
+            assert f"hetero_engine_steps_planned_ahead {float(ahead)}" in metrics
     assert len(results["true"]) == 9  # 8 requests, one with n = 2
     assert results["true"][("r1", 0)][2] == common_pb2.FINISH_REASON_STOP  # ended by the stop id, unforeseen
     assert results["true"] == results["false"]
