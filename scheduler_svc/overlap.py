@@ -26,8 +26,9 @@ from typing import Protocol
 
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.token_output import count_in_flight
 
-PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
+DECODE = SequenceStatus.DECODE
 PLACEHOLDER = -1  # a token id no vocabulary has: never sent to a worker (admission waits for the real one)
 
 
@@ -53,15 +54,7 @@ def can_plan_ahead(s: Scheduler) -> bool:
 def assume_in_flight(s: Scheduler) -> None:
     """Take the step in flight as done: tokens computed, a placeholder for each token it samples."""
     step = s.step_id
-    caching, bs = s.kv_cache.enable_prefix_caching, s.block_size
-    register_full_blocks = s.kv_cache.register_full_blocks
-    for seq, n in s._in_flight:  # its entries but the fast decodes, as process_result counts them
-        status = seq.status
-        if status is DECODE or status is PREFILL:  # not finished or preempted since
-            computed = seq.num_computed = seq.num_computed + n
-            if caching and computed >= (seq.num_registered + 1) * bs:
-                register_full_blocks(seq)
-    s._in_flight = []
+    count_in_flight(s)  # its entries but the fast decodes, as process_result counts them
     s._assumed_step = step
     last_model_len = s.max_model_len - 1
     for seq in s.running:

@@ -326,8 +326,8 @@ class Replica:
     async def _settle(self) -> None:
         """Wait for a step sent ahead and apply its result, so that a lifecycle change (suspend, retire,
         a probe) finds no step in flight. Called with the lock held."""
-        while self._ahead is not None and self._core is not None and self.up:
-            await self._step(self._core, plan_ahead=False)
+        if self._ahead is not None and self._core is not None and self.up:
+            await self._step(self._core, plan_ahead=False)  # takes _ahead, plans nothing new
         self._ahead = None
 
     async def _step(self, core: Scheduler, plan_ahead: bool = True) -> bool:

@@ -136,23 +136,28 @@ class Scheduler(Protocol):
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
 
 
+def count_in_flight(s: Scheduler) -> None:
+    """The last plan's entries but its fast decodes (schedule(): those are not in _in_flight) as computed, full
+    blocks offered to the prefix cache, in plan order: when its result arrives, before any row frees blocks,
+    or when the next step is planned ahead of it (overlap.py)."""
+    caching, bs = s.kv_cache.enable_prefix_caching, s.block_size
+    register_full_blocks = s.kv_cache.register_full_blocks
+    for seq, n in s._in_flight:
+        status = seq.status
+        if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
+            computed = seq.num_computed = seq.num_computed + n
+            if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
+                register_full_blocks(seq)
+    s._in_flight = []
+
+
 def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutput]:
     """`Scheduler.process_result`: apply one step's sampled tokens; return per-sample outputs (finished ones
     included)."""
     now = time.time()
-    caching, bs = s.kv_cache.enable_prefix_caching, s.block_size
-    register_full_blocks = s.kv_cache.register_full_blocks
-    # The step's entries but its fast decodes (schedule(): those are not in _in_flight): tokens computed,
-    # full blocks offered to the prefix cache, in plan order, before any row below frees blocks.
-    # A step planned ahead of (overlap.py) had all this done then, and _in_flight is the next step's.
+    # A step planned ahead of (overlap.py) was counted then, and _in_flight is the next step's.
     if result.step_id != s._assumed_step:
-        for seq, n in s._in_flight:
-            status = seq.status
-            if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
-                computed = seq.num_computed = seq.num_computed + n
-                if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
-                    register_full_blocks(seq)
-        s._in_flight = []
+        count_in_flight(s)
     if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
         return process_rows(s, result, now)
     # The common step: tokens only. A decode whose token neither can end it (no stop or EOS id, under its
@@ -172,18 +177,16 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
             continue  # aborted while the step ran
         if seq.status is DECODE and seq.first_output_sent:
             token_ids = seq.token_ids
-            if seq.awaiting_token:  # planned ahead (overlap.py): the token takes its placeholder's place
-                num = len(token_ids) - 1
-                simple = num < seq.last_len and num < last_model_len and token not in maybe_stop
-                if simple:
+            awaiting = seq.awaiting_token  # planned ahead (overlap.py): the token takes its placeholder's place
+            num = len(token_ids) - 1 if awaiting else len(token_ids)
+            if not awaiting:
+                seq.num_computed = num
+            if num < seq.last_len and num < last_model_len and token not in maybe_stop:
+                if awaiting:
                     token_ids[num] = token
                     seq.awaiting_token = False
-            else:
-                num = seq.num_computed = len(token_ids)
-                simple = num < seq.last_len and num < last_model_len and token not in maybe_stop
-                if simple:
+                else:
                     token_ids.append(token)
-            if simple:
                 out = new(TokenOutput)  # its own four fields on a bare instance, the rest class defaults
                 out.request_id = seq.request_id
                 out.token_ids = [token]

@@ -26,7 +26,7 @@ from hetero_common.errors import ExecutionError, StepOrderError
 from scheduler_svc.overlap import PLACEHOLDER
 from scheduler_svc.scheduler import Scheduler, plan_needs_worker
 from tests.scheduler_driver import answer, make, params
-from tests.test_kv_cache_properties import EOS, PREFIXES, PaperWorker, check_invariants
+from tests.test_kv_cache_properties import EOS, PREFIXES, PaperWorker, check_invariants, worker_kv_garbage
 
 BLOCK, NUM_BLOCKS = 4, 24
 STOP = 5  # one of the tokens PaperWorker samples (3..7)
@@ -169,8 +169,7 @@ def test_planning_ahead_keeps_tokens_and_blocks_right(operations, policy, mode, 
                 d.finished[(rid, index)] = common_pb2.FINISH_REASON_ABORT
         elif op[0] == "evict":
             taken = d.s.kv_cache.pool.allocate(min(op[1], d.s.kv_cache.pool.num_free))
-            for b in taken:
-                d.worker.kv[b] = [-1] * BLOCK
+            worker_kv_garbage(d.worker, taken)
             d.s.kv_cache.pool.release(taken)
         elif op[0] == "suspend":  # the replica settles the step in flight first
             d.settle()
