@@ -38,6 +38,8 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, argtypes)
     "decode_attention_bf16": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i32, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _f32]),
+    "decode_attention_bf16_generic": (ctypes.c_int, [_p, _i64, _p, _p, _p, _i32, _p, _p, _i64, _i32, _i32, _i32, _i32, _i32, _f32]),
+    "decode_attention_bf16_vectorized": (ctypes.c_int, [_i32, _i32]),
     "add_rms_norm_bf16": (None, [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i32, _f32]),
     "rope_bf16": (None, [_p, _i64, _i64, _i32, _i32, _p, _p, _p]),
     "silu_mul_bf16": (None, [_p, _i64, _p, _i64, _i64, _i32]),

@@ -20,11 +20,15 @@ needs_kernel = pytest.mark.skipif(REASON is not None and os.environ.get("CI") !=
                                   reason=f"the C kernel cannot be built here: {REASON}")
 
 
-def decode_case(lens: list[int], hq: int, hkv: int, d: int, block_size: int, seed: int = 0):
-    """A bf16 HND cache holding len K/V rows per sequence in shuffled pages, one query per sequence."""
+def decode_case(lens: list[int], hq: int, hkv: int, d: int, block_size: int, seed: int = 0,
+                fill: float | None = None):
+    """A bf16 HND cache holding len K/V rows per sequence in shuffled pages, one query per sequence;
+    `fill`: the value of every slot no sequence wrote."""
     torch.manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lens) + 7
     cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.bfloat16, "cpu", "HND")[0]
+    if fill is not None:
+        cache.fill_(fill)
     free = list(np.random.default_rng(seed).permutation(num_blocks))
     tables, keys, values = [], [], []
     for n in lens:
@@ -51,9 +55,9 @@ def run_backend(kernel: str, cache, table, q) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
-@pytest.mark.parametrize("head_dim", [8, 64])
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
 def test_c_decode_matches_dense_float32(block_size: int, heads: tuple[int, int], head_dim: int) -> None:
     lens = [1, 9, 33, 16, 250]
     cache, table, q, keys, values = decode_case(lens, heads[0], heads[1], head_dim, block_size)
@@ -64,6 +68,39 @@ def test_c_decode_matches_dense_float32(block_size: int, heads: tuple[int, int],
         # float32 inside, one bfloat16 rounding at the end: closer to the reference than the torch path.
         torch.testing.assert_close(out[i:i + 1].float(), ref, rtol=1e-2, atol=1e-2)
         assert (out[i:i + 1].float() - ref).abs().max() <= (torch_path[i:i + 1].float() - ref).abs().max() + 1e-2
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_vector_path_matches_the_plain_loops_and_ignores_slots_past_the_length(head_dim: int,
+                                                                               block_size: int) -> None:
+    """Where the CPU has AVX512-BF16 the kernel takes its vector path for these sizes (16 keys at a
+    time, reading a page's slots past the sequence's length): it must agree with the plain loops,
+    and the NaNs in the unwritten slots must not reach any output."""
+    library = native_lib.load()
+    lens = [1, 15, 16, 17, 40, 250]
+    cache, table, q, keys, values = decode_case(lens, 9, 3, head_dim, block_size, seed=3, fill=float("nan"))
+    backend = TorchPagedAttention(9, 3, head_dim, decode_kernel="c")
+    backend.plan(table)
+    out = backend.run(q, cache)
+    assert not out.isnan().any()
+    for i, n in enumerate(lens):
+        ref = dense_attention(q[i:i + 1].float(), keys[i].float(), values[i].float(), n - 1)
+        torch.testing.assert_close(out[i:i + 1].float(), ref, rtol=1e-2, atol=1e-2)
+    if not library.decode_attention_bf16_vectorized(head_dim, block_size):
+        pytest.skip("this CPU has no AVX512-BF16: only the plain loops exist here (checked above)")
+    pages = torch.from_numpy(np.stack([np.pad(table.kv_indices[table.kv_indptr[i]:table.kv_indptr[i + 1]].numpy(),
+                                              (0, 16)) [:16] for i in range(len(lens))])).to(torch.int32).contiguous()
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    rows = torch.arange(len(lens), dtype=torch.int64)
+    plain = torch.empty_like(q.contiguous())
+    assert library.decode_attention_bf16_generic(
+        q.data_ptr(), q.stride(0), rows.data_ptr(), cache.data_ptr(), pages.data_ptr(), pages.shape[1],
+        kv_lens.data_ptr(), plain.data_ptr(), plain.stride(0), len(lens), 9, 3, head_dim, block_size,
+        head_dim ** -0.5) == 0
+    # Same float32 math in another order, one bfloat16 rounding: at most a unit or two of the last place.
+    torch.testing.assert_close(out.float(), plain.float(), rtol=2e-2, atol=2e-3)
 
 
 @needs_kernel

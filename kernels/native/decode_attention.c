@@ -7,9 +7,22 @@
  * after torch, so its libgomp.so.1 dependency resolves to the copy torch already loaded.
  *
  * Every sequence's result depends only on its own inputs, never on the rest of the batch.
- * Plain C loops written for the compiler to vectorize (-O3 -march=native -ffast-math, at compile only: kernels/native_lib.py).
+ *
+ * Two implementations of the same function:
+ * - plain C loops written for the compiler to vectorize (-O3 -march=native -ffast-math, at compile
+ *   only: kernels/native_lib.py), for any head size and block size;
+ * - on CPUs with AVX512-BF16 (chosen at compile time by -march=native), head size 64 or 128 and
+ *   block sizes that are multiples of 16: q.k with the bf16 dot-product instruction (float32
+ *   accumulation, 16 keys at a time, their sums by one transpose-and-add tree), and each V row
+ *   widened to float32 once for all G query heads, whose accumulators stay in registers. 2.3x
+ *   the plain loops on SmolLM2's shapes (9/3 heads of 64, batch 32, ~150 cached tokens), on an
+ *   AMD EPYC with avx512_bf16. Only the order of the float32 additions differs.
  */
 #include <float.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,7 +36,7 @@
 /* q: the step's query rows, row r of sequence b at q + q_rows[b] * q_row_stride, its heads D apart.
  * cache: one layer [blocks, 2, Hkv, bs, D]. pages: [B, max_pages] page ids. kv_lens: [B].
  * out: rows like q (out_row_stride), heads D apart. Returns 0, or -1 for unsupported sizes. */
-int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+int decode_attention_bf16_generic(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                           const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                           uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
                           int num_kv_heads, int head_dim, int block_size, float scale) {
@@ -101,4 +114,195 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
         free(scores);
     }
     return failed ? -2 : 0;
+}
+
+#ifdef HAVE_AVX512_BF16
+/* Lane i of the result is the sum of a[i]'s 16 lanes: a transpose-and-add tree, 45 instructions
+ * for 16 sums where 16 separate horizontal reductions take about 130. */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++)  /* pairs of vectors: per 128-bit lane, two partial sums of each */
+        b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {  /* per 128-bit lane, one partial sum of each of 4 vectors */
+        __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+        c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int k = 0; k < 2; k++)  /* the four 128-bit lanes added pairwise, then once more */
+        d[k] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* One (sequence, KV head): its G query heads (q0, G rows of DIM) over the len cached tokens, into
+ * out0. DIM is a constant at each call (inlined), so the loops unroll and accumulators stay in
+ * registers. scores: G * round_up(len, 16) floats; wide: 16 * DIM floats, 64-byte aligned. */
+static inline __attribute__((always_inline)) void attend(
+    const int DIM, const uint16_t *q0, const uint16_t *cache, const int32_t *seq_pages, int len, int h,
+    int num_kv_heads, int block_size, int group, float scale, float *scores, float *wide, uint16_t *out0) {
+    const int NQ = DIM / 32, NV = DIM / 16;  /* bf16 vectors per q row; float32 vectors per V row */
+    const int64_t run = (int64_t)block_size * DIM;
+    const int stride = (len + 15) / 16 * 16;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    /* Scores, 16 keys at a time, for every query head while those keys are in L1. Keys of the last
+     * chunk past len are still inside the page (block_size is a multiple of 16): their lanes are
+     * computed and never read. The pages are scattered, so the hardware prefetcher cannot see the
+     * next one coming: the next chunk's keys and this chunk's values are prefetched by hand. */
+    __m512bh qv[MAX_GROUP][4];
+    for (int g = 0; g < group; g++)
+        for (int j = 0; j < NQ; j++) qv[g][j] = (__m512bh)_mm512_loadu_si512(q0 + (int64_t)g * DIM + 32 * j);
+    const int chunk_bytes = 16 * DIM * 2;
+    for (int t0 = 0; t0 < len; t0 += block_size) {  /* the whole item toward L2 first: its pages' misses overlap */
+        const int64_t page = seq_pages[t0 / block_size];
+        const char *k_page = (const char *)(cache + (page * 2 * num_kv_heads + h) * run);
+        const char *v_page = (const char *)(cache + ((page * 2 + 1) * num_kv_heads + h) * run);
+        const int bytes = (len - t0 < block_size ? len - t0 : block_size) * DIM * 2;
+        for (int line = 0; line < bytes; line += 64) _mm_prefetch(k_page + line, _MM_HINT_T1);
+        for (int line = 0; line < bytes; line += 64) _mm_prefetch(v_page + line, _MM_HINT_T1);
+    }
+    for (int t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t page = seq_pages[t0 / block_size];
+        const uint16_t *k_page = cache + (page * 2 * num_kv_heads + h) * run;
+        const uint16_t *v_page = cache + ((page * 2 + 1) * num_kv_heads + h) * run;
+        const int n = len - t0 < block_size ? len - t0 : block_size;
+        for (int c0 = 0; c0 < n; c0 += 16) {
+            const int next = c0 + 16 < n ? -1 : t0 + block_size;  /* the next chunk is on another page */
+            const char *next_keys = (const char *)(next < 0 ? k_page + (int64_t)(c0 + 16) * DIM
+                                    : next < len ? cache + ((int64_t)seq_pages[next / block_size] * 2 * num_kv_heads + h) * run
+                                    : NULL);
+            const char *values = (const char *)(v_page + (int64_t)c0 * DIM);
+            for (int line = 0; line < chunk_bytes; line += 64) {
+                if (next_keys) _mm_prefetch(next_keys + line, _MM_HINT_T0);
+                _mm_prefetch(values + line, _MM_HINT_T1);
+            }
+            for (int g = 0; g < group; g++) {
+                __m512 dots[16];
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) {
+                    const uint16_t *k = k_page + (int64_t)(c0 + i) * DIM;
+                    __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 4
+                    for (int j = 0; j < NQ; j++)
+                        acc = _mm512_dpbf16_ps(acc, qv[g][j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+                    dots[i] = acc;
+                }
+                _mm512_storeu_ps(scores + g * stride + t0 + c0, _mm512_mul_ps(sum16(dots), vscale));
+            }
+        }
+    }
+    float inv_sum[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        float *s = scores + g * stride;
+        float m = -FLT_MAX, sum = 0.0f;
+        for (int t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
+        for (int t = 0; t < len; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        inv_sum[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+    /* Weighted sum of V: 16 rows widened to float32 once, then each head's accumulators over them. */
+    __m512 acc[MAX_GROUP][8];
+    for (int g = 0; g < group; g++)
+        for (int j = 0; j < NV; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < len; t0 += block_size) {
+        const uint16_t *v_page = cache + (((int64_t)seq_pages[t0 / block_size] * 2 + 1) * num_kv_heads + h) * run;
+        const int n = len - t0 < block_size ? len - t0 : block_size;
+        for (int c0 = 0; c0 < n; c0 += 16) {
+            const int m = n - c0 < 16 ? n - c0 : 16;  /* only rows below len: others may hold any bits */
+            for (int i = 0; i < m; i++)
+#pragma GCC unroll 8
+                for (int j = 0; j < NV; j++)
+                    _mm512_store_ps(wide + i * DIM + 16 * j, bf16x16_to_f32(v_page + (int64_t)(c0 + i) * DIM + 16 * j));
+            for (int g = 0; g < group; g++) {
+                const float *p = scores + g * stride + t0 + c0;
+                __m512 r[8];
+#pragma GCC unroll 8
+                for (int j = 0; j < NV; j++) r[j] = acc[g][j];
+                for (int i = 0; i < m; i++) {
+                    const __m512 pi = _mm512_set1_ps(p[i]);
+#pragma GCC unroll 8
+                    for (int j = 0; j < NV; j++) r[j] = _mm512_fmadd_ps(pi, _mm512_load_ps(wide + i * DIM + 16 * j), r[j]);
+                }
+#pragma GCC unroll 8
+                for (int j = 0; j < NV; j++) acc[g][j] = r[j];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        uint16_t *o = out0 + (int64_t)g * DIM;
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int j = 0; j < NV; j++) {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g][j], inv));
+            for (int d = 0; d < 16; d++) o[16 * j + d] = f32_to_bf16(tmp[d]);
+        }
+    }
+}
+
+static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+                                        const uint16_t *cache, const int32_t *pages, int max_pages,
+                                        const int32_t *kv_lens, uint16_t *out, int64_t out_row_stride, int num_seqs,
+                                        int num_kv_heads, int group, int head_dim, int block_size, float scale) {
+    int max_len = 0;
+    for (int b = 0; b < num_seqs; b++) max_len = kv_lens[b] > max_len ? kv_lens[b] : max_len;
+    const size_t score_floats = (size_t)group * (size_t)((max_len + 15) / 16 * 16);
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* scores, then the 64-byte aligned rows of widened V */
+        float *scores = aligned_alloc(64, sizeof(float) * ((score_floats + 15) / 16 * 16 + 16 * (size_t)head_dim));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float *wide = scores + (score_floats + 15) / 16 * 16;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < num_seqs * num_kv_heads; item++) {
+            if (!scores) continue;
+            const int b = item / num_kv_heads, h = item % num_kv_heads;
+            const uint16_t *q0 = q + q_rows[b] * q_row_stride + (int64_t)h * group * head_dim;
+            uint16_t *out0 = out + q_rows[b] * out_row_stride + (int64_t)h * group * head_dim;
+            const int32_t *seq_pages = pages + (int64_t)b * max_pages;
+            if (head_dim == 64)
+                attend(64, q0, cache, seq_pages, kv_lens[b], h, num_kv_heads, block_size, group, scale, scores, wide, out0);
+            else
+                attend(128, q0, cache, seq_pages, kv_lens[b], h, num_kv_heads, block_size, group, scale, scores, wide, out0);
+        }
+        free(scores);
+    }
+    return failed ? -2 : 0;
+}
+#endif
+
+/* Whether decode_attention_bf16 takes the AVX512-BF16 path for these sizes (1) or the plain loops (0). */
+int decode_attention_bf16_vectorized(int head_dim, int block_size) {
+#ifdef HAVE_AVX512_BF16
+    return (head_dim == 64 || head_dim == 128) && block_size % 16 == 0;
+#else
+    (void)head_dim, (void)block_size;
+    return 0;
+#endif
+}
+
+/* The kernel: the AVX512-BF16 path where it applies, else the plain loops. Same arguments as above. */
+int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+                          const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
+                          uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
+                          int num_kv_heads, int head_dim, int block_size, float scale) {
+#ifdef HAVE_AVX512_BF16
+    const int group = num_qo_heads / num_kv_heads;
+    if (decode_attention_bf16_vectorized(head_dim, block_size) && group <= MAX_GROUP
+        && group * num_kv_heads == num_qo_heads)
+        return decode_attention_avx512_bf16(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out,
+                                            out_row_stride, num_seqs, num_kv_heads, group, head_dim, block_size,
+                                            scale);
+#endif
+    return decode_attention_bf16_generic(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out,
+                                         out_row_stride, num_seqs, num_qo_heads, num_kv_heads, head_dim,
+                                         block_size, scale);
 }
