@@ -11,13 +11,19 @@ instead of MKL and gains 2-3x. bfloat16 results are bit-identical to `F.linear`'
 results differ from MKL's in the last bits (another kernel). The float32 oracle tests stay
 token-exact against `transformers` with it; `weight_prepack: false` gives MKL's own products.
 
-`weight_prepack` in the config turns it off; CUDA weights are never packed.
+On CPUs with AVX512-BF16 and no AMX, bfloat16 weights are packed for the C kernel of
+kernels/native_linear.py instead (`native=True`), which is faster than oneDNN there.
+
+`weight_prepack` in the config turns packing off; CUDA weights are never packed.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import native_linear
+from kernels.native_linear import NativePackedWeight
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -26,13 +32,19 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The [out, in] weight in oneDNN's blocked layout (an opaque tensor with the same shape)."""
+def pack_weight(weight: torch.Tensor, native: bool = False) -> torch.Tensor | NativePackedWeight:
+    """The [out, in] weight in oneDNN's blocked layout (an opaque tensor with the same shape), or
+    (`native`, bfloat16 only) in the C kernel's (native_linear.unavailable_reason must be None)."""
+    if native:
+        return native_linear.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | NativePackedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a plain or a packed weight."""
+    if type(weight) is NativePackedWeight:
+        return native_linear.linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -50,9 +50,11 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
+                 native_linear: bool = False,
                  fused: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
-        gpu_worker/linear.py); the caller checks `prepack_supported`. `fused`: run RMSNorm, RoPE and
+        gpu_worker/linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
+        C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason). `fused`: run RMSNorm, RoPE and
         SiLU·mul through the C kernels (gpu_worker/fused_ops.py) where they are available (bfloat16 CPU)."""
         self.config = config
         self.device = device
@@ -69,7 +71,7 @@ class LlamaModel:
             return tensor.to(device=device, dtype=dtype).contiguous()
 
         def matrix(tensor: torch.Tensor) -> torch.Tensor:
-            return pack_weight(tensor) if prepack else tensor
+            return pack_weight(tensor, native=native_linear) if prepack else tensor
 
         self.embed = w("model.embed_tokens.weight")
         # A tied LM head is packed as its own copy: the embedding lookup needs the plain rows.

@@ -19,7 +19,7 @@ import torch
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
 from gpu_worker.linear import prepack_supported
-from gpu_worker.cpu_setup import configure_cpu_threads, resolve_cpu_dtype
+from gpu_worker.cpu_setup import configure_cpu_threads, cpu_flags, resolve_cpu_dtype
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel
@@ -33,6 +33,7 @@ from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import Sampling, resolve
 from kernels import PageTable, allocate_kv_cache, copy_blocks, create_attention_backend
+from kernels import native_linear
 from kernels.cache_ops import swap_in_blocks, swap_out_blocks
 
 log = structlog.get_logger("gpu_worker.runner")
@@ -84,8 +85,12 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_positions = min(config.max_model_len, mc.max_position_embeddings)
         prepack = config.weight_prepack and prepack_supported(self.device, self.dtype)
+        self.c_linear = prepack and self.dtype == torch.bfloat16 and config.cpu_kernels != "torch"
+        if self.c_linear and (why_not := native_linear.unavailable_reason(cpu_flags())):
+            self.c_linear = False
+            log.info("linear layers through oneDNN, not the C kernel", reason=why_not)
         self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp, prepack=prepack,
-                                fused=config.cpu_kernels != "torch")
+                                native_linear=self.c_linear, fused=config.cpu_kernels != "torch")
         del weights
         elem = torch.empty(0, dtype=self.dtype).element_size()
         kv_heads = self.model.num_kv_heads  # this rank's share
@@ -116,7 +121,7 @@ class ModelRunner:
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
                  c_decode_attention=getattr(self.attention, "native_decode", False) and self.dtype == torch.bfloat16,
-                 c_elementwise=self.model.fused,
+                 c_elementwise=self.model.fused, c_linear=self.c_linear,
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
                  load_seconds=round(time.perf_counter() - started, 2))
 

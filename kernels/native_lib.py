@@ -43,6 +43,10 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, 
     "add_rms_norm_bf16": (None, [_p, _i64, _p, _i64, _p, _p, _i64, _i64, _i32, _f32]),
     "rope_bf16": (None, [_p, _i64, _i64, _i32, _i32, _p, _p, _p]),
     "silu_mul_bf16": (None, [_p, _i64, _p, _i64, _i64, _i32]),
+    "linear_bf16_supported": (ctypes.c_int, []),
+    "linear_bf16_packed_elements": (ctypes.c_int64, [_i32, _i32]),
+    "linear_bf16_pack": (None, [_p, _i32, _i32, _p]),
+    "linear_bf16": (None, [_p, _i64, _p, _p, _p, _i64, _i32, _i32, _i32]),
 }
 
 _lock = threading.Lock()

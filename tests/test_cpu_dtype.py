@@ -27,10 +27,12 @@ TIE_MARGIN = 0.01  # float32 top-1 minus top-2 logit, relative to the top-1 logi
 
 
 def prefill_logits(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], block_size: int = 4,
-                   prepack: bool = False) -> torch.Tensor:
-    """Last-position logits [len(prompts), vocab] of all prompts computed in one batched step."""
+                   prepack: bool = False, native_linear: bool = False) -> torch.Tensor:
+    """Last-position logits [len(prompts), vocab] of all prompts computed in one batched step
+    (`native_linear`: the linear layers through the C kernel, bfloat16)."""
     config, weights = load_checkpoint(model_dir)
-    model = LlamaModel(config, weights, torch.device("cpu"), dtype, max_positions=128, prepack=prepack)
+    model = LlamaModel(config, weights, torch.device("cpu"), dtype, max_positions=128,
+                       prepack=prepack or native_linear, native_linear=native_linear)
     pages = [(len(p) + block_size - 1) // block_size for p in prompts]
     starts = np.concatenate([[0], np.cumsum(pages)])
     tables = [np.arange(s, s + n, dtype=np.int32) for s, n in zip(starts, pages)]

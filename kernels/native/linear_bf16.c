@@ -1,0 +1,143 @@
+/* bfloat16 linear layers (x @ W^T + bias) for CPUs with AVX512-BF16 and no AMX (gpu_worker/linear.py).
+ *
+ * oneDNN's kernels for these CPUs leave much of the bf16 dot-product unit idle at the row counts of
+ * decoding (1-64 rows). Here the weight is re-laid out once at load into panels of NR = 48 output
+ * features whose K values come in pairs, [N/48][K/2][48][2], so one 64-byte load holds one K pair
+ * for 16 outputs: `vdpbf16ps` multiplies it by a broadcast pair of an input row and adds both
+ * products into 16 float32 sums. A tile of up to 8 rows x 48 outputs keeps its 24 accumulators in
+ * registers over the whole K; the panels are spread over torch's OpenMP threads.
+ *
+ * Measured on an AMD EPYC with avx512_bf16 (2 cores), SmolLM2-135M's products, against oneDNN's
+ * prepacked weights: 1.3x at 1 row (weight streaming: 45 against 33 GB/s), 1.2-1.25x at 32-64 rows,
+ * 1.04x at 1,024. On AMX CPUs oneDNN's tile kernels are several times faster: the caller keeps them.
+ *
+ * Every output row is computed alone, in the same order whatever the other rows: a row's result
+ * does not depend on the batch. Float32 accumulation, one round-to-nearest-even to bfloat16.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+#endif
+
+#define NR 48 /* output features per panel: three 16-float accumulators per row */
+#define MR 8  /* rows per tile */
+
+/* 1 when this build has the kernel (the CPU has AVX512-BF16), else 0: the other functions do nothing. */
+int linear_bf16_supported(void) {
+#ifdef HAVE_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* bfloat16 elements of the packed form of an [n, k] weight: n rounded up to NR, k to even. */
+int64_t linear_bf16_packed_elements(int n, int k) {
+    return (int64_t)((n + NR - 1) / NR) * NR * (int64_t)((k + 1) / 2) * 2;
+}
+
+/* w [n, k] row-major -> wp [n/NR][k/2][NR][2], zero-padded in both dimensions. */
+void linear_bf16_pack(const uint16_t *w, int n, int k, uint16_t *wp) {
+    const int panels = (n + NR - 1) / NR, k2s = (k + 1) / 2;
+    memset(wp, 0, sizeof(uint16_t) * (size_t)linear_bf16_packed_elements(n, k));
+#pragma omp parallel for schedule(static)
+    for (int p = 0; p < panels; p++)
+        for (int k2 = 0; k2 < k2s; k2++)
+            for (int j = 0; j < NR && p * NR + j < n; j++) {
+                const uint16_t *src = w + (int64_t)(p * NR + j) * k + 2 * k2;
+                uint16_t *dst = wp + (((int64_t)p * k2s + k2) * NR + j) * 2;
+                dst[0] = src[0];
+                dst[1] = 2 * k2 + 1 < k ? src[1] : 0;
+            }
+}
+
+#ifdef HAVE_AVX512_BF16
+/* rows (a constant at each call, inlined) x one panel of NR outputs; `cols`: how many of the NR exist. */
+static inline __attribute__((always_inline)) void tile(const int rows, const uint16_t *a, int64_t lda,
+                                                        const uint16_t *panel, const uint16_t *bias, uint16_t *c,
+                                                        int64_t ldc, int k, int cols) {
+    __m512 acc[MR][3];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 3; j++) acc[m][j] = _mm512_setzero_ps();
+    const int pairs = k / 2;
+#pragma GCC unroll 4
+    for (int k2 = 0; k2 < pairs; k2++) {
+        const uint16_t *wk = panel + (int64_t)k2 * NR * 2;
+        const char *ahead = (const char *)(wk + 16 * NR * 2);  /* 16 pairs on: 3 KB, 3 lines per pair */
+        _mm_prefetch(ahead, _MM_HINT_T0);
+        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        _mm_prefetch(ahead + 128, _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                       w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            int32_t pair;
+            memcpy(&pair, a + m * lda + 2 * k2, sizeof pair);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], x, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, w1);
+            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], x, w2);
+        }
+    }
+    if (k & 1) {  /* the last K value alone: its pair's second half is zero in the weight and here */
+        const uint16_t *wk = panel + (int64_t)pairs * NR * 2;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                       w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+        for (int m = 0; m < rows; m++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int32_t)a[m * lda + k - 1]);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], x, w0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, w1);
+            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], x, w2);
+        }
+    }
+    __m512 b[3];
+    __mmask16 keep[3];
+    for (int j = 0; j < 3; j++) {
+        const int valid = cols - 16 * j < 0 ? 0 : cols - 16 * j > 16 ? 16 : cols - 16 * j;
+        keep[j] = (__mmask16)((1u << valid) - 1u);
+        b[j] = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep[j], bias + 16 * j)), 16))
+                    : _mm512_setzero_ps();
+    }
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < 3; j++)
+            _mm256_mask_storeu_epi16(c + m * ldc + 16 * j, keep[j],
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b[j])));
+}
+#endif
+
+/* c[m, :n] = a[m, :k] @ W^T (+ bias) for m < rows. a: rows lda apart; wp: linear_bf16_pack's output;
+ * bias: [n] or NULL; c: rows ldc apart. */
+void linear_bf16(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
+                 int64_t ldc, int rows, int n, int k) {
+#ifdef HAVE_AVX512_BF16
+    const int panels = (n + NR - 1) / NR;
+    const int64_t panel_elements = (int64_t)((k + 1) / 2) * NR * 2;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n * k >= 65536)
+    for (int p = 0; p < panels; p++) {
+        const uint16_t *panel = wp + p * panel_elements;
+        const uint16_t *pb = bias ? bias + p * NR : NULL;
+        uint16_t *cp = c + p * NR;
+        const int cols = n - p * NR < NR ? n - p * NR : NR;
+        int m = 0;
+        for (; m + MR <= rows; m += MR) tile(MR, a + m * lda, lda, panel, pb, cp + m * ldc, ldc, k, cols);
+        const uint16_t *am = a + m * lda;
+        uint16_t *cm = cp + m * ldc;
+        switch (rows - m) {  /* the last rows, with a tile of their own size */
+            case 7: tile(7, am, lda, panel, pb, cm, ldc, k, cols); break;
+            case 6: tile(6, am, lda, panel, pb, cm, ldc, k, cols); break;
+            case 5: tile(5, am, lda, panel, pb, cm, ldc, k, cols); break;
+            case 4: tile(4, am, lda, panel, pb, cm, ldc, k, cols); break;
+            case 3: tile(3, am, lda, panel, pb, cm, ldc, k, cols); break;
+            case 2: tile(2, am, lda, panel, pb, cm, ldc, k, cols); break;
+            case 1: tile(1, am, lda, panel, pb, cm, ldc, k, cols); break;
+            default: break;
+        }
+    }
+#else
+    (void)a, (void)lda, (void)wp, (void)bias, (void)c, (void)ldc, (void)rows, (void)n, (void)k;
+#endif
+}

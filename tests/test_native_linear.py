@@ -1,0 +1,82 @@
+"""The C bfloat16 linear kernel (kernels/native_linear.py) against float32 products of the same
+bfloat16 inputs, its batch invariance, its padding of odd sizes, and the tiny models' logits through
+it against float32. Where the CPU has no AVX512-BF16 (or has AMX) the kernel is not used: skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.cpu_setup import cpu_flags
+from gpu_worker.linear import linear, pack_weight
+from kernels import native_linear
+from kernels.native_linear import NativePackedWeight
+from tests.oracle import make_prompts
+from tests.test_cpu_dtype import REL_TOL, prefill_logits
+
+REASON = native_linear.unavailable_reason(cpu_flags())
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the C linear kernel is not used here: {REASON}")
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.float() @ weight.float().T
+    return out if bias is None else out + bias.float()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (47, 7), (48, 64), (100, 577), (960, 576)])
+def test_matches_float32_products(rows: int, out_features: int, in_features: int) -> None:
+    torch.manual_seed(rows * 1000 + out_features + in_features)
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    packed = pack_weight(weight, native=True)
+    assert type(packed) is NativePackedWeight and tuple(packed.shape) == (out_features, in_features)
+    wide = torch.randn(rows, 2 * in_features + 3).to(torch.bfloat16)
+    for x in (torch.randn(rows, in_features).to(torch.bfloat16), wide[:, 3:3 + in_features]):  # plain, strided rows
+        for b in (None, bias):
+            got, want = linear(x, packed, b), reference(x, weight, b)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+            # float32 sums, one bfloat16 rounding: within a unit of the last place (2^-8 relative) or so.
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+
+
+def test_rows_do_not_depend_on_the_batch() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(200, 96).to(torch.bfloat16)
+    packed = pack_weight(weight, native=True)
+    x = torch.randn(21, 96).to(torch.bfloat16)
+    together = linear(x, packed)
+    for i in (0, 7, 8, 20):  # first and last rows of full tiles of 8, and the odd tile
+        assert torch.equal(linear(x[i:i + 1], packed), together[i:i + 1])
+    assert torch.equal(linear(x[3:17], packed), together[3:17])
+
+
+def test_leading_dimensions_and_empty_input() -> None:
+    weight = torch.randn(50, 16).to(torch.bfloat16)
+    packed = pack_weight(weight, native=True)
+    x = torch.randn(2, 3, 16).to(torch.bfloat16)
+    torch.testing.assert_close(linear(x, packed).float(), reference(x, weight, None), rtol=8e-3, atol=8e-3)
+    assert linear(torch.empty(0, 16, dtype=torch.bfloat16), packed).shape == (0, 50)
+
+
+def test_refuses_what_it_cannot_compute() -> None:
+    with pytest.raises(ValueError, match="bfloat16 weight"):
+        pack_weight(torch.randn(4, 4), native=True)
+    packed = pack_weight(torch.randn(4, 4).to(torch.bfloat16), native=True)
+    with pytest.raises(ValueError, match="does not fit"):
+        linear(torch.randn(2, 4), packed)
+    with pytest.raises(ValueError, match="does not fit"):
+        linear(torch.randn(2, 5).to(torch.bfloat16), packed)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_model_logits_close_to_float32_and_to_onednn(model_fixture: str, request: pytest.FixtureRequest) -> None:
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = make_prompts()
+    exact = prefill_logits(model_dir, torch.float32, prompts)
+    onednn = prefill_logits(model_dir, torch.bfloat16, prompts, prepack=True)
+    native = prefill_logits(model_dir, torch.bfloat16, prompts, native_linear=True)
+    for fast in (onednn, native):
+        rel = (fast - exact).norm(dim=-1) / exact.norm(dim=-1)
+        assert float(rel.max()) < REL_TOL, rel
+    assert torch.equal(native.argmax(-1), exact.argmax(-1))
