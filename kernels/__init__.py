@@ -63,7 +63,7 @@ def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, he
                                         dtype=dtype or torch.bfloat16, workspace=workspace)
     if device.type == "cuda":
         log.warning("attention on CUDA uses the torch reference (slow)", reason=reason)
-    return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device, decode_kernel=decode_kernel)
+    return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device, decode_kernel=decode_kernel, dtype=dtype)
 
 
 __all__ = ["AttentionBackend", "PageTable", "TorchPagedAttention", "allocate_kv_cache", "convert_layout", "copy_blocks",

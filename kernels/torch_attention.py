@@ -4,11 +4,13 @@ Its cache is in the HND layout (kernels/cache_ops.py): one head's slots of a blo
 contiguous [block_size, head_dim] run. `plan()` once per step turns the page table into row
 indices of those runs; `run()` once per layer gathers them with one `index_select` per K and V
 straight into [sequence, head, token, head_dim] order, which the matmuls read in place.
-Decode sequences (one query token) are batched into one padded gather and two batched
-matmuls, or, for a bfloat16 cache on the CPU, go through the C kernel that reads the pages in
-place (kernels/native_decode.py, `cpu_kernels`); sequences with several query tokens (prompt
-chunks) run one by one with a causal mask offset by their cached prefix: as two matmuls in
-bfloat16/float16, through SDPA in float32 or when their score matrix would be large.
+For a bfloat16 cache on the CPU, every query row of the step (decodes and prompt chunks alike)
+goes through the C kernel that reads the pages in place (kernels/native_decode.py, `cpu_kernels`):
+a prompt row at position p is a decode over the sequence's first p + 1 cached tokens, which also
+makes it causal. On the paths without it, decode sequences (one query token) are batched into one
+padded gather and two batched matmuls; sequences with several query tokens (prompt chunks) run
+one by one with a causal mask offset by their cached prefix: as two matmuls in bfloat16/float16,
+through SDPA in float32 or when their score matrix would be large.
 """
 
 from __future__ import annotations
@@ -56,8 +58,14 @@ class _DecodePlan:
     v_runs: torch.Tensor  # the V runs: k_runs + Hkv
     num_slots: int  # P * block_size
     mask: torch.Tensor  # additive mask [Bd, 1, 1, P * block_size]: 0 valid, -inf padding
-    pages: torch.Tensor  # int32 [Bd, P], padded with page 0 (the C kernel's page table)
-    kv_lens: torch.Tensor  # int32 [Bd]
+
+
+@dataclass
+class _NativePlan:
+    """Every query row of the step for the C kernel: row r attends to its sequence's first kv_lens[r] tokens."""
+    rows: torch.Tensor  # int64 [T]: 0..T-1
+    pages: torch.Tensor  # int32 [T, P]: each row's sequence's pages, padded with page 0
+    kv_lens: torch.Tensor  # int32 [T]
     max_page: int  # the largest page id: the C kernel reads pages unchecked, so run() checks this once
 
 
@@ -84,10 +92,10 @@ class TorchPagedAttention:
     kv_layout = "HND"
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
-                 decode_kernel: str = "torch") -> None:
-        """`decode_kernel` (config `cpu_kernels`): "c" runs bfloat16 decodes on the CPU through the C
-        kernel (kernels/native_decode.py; raises if it cannot be built), "auto" does so where it can be
-        built, "torch" never."""
+                 decode_kernel: str = "torch", dtype: torch.dtype | None = None) -> None:
+        """`decode_kernel` (config `cpu_kernels`): "c" runs a bfloat16 cache's attention on the CPU through
+        the C kernel (kernels/native_decode.py; raises if it cannot be built), "auto" does so where it can
+        be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):
@@ -109,14 +117,20 @@ class TorchPagedAttention:
             raise ValueError("cpu_kernels 'c' cannot be used: "
                              f"{native_lib.unavailable_reason() or 'the CPU kernel does not take these shapes'}; "
                              "use 'auto' or 'torch'")
+        if dtype is not None and dtype != torch.bfloat16:
+            self.native_decode = False  # float32 (the oracle mode) and float16 run the torch code
+        self._native: _NativePlan | None = None
 
     def plan(self, table: PageTable) -> None:
+        self._decode, self._prefills, self._write_rows = None, [], None
+        if self.native_decode:
+            self._native = self._plan_native(table)
+            return
         bs = table.block_size
         qo_indptr = table.qo_indptr.numpy()
         kv_indptr = table.kv_indptr.numpy()
         kv_indices = table.kv_indices.numpy()
         is_decode = table.qo_lens == 1
-        self._decode = None
         decode_ids = np.flatnonzero(is_decode)
         if decode_ids.size:
             num_pages = kv_indptr[decode_ids + 1] - kv_indptr[decode_ids]
@@ -137,11 +151,7 @@ class TorchPagedAttention:
                 v_runs=torch.from_numpy(k_runs + self.num_kv_heads).to(self.device),
                 num_slots=max_pages * bs,
                 mask=mask[:, None, None, :].to(self.device),
-                pages=torch.from_numpy(pages.astype(np.int32)),
-                kv_lens=torch.from_numpy(table.kv_lens[decode_ids].astype(np.int32)),
-                max_page=int(pages.max()),
             )
-        self._prefills = []
         for i in np.flatnonzero(~is_decode):
             q_len, kv_len = int(table.qo_lens[i]), int(table.kv_lens[i])
             mask = None
@@ -152,7 +162,22 @@ class TorchPagedAttention:
             k_runs = _runs(kv_indices[kv_indptr[i]:kv_indptr[i + 1]], self.num_kv_heads).reshape(-1)
             self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(k_runs).to(self.device),
                                               torch.from_numpy(k_runs + self.num_kv_heads).to(self.device), mask))
-        self._write_rows = None
+
+    def _plan_native(self, table: PageTable) -> _NativePlan:
+        qo_indptr, kv_indptr, kv_indices = table.qo_indptr.numpy(), table.kv_indptr.numpy(), table.kv_indices.numpy()
+        num_pages = kv_indptr[1:] - kv_indptr[:-1]
+        col = np.arange(max(int(num_pages.max(initial=0)), 1))
+        valid = col[None, :] < num_pages[:, None]
+        flat = np.where(valid, kv_indptr[:-1, None] + col[None, :], 0)
+        seq_pages = np.where(valid, kv_indices[np.minimum(flat, max(len(kv_indices) - 1, 0))], 0).astype(np.int32)
+        num_rows = int(qo_indptr[-1])
+        seq_of_row = np.repeat(np.arange(len(num_pages)), table.qo_lens)
+        # Row r of a sequence whose last query row is e sees its kv_len minus (e - r) tokens.
+        kv_lens = table.kv_lens[seq_of_row] - (qo_indptr[seq_of_row + 1] - 1 - np.arange(num_rows))
+        return _NativePlan(rows=torch.arange(num_rows, dtype=torch.int64),
+                           pages=torch.from_numpy(np.ascontiguousarray(seq_pages[seq_of_row])),
+                           kv_lens=torch.from_numpy(kv_lens.astype(np.int32)),
+                           max_page=int(seq_pages.max(initial=0)))
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         if self._write_rows is None or self._write_rows[0] is not slots:  # every layer writes the same slots
@@ -168,15 +193,19 @@ class TorchPagedAttention:
             raise ValueError(f"cache shape {tuple(kv_cache.shape)} is not an HND layer cache [blocks, 2, "
                              f"{self.num_kv_heads}, block_size, {self.head_dim}]")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if self.native_decode:
+            d = self._native
+            if d is None or q.dtype != torch.bfloat16 or q.shape[0] != d.rows.shape[0]:
+                raise ValueError(f"the C attention kernel was planned for {0 if d is None else d.rows.shape[0]} "
+                                 f"bfloat16 rows, not {q.dtype} {tuple(q.shape)}")
+            if d.max_page >= kv_cache.shape[0]:
+                raise IndexError(f"page {d.max_page} is outside the cache's {kv_cache.shape[0]} blocks")
+            native_decode.decode_attention(q, d.rows, kv_cache, d.pages, d.kv_lens, out, self.scale)
+            self._new_kv = None
+            return out
         runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)  # [blocks * 2 * Hkv, bs, D]
         if self._decode is not None:
-            if self.native_decode and q.dtype == torch.bfloat16:
-                d = self._decode
-                if d.max_page >= kv_cache.shape[0]:
-                    raise IndexError(f"page {d.max_page} is outside the cache's {kv_cache.shape[0]} blocks")
-                native_decode.decode_attention(q, d.rows, kv_cache, d.pages, d.kv_lens, out, self.scale)
-            else:
-                out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
+            out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
         group = self.num_qo_heads // self.num_kv_heads
         for p in self._prefills:
             if p.mask is None and self._new_kv is not None:  # the whole sequence is new this step

@@ -115,21 +115,37 @@ def test_c_decode_rows_do_not_depend_on_the_batch() -> None:
 
 
 @needs_kernel
-def test_c_decode_in_a_mixed_step_leaves_prompt_rows_to_the_torch_path() -> None:
+@pytest.mark.parametrize("block_size, head_dim", [(4, 8), (16, 64)])
+def test_c_kernel_runs_a_mixed_step_decodes_and_prompt_chunks(block_size: int, head_dim: int) -> None:
+    """Prompt rows go through the C kernel too, each a decode over its sequence's tokens up to its own
+    position: causal, and offset by a cached prefix (sequence 2: 5 cached tokens, a 7-token chunk)."""
     torch.manual_seed(1)
-    cache = allocate_kv_cache(1, 32, 4, 2, 8, torch.bfloat16, "cpu", "HND")[0]
-    # Sequence 0 decodes its 10th token, sequence 1 is a 6-token prompt: rows 0 and 1-6.
-    k, v = torch.randn(16, 2, 8).to(torch.bfloat16), torch.randn(16, 2, 8).to(torch.bfloat16)
-    tables = [np.array([3, 7, 1], dtype=np.int32), np.array([10, 11], dtype=np.int32)]
-    slots = torch.tensor([3 * 4 + i for i in range(4)] + [7 * 4 + i for i in range(4)] + [1 * 4, 1 * 4 + 1]
-                         + [10 * 4 + i for i in range(4)] + [11 * 4, 11 * 4 + 1])
-    write_kv(cache, k, v, slots, "HND")
-    table = PageTable.build(tables, np.array([1, 6]), np.array([10, 6]), 4)
-    q = torch.randn(7, 4, 8).to(torch.bfloat16)
-    c_out, torch_out = run_backend("c", cache, table, q), run_backend("torch", cache, table, q)
-    assert torch.equal(c_out[1:], torch_out[1:])  # the prompt rows: the same torch code
-    ref = dense_attention(q[:1].float(), k[:10].float(), v[:10].float(), 9)
-    torch.testing.assert_close(c_out[:1].float(), ref, rtol=1e-2, atol=1e-2)
+    lens, new = [10, 6, 12], [1, 6, 7]
+    cache = allocate_kv_cache(1, 16, block_size, 2, head_dim, torch.bfloat16, "cpu", "HND")[0]
+    cache.fill_(float("nan"))  # unwritten slots must never be read
+    free = list(np.random.default_rng(1).permutation(16))
+    tables, keys, values = [], [], []
+    for n in lens:
+        table = np.array([free.pop() for _ in range(-(-n // block_size))], dtype=np.int32)
+        k, v = torch.randn(n, 2, head_dim).to(torch.bfloat16), torch.randn(n, 2, head_dim).to(torch.bfloat16)
+        pos = torch.arange(n)
+        write_kv(cache, k, v, torch.from_numpy(table[(pos // block_size).numpy()].astype(np.int64)) * block_size
+                 + pos % block_size, "HND")
+        tables.append(table)
+        keys.append(k)
+        values.append(v)
+    table = PageTable.build(tables, np.array(new), np.array(lens), block_size)
+    q = torch.randn(sum(new), 4, head_dim).to(torch.bfloat16)
+    out = run_backend("c", cache, table, q)
+    start = 0
+    for n, m, k, v in zip(lens, new, keys, values):
+        ref = dense_attention(q[start:start + m].float(), k.float(), v.float(), n - m)
+        torch.testing.assert_close(out[start:start + m].float(), ref, rtol=1e-2, atol=1e-2)
+        start += m
+
+
+def test_a_float32_cache_never_takes_the_c_kernel() -> None:
+    assert not TorchPagedAttention(4, 2, 8, decode_kernel="auto", dtype=torch.float32).native_decode
 
 
 def test_without_a_compiler_auto_falls_back_and_c_refuses(tmp_path) -> None:
