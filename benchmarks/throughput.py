@@ -116,7 +116,8 @@ def main() -> int:
     mc, weights = load_checkpoint(resolve_model_path(args.model))
     del weights
     # What the stack's worker and the engine will pick for `dtype` (auto by default), at this model's width.
-    stack_dtype = str(resolve_dtype(config.dtype, torch.device("cpu"), mc.hidden_size, config.weight_prepack)).removeprefix("torch.")
+    stack_dtype = str(resolve_dtype(config.dtype, torch.device("cpu"), mc.hidden_size, config.weight_prepack,
+                                    config.cpu_kernels)).removeprefix("torch.")
     prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt, mc.vocab_size)
     per_generated, per_prompt = flop_per_token(mc)
     batch_flop = sum(len(p) for p in prompts) * per_prompt + len(prompts) * args.new_tokens * per_generated

@@ -1,10 +1,11 @@
 """CPU worker start-up choices: the dtype behind `dtype: auto` and the torch thread count.
 
 `auto` on a CPU runs bfloat16 only where bfloat16 matrix products are clearly faster than
-float32: AMX (`amx_bf16`) always is; elsewhere a ~0.1 s measurement of a matrix product of
-the model's own width decides (AVX512-BF16 CPUs such as AMD Zen 4/5 are several times
-faster in bfloat16 with oneDNN than MKL's float32; plain AVX2 CPUs are slower). The choice
-and its reason are logged. float32 is the exact mode the oracle tests pin.
+float32: AMX (`amx_bf16`) always is, and so is AVX512-BF16 where the C linear kernel runs
+(kernels/native_linear.py); elsewhere a ~0.1 s measurement of a matrix product of the model's
+own width decides (plain AVX2 CPUs are slower in bfloat16). A measurement is only the fallback:
+on a busy 2-core box it swung from 2.2x to under 1.5x between runs. The choice and its reason
+are logged. float32 is the exact mode the oracle tests pin.
 
 Threads: `num_threads: 0` shares the host's cores among every worker process on it
 (data-parallel replicas × tensor-parallel ranks), so two replicas on a 2-core box take one
@@ -21,6 +22,7 @@ import structlog
 import torch
 
 from gpu_worker.linear import linear, pack_weight, prepack_supported
+from kernels import native_linear
 
 log = structlog.get_logger("gpu_worker.cpu_setup")
 
@@ -63,9 +65,11 @@ def measure_bf16_speedup(width: int, prepack: bool = True, rows: int = 128) -> f
             / _matmul_seconds(torch.bfloat16, rows, width, out, prepack))
 
 
-def resolve_cpu_dtype(name: str, hidden_size: int, prepack: bool = True) -> tuple[torch.dtype, str]:
+def resolve_cpu_dtype(name: str, hidden_size: int, prepack: bool = True,
+                      cpu_kernels: str = "auto") -> tuple[torch.dtype, str]:
     """(dtype, why) for a CPU worker; `name` is the config's dtype, `prepack` the config's
-    `weight_prepack` (it changes both dtypes' speed, float32's most)."""
+    `weight_prepack` (it changes both dtypes' speed, float32's most), `cpu_kernels` the config's
+    (whether the C linear kernel may run)."""
     if name != "auto":
         return getattr(torch, name), "configured"
     flags = cpu_flags()
@@ -73,6 +77,8 @@ def resolve_cpu_dtype(name: str, hidden_size: int, prepack: bool = True) -> tupl
         return torch.bfloat16, "cpu has amx_bf16"
     if "avx512_bf16" not in flags and flags:
         return torch.float32, "cpu has neither amx_bf16 nor avx512_bf16"
+    if prepack and cpu_kernels != "torch" and native_linear.unavailable_reason(flags) is None:
+        return torch.bfloat16, "cpu has avx512_bf16: bfloat16 linear layers through the C kernel"
     speedup = measure_bf16_speedup(hidden_size, prepack)
     if speedup >= BF16_MIN_SPEEDUP:
         return torch.bfloat16, f"bfloat16 matmul measured {speedup:.1f}x float32"

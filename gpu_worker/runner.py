@@ -57,10 +57,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, hidden_size: int = 0, prepack: bool = True) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, hidden_size: int = 0, prepack: bool = True,
+                  cpu_kernels: str = "auto") -> torch.dtype:
     """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 where its matrix products are faster (cpu_setup)."""
     if device.type == "cpu":
-        return resolve_cpu_dtype(name, hidden_size, prepack)[0]
+        return resolve_cpu_dtype(name, hidden_size, prepack, cpu_kernels)[0]
     return torch.bfloat16 if name == "auto" else getattr(torch, name)
 
 
@@ -77,7 +78,8 @@ class ModelRunner:
         self.model_config, weights = load_checkpoint(self.model_path)
         mc: ModelConfig = self.model_config
         if self.device.type == "cpu":
-            self.dtype, why = tp.rank0_choice(resolve_cpu_dtype(config.dtype, mc.hidden_size, config.weight_prepack))  # type: ignore[misc]
+            self.dtype, why = tp.rank0_choice(resolve_cpu_dtype(config.dtype, mc.hidden_size, config.weight_prepack,
+                                                                   config.cpu_kernels))  # type: ignore[misc]
             log.info("cpu dtype and threads", dtype=str(self.dtype).removeprefix("torch."), requested=config.dtype,
                      reason=why, threads=threads, weight_prepack=config.weight_prepack)
         else:

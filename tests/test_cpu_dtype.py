@@ -86,10 +86,16 @@ def test_auto_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx2", "fma"})
     assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.float32
     monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    # Without the C linear kernel (cpu_kernels torch) a measurement decides.
     monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width, prepack=True: 4.0)
-    assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.bfloat16
+    assert cpu_setup.resolve_cpu_dtype("auto", 64, cpu_kernels="torch")[0] == torch.bfloat16
     monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width, prepack=True: 1.1)
-    assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.float32
+    assert cpu_setup.resolve_cpu_dtype("auto", 64, cpu_kernels="torch")[0] == torch.float32
+    # With it (where this CPU can run it), bfloat16 whatever a measurement would say.
+    monkeypatch.setattr(cpu_setup.native_linear, "unavailable_reason", lambda flags: None)
+    assert cpu_setup.resolve_cpu_dtype("auto", 64) == (
+        torch.bfloat16, "cpu has avx512_bf16: bfloat16 linear layers through the C kernel")
+    assert cpu_setup.resolve_cpu_dtype("auto", 64, prepack=False)[0] == torch.float32
     assert cpu_setup.measure_bf16_speedup(64) > 0
 
 
