@@ -21,6 +21,7 @@
 #include <float.h>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
+#include <omp.h>
 #define HAVE_AVX512_BF16 1
 #endif
 #include <math.h>
@@ -134,6 +135,21 @@ static inline __m512 sum16(const __m512 *a) {
                          _mm512_shuffle_f32x4(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* One (sequence, KV head)'s K and V rows toward L2: issued one item ahead, so that the scattered
+ * pages' misses overlap with the work on the item before. */
+static inline void prefetch_item(const uint16_t *cache, const int32_t *seq_pages, int len, int h, int num_kv_heads,
+                                 int block_size, int head_dim) {
+    const int64_t run = (int64_t)block_size * head_dim;
+    for (int t0 = 0; t0 < len; t0 += block_size) {
+        const int64_t page = seq_pages[t0 / block_size];
+        const char *k_page = (const char *)(cache + (page * 2 * num_kv_heads + h) * run);
+        const char *v_page = (const char *)(cache + ((page * 2 + 1) * num_kv_heads + h) * run);
+        const int bytes = (len - t0 < block_size ? len - t0 : block_size) * head_dim * 2;
+        for (int line = 0; line < bytes; line += 64) _mm_prefetch(k_page + line, _MM_HINT_T1);
+        for (int line = 0; line < bytes; line += 64) _mm_prefetch(v_page + line, _MM_HINT_T1);
+    }
+}
+
 static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -156,14 +172,6 @@ static inline __attribute__((always_inline)) void attend(
     for (int g = 0; g < group; g++)
         for (int j = 0; j < NQ; j++) qv[g][j] = (__m512bh)_mm512_loadu_si512(q0 + (int64_t)g * DIM + 32 * j);
     const int chunk_bytes = 16 * DIM * 2;
-    for (int t0 = 0; t0 < len; t0 += block_size) {  /* the whole item toward L2 first: its pages' misses overlap */
-        const int64_t page = seq_pages[t0 / block_size];
-        const char *k_page = (const char *)(cache + (page * 2 * num_kv_heads + h) * run);
-        const char *v_page = (const char *)(cache + ((page * 2 + 1) * num_kv_heads + h) * run);
-        const int bytes = (len - t0 < block_size ? len - t0 : block_size) * DIM * 2;
-        for (int line = 0; line < bytes; line += 64) _mm_prefetch(k_page + line, _MM_HINT_T1);
-        for (int line = 0; line < bytes; line += 64) _mm_prefetch(v_page + line, _MM_HINT_T1);
-    }
     for (int t0 = 0; t0 < len; t0 += block_size) {
         const int64_t page = seq_pages[t0 / block_size];
         const uint16_t *k_page = cache + (page * 2 * num_kv_heads + h) * run;
@@ -261,10 +269,18 @@ static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride,
             failed = 1;
         }
         float *wide = scores + (score_floats + 15) / 16 * 16;
-#pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < num_seqs * num_kv_heads; item++) {
-            if (!scores) continue;
+        /* Items dealt round-robin, so each thread knows its next one and prefetches it. */
+        const int items = num_seqs * num_kv_heads, step = omp_get_num_threads();
+        const int first = omp_get_thread_num();
+        if (scores && first < items)
+            prefetch_item(cache, pages + (int64_t)(first / num_kv_heads) * max_pages, kv_lens[first / num_kv_heads],
+                          first % num_kv_heads, num_kv_heads, block_size, head_dim);
+        for (int item = first; item < items && scores; item += step) {
             const int b = item / num_kv_heads, h = item % num_kv_heads;
+            const int next = item + step;
+            if (next < items)
+                prefetch_item(cache, pages + (int64_t)(next / num_kv_heads) * max_pages, kv_lens[next / num_kv_heads],
+                              next % num_kv_heads, num_kv_heads, block_size, head_dim);
             const uint16_t *q0 = q + q_rows[b] * q_row_stride + (int64_t)h * group * head_dim;
             uint16_t *out0 = out + q_rows[b] * out_row_stride + (int64_t)h * group * head_dim;
             const int32_t *seq_pages = pages + (int64_t)b * max_pages;
