@@ -1,0 +1,133 @@
+"""The CPU C kernels against what they replace, on a model's own shapes (SmolLM2-135M by default).
+
+    python benchmarks/cpu_kernels.py [--rows 1,32,64,1024] [--batch 32] [--repeats 8]
+
+1. Linear layers, bfloat16: one forward's worth of products (every layer's weights distinct, so
+   they stream from memory as in a real step) through oneDNN's prepacked weights and through the C
+   kernel (kernels/native_linear.py), at each row count. Needs a CPU with AVX512-BF16.
+2. Paged attention, bfloat16: one layer's decode at `--batch` sequences of 16-256 + 32 cached
+   tokens (seeded), cycling through one cache per layer so that each call reads cold memory: the
+   C kernel's plain loops, its default path (AVX512-BF16 where the CPU has it), and, as a floor for
+   reading the same scattered pages, one `index_select` of them.
+Best of `--repeats`, ms or µs per call. Run it on an idle box: it uses all of torch's threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.roofline import cpu_description, linear_shapes  # noqa: E402
+from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
+from gpu_worker.cpu_setup import cpu_flags  # noqa: E402
+from gpu_worker.linear import linear, pack_weight  # noqa: E402
+from hetero_common.model_files import resolve_model_path  # noqa: E402
+from kernels import native_lib, native_linear  # noqa: E402
+
+
+def best_of(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_linear(mc, rows: list[int], repeats: int) -> None:
+    layer, head = linear_shapes(mc)
+    # q, k, v and gate, up as the model fuses them: one product each.
+    h, q, kv = layer[0][0], layer[0][1], layer[1][1]
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * layer[4][1]), (layer[6][0], h)]
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(o, i, generator=gen).to(torch.bfloat16) for i, o in shapes]
+               for _ in range(mc.num_hidden_layers)]
+    head_w = torch.randn(head[1], head[0], generator=gen).to(torch.bfloat16)
+    flop_per_row = 2.0 * (mc.num_hidden_layers * sum(i * o for i, o in shapes) + head[0] * head[1])
+    packed = {"oneDNN": ([[pack_weight(w) for w in ws] for ws in weights], pack_weight(head_w))}
+    why_not = native_linear.unavailable_reason(cpu_flags())
+    if why_not is None:
+        packed["C kernel"] = ([[pack_weight(w, native=True) for w in ws] for ws in weights],
+                              pack_weight(head_w, native=True))
+    print(f"\nlinear products of one forward ({len(shapes)} per layer x {mc.num_hidden_layers} + LM head), bfloat16"
+          + ("" if why_not is None else f"; C kernel not run: {why_not}"))
+    print(f"{'rows':>6} " + " ".join(f"{name + ' ms':>14} {'GFLOP/s':>8}" for name in packed) + "   C / oneDNN")
+    with torch.inference_mode():
+        for m in rows:
+            inputs = {i: torch.randn(m, i, generator=gen).to(torch.bfloat16) for i, _ in shapes + [head]}
+            times = {}
+            for name, (layers, lm_head) in packed.items():
+                def forward(layers=layers, lm_head=lm_head) -> None:
+                    for ws in layers:
+                        for (i, _), w in zip(shapes, ws):
+                            linear(inputs[i], w)
+                    linear(inputs[head[0]], lm_head)
+                times[name] = best_of(forward, repeats)
+            cells = " ".join(f"{t * 1e3:>14.2f} {m * flop_per_row / t / 1e9:>8.0f}" for t in times.values())
+            ratio = f"   {times['oneDNN'] / times['C kernel']:.2f}x faster" if "C kernel" in times else ""
+            print(f"{m:>6} {cells}{ratio}")
+
+
+def bench_attention(mc, batch: int, repeats: int) -> None:
+    library = native_lib.load()
+    if library is None:
+        print(f"\nattention: C kernels unavailable: {native_lib.unavailable_reason()}")
+        return
+    hq, hkv, d, bs = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, 16
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(16 + 32, 256 + 32, (batch,), generator=gen, dtype=torch.int32)
+    pages_per_seq = int((lens.max() + bs - 1) // bs)
+    num_blocks = batch * pages_per_seq + 64
+    pages = torch.randperm(num_blocks, generator=gen)[: batch * pages_per_seq].to(torch.int32).view(batch, -1).contiguous()
+    caches = [torch.randn(num_blocks, 2, hkv, bs, d, generator=gen).to(torch.bfloat16)
+              for _ in range(mc.num_hidden_layers)]
+    cycle = itertools.cycle(caches)
+    q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16)
+    rows = torch.arange(batch, dtype=torch.int64)
+    out = torch.empty_like(q)
+    used = torch.cat([pages[b, : (int(lens[b]) + bs - 1) // bs] for b in range(batch)]).long()
+
+    def kernel(fn) -> Callable[[], object]:
+        return lambda: fn(q.data_ptr(), q.stride(0), rows.data_ptr(), next(cycle).data_ptr(), pages.data_ptr(),
+                          pages.shape[1], lens.data_ptr(), out.data_ptr(), out.stride(0), batch, hq, hkv, d, bs,
+                          d ** -0.5)
+
+    vector = bool(library.decode_attention_bf16_vectorized(d, bs))
+    print(f"\ndecode attention, one layer: batch {batch}, {int(lens.sum())} cached tokens, {hq}/{hkv} heads of {d}, "
+          f"block size {bs}, a cold cache per call")
+    plain = best_of(kernel(library.decode_attention_bf16_generic), repeats)
+    default = best_of(kernel(library.decode_attention_bf16), repeats)
+    floor = best_of(lambda: next(cycle).index_select(0, used), repeats)
+    print(f"  C plain loops                 {plain * 1e6:8.0f} µs")
+    print(f"  C default ({'AVX512-BF16 path' if vector else 'plain loops here'}) {default * 1e6:8.0f} µs   "
+          f"{plain / default:.2f}x the plain loops")
+    print(f"  index_select of those pages   {floor * 1e6:8.0f} µs   (reading them once, for scale)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,32,64,1024")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    cpu = cpu_description()
+    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["flags"].items())
+    print(f"cpu: {cpu['model_name']}, {cpu['cores']} cores; {flags}; torch threads {torch.get_num_threads()}")
+    mc, _ = load_checkpoint(resolve_model_path(args.model))
+    bench_linear(mc, [int(r) for r in args.rows.split(",")], args.repeats)
+    bench_attention(mc, args.batch, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
