@@ -4,13 +4,13 @@ Its cache is in the HND layout (kernels/cache_ops.py): one head's slots of a blo
 contiguous [block_size, head_dim] run. `plan()` once per step turns the page table into row
 indices of those runs; `run()` once per layer gathers them with one `index_select` per K and V
 straight into [sequence, head, token, head_dim] order, which the matmuls read in place.
-For a bfloat16 cache on the CPU, every query row of the step (decodes and prompt chunks alike)
-goes through the C kernel that reads the pages in place (kernels/native_decode.py, `cpu_kernels`):
-a prompt row at position p is a decode over the sequence's first p + 1 cached tokens, which also
-makes it causal. On the paths without it, decode sequences (one query token) are batched into one
-padded gather and two batched matmuls; sequences with several query tokens (prompt chunks) run
-one by one with a causal mask offset by their cached prefix: as two matmuls in bfloat16/float16,
-through SDPA in float32 or when their score matrix would be large.
+For a bfloat16 cache on the CPU, decode rows go through the C kernel that reads the pages in place
+(kernels/native_decode.py, `cpu_kernels`), and so do prompt rows where its AVX512-BF16 path runs
+(`native_decode.takes_prompts`): a prompt row at position p is a decode over the sequence's first
+p + 1 cached tokens, which also makes it causal. Otherwise decode sequences (one query token) are
+batched into one padded gather and two batched matmuls; sequences with several query tokens
+(prompt chunks) run one by one with a causal mask offset by their cached prefix: as two matmuls in
+bfloat16/float16, through SDPA in float32 or when their score matrix would be large.
 """
 
 from __future__ import annotations
@@ -122,16 +122,19 @@ class TorchPagedAttention:
         self._native: _NativePlan | None = None
 
     def plan(self, table: PageTable) -> None:
-        self._decode, self._prefills, self._write_rows = None, [], None
-        if self.native_decode:
-            self._native = self._plan_native(table)
-            return
+        self._decode, self._prefills, self._write_rows, self._native = None, [], None, None
         bs = table.block_size
+        is_decode = table.qo_lens == 1
+        if self.native_decode:
+            if native_decode.takes_prompts(self.head_dim, bs):  # every row of the step, in one call
+                self._native = self._plan_native(table, np.arange(len(is_decode)))
+                return
+            if is_decode.any():
+                self._native = self._plan_native(table, np.flatnonzero(is_decode))
         qo_indptr = table.qo_indptr.numpy()
         kv_indptr = table.kv_indptr.numpy()
         kv_indices = table.kv_indices.numpy()
-        is_decode = table.qo_lens == 1
-        decode_ids = np.flatnonzero(is_decode)
+        decode_ids = np.flatnonzero(is_decode) if self._native is None else np.empty(0, dtype=np.int64)
         if decode_ids.size:
             num_pages = kv_indptr[decode_ids + 1] - kv_indptr[decode_ids]
             max_pages = int(num_pages.max())
@@ -163,18 +166,22 @@ class TorchPagedAttention:
             self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(k_runs).to(self.device),
                                               torch.from_numpy(k_runs + self.num_kv_heads).to(self.device), mask))
 
-    def _plan_native(self, table: PageTable) -> _NativePlan:
+    def _plan_native(self, table: PageTable, seq_ids: np.ndarray) -> _NativePlan:
+        """The C kernel's rows for the sequences `seq_ids` (in order): every query row of each."""
         qo_indptr, kv_indptr, kv_indices = table.qo_indptr.numpy(), table.kv_indptr.numpy(), table.kv_indices.numpy()
-        num_pages = kv_indptr[1:] - kv_indptr[:-1]
+        starts = kv_indptr[seq_ids]
+        num_pages = kv_indptr[seq_ids + 1] - starts
         col = np.arange(max(int(num_pages.max(initial=0)), 1))
         valid = col[None, :] < num_pages[:, None]
-        flat = np.where(valid, kv_indptr[:-1, None] + col[None, :], 0)
+        flat = np.where(valid, starts[:, None] + col[None, :], 0)
         seq_pages = np.where(valid, kv_indices[np.minimum(flat, max(len(kv_indices) - 1, 0))], 0).astype(np.int32)
-        num_rows = int(qo_indptr[-1])
-        seq_of_row = np.repeat(np.arange(len(num_pages)), table.qo_lens)
-        # Row r of a sequence whose last query row is e sees its kv_len minus (e - r) tokens.
-        kv_lens = table.kv_lens[seq_of_row] - (qo_indptr[seq_of_row + 1] - 1 - np.arange(num_rows))
-        return _NativePlan(rows=torch.arange(num_rows, dtype=torch.int64),
+        q_lens = table.qo_lens[seq_ids]
+        seq_of_row = np.repeat(np.arange(len(seq_ids)), q_lens)
+        row_in_seq = np.arange(len(seq_of_row)) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        # Row j of a chunk of q rows sits at position kv_len - q + j and sees the tokens up to it.
+        kv_lens = table.kv_lens[seq_ids][seq_of_row] - q_lens[seq_of_row] + 1 + row_in_seq
+        rows = qo_indptr[seq_ids][seq_of_row] + row_in_seq
+        return _NativePlan(rows=torch.from_numpy(rows.astype(np.int64)),
                            pages=torch.from_numpy(np.ascontiguousarray(seq_pages[seq_of_row])),
                            kv_lens=torch.from_numpy(kv_lens.astype(np.int32)),
                            max_page=int(seq_pages.max(initial=0)))
@@ -193,16 +200,12 @@ class TorchPagedAttention:
             raise ValueError(f"cache shape {tuple(kv_cache.shape)} is not an HND layer cache [blocks, 2, "
                              f"{self.num_kv_heads}, block_size, {self.head_dim}]")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if self.native_decode:
-            d = self._native
-            if d is None or q.dtype != torch.bfloat16 or q.shape[0] != d.rows.shape[0]:
-                raise ValueError(f"the C attention kernel was planned for {0 if d is None else d.rows.shape[0]} "
-                                 f"bfloat16 rows, not {q.dtype} {tuple(q.shape)}")
+        if (d := self._native) is not None:
+            if q.dtype != torch.bfloat16:
+                raise ValueError(f"the C attention kernel takes a bfloat16 cache's queries, not {q.dtype}")
             if d.max_page >= kv_cache.shape[0]:
                 raise IndexError(f"page {d.max_page} is outside the cache's {kv_cache.shape[0]} blocks")
             native_decode.decode_attention(q, d.rows, kv_cache, d.pages, d.kv_lens, out, self.scale)
-            self._new_kv = None
-            return out
         runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)  # [blocks * 2 * Hkv, bs, D]
         if self._decode is not None:
             out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))

@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 #endif
