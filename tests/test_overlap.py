@@ -11,6 +11,7 @@ same requests scheduled one step at a time.
 from __future__ import annotations
 
 import threading
+from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -321,13 +322,18 @@ def test_a_plan_made_ahead_of_a_failed_step_fails_too(tiny_llama_dir: Path) -> N
     for c in calls:
         servicer.steps.put(c)
     worker_service.HOLD_TIMEOUT_S, saved = 0.2, worker_service.HOLD_TIMEOUT_S
-    stop = threading.Timer(1.5, servicer.steps.put, (None,))  # after a sweep of the held plans (every second)
+
+    def stop_after_the_orphan() -> None:  # once a sweep of the held plans (every second) has refused it
+        futures.wait([calls[4].future], timeout=30)
+        servicer.steps.put(None)
+
+    stop = threading.Thread(target=stop_after_the_orphan, daemon=True)
     stop.start()
     try:
         servicer.run_model_loop()
     finally:
         worker_service.HOLD_TIMEOUT_S = saved
-        stop.cancel()
+        stop.join()
     with pytest.raises(ExecutionError, match="unknown"):
         calls[0].future.result()
     with pytest.raises(StepOrderError, match="step 10, which failed"):
