@@ -62,10 +62,11 @@ class _DecodePlan:
 
 @dataclass
 class _NativePlan:
-    """Every query row of the step for the C kernel: row r attends to its sequence's first kv_lens[r] tokens."""
-    rows: torch.Tensor  # int64 [T]: 0..T-1
-    pages: torch.Tensor  # int32 [T, P]: each row's sequence's pages, padded with page 0
-    kv_lens: torch.Tensor  # int32 [T]
+    """The query rows the C kernel computes (all of the step's, or its decodes'): the i-th attends to its
+    sequence's first kv_lens[i] tokens."""
+    rows: torch.Tensor  # int64 [R]: indices into the step's query rows
+    pages: torch.Tensor  # int32 [R, P]: each row's sequence's pages, padded with page 0
+    kv_lens: torch.Tensor  # int32 [R]
     max_page: int  # the largest page id: the C kernel reads pages unchecked, so run() checks this once
 
 

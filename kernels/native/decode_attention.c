@@ -14,8 +14,9 @@
  * - on CPUs with AVX512-BF16 (chosen at compile time by -march=native), head size 64 or 128 and
  *   block sizes that are multiples of 16: q.k with the bf16 dot-product instruction (float32
  *   accumulation, 16 keys at a time, their sums by one transpose-and-add tree), and each V row
- *   widened to float32 once for all G query heads, whose accumulators stay in registers. 2.3x
- *   the plain loops on SmolLM2's shapes (9/3 heads of 64, batch 32, ~150 cached tokens), on an
+ *   widened to float32 once for all G query heads, whose accumulators stay in registers; each
+ *   thread prefetches its next item's scattered pages. 2.1x the plain loops on SmolLM2's shapes
+ *   (9/3 heads of 64, batch 32, ~150 cached tokens, a cold cache: benchmarks/cpu_kernels.py) on an
  *   AMD EPYC with avx512_bf16. Only the order of the float32 additions differs.
  */
 #include <float.h>

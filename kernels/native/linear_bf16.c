@@ -8,8 +8,9 @@
  * registers over the whole K; the panels are spread over torch's OpenMP threads.
  *
  * Measured on an AMD EPYC with avx512_bf16 (2 cores), SmolLM2-135M's products, against oneDNN's
- * prepacked weights: 1.3x at 1 row (weight streaming: 45 against 33 GB/s), 1.2-1.25x at 32-64 rows,
- * 1.04x at 1,024. On AMX CPUs oneDNN's tile kernels are several times faster: the caller keeps them.
+ * prepacked weights (benchmarks/cpu_kernels.py): 1.39x at 1 row (the weights stream at 47 against
+ * 34 GB/s), 1.27x at 32 rows, 1.15x at 64, 1.04-1.39x at 1,024. On AMX CPUs oneDNN's tile kernels
+ * are several times faster: the caller keeps them.
  *
  * Every output row is computed alone, in the same order whatever the other rows: a row's result
  * does not depend on the batch. Float32 accumulation, one round-to-nearest-even to bfloat16.
