@@ -16,11 +16,13 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gpu_worker.c_layers import CLayers
 from gpu_worker.checkpoint import ModelConfig
 from gpu_worker import fused_ops
 from gpu_worker.linear import linear, pack_weight
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels import AttentionBackend
+from kernels.cache_ops import hnd_rows
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -104,6 +106,10 @@ class LlamaModel:
         self.fused = fused and fused_ops.available(device, dtype)
         if self.fused:  # the kernel reads [max_positions, head_dim / 2] rows
             self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+        # Every layer in one C call where each of its kernels is C and no all-reduce sits between them.
+        self.c_layers = (CLayers(self.layers, self.cos, self.sin, self.num_heads, self.num_kv_heads, c.head_dim,
+                                 c.rms_norm_eps)
+                         if self.fused and prepack and native_linear and not tp.enabled else None)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -173,6 +179,14 @@ class LlamaModel:
         if t and int(positions.max()) >= self.cos.shape[0]:  # the RoPE kernel reads its tables unchecked
             raise IndexError(f"position {int(positions.max())} is beyond the model's {self.cos.shape[0]} positions")
         delta: torch.Tensor | None = None  # the last block's output, not yet added to `hidden`
+        plan = self.c_layers and getattr(attention, "native_rows", lambda: None)()
+        if plan is not None:  # the same kernels in the same order, from C (gpu_worker/c_layers.py)
+            if plan.max_page >= kv_cache[0].shape[0]:
+                raise IndexError(f"page {plan.max_page} is outside the cache's {kv_cache[0].shape[0]} blocks")
+            k_rows, v_rows = hnd_rows(slots.to(torch.int64), kv_heads, kv_cache[0].shape[3])
+            hidden.add_(self.c_layers.run(hidden, positions.contiguous(), kv_cache, k_rows, v_rows, plan.rows,
+                                          plan.pages, plan.kv_lens, attention.scale))
+            return hidden
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])

@@ -47,6 +47,9 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, 
     "linear_bf16_packed_elements": (ctypes.c_int64, [_i32, _i32]),
     "linear_bf16_pack": (None, [_p, _i32, _i32, _p]),
     "linear_bf16": (None, [_p, _i64, _p, _p, _p, _i64, _i32, _i32, _i32]),
+    "llama_layers_bf16": (ctypes.c_int, [_p, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _i32,
+                                         _p, _p, _p, _p, _p, _p, _p, _p, _i32, _p, _p, _p, _p, _p,
+                                         _p, _p, _i32, _p, _f32, _p, _p, _p, _p, _p, _p, _p]),
 }
 
 _lock = threading.Lock()

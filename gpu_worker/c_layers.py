@@ -1,0 +1,72 @@
+"""All decoder layers of a forward in one C call (kernels/native/llama_layers.c), bfloat16 on the CPU.
+
+The per-layer Python loop (`LlamaModel._hidden_states_fused`) calls ~10 C kernels per layer; the Python
+between them is ~1-2 ms of a SmolLM2 step (a fifth of a batch-1 step). Where every one of those kernels
+is C (the C linear layers, and the attention kernel planned for every row of the step) and there is no
+tensor parallelism, the same kernels run in the same order from C: bitwise the same hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import native_lib
+from kernels.native_linear import NativePackedWeight
+
+
+def _addresses(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+class CLayers:
+    """The layers' weight and cache addresses, gathered once; `run` computes a step's hidden states."""
+
+    def __init__(self, layers: list[dict], cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float) -> None:
+        def packed(name: str) -> list[torch.Tensor]:
+            weights = [layer[name] for layer in layers]
+            assert all(type(w) is NativePackedWeight for w in weights), f"{name} is not packed for the C kernel"
+            return [w.packed for w in weights]
+
+        self._keep = (layers, cos, sin)  # every address below points into these
+        self.input_norm = _addresses([layer["input_norm"] for layer in layers])
+        self.qkv, self.o = _addresses(packed("qkv")), _addresses(packed("o"))
+        self.gate_up, self.down = _addresses(packed("gate_up")), _addresses(packed("down"))
+        self.qkv_bias = _addresses([layer["qkv_bias"] for layer in layers])
+        self.post_norm = _addresses([layer["post_norm"] for layer in layers])
+        self.cos, self.sin = cos, sin
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        self.hidden_size = int(layers[0]["input_norm"].shape[0])
+        self.intermediate = layers[0]["down"].shape[1]
+        self.num_layers = len(layers)
+        self._fn = native_lib.load().llama_layers_bf16  # type: ignore[union-attr]
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: list[torch.Tensor] | torch.Tensor,
+            k_rows: torch.Tensor, v_rows: torch.Tensor, q_rows: torch.Tensor, pages: torch.Tensor,
+            kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """hidden [T, hidden] (the embeddings, updated in place) -> the last layer's output, not yet added.
+        kv_cache: the HND layer caches (their addresses are read each call: a resumed cache is a new one);
+        k_rows / v_rows: kernels.cache_ops.hnd_rows of the step's slots; q_rows, pages, kv_lens: the attention
+        backend's C plan for every row of the step."""
+        caches = [kv_cache[i] for i in range(self.num_layers)]
+        if not all(c.is_contiguous() and c.dtype == torch.bfloat16 for c in caches):
+            raise ValueError("the C layers take contiguous bfloat16 layer caches")
+        cache_addresses = _addresses(caches)
+        t, h = hidden.shape
+        q, kv, inter = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate
+        empty = torch.empty
+        bf16 = torch.bfloat16
+        x, delta, o_out = empty((t, h), dtype=bf16), empty((t, h), dtype=bf16), empty((t, h), dtype=bf16)
+        qkv, attn = empty((t, q + 2 * kv), dtype=bf16), empty((t, q), dtype=bf16)
+        gate_up, act = empty((t, 2 * inter), dtype=bf16), empty((t, inter), dtype=bf16)
+        rc = self._fn(
+            hidden.data_ptr(), t, h, self.num_heads, self.num_kv_heads, self.head_dim, inter, self.eps,
+            self.num_layers, self.input_norm.data_ptr(), self.qkv.data_ptr(), self.qkv_bias.data_ptr(),
+            self.o.data_ptr(), self.post_norm.data_ptr(), self.gate_up.data_ptr(), self.down.data_ptr(),
+            cache_addresses.data_ptr(), int(caches[0].shape[3]), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+            k_rows.data_ptr(), v_rows.data_ptr(), q_rows.data_ptr(), pages.data_ptr(), pages.shape[1],
+            kv_lens.data_ptr(), scale, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
+            act.data_ptr(), o_out.data_ptr(), delta.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"llama_layers_bf16 failed ({rc})")
+        return delta

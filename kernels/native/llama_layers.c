@@ -1,0 +1,72 @@
+/* Every decoder layer of a Llama forward in one call, bfloat16 on the CPU (gpu_worker/model.py).
+ *
+ * The same kernels, in the same order, as the per-layer Python loop (`LlamaModel._hidden_states_fused`):
+ * RMSNorm with the residual add fused, the q/k/v product, RoPE, the K/V write into the paged cache,
+ * attention, the o product, RMSNorm, gate/up, SiLU·mul, down. The results are bitwise those of the
+ * loop; what goes is the loop's Python between the ~10 kernel calls of each layer (~1-2 ms a step).
+ * Used only where every one of those kernels runs in C (linear_bf16.c's and decode_attention.c's
+ * vector paths) and there is no tensor parallelism (its all-reduces are between the kernels).
+ */
+#include <stdint.h>
+#include <string.h>
+
+void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,
+                       const uint16_t *weight, uint16_t *out, int64_t out_stride, int64_t rows, int dim, float eps);
+void rope_bf16(uint16_t *x, int64_t x_stride, int64_t rows, int num_heads, int head_dim, const int64_t *positions,
+               const uint16_t *cos_table, const uint16_t *sin_table);
+void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint16_t *out, int64_t out_stride, int64_t rows,
+                   int n);
+void linear_bf16(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
+                 int64_t ldc, int rows, int n, int k);
+int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+                          const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
+                          uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
+                          int num_kv_heads, int head_dim, int block_size, float scale);
+
+/* Per-layer weights and caches come as int64 arrays of addresses, num_layers entries each (qkv_bias: 0 for
+ * none); linear weights packed by linear_bf16_pack. hidden [rows, hidden_size]: the embeddings in, the residual stream out with the last block's output
+ * in `delta` not yet added (as the loop leaves it). Scratch: x [rows, hidden], qkv [rows, q + 2 kv],
+ * attn [rows, q], gate_up [rows, 2 inter], act [rows, inter], delta and o_out [rows, hidden].
+ * k_rows / v_rows [rows * kv_heads]: the cache rows (of a layer seen as [*, head_dim]) the new K/V go
+ * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). Returns 0, or
+ * decode_attention_bf16's error. */
+int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads, int num_kv_heads, int head_dim,
+                      int intermediate, float eps, int num_layers, const int64_t *input_norm, const int64_t *qkv,
+                      const int64_t *qkv_bias, const int64_t *o, const int64_t *post_norm, const int64_t *gate_up,
+                      const int64_t *down, const int64_t *cache, int block_size, const int64_t *positions,
+                      const uint16_t *cos_table, const uint16_t *sin_table, const int64_t *k_rows,
+                      const int64_t *v_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
+                      const int32_t *kv_lens, float scale, uint16_t *x, uint16_t *qkv_buf, uint16_t *attn,
+                      uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta) {
+    const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int qkv_width = q_size + 2 * kv_size;
+    for (int i = 0; i < num_layers; i++) {
+        add_rms_norm_bf16(hidden, hidden_size, i ? delta : NULL, hidden_size, (const uint16_t *)input_norm[i], x,
+                          hidden_size, rows, hidden_size, eps);
+        linear_bf16(x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf, qkv_width,
+                    rows, qkv_width, hidden_size);
+        rope_bf16(qkv_buf, qkv_width, rows, num_heads + num_kv_heads, head_dim, positions, cos_table, sin_table);
+        uint16_t *layer_cache = (uint16_t *)cache[i];
+        const size_t row_bytes = sizeof(uint16_t) * (size_t)head_dim;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * num_kv_heads >= 256)
+        for (int t = 0; t < rows; t++)
+            for (int h = 0; h < num_kv_heads; h++) {
+                const uint16_t *k = qkv_buf + (int64_t)t * qkv_width + q_size + h * head_dim;
+                memcpy(layer_cache + k_rows[(int64_t)t * num_kv_heads + h] * head_dim, k, row_bytes);
+                memcpy(layer_cache + v_rows[(int64_t)t * num_kv_heads + h] * head_dim, k + kv_size, row_bytes);
+            }
+        const int rc = decode_attention_bf16(qkv_buf, qkv_width, q_rows, layer_cache, pages, max_pages, kv_lens,
+                                             attn, q_size, rows, num_heads, num_kv_heads, head_dim, block_size,
+                                             scale);
+        if (rc != 0) return rc;
+        linear_bf16(attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size, q_size);
+        add_rms_norm_bf16(hidden, hidden_size, o_out, hidden_size, (const uint16_t *)post_norm[i], x, hidden_size,
+                          rows, hidden_size, eps);
+        linear_bf16(x, hidden_size, (const uint16_t *)gate_up[i], NULL, gate_up_buf, 2 * intermediate, rows,
+                    2 * intermediate, hidden_size);
+        silu_mul_bf16(gate_up_buf, 2 * intermediate, act, intermediate, rows, intermediate);
+        linear_bf16(act, intermediate, (const uint16_t *)down[i], NULL, delta, hidden_size, rows, hidden_size,
+                    intermediate);
+    }
+    return 0;
+}

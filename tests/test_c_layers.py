@@ -1,0 +1,88 @@
+"""All decoder layers in one C call (gpu_worker/c_layers.py) against the per-layer loop of the same
+kernels: bitwise the same logits, on a prompt step and on a mixed step of decodes and a prompt chunk
+with a cached prefix. The path needs head size 64 or 128 (the C attention's vector path), so these
+tiny models have heads of 64; skipped where the CPU cannot run the C linear kernel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.checkpoint import load_checkpoint
+from gpu_worker.cpu_setup import cpu_flags
+from gpu_worker.model import LlamaModel
+from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_decode, native_linear
+from tests.tiny_models import _save, make_tokenizer  # noqa: F401  (make_tokenizer: _save writes one)
+
+REASON = native_linear.unavailable_reason(cpu_flags())
+pytestmark = pytest.mark.skipif(REASON is not None or not native_decode.takes_prompts(64, 16),
+                                reason=f"the C layers do not run here: {REASON or 'no AVX512-BF16 attention path'}")
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def head64_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(3)
+    common = dict(vocab_size=300, hidden_size=256, intermediate_size=320, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+                  eos_token_id=0, tie_word_embeddings=False, torch_dtype="float32")
+    if request.param == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rms_norm_eps=1e-5)).eval()
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rms_norm_eps=1e-6, use_sliding_window=False)).eval()
+        with torch.no_grad():  # biases that matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    return _save(model, tmp_path_factory.mktemp(f"head64-{request.param}"))
+
+
+def two_steps(model: LlamaModel, config, use_c_layers: bool) -> list[torch.Tensor]:
+    """Step 1: two prompts (20 and 35 tokens). Step 2: the first decodes one token, the second gets a
+    12-token chunk on top of its cached 35. Logits of each step's last rows."""
+    saved = model.c_layers
+    model.c_layers = saved if use_c_layers else None
+    try:
+        cache = allocate_kv_cache(config.num_hidden_layers, 16, BLOCK, model.num_kv_heads, config.head_dim,
+                                  torch.bfloat16, "cpu", TorchPagedAttention.kv_layout)
+        attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim, decode_kernel="c",
+                                        dtype=torch.bfloat16)
+        rng = np.random.default_rng(0)
+        tables = [np.array([3, 9], dtype=np.int32), np.array([5, 1, 12, 7], dtype=np.int32)]
+        steps = [(np.array([20, 35]), np.array([20, 35])), (np.array([1, 12]), np.array([21, 47]))]
+        out = []
+        with torch.inference_mode():
+            for q_lens, kv_lens in steps:
+                table = PageTable.build(tables, q_lens, kv_lens, BLOCK)
+                attention.plan(table)
+                assert attention.native_rows() is not None  # the C layers' condition, whichever path runs
+                positions, slots = table.token_positions()
+                ids = torch.from_numpy(rng.integers(2, config.vocab_size, int(q_lens.sum())))
+                rows = table.qo_indptr[1:].to(torch.int64) - 1
+                out.append(model.forward(ids, torch.from_numpy(positions), torch.from_numpy(slots), cache, attention,
+                                         rows))
+        return out
+    finally:
+        model.c_layers = saved
+
+
+def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path) -> None:
+    config, weights = load_checkpoint(head64_dir)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True,
+                       native_linear=True, fused=True)
+    assert model.c_layers is not None
+    calls = []
+    run = model.c_layers.run
+    model.c_layers.run = lambda *args: calls.append(1) or run(*args)  # type: ignore[method-assign]
+    looped = two_steps(model, config, False)
+    assert not calls
+    fused = two_steps(model, config, True)
+    assert len(calls) == 2  # both steps took the one-call path
+    for a, b in zip(looped, fused):
+        assert a.isfinite().all()
+        assert torch.equal(a, b)
