@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.roofline import cpu_description, linear_shapes  # noqa: E402
+from benchmarks.roofline import cpu_line, linear_shapes  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from gpu_worker.cpu_setup import cpu_flags  # noqa: E402
 from gpu_worker.linear import linear, pack_weight  # noqa: E402
@@ -120,9 +120,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
-    cpu = cpu_description()
-    flags = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in cpu["flags"].items())
-    print(f"cpu: {cpu['model_name']}, {cpu['cores']} cores; {flags}; torch threads {torch.get_num_threads()}")
+    print(f"{cpu_line()}; torch threads {torch.get_num_threads()}")
     mc, _ = load_checkpoint(resolve_model_path(args.model))
     bench_linear(mc, [int(r) for r in args.rows.split(",")], args.repeats)
     bench_attention(mc, args.batch, args.repeats)

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import systems  # noqa: E402
-from benchmarks.roofline import cpu_description  # noqa: E402
+from benchmarks.roofline import cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from gpu_worker.cpu_setup import worker_threads  # noqa: E402
@@ -40,9 +40,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     configure_logging("warning", "console")
-    cpu = cpu_description()
-    print(f"cpu: {cpu['model_name']}, {cpu['cores']} cores; "
-          + ", ".join(f"{flag} {'yes' if present else 'no'}" for flag, present in cpu["flags"].items()))
+    print(cpu_line())
     mc, weights = load_checkpoint(resolve_model_path(args.model))
     del weights
     prompts = make_prompts(args.requests, 16, 256, mc.vocab_size)

@@ -49,6 +49,13 @@ def cpu_description() -> dict[str, object]:
             "flags": {flag: flag in flags for flag in CPU_FLAGS_OF_INTEREST}}
 
 
+def cpu_line(cpu: dict[str, object] | None = None) -> str:
+    """`cpu: NAME, N cores; FLAG yes|no, ...` for `cpu_description()`: the line every CPU benchmark prints first."""
+    cpu = cpu or cpu_description()
+    flags = ", ".join(f"{flag} {'yes' if present else 'no'}" for flag, present in cpu["flags"].items())  # type: ignore[attr-defined]
+    return f"cpu: {cpu['model_name']}, {cpu['cores']} cores; {flags}"
+
+
 def linear_shapes(mc: ModelConfig) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """(in, out) of one decoder layer's projections, and of lm_head."""
     h, hd = mc.hidden_size, mc.head_dim

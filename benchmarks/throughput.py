@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import systems  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
-    MatmulRates, cpu_description, flop_per_token, measure_matmul_rates)
+    MatmulRates, cpu_description, cpu_line, flop_per_token, measure_matmul_rates)
 from benchmarks.workload import Result, make_prompts  # noqa: E402
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint  # noqa: E402
 from gpu_worker.runner import resolve_dtype  # noqa: E402
@@ -109,8 +109,7 @@ def main() -> int:
     batch, single = args.mode in ("both", "batch"), args.single if args.mode in ("both", "single") else 0
 
     cpu = cpu_description()
-    flags = ", ".join(f"{flag} {'yes' if present else 'no'}" for flag, present in cpu["flags"].items())
-    print(f"cpu: {cpu['model_name']}, {cpu['cores']} cores; {flags}")
+    print(cpu_line(cpu))
     config = Config(model=args.model, **({"max_batch_size": args.max_batch_size} if args.max_batch_size else {}))
     config.validate()
     mc, weights = load_checkpoint(resolve_model_path(args.model))

@@ -121,21 +121,18 @@ class TorchPagedAttention:
         if dtype is not None and dtype != torch.bfloat16:
             self.native_decode = False  # float32 (the oracle mode) and float16 run the torch code
         self._native: _NativePlan | None = None
-        self._native_all = False  # the C plan covers every query row of the step
 
     def native_rows(self) -> _NativePlan | None:
         """The step's C plan when it covers every query row (gpu_worker/c_layers.py needs that), else None."""
-        return self._native if self._native_all else None
+        return self._native if self._decode is None and not self._prefills else None
 
     def plan(self, table: PageTable) -> None:
         self._decode, self._prefills, self._write_rows, self._native = None, [], None, None
-        self._native_all = False
         bs = table.block_size
         is_decode = table.qo_lens == 1
         if self.native_decode:
             if native_decode.takes_prompts(self.head_dim, bs):  # every row of the step, in one call
                 self._native = self._plan_native(table, np.arange(len(is_decode)))
-                self._native_all = True
                 return
             if is_decode.any():
                 self._native = self._plan_native(table, np.flatnonzero(is_decode))
