@@ -23,7 +23,7 @@ from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ValidationError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
-from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
+from scheduler_svc.scheduler import Scheduler, StepOutputs, plan_needs_worker
 
 
 @dataclass
@@ -106,7 +106,7 @@ class InferenceEngine:
                                    tuple(info.eos_token_ids), min(self.config.max_model_len, info.max_position_embeddings))
         self._pending: dict[tuple[str, int], _Pending] = {}  # (request id, sample index)
         self._ids = itertools.count()
-        self.last_step_outputs: list[TokenOutput] = []  # tokens of the latest step (benchmarks time them)
+        self.last_step_outputs = StepOutputs()  # tokens of the latest step (benchmarks time them)
 
     def submit_request(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
                        request_id: str | None = None, chat: bool = False, cache_salt: str = "") -> str:

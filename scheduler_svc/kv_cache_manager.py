@@ -86,8 +86,9 @@ class KVCacheManager:
         usable = (seq.num_tokens - 1) // bs
         extend_hashes(seq.block_hashes, seq.token_ids, bs, usable, seq.cache_salt)
         hits = []
-        for i in range(usable):
-            b = self.pool.lookup(seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+        cached, hashes, token_ids = self.pool.cached, seq.block_hashes, seq.token_ids
+        for i in range(usable):  # the ids are compared only for a hash in the cache (most prompts miss at once)
+            b = self.pool.lookup(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs])) if hashes[i] in cached else None
             if b is None:
                 break
             hits.append(b)

@@ -24,7 +24,7 @@ from hetero.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.grpc_server import internal_channel
 from hetero_common.retry import is_transient, retrying
-from scheduler_svc.scheduler import Scheduler, TokenOutput, plan_needs_worker
+from scheduler_svc.scheduler import Scheduler, StepOutputs, TokenOutput, plan_needs_worker
 from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.replica")
@@ -54,7 +54,7 @@ class Replica:
     """`dispatch` takes the token events of its steps; `lost` its sequences when it goes down
     (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers."""
 
-    def __init__(self, index: int, address: str, config: Config, dispatch: Callable[[list[TokenOutput]], None],
+    def __init__(self, index: int, address: str, config: Config, dispatch: Callable[[StepOutputs], None],
                  lost: Callable[[Replica, list[Sequence]], None], joined: Callable[[Replica], None],
                  tls_server_name: str | None = None) -> None:
         self.index = index
@@ -291,7 +291,7 @@ class Replica:
             self.num_deadline_exceeded += 1
         if expired:
             log.info("deadline passed; requests dropped", replica=self.index, count=len(expired))
-            self._dispatch(outputs)
+            self._dispatch(StepOutputs.of(outputs))
 
     async def _engine_loop(self) -> None:
         while True:

@@ -31,7 +31,7 @@ from hetero_common.errors import OverloadedError, UnavailableError
 from scheduler_svc.discovery import resolve, split_host_port, watch_dns
 from scheduler_svc.replica import Replica
 from scheduler_svc.router import Router
-from scheduler_svc.scheduler import TokenOutput
+from scheduler_svc.scheduler import StepOutputs
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.stats import ServiceCounters, merge_pools
 
@@ -53,7 +53,7 @@ class Orphan:
 class ReplicaSet:
     """`dispatch` takes every replica's token events; `end_request` ends an orphan that waited too long."""
 
-    def __init__(self, config: Config, dispatch: Callable[[list[TokenOutput]], None], end_request: EndRequest) -> None:
+    def __init__(self, config: Config, dispatch: Callable[[StepOutputs], None], end_request: EndRequest) -> None:
         self.config = config
         self.replicas = [Replica(i, address, config, dispatch, self._replica_lost, self._replica_joined)
                          for i, address in enumerate(config.replica_addresses())]

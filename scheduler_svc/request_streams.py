@@ -15,7 +15,7 @@ import grpc
 
 from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.finish_reasons import is_finished
-from scheduler_svc.scheduler import TokenOutput
+from scheduler_svc.scheduler import StepOutputs, TokenOutput
 
 # Finish reasons that end the Submit calls with a gRPC status instead of a last event.
 STATUS_FOR_REASON = {common_pb2.FINISH_REASON_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -95,25 +95,40 @@ class RequestStreams:
         if stream is not None and not stream.finished:
             stream.status = status
             ended = sorted(stream.open_samples) if index is None else [index]
-            self.dispatch([TokenOutput(request_id, finish_reason=reason, error=error, index=i) for i in ended])
+            self.dispatch(StepOutputs.of(TokenOutput(request_id, finish_reason=reason, error=error, index=i)
+                                         for i in ended))
 
-    def dispatch(self, outputs: list[TokenOutput]) -> None:
-        """Publish the core schedulers' outputs as token events on their requests' streams."""
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            ends_sample = is_finished(out.finish_reason)
-            if ends_sample:
-                if out.index not in stream.open_samples:
-                    continue  # that sample already ended (e.g. aborted while its last step ran)
-                stream.open_samples.discard(out.index)
-                if stream.status is None:
-                    stream.status = STATUS_FOR_REASON.get(out.finish_reason)
-            stream.publish(token_event(out, len(stream.history)))
-            if ends_sample and not stream.open_samples:
-                stream.finished = True
-                self._streams.pop(out.request_id, None)
+    def dispatch(self, outputs: StepOutputs) -> None:
+        """Publish a step's outputs (a core scheduler's, or an abort's) as token events on their requests'
+        streams, in row order. A column entry (a running decode's plain next token) is published straight
+        from its sequence: it neither ends a sample nor carries anything but the token."""
+        streams, seqs, tokens, now = self._streams, outputs.seqs, outputs.tokens, outputs.timestamp
+        event = scheduler_pb2.TokenEvent
+        for start, stop, other in outputs.runs():
+            for i in range(start, stop):
+                seq = seqs[i]
+                stream = streams.get(seq.request_id)
+                if stream is not None:
+                    stream.publish(event(position=len(stream.history), request_id=seq.request_id,
+                                         token_ids=[tokens[i]], index=seq.index, token_timestamps=[now]))
+            if other is not None:
+                self._publish(other)
+
+    def _publish(self, out: TokenOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        ends_sample = is_finished(out.finish_reason)
+        if ends_sample:
+            if out.index not in stream.open_samples:
+                return  # that sample already ended (e.g. aborted while its last step ran)
+            stream.open_samples.discard(out.index)
+            if stream.status is None:
+                stream.status = STATUS_FOR_REASON.get(out.finish_reason)
+        stream.publish(token_event(out, len(stream.history)))
+        if ends_sample and not stream.open_samples:
+            stream.finished = True
+            self._streams.pop(out.request_id, None)
 
 
 def token_event(out: TokenOutput, position: int) -> scheduler_pb2.TokenEvent:

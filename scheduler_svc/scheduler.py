@@ -32,7 +32,7 @@ from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import SMALL_VARINTS, add_block_copies, plan_needs_worker, write_entry
-from scheduler_svc.token_output import TokenOutput, apply_result
+from scheduler_svc.token_output import StepOutputs, TokenOutput, apply_result
 from scheduler_svc.waiting_queue import WaitingQueue
 
 log = structlog.get_logger("scheduler_svc.scheduler")
@@ -302,11 +302,11 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results
 
-    def process_result(self, result: worker_pb2.StepResult) -> list[TokenOutput]:
+    def process_result(self, result: worker_pb2.StepResult) -> StepOutputs:
         """Apply one step's sampled tokens; return per-sample outputs (finished ones included)."""
         return apply_result(self, result)
 
-    def fail_all(self, error: str) -> list[TokenOutput]:
+    def fail_all(self, error: str) -> StepOutputs:
         """A step failed beyond retries: every admitted request ends with an error."""
         if self._assumed_step:  # a step planned ahead of offered its blocks to the prefix cache before it ran
             self.kv_cache.reset_prefix_cache()
@@ -316,7 +316,7 @@ class Scheduler:
             for seq in list(seqs):
                 self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
                 outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error, index=seq.index))
-        return outputs
+        return StepOutputs.of(outputs)
 
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.SWAPPED:

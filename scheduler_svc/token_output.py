@@ -1,9 +1,11 @@
-"""A step's result applied to its sequences (`apply_result`, the body of `Scheduler.process_result`), and what
-one step produced for one sample: its token, logprobs, finish reason, first-output metrics (`TokenOutput`)."""
+"""A step's result applied to its sequences (`apply_result`, the body of `Scheduler.process_result`), what one
+step produced for one sample (`TokenOutput`: its token, logprobs, finish reason, first-output metrics), and a
+step's outputs together (`StepOutputs`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as ListLike
 from typing import Protocol
 
@@ -20,10 +22,8 @@ UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 class TokenOutput:
     """What one step produced for one request (the service turns it into a TokenEvent).
 
-    One is built per sampled sequence per step, so it is a plain class whose fields default to class
-    attributes: a decode's output sets only its four own fields on a bare instance (`apply_result`), which
-    with freeing it costs about 60% of a named tuple and half of a dataclass. The sequence-valued fields
-    default to empty tuples; nothing changes an output once built."""
+    A running decode's plain next token is not built as one (`StepOutputs` keeps those as columns); the
+    rest are. The sequence-valued fields default to empty tuples; nothing changes an output once built."""
 
     request_id: str = ""
     token_ids: ListLike[int] = ()  # a list of the sampled token on a token's output
@@ -60,6 +60,66 @@ class TokenOutput:
 
     def __repr__(self) -> str:
         return f"TokenOutput{self._fields()!r}"
+
+
+class StepOutputs:
+    """One step's outputs, in the order of its result's rows.
+
+    Most rows of a step are a running decode's next token and nothing else. Those are kept as two
+    columns, `seqs` and `tokens`, stamped with the step's one `timestamp`, instead of a TokenOutput
+    each: building one cost more than all the rest of applying the row (`apply_result`), and the
+    service publishes a column entry straight from the sequence (`RequestStreams.dispatch`). Any
+    other output (a first token, a finish, logprobs, an error) is a TokenOutput in `others`, with
+    the number of column entries before it, so that iterating gives every output in row order.
+    A sample has at most one output per step, so the order matters only for reproducibility."""
+
+    __slots__ = ("seqs", "tokens", "timestamp", "others")
+
+    def __init__(self, timestamp: float = 0.0) -> None:
+        self.seqs: list[Sequence] = []  # the column entries' sequences (request_id, index)
+        self.tokens: list[int] = []  # and their tokens
+        self.timestamp = timestamp
+        self.others: list[tuple[int, TokenOutput]] = []  # (column entries before it, output)
+
+    @classmethod
+    def of(cls, outputs: Iterable[TokenOutput]) -> StepOutputs:
+        """Outputs built one by one (an abort, a deadline, a failed step) as a step's outputs."""
+        step = cls()
+        step.others = [(0, out) for out in outputs]
+        return step
+
+    def add(self, out: TokenOutput) -> None:
+        self.others.append((len(self.seqs), out))
+
+    def runs(self) -> Iterator[tuple[int, int, TokenOutput | None]]:
+        """The outputs in row order as (start, stop, other): column entries start..stop-1, then `other`
+        (None after the last run). What a consumer that reads the columns itself walks."""
+        start = 0
+        for before, out in self.others:
+            yield start, before, out
+            start = before
+        yield start, len(self.seqs), None
+
+    def __iter__(self) -> Iterator[TokenOutput]:
+        """Every output as a TokenOutput, in row order (tests, the in-process engine)."""
+        seqs, tokens, now = self.seqs, self.tokens, self.timestamp
+        for start, stop, other in self.runs():
+            for i in range(start, stop):
+                seq = seqs[i]
+                yield TokenOutput(seq.request_id, [tokens[i]], timestamp=now, index=seq.index)
+            if other is not None:
+                yield other
+
+    def __len__(self) -> int:
+        return len(self.seqs) + len(self.others)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (StepOutputs, list)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepOutputs({list(self)!r})"
 
 
 class SampledRows:
@@ -151,7 +211,7 @@ def count_in_flight(s: Scheduler) -> None:
     s._in_flight = []
 
 
-def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutput]:
+def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> StepOutputs:
     """`Scheduler.process_result`: apply one step's sampled tokens; return per-sample outputs (finished ones
     included)."""
     now = time.time()
@@ -161,14 +221,13 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
     if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
         return process_rows(s, result, now)
     # The common step: tokens only. A decode whose token neither can end it (no stop or EOS id, under its
-    # length limits) nor is its first output is appended and its output built inline; any other row takes
-    # the general path (token_output.process_row). A fast decode's computed count is brought up to date
-    # here: every token before the sampled one is computed, which for a row already counted above is no
-    # change; it fills no block (KVCacheManager.decode_room), so nothing was to register for it above.
-    outputs: list[TokenOutput] = []
-    append = outputs.append
+    # length limits) nor is its first output is appended and goes into the outputs' columns; any other row
+    # takes the general path (token_output.process_row). A fast decode's computed count is brought up to
+    # date here: every token before the sampled one is computed, which for a row already counted above is
+    # no change; it fills no block (KVCacheManager.decode_room), so nothing was to register for it above.
+    outputs = StepOutputs(now)
+    add_seq, add_token = outputs.seqs.append, outputs.tokens.append
     get = s.sequences.get
-    new = object.__new__
     maybe_stop, last_model_len = s._maybe_stop_ids, s.max_model_len - 1
     rows = None
     ended: list[Sequence] = []
@@ -187,12 +246,8 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
                     seq.awaiting_token = False
                 else:
                     token_ids.append(token)
-                out = new(TokenOutput)  # its own four fields on a bare instance, the rest class defaults
-                out.request_id = seq.request_id
-                out.token_ids = [token]
-                out.timestamp = now
-                out.index = seq.index
-                append(out)
+                add_seq(seq)
+                add_token(token)
                 continue
         if rows is None:
             rows = SampledRows(result)
@@ -202,10 +257,10 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> list[TokenOutpu
     return outputs
 
 
-def process_rows(s: Scheduler, result: worker_pb2.StepResult, now: float) -> list[TokenOutput]:
+def process_rows(s: Scheduler, result: worker_pb2.StepResult, now: float) -> StepOutputs:
     """Every row of a result through `process_row`: a step with logprobs, prompt logprobs or failed samples
     (`Scheduler.process_result` takes the common step, tokens only, on its own fast path)."""
-    outputs: list[TokenOutput] = []
+    outputs = StepOutputs(now)
     rows = SampledRows(result, s.sequences)  # files the step's prompt logprobs first
     sequences = s.sequences
     ended: list[Sequence] = []
@@ -217,8 +272,8 @@ def process_rows(s: Scheduler, result: worker_pb2.StepResult, now: float) -> lis
         if failures and seq_id in failures:  # e.g. the worker could not apply this sample's constraint
             if seq.status is not COMPLETED and seq.status is not FAILED:
                 s._finish(seq, common_pb2.FINISH_REASON_ERROR, SequenceStatus.FAILED)
-                outputs.append(TokenOutput(seq.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR,
-                                           error=f"this sample failed on the worker: {failures[seq_id]}", index=seq.index))
+                outputs.add(TokenOutput(seq.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR,
+                                        error=f"this sample failed on the worker: {failures[seq_id]}", index=seq.index))
             continue
         process_row(s, seq, token, i, rows, now, outputs, ended)
     if ended:
@@ -237,7 +292,7 @@ def drop_ended(s: Scheduler, ended: list[Sequence]) -> None:
 
 
 def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: SampledRows, now: float,
-                outputs: list[TokenOutput], ended: list[Sequence]) -> None:
+                outputs: StepOutputs, ended: list[Sequence]) -> None:
     """Apply one sampled token to its sequence and append its output. A sequence this ends that is still in
     `running` is added to `ended` and left there until the caller's loop ends (`drop_ended`)."""
     status = seq.status
@@ -255,7 +310,7 @@ def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: Sampled
         seq.token_ids.append(token)
         seq.status = DECODE
     reason = finish_reason(seq, token, s.eos_token_ids, s.max_model_len)
-    outputs.append(rows.output(seq, token, row, now, reason))
+    outputs.add(rows.output(seq, token, row, now, reason))
     if not reason:
         return
     if was_running:

@@ -211,7 +211,7 @@ def test_a_sequence_that_ends_by_length_is_not_planned_again() -> None:
     s.process_result(answer(first))
     again = s.plan_ahead()  # the decode in flight samples the last token: nothing to plan
     assert again is not None and not plan_needs_worker(again)
-    outs = s.process_result(answer(ahead))
+    outs = list(s.process_result(answer(ahead)))
     assert outs[0].finish_reason == common_pb2.FINISH_REASON_LENGTH and s.kv_cache.pool.num_used == 0
 
 
@@ -220,7 +220,7 @@ def test_a_sequence_ended_by_eos_under_a_step_planned_ahead_has_its_extra_token_
     s.add_request("a", [5, 6, 7], params(max_tokens=10))
     first = s.schedule()
     ahead = s.plan_ahead()
-    outs = s.process_result(answer(first, token=EOS))  # ends at step 1; step 2 is already on its way
+    outs = list(s.process_result(answer(first, token=EOS)))  # ends at step 1; step 2 is already on its way
     assert [o.finish_reason for o in outs] == [common_pb2.FINISH_REASON_STOP] and outs[0].token_ids == [EOS]
     assert s.kv_cache.pool.num_used == 0 and not s.requests
     assert s.process_result(answer(ahead)) == []  # the token step 2 computed in vain is dropped
@@ -303,7 +303,7 @@ def test_the_worker_runs_a_plan_made_ahead_right_after_the_step_it_follows(tiny_
             results = _run_calls(runner, [second, first])[::-1]  # arrived in the wrong order
             out = [o for r in results for o in s.process_result(r)]
         else:
-            out = s.process_result(_run_calls(runner, [first])[0])
+            out = list(s.process_result(_run_calls(runner, [first])[0]))
             out += s.process_result(_run_calls(runner, [s.schedule()])[0])
         tokens[ahead] = [t for o in out for t in o.token_ids]
     assert len(tokens[False]) == 2 and tokens[True] == tokens[False]

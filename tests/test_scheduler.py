@@ -48,7 +48,7 @@ def test_finished_sequences_free_blocks_at_once_and_are_released() -> None:
     s = make()
     s.add_request("a", [1] * 5, params(max_tokens=2))
     s.process_result(answer(s.schedule()))
-    outs = s.process_result(answer(s.schedule()))
+    outs = list(s.process_result(answer(s.schedule())))
     assert outs[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert s.kv_cache.pool.num_used == 0 and not s.has_pending_work()
     seq_id = 0
