@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -52,8 +53,16 @@ class ModelCall:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.steps: queue.Queue[ModelCall | None] = queue.Queue()
+        # SimpleQueue: the SIGTERM handler puts on it, and a signal handler runs on the main
+        # thread between any two bytecodes, also inside this loop's get(). queue.Queue's put then
+        # waits for the lock its own get holds, forever (a worker that never stops); SimpleQueue's
+        # put is reentrant.
+        self.steps: queue.SimpleQueue[ModelCall | None] = queue.SimpleQueue()
         self.stopping = False
+        # Held to read `stopping` and queue a call, and to set it: a call that saw the loop running
+        # is queued before the loop drains the queue and cancels it, not after (its handler thread
+        # would wait for it forever, and so would the interpreter's exit, which joins that thread).
+        self._admit = threading.Lock()
         # Overlap: a plan sent while the step it follows was in flight may reach the model thread
         # first (each unary call has its own handler thread). It is held until that step has run.
         self._held: dict[int, ModelCall] = {}  # by the step id it follows
@@ -71,7 +80,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if item.future.set_running_or_notify_cancel():
                 self._run(item)
         # Stopping: calls still queued are cancelled, not left blocking their handler threads.
-        self.stopping = True
+        with self._admit:
+            self.stopping = True
         for item in self._held.values():
             item.future.cancel()
         while not self.steps.empty():
@@ -119,10 +129,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def _on_model_thread(self, what: str, call: Callable[[], Any], context: grpc.ServicerContext,
                          step_id: int = 0, after_step_id: int = 0, resets: bool = False) -> Any:
-        if self.stopping:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "worker is stopping")
         item = ModelCall(what, call, step_id=step_id, after_step_id=after_step_id, resets=resets)
-        self.steps.put(item)
+        with self._admit:
+            if self.stopping:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "worker is stopping")
+            self.steps.put(item)
         try:
             return item.future.result()
         except futures.CancelledError:
@@ -234,7 +245,7 @@ def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = No
     log.info("worker serving", address=listen, mutual_tls=config.internal_tls.enabled)
 
     def stop(*_: object) -> None:
-        servicer.steps.put(None)
+        servicer.steps.put(None)  # no lock here: a signal handler (see WorkerServicer.steps)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)

@@ -125,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetero-infer: {exc.message}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format, service=args.command)
-    if getattr(args, "supervisor_pid", None) is not None and not die_with_parent(args.supervisor_pid):
-        return 1  # `serve` is already gone: nothing to serve for
+    if getattr(args, "supervisor_pid", None) is not None:
+        from hetero_infer.supervisor import stop_grace_s
+
+        # `serve` gone, this service exits within the time `serve` would have given it to stop.
+        if not die_with_parent(args.supervisor_pid, stop_grace_s(config)):
+            return 1  # `serve` is already gone: nothing to serve for
     try:
         if config.tokenizer.kind == "simple" and args.command in ("serve", "gateway", "generate"):
             # Refuse a model the simple tokenizer does not match now, before any model loads or process starts.

@@ -34,6 +34,13 @@ from hetero_common.errors import ConfigError
 from hetero_common.grpc_server import channel_credentials
 
 log = structlog.get_logger("hetero_infer.supervisor")
+STOP_MARGIN_S = 5.0  # beyond drain_grace_s, for a gateway or scheduler to stop once its calls are done
+
+
+def stop_grace_s(config: Config) -> float:
+    """How long a stopping service may take before it is killed: by `serve`, or by itself when
+    `serve` is gone (parent_death.py)."""
+    return config.drain_grace_s + STOP_MARGIN_S
 
 
 def wait_healthy(address: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None,
@@ -203,7 +210,7 @@ class Supervisor:
 
     def stop(self) -> None:
         # Gateway, then scheduler, each draining in-flight requests; then every worker at once.
-        grace_s = self.config.drain_grace_s + 5.0
+        grace_s = stop_grace_s(self.config)
         for child in reversed(self.children):
             _stop_processes([child.process], grace_s)
         _stop_processes([p for g in self.groups for p in g.processes], grace_s=10.0)

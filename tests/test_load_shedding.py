@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.stack import Stack, free_port, run_stack
+from tests.stack import REPO_ROOT, Stack, free_port, run_stack
 from tests.stack_requests import pool, service_stats, wait_for_idle
 
 pytestmark = pytest.mark.slow
@@ -144,10 +146,52 @@ def test_killing_serve_leaves_no_orphans(tiny_llama_dir: Path) -> None:
     with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--log-level", "warning") as stack:
         children = psutil.Process(stack.process.pid).children()
         assert len(children) == 3  # worker, scheduler, gateway
+        names = {p.pid: p.cmdline()[p.cmdline().index("hetero_infer.cli") + 1] for p in children}
         stack.process.kill()
         stack.process.wait(10)
         _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, f"orphans: {[p.pid for p in alive]}"
+        for p in alive:  # not left running after the test
+            p.kill()
+        assert not alive, f"orphans: {[(p.pid, names[p.pid]) for p in alive]}"
+
+
+# A child of `serve` whose drain never ends: it ignores the SIGTERM that its parent's death sends.
+STUCK_CHILD = """
+import signal, sys, time
+from hetero_infer.parent_death import die_with_parent
+assert die_with_parent(int(sys.argv[1]), exit_within_s=1.0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", flush=True)
+time.sleep(600)
+"""
+# Plays `serve`: starts the child, says its pid, waits to be killed.
+PARENT = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())])
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_orphan_whose_drain_hangs_exits_anyway() -> None:
+    """With `serve` gone nobody kills a service stuck in its drain: it exits by itself, in time."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, STUCK_CHILD], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert parent.stdout.readline() == "ready\n"
+        parent.kill()
+        parent.wait(10)
+        started = time.monotonic()
+        try:
+            child.wait(20)
+        except psutil.TimeoutExpired:
+            child.kill()
+            raise AssertionError("the orphan did not exit within 20 s")
+        assert time.monotonic() - started < 10  # 1 s after the parent died, and some time to be scheduled
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
 
 
 def test_same_request_id_with_another_prompt_is_refused(stack: Stack, scheduler_address: str) -> None:
