@@ -231,13 +231,18 @@ class Scheduler:
             seq_budget -= 1
             token_budget -= n
 
-        plan.swap_out.extend(self._swap_out)
-        plan.block_copies.extend(self._block_copies)
-        self._swap_out, self._block_copies = [], []
+        # Each touch of a plan's repeated field costs ~0.1 µs: the empty ones are left alone.
+        if self._swap_out:
+            plan.swap_out.extend(self._swap_out)
+            self._swap_out = []
+        if self._block_copies:
+            plan.block_copies.extend(self._block_copies)
+            self._block_copies = []
         for seq, n in scheduled[num_written:]:
             write_entry(plan, parts, seq, n, kv_cache)
-        plan.MergeFromString(b"".join(parts))
-        if plan_needs_worker(plan):
+        if parts:
+            plan.MergeFromString(b"".join(parts))
+        if self._released and plan_needs_worker(plan):
             # A plan with nothing to compute or move is not sent: released ids wait for the next one.
             plan.released_seq_ids.extend(self._released)
             self._released.clear()

@@ -44,6 +44,7 @@ _SEQ_ID = _tag(worker_pb2.ScheduledSequence, "seq_id", _VARINT)
 _NUM_TOKENS = _tag(worker_pb2.ScheduledSequence, "num_tokens", _VARINT)
 _SAMPLE_TRUE = _tag(worker_pb2.ScheduledSequence, "sample", _VARINT) + b"\x01"
 _NUM_CACHED = _tag(worker_pb2.ScheduledSequence, "num_cached_tokens", _VARINT)
+_NEW_BLOCK_IDS = _tag(worker_pb2.ScheduledSequence, "new_block_ids", _LENGTH_DELIMITED)
 _PLAN_SCHEDULED = _tag(worker_pb2.StepPlan, "scheduled", _LENGTH_DELIMITED)
 _DECODE_TAG_BYTES = len(_SEQ_ID) + len(_NUM_TOKENS) + len(_SAMPLE_TRUE) + len(_NUM_CACHED)
 
@@ -107,14 +108,28 @@ def decode_head(seq_id: int, num_computed: int, num_tokens: int) -> bytes:
 
 
 def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool) -> bytes:
-    """Any other entry: new blocks, a prompt chunk, table edits (copy-on-write): built as a message."""
-    entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens, sample=sample,
-                                         new_block_ids=seq.block_table[seq.num_blocks_sent:],
-                                         num_cached_tokens=seq.num_computed)
-    for index, block_id in seq.pending_edits:
-        entry.block_table_edits.add(index=index, block_id=block_id)
-    seq.pending_edits.clear()
-    return entry.SerializeToString()
+    """Any other entry: new blocks, a prompt chunk, table edits (copy-on-write). Written by hand too, but
+    for table edits (rare: a message); a message per entry cost three times as much (one per admission
+    and per block a sequence fills)."""
+    new_blocks = seq.block_table[seq.num_blocks_sent:]
+    if seq.pending_edits:
+        entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens, sample=sample,
+                                             new_block_ids=new_blocks, num_cached_tokens=seq.num_computed)
+        for index, block_id in seq.pending_edits:
+            entry.block_table_edits.add(index=index, block_id=block_id)
+        seq.pending_edits.clear()
+        return entry.SerializeToString()
+    parts = [_SEQ_ID, varint(seq.seq_id)] if seq.seq_id else []  # in number order, empty fields left out (as protobuf)
+    if num_tokens:
+        parts += (_NUM_TOKENS, varint(num_tokens))
+    if new_blocks:
+        packed = b"".join([varint(b) for b in new_blocks])
+        parts += (_NEW_BLOCK_IDS, varint(len(packed)), packed)
+    if sample:
+        parts.append(_SAMPLE_TRUE)
+    if seq.num_computed:
+        parts += (_NUM_CACHED, varint(seq.num_computed))
+    return b"".join(parts)
 
 
 def add_block_copies(block_copies: list[worker_pb2.BlockCopy], seq: Sequence, copies: list[CopiedBlock]) -> None:

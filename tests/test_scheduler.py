@@ -151,3 +151,28 @@ def test_hand_written_decode_entries_equal_protobufs_own_encoding() -> None:
         expected = worker_pb2.StepPlan(scheduled=[worker_pb2.ScheduledSequence(
             seq_id=seq_id, num_tokens=1, sample=True, num_cached_tokens=computed)])
         assert plan == expected and plan.SerializeToString() == expected.SerializeToString()
+
+
+def test_hand_written_prompt_and_new_block_entries_are_protobufs_own_bytes() -> None:
+    """The other entries without table edits (prompt chunks, a decode into a new block) are written by hand
+    too: byte for byte what protobuf writes for the message built field by field, empty fields left out."""
+    import random
+
+    from hetero.v1 import worker_pb2
+    from hetero_common.sampling import resolve
+    from scheduler_svc.sequence import Sequence
+    from scheduler_svc.step_plan import _entry_bytes
+
+    plain = common_pb2.SamplingParams()
+    rng = random.Random(0)
+    for _ in range(300):
+        seq_id = rng.choice([0, 1, 127, 128, 70_000, 2**40])
+        table = [rng.choice([0, 5, 127, 128, 16_383, 16_384, 3_000_000]) for _ in range(rng.randint(0, 6))]
+        seq = Sequence(seq_id, "r", [1], 1, resolve(plain), plain, block_table=table)
+        seq.num_blocks_sent = rng.randint(0, len(table))
+        seq.num_computed = rng.choice([0, 1, 127, 128, 20_000])
+        num_tokens, sample = rng.choice([0, 1, 300, 16_384]), rng.random() < 0.5
+        expected = worker_pb2.ScheduledSequence(seq_id=seq_id, num_tokens=num_tokens, sample=sample,
+                                                new_block_ids=table[seq.num_blocks_sent:],
+                                                num_cached_tokens=seq.num_computed)
+        assert _entry_bytes(seq, num_tokens, sample) == expected.SerializeToString()
