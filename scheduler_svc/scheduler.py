@@ -188,7 +188,7 @@ class Scheduler:
                         add_block_copies(self._block_copies, seq, copies)
                     seq.last_scheduled_step = step_id
                     append((seq, n))
-                    write_entry(plan, parts, seq, n, kv_cache)
+                    write_entry(parts, seq, n, kv_cache)
                     seq_budget -= 1
                     token_budget -= n
             room = room_at_sync = min(seq_budget, token_budget)
@@ -239,7 +239,7 @@ class Scheduler:
             plan.block_copies.extend(self._block_copies)
             self._block_copies = []
         for seq, n in scheduled[num_written:]:
-            write_entry(plan, parts, seq, n, kv_cache)
+            write_entry(parts, seq, n, kv_cache)
         if parts:
             plan.MergeFromString(b"".join(parts))
         if self._released and plan_needs_worker(plan):

@@ -3,6 +3,8 @@ a sequence is sent whole once, afterwards only its appended blocks and table edi
 
 from __future__ import annotations
 
+import struct
+
 from hetero.v1 import worker_pb2
 from scheduler_svc.kv_cache_manager import CopiedBlock, KVCacheManager
 from scheduler_svc.sequence import Sequence
@@ -46,6 +48,11 @@ _SAMPLE_TRUE = _tag(worker_pb2.ScheduledSequence, "sample", _VARINT) + b"\x01"
 _NUM_CACHED = _tag(worker_pb2.ScheduledSequence, "num_cached_tokens", _VARINT)
 _NEW_BLOCK_IDS = _tag(worker_pb2.ScheduledSequence, "new_block_ids", _LENGTH_DELIMITED)
 _PLAN_SCHEDULED = _tag(worker_pb2.StepPlan, "scheduled", _LENGTH_DELIMITED)
+_PLAN_NEW_SEQUENCE = _tag(worker_pb2.StepPlan, "new_sequences", _LENGTH_DELIMITED)
+_NEW_SEQ_ID = _tag(worker_pb2.NewSequence, "seq_id", _VARINT)
+_NEW_TOKEN_IDS = _tag(worker_pb2.NewSequence, "token_ids", _LENGTH_DELIMITED)  # packed fixed32
+_NEW_PARAMS = _tag(worker_pb2.NewSequence, "params", _LENGTH_DELIMITED)
+_NEW_NUM_GENERATED = _tag(worker_pb2.NewSequence, "num_generated", _VARINT)
 _DECODE_TAG_BYTES = len(_SEQ_ID) + len(_NUM_TOKENS) + len(_SAMPLE_TRUE) + len(_NUM_CACHED)
 
 
@@ -60,18 +67,15 @@ def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int
     With `kv_cache`, each entry arms its sequence's decode fast path (`write_entry`)."""
     parts: list[bytes] = []
     for seq, num_tokens in scheduled:
-        write_entry(plan, parts, seq, num_tokens, kv_cache)
+        write_entry(parts, seq, num_tokens, kv_cache)
     plan.MergeFromString(b"".join(parts))
 
 
-def write_entry(plan: worker_pb2.StepPlan, parts: list[bytes], seq: Sequence, num_tokens: int,
-                kv_cache: KVCacheManager | None) -> None:
-    """One `scheduled` entry's wire bytes, appended to `parts` (a sequence not on the worker yet is
-    added to the plan's new sequences first).
+def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KVCacheManager | None) -> None:
+    """One `scheduled` entry's wire bytes, appended to `parts` (for a sequence not on the worker yet, its
+    `new_sequences` entry first: the plan parses them into their own field, in order).
 
-    Only the common entry, a decode into blocks the worker already has, is written by hand; the others
-    (a sequence's new blocks, prompt chunks, copy-on-write edits) are built as messages and serialized.
-    Then the sequence's next decode is prepared (with `kv_cache`): `seq.fast_until` is the token count up
+    Every entry but one with copy-on-write table edits is written by hand (`_entry_bytes`). Then the sequence's next decode is prepared (with `kv_cache`): `seq.fast_until` is the token count up
     to which that decode's entry is the hand-written one with its bytes before num_cached_tokens the same
     (`seq.decode_head`, kept on the sequence) and needs no block: no new block, no copy-on-write (blocks
     it holds alone), num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
@@ -79,8 +83,7 @@ def write_entry(plan: worker_pb2.StepPlan, parts: list[bytes], seq: Sequence, nu
     blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `_release_on_worker`)."""
     token_ids = seq.token_ids
     if not seq.on_worker:
-        plan.new_sequences.add(seq_id=seq.seq_id, token_ids=token_ids, params=seq.params,
-                               num_generated=len(token_ids) - seq.prompt_len)
+        parts += new_sequence_bytes(seq)
         seq.on_worker = True
     num_computed, table = seq.num_computed, seq.block_table
     sample = num_computed + num_tokens == len(token_ids)
@@ -97,6 +100,21 @@ def write_entry(plan: worker_pb2.StepPlan, parts: list[bytes], seq: Sequence, nu
         seq.decode_head = decode_head(seq.seq_id, computed, 1)
     else:
         seq.fast_until = 0
+
+
+def new_sequence_bytes(seq: Sequence) -> tuple[bytes, ...]:
+    """The plan's `new_sequences` entry for `seq` as wire bytes: its ids packed as fixed32 in one
+    struct.pack (protobuf's conversion of a list into a repeated field cost four times as much, for
+    every prompt admitted), then its parameters and how many tokens it generated before."""
+    token_ids, num_generated = seq.token_ids, len(seq.token_ids) - seq.prompt_len
+    ids = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    params = seq.params.SerializeToString()
+    body = [_NEW_SEQ_ID, varint(seq.seq_id)] if seq.seq_id else []  # in number order, empty fields left out
+    body += (_NEW_TOKEN_IDS, varint(len(ids)), ids, _NEW_PARAMS, varint(len(params)), params)  # params: always set
+    if num_generated:
+        body += (_NEW_NUM_GENERATED, varint(num_generated))
+    entry = b"".join(body)
+    return _PLAN_NEW_SEQUENCE, varint(len(entry)), entry
 
 
 def decode_head(seq_id: int, num_computed: int, num_tokens: int) -> bytes:

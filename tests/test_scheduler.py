@@ -176,3 +176,27 @@ def test_hand_written_prompt_and_new_block_entries_are_protobufs_own_bytes() -> 
                                                 new_block_ids=table[seq.num_blocks_sent:],
                                                 num_cached_tokens=seq.num_computed)
         assert _entry_bytes(seq, num_tokens, sample) == expected.SerializeToString()
+
+
+def test_hand_written_new_sequence_entries_are_protobufs_own_bytes() -> None:
+    """A new sequence's entry (its ids packed as fixed32 in one struct.pack) is byte for byte protobuf's."""
+    import random
+
+    from hetero.v1 import worker_pb2
+    from hetero_common.sampling import resolve
+    from scheduler_svc.sequence import Sequence
+    from scheduler_svc.step_plan import new_sequence_bytes
+
+    rng = random.Random(1)
+    for _ in range(100):
+        params = rng.choice([common_pb2.SamplingParams(), params_for_test(rng)])
+        tokens = [rng.choice([0, 1, 300, 2**31 + 5, 2**32 - 1]) for _ in range(rng.randint(1, 40))]
+        prompt_len = rng.randint(1, len(tokens))
+        seq = Sequence(rng.choice([0, 3, 300, 2**40]), "r", tokens, prompt_len, resolve(params), params)
+        expected = worker_pb2.StepPlan(new_sequences=[worker_pb2.NewSequence(
+            seq_id=seq.seq_id, token_ids=tokens, params=params, num_generated=len(tokens) - prompt_len)])
+        assert b"".join(new_sequence_bytes(seq)) == expected.SerializeToString()
+
+
+def params_for_test(rng) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=rng.randint(1, 500), temperature=rng.random(), seed=rng.randint(0, 9))
