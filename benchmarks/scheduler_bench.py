@@ -39,6 +39,10 @@ the tokens (its engine builds outputs, for finished sequences only, outside them
 tables, reference counts and prefix-cache hashes (blake2b here, xxhash there). nano-vllm does not mix
 prompts and decodes in a step and chunks only the first prompt of one; ours does both.
 
+The garbage collector runs as in the services (`hetero_common.gc_tuning.tune_gc`: the start-up heap
+frozen, a young pass every 50,000 allocations), for both schedulers alike: it is one setting of the
+process. `--default-gc` keeps CPython's defaults instead.
+
 Our `Config` allows block sizes up to 128 (the worker's kernels); the scheduler itself has no
 such limit, so for larger sizes the bench validates the config at 128 and then sets the size.
 """
@@ -59,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, worker_pb2  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
+from hetero_common.gc_tuning import tune_gc  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from scheduler_svc.scheduler import Scheduler  # noqa: E402
 from scheduler_svc.step_plan import plan_needs_worker  # noqa: E402
@@ -254,13 +259,17 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--nano-vllm", type=Path, default=None, help="a nano-vllm checkout to compare with")
+    p.add_argument("--default-gc", action="store_true", help="CPython's collector settings, not the services' ones")
     args = p.parse_args()
     configure_logging("warning", "console", "bench")  # preemptions log at info
     nano = import_nano_vllm(args.nano_vllm) if args.nano_vllm else None
+    if not args.default_gc:
+        tune_gc()
     pools = ("ample", "tight") if args.pool == "both" else (args.pool,)
     arrivals = ("all", "trickle") if args.arrivals == "both" else (args.arrivals,)
     print(f"{args.requests} requests, block size {args.block_size}, {args.max_seqs} seqs and {args.max_tokens} tokens "
-          f"per step, seed {args.seed}, best of {args.repeat}; µs per sequence-step by batch size after the figures")
+          f"per step, seed {args.seed}, best of {args.repeat}, {'default' if args.default_gc else 'services’'} GC; "
+          "µs per sequence-step by batch size after the figures")
     for arrival in arrivals:
         trace = make_trace(args.requests, args.seed, arrival, args.rate)
         ample = ample_blocks(trace, args.block_size)

@@ -23,6 +23,7 @@ from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import inference_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import UnavailableError
+from hetero_common.gc_tuning import tune_gc
 from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, server_credentials,
                                       set_serving_aio, termination_signal)
 from hetero_common.model_files import resolve_model_path
@@ -65,6 +66,7 @@ async def serve_gateway(config: Config) -> None:
     await generation.start()
     http = await start_http_server(config, HttpApi(generation, keys, scheduler.stats)) if config.serving.http_port else None
     await set_serving_aio(health, [SERVICE_NAME])
+    tune_gc()
     log.info("gateway serving", address=address, http_port=config.serving.http_port or None, model=config.serving.model_name,
              tls=config.serving.tls.enabled, api_keys=keys.enabled)
     await termination_signal()

@@ -28,6 +28,7 @@ from gpu_worker.tensor_parallel import Command, TensorParallel
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import HeteroError, StepOrderError
+from hetero_common.gc_tuning import tune_gc
 from hetero_common.grpc_server import (add_health_and_reflection, bind, error_status,
                                       internal_listen_address, internal_server_options, server_credentials,
                                       set_serving)
@@ -242,6 +243,7 @@ def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = No
         raise SystemExit(f"worker: cannot bind {listen}; is another process using it?")
     server.start()
     set_serving(health, [SERVICE_NAME])
+    tune_gc()
     log.info("worker serving", address=listen, mutual_tls=config.internal_tls.enabled)
 
     def stop(*_: object) -> None:

@@ -96,7 +96,8 @@ class KVCacheManager:
 
     def num_blocks_to_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> int:
         """Free-list blocks that admitting `seq` with these hits and its first tokens would take."""
-        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)  # cached-free blocks leave the free list
+        ref_counts = self.pool.ref_counts
+        revived = sum(1 for b in hits if ref_counts[b] == 0) if hits else 0  # cached-free blocks leave the free list
         return revived + self._blocks_needed(seq, num_new_tokens, len(hits) * self.block_size, len(hits))
 
     def admit(self, seq: Sequence, hits: list[int]) -> None:
@@ -125,9 +126,10 @@ class KVCacheManager:
         end = seq.num_computed + num_new_tokens
         if num_new_tokens == 1 and end <= len(table) * bs and self.pool.ref_counts[table[(end - 1) // bs]] == 1:
             return []  # a decode writing into a block of its own: nothing to allocate or copy
+        fresh = seq.num_computed // bs >= len(table)  # every block written is allocated now (admission): none shared
         try:
-            seq.block_table.extend(self.pool.allocate(self._blocks_needed(seq, num_new_tokens)))
-            return self._copy_on_write(seq, num_new_tokens)
+            table.extend(self.pool.allocate(self._blocks_needed(seq, num_new_tokens)))
+            return [] if fresh else self._copy_on_write(seq, num_new_tokens)
         except OutOfBlocksError:
             return None
 
@@ -152,8 +154,12 @@ class KVCacheManager:
         after them); 0 if none."""
         bs = self.block_size
         table, first = seq.block_table, num_computed // bs
-        if first >= len(table) or any(self.pool.ref_counts[b] != 1 for b in table[first:]):
+        if first >= len(table):
             return 0
+        ref_counts = self.pool.ref_counts
+        for b in table[first:]:  # one or two blocks, mostly: a loop, not a generator
+            if ref_counts[b] != 1:
+                return 0
         if self.enable_prefix_caching:  # the blocks registered once the step computing up to `num_computed` is applied
             registered = max(seq.num_registered, num_computed // bs)
             return min(len(table) * bs, (registered + 1) * bs - 1)

@@ -37,10 +37,17 @@ def block_hash(parent: bytes, tokens: Sequence[int], salt: str = "") -> bytes:
 
 def extend_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_full_blocks: int,
                   salt: str = "") -> list[bytes]:
-    """Append the hashes of full blocks len(hashes)..num_full_blocks-1 to `hashes` (in place)."""
-    for i in range(len(hashes), num_full_blocks):
-        parent = hashes[i - 1] if i else b""
-        hashes.append(block_hash(parent, token_ids[i * block_size:(i + 1) * block_size], salt))
+    """Append the hashes of full blocks len(hashes)..num_full_blocks-1 to `hashes` (in place): `block_hash`
+    inlined, since every admission hashes its prompt's full blocks."""
+    start = len(hashes)
+    if start >= num_full_blocks:
+        return hashes
+    pack = _uint32s(block_size).pack
+    salted = b"\x00salt\x00" + salt.encode() if salt else b""
+    parent = hashes[-1] if start else b""
+    for i in range(start, num_full_blocks):
+        parent = sha256(parent + pack(*token_ids[i * block_size:(i + 1) * block_size]) + salted).digest()
+        hashes.append(parent)
     return hashes
 
 

@@ -20,6 +20,7 @@ from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, HeteroError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
+from hetero_common.gc_tuning import tune_gc
 from hetero_common.grpc_server import (add_health_and_reflection, bind, error_status,
                                       internal_listen_address, server_credentials, set_serving_aio,
                                       internal_server_options, termination_signal)
@@ -183,6 +184,7 @@ async def serve_scheduler(config: Config) -> None:
     await server.start()
     await servicer.start()
     await set_serving_aio(health, [SERVICE_NAME])
+    tune_gc()
     log.info("scheduler serving", address=listen, mutual_tls=config.internal_tls.enabled)
     await termination_signal()
     # Drain: report NOT_SERVING, refuse new calls, let in-flight ones finish within drain_grace_s.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.prefix_cache import block_hashes
+from scheduler_svc.prefix_cache import block_hash, block_hashes, extend_hashes
 from scheduler_svc.router import Router
 
 
@@ -10,6 +10,17 @@ def test_block_hashes_are_chained_over_full_blocks() -> None:
     a = block_hashes([1, 2, 3, 4, 5, 6, 7], 3)
     assert len(a) == 2  # the partial last block is not hashed
     assert block_hashes([9, 2, 3, 4, 5, 6], 3)[1] != a[1]  # block 1's hash depends on block 0
+
+
+def test_extend_hashes_is_block_hash_chained_with_the_salt_and_resumes() -> None:
+    ids = list(range(3, 20))
+    for salt in ("", "tenant-a"):
+        chain = [block_hash(b"", ids[0:4], salt)]
+        for i in range(1, 4):
+            chain.append(block_hash(chain[-1], ids[4 * i:4 * i + 4], salt))
+        assert block_hashes(ids, 4, salt) == chain
+        assert extend_hashes(chain[:2], ids, 4, 4, salt) == chain  # picks up after the hashes it has
+    assert block_hashes(ids, 4, "tenant-a") != block_hashes(ids, 4)
 
 
 def test_round_robin_alternates() -> None:
