@@ -84,7 +84,8 @@ class KVCacheManager:
             return []  # cached positions have no logits: prompt logprobs need all of them computed
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs
-        extend_hashes(seq.block_hashes, seq.token_ids, bs, usable, seq.cache_salt)
+        if len(seq.block_hashes) < usable:
+            extend_hashes(seq.block_hashes, seq.packed(usable * bs), bs, usable, seq.cache_salt)
         hits = []
         cached, hashes, token_ids = self.pool.cached, seq.block_hashes, seq.token_ids
         for i in range(usable):  # the ids are compared only for a hash in the cache (most prompts miss at once)
@@ -173,7 +174,8 @@ class KVCacheManager:
         full = min(seq.num_computed // bs, len(seq.block_table))
         if full <= seq.num_registered:
             return
-        extend_hashes(seq.block_hashes, seq.token_ids, bs, full, seq.cache_salt)
+        if len(seq.block_hashes) < full:
+            extend_hashes(seq.block_hashes, seq.packed(full * bs), bs, full, seq.cache_salt)
         for i in range(seq.num_registered, full):
             self.pool.register(seq.block_table[i], seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
         seq.num_registered = full

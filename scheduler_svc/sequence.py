@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from hetero.v1 import common_pb2
 from hetero_common.sampling import Sampling, sample_seed
 from scheduler_svc.block_pool import blocks_for
+from scheduler_svc.prefix_cache import pack_ids
 from scheduler_svc.prompt_logprobs import PromptLogprobs, needs_prompt_logits
 
 
@@ -71,9 +72,20 @@ class Sequence:
     awaiting_token: bool = False
     # prompt + max_tokens - 1: a token sampled when the sequence holds this many (or more) ends it by length.
     last_len: int = field(init=False, default=0)
+    # The first len(packed_ids) // 4 token ids as little-endian uint32s (`packed`).
+    packed_ids: bytes = b""
 
     def __post_init__(self) -> None:
         self.last_len = self.prompt_len + self.sampling.max_tokens - 1
+
+    def packed(self, count: int) -> bytes:
+        """At least the first `count` token ids as packed by prefix_cache.pack_ids: the prefix-cache hashes
+        and the worker's new-sequence entry read the same bytes, packed once (ids before `count` never
+        change; only the overlap's placeholder, never packed, is replaced in place)."""
+        have = len(self.packed_ids) >> 2
+        if have < count:
+            self.packed_ids += pack_ids(self.token_ids[have:count])
+        return self.packed_ids
 
     @property
     def num_tokens(self) -> int:

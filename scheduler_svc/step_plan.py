@@ -3,8 +3,6 @@ a sequence is sent whole once, afterwards only its appended blocks and table edi
 
 from __future__ import annotations
 
-import struct
-
 from hetero.v1 import worker_pb2
 from scheduler_svc.kv_cache_manager import CopiedBlock, KVCacheManager
 from scheduler_svc.sequence import Sequence
@@ -103,11 +101,12 @@ def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KV
 
 
 def new_sequence_bytes(seq: Sequence) -> tuple[bytes, ...]:
-    """The plan's `new_sequences` entry for `seq` as wire bytes: its ids packed as fixed32 in one
-    struct.pack (protobuf's conversion of a list into a repeated field cost four times as much, for
-    every prompt admitted), then its parameters and how many tokens it generated before."""
-    token_ids, num_generated = seq.token_ids, len(seq.token_ids) - seq.prompt_len
-    ids = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    """The plan's `new_sequences` entry for `seq` as wire bytes: its ids packed as fixed32 (`Sequence.packed`:
+    protobuf's conversion of a list into a repeated field cost four times as much, for every prompt
+    admitted, and the prefix-cache hashes packed most of them already), then its parameters and how many
+    tokens it generated before."""
+    num_tokens = len(seq.token_ids)
+    num_generated, ids = num_tokens - seq.prompt_len, seq.packed(num_tokens)[:4 * num_tokens]
     params = seq.params.SerializeToString()
     body = [_NEW_SEQ_ID, varint(seq.seq_id)] if seq.seq_id else []  # in number order, empty fields left out
     body += (_NEW_TOKEN_IDS, varint(len(ids)), ids, _NEW_PARAMS, varint(len(params)), params)  # params: always set

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler_svc.prefix_cache import block_hash, block_hashes, extend_hashes
+from scheduler_svc.prefix_cache import block_hash, block_hashes, extend_hashes, pack_ids
 from scheduler_svc.router import Router
 
 
@@ -19,7 +19,7 @@ def test_extend_hashes_is_block_hash_chained_with_the_salt_and_resumes() -> None
         for i in range(1, 4):
             chain.append(block_hash(chain[-1], ids[4 * i:4 * i + 4], salt))
         assert block_hashes(ids, 4, salt) == chain
-        assert extend_hashes(chain[:2], ids, 4, 4, salt) == chain  # picks up after the hashes it has
+        assert extend_hashes(chain[:2], pack_ids(ids), 4, 4, salt) == chain  # picks up after the hashes it has
     assert block_hashes(ids, 4, "tenant-a") != block_hashes(ids, 4)
 
 
