@@ -16,7 +16,7 @@ from scheduler_svc.sequence import Sequence, SequenceStatus
 
 PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
 COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`
-UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+UNSPECIFIED, LENGTH = common_pb2.FINISH_REASON_UNSPECIFIED, common_pb2.FINISH_REASON_LENGTH
 
 
 class TokenOutput:
@@ -220,11 +220,12 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> StepOutputs:
         count_in_flight(s)
     if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
         return process_rows(s, result, now)
-    # The common step: tokens only. A decode whose token neither can end it (no stop or EOS id, under its
-    # length limits) nor is its first output is appended and goes into the outputs' columns; any other row
-    # takes the general path (token_output.process_row). A fast decode's computed count is brought up to
-    # date here: every token before the sampled one is computed, which for a row already counted above is
-    # no change; it fills no block (KVCacheManager.decode_room), so nothing was to register for it above.
+    # The common step: tokens only. A decode's token that is no stop or EOS id, not its sequence's first
+    # output, is appended here: under its length limits it goes into the outputs' columns, at them it ends
+    # the sequence by length (what process_row would find); any other row takes the general path
+    # (process_row). A fast decode's computed count is brought up to date here: every token before the
+    # sampled one is computed, which for a row already counted above is no change; it fills no block
+    # (KVCacheManager.decode_room), so nothing was to register for it above.
     outputs = StepOutputs(now)
     add_seq, add_token = outputs.seqs.append, outputs.tokens.append
     get = s.sequences.get
@@ -234,21 +235,23 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> StepOutputs:
     for seq, token in zip(map(get, result.seq_ids), result.token_ids):
         if seq is None:
             continue  # aborted while the step ran
-        if seq.status is DECODE and seq.first_output_sent:
+        if seq.status is DECODE and seq.first_output_sent and token not in maybe_stop:
             token_ids = seq.token_ids
-            awaiting = seq.awaiting_token  # planned ahead (overlap.py): the token takes its placeholder's place
-            num = len(token_ids) - 1 if awaiting else len(token_ids)
-            if not awaiting:
-                seq.num_computed = num
-            if num < seq.last_len and num < last_model_len and token not in maybe_stop:
-                if awaiting:
-                    token_ids[num] = token
-                    seq.awaiting_token = False
-                else:
-                    token_ids.append(token)
+            if seq.awaiting_token:  # planned ahead (overlap.py): the token takes its placeholder's place
+                num = len(token_ids) - 1
+                token_ids[num] = token
+                seq.awaiting_token = False
+            else:
+                seq.num_computed = num = len(token_ids)
+                token_ids.append(token)
+            if num < seq.last_len and num < last_model_len:
                 add_seq(seq)
                 add_token(token)
-                continue
+            else:
+                outputs.add(TokenOutput(seq.request_id, [token], LENGTH, timestamp=now, index=seq.index))
+                s._end(seq, LENGTH, COMPLETED)
+                ended.append(seq)
+            continue
         if rows is None:
             rows = SampledRows(result)
         process_row(s, seq, token, 0, rows, now, outputs, ended)  # the row index: for logprobs, none here
