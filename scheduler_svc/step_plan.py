@@ -74,9 +74,10 @@ def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KV
     `new_sequences` entry first: the plan parses them into their own field, in order).
 
     Every entry but one with copy-on-write table edits is written by hand (`_entry_bytes`). Then the
-    sequence's next decode is prepared (with `kv_cache`): `seq.fast_until` is the token count up to which that decode's entry is the hand-written one with its bytes before num_cached_tokens the same
-    (`seq.decode_head`, kept on the sequence) and needs no block: no new block, no copy-on-write (blocks
-    it holds alone), num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
+    sequence's next decode is prepared (with `kv_cache`): `seq.fast_until` is the token count up to which
+    that decode's entry is the plain one with its bytes before num_cached_tokens the same (`seq.decode_head`,
+    kept on the sequence) and needs no block: no new block, no copy-on-write (blocks it holds alone),
+    num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
     (`decode_head` + num_cached_tokens' varint) without coming here; anything that changes the sequence's
     blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `_release_on_worker`)."""
     token_ids = seq.token_ids
