@@ -70,12 +70,13 @@ async def serve_gateway(config: Config) -> None:
     log.info("gateway serving", address=address, http_port=config.serving.http_port or None, model=config.serving.model_name,
              tls=config.serving.tls.enabled, api_keys=keys.enabled)
     await termination_signal()
-    # Drain: report NOT_SERVING, refuse new calls, give in-flight ones drain_grace_s to finish.
+    # Drain: report NOT_SERVING, refuse new calls, give in-flight ones drain_grace_s to finish. Both
+    # protocols at once: one after the other took up to twice the grace, past the time `serve` (or, with
+    # `serve` gone, the parent-death watchdog) allows a stopping service.
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
     log.info("draining", grace_s=config.drain_grace_s)
-    if http is not None:
-        await http.stop()
-    await server.stop(grace=config.drain_grace_s)
+    await asyncio.gather(server.stop(grace=config.drain_grace_s),
+                         *([http.stop(config.drain_grace_s)] if http is not None else []))
     log.info("gateway stopped")
 
 
@@ -91,10 +92,12 @@ class RunningHttpServer:
     def __init__(self, server: _EmbeddedServer, task: asyncio.Task[None]) -> None:
         self.server, self.task = server, task
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting, give open requests `grace_s`, then close what is left (a timeout is no error:
+        it must not keep the gRPC side from draining)."""
         self.server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(self.task, timeout=10)
+        with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.task, timeout=grace_s)
 
 
 async def start_http_server(config: Config, api: HttpApi) -> RunningHttpServer:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -138,6 +139,25 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir: Path) -> None:
         except grpc.RpcError as exc:
             raise AssertionError(f"stream broken after {time.monotonic() - started:.1f} s, {len(tokens)} tokens") from exc
         assert len(tokens) == 120 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert stack.process.wait(60) == 0
+
+
+def test_sigterm_drains_http_and_grpc_streams_at_once(tiny_llama_dir: Path) -> None:
+    """The gateway drains both protocols together: an SSE stream and a gRPC stream in flight both finish."""
+    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--log-level", "warning",
+                   "--drain-grace-s", "120") as stack:
+        call = stack.inference.Generate(request(200, "grpc-draining"))
+        tokens = list(next(call).token_ids)
+        body = {"prompt": "water", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{stack.http_url}/v1/completions", json=body, timeout=120) as sse:
+            lines = sse.iter_lines()
+            first = next(line for line in lines if line)
+            stack.process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        tokens += [t for msg in call for t in msg.token_ids]
+        assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in "".join(rest).replace(" ", "")
+        assert len(tokens) == 200
         assert stack.process.wait(60) == 0
 
 
