@@ -23,18 +23,11 @@ def pack_ids(token_ids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(token_ids)}I", *token_ids)
 
 
-def block_hash(parent: bytes, tokens: Sequence[int], salt: str = "") -> bytes:
-    h = sha256(parent)
-    h.update(pack_ids(tokens))
-    if salt:
-        h.update(b"\x00salt\x00" + salt.encode())
-    return h.digest()
-
-
 def extend_hashes(hashes: list[bytes], packed: bytes, block_size: int, num_full_blocks: int, salt: str = "") -> list[bytes]:
     """Append the hashes of full blocks len(hashes)..num_full_blocks-1 to `hashes` (in place), from the ids
-    packed by `pack_ids` (at least num_full_blocks * block_size of them): `block_hash`, inlined, on slices
-    of bytes (every admission hashes its prompt's full blocks)."""
+    packed by `pack_ids` (at least num_full_blocks * block_size of them): sha256(parent hash | the block's
+    packed ids | salt marker and salt, when salted), on slices of bytes (one call per block: every
+    admission hashes its prompt's full blocks)."""
     start = len(hashes)
     salted = b"\x00salt\x00" + salt.encode() if salt else b""
     parent = hashes[-1] if start else b""

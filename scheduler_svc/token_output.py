@@ -25,18 +25,20 @@ class TokenOutput:
     A running decode's plain next token is not built as one (`StepOutputs` keeps those as columns); the
     rest are. The sequence-valued fields default to empty tuples; nothing changes an output once built."""
 
-    request_id: str = ""
-    token_ids: ListLike[int] = ()  # a list of the sampled token on a token's output
-    finish_reason: int = UNSPECIFIED
-    error: str = ""
-    logprobs: ListLike[float] = ()
-    timestamp: float = 0.0
-    top_logprobs: ListLike[common_pb2.TopLogprobs] = ()  # per token, when asked
-    queue_seconds: float = 0.0  # on the first output: arrival to first admission
-    index: int = 0  # sample index (n > 1)
-    cached_prompt_tokens: int = 0  # set on a sample's first output
-    prompt_logprobs: ListLike[float] = ()  # first output, when params.prompt_logprobs is set
-    prompt_top_logprobs: ListLike[common_pb2.TopLogprobs] = ()
+    __slots__ = ("request_id", "token_ids", "finish_reason", "error", "logprobs", "timestamp", "top_logprobs",
+                 "queue_seconds", "index", "cached_prompt_tokens", "prompt_logprobs", "prompt_top_logprobs")
+    request_id: str
+    token_ids: ListLike[int]  # a list of the sampled token on a token's output
+    finish_reason: int
+    error: str
+    logprobs: ListLike[float]
+    timestamp: float
+    top_logprobs: ListLike[common_pb2.TopLogprobs]  # per token, when asked
+    queue_seconds: float  # on the first output: arrival to first admission
+    index: int  # sample index (n > 1)
+    cached_prompt_tokens: int  # set on a sample's first output
+    prompt_logprobs: ListLike[float]  # first output, when params.prompt_logprobs is set
+    prompt_top_logprobs: ListLike[common_pb2.TopLogprobs]
 
     def __init__(self, request_id: str, token_ids: ListLike[int] = (), finish_reason: int = UNSPECIFIED,
                  error: str = "", logprobs: ListLike[float] = (), timestamp: float = 0.0,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from scheduler_svc.prefix_cache import block_hash, block_hashes, extend_hashes, pack_ids
+import struct
+from hashlib import sha256
+
+from scheduler_svc.prefix_cache import block_hashes, extend_hashes, pack_ids
 from scheduler_svc.router import Router
 
 
@@ -13,6 +16,9 @@ def test_block_hashes_are_chained_over_full_blocks() -> None:
 
 
 def test_extend_hashes_is_block_hash_chained_with_the_salt_and_resumes() -> None:
+    def block_hash(parent: bytes, tokens: list[int], salt: str) -> bytes:  # the format, written out
+        return sha256(parent + struct.pack(f"<{len(tokens)}I", *tokens) + (b"\x00salt\x00" + salt.encode() if salt else b"")).digest()
+
     ids = list(range(3, 20))
     for salt in ("", "tenant-a"):
         chain = [block_hash(b"", ids[0:4], salt)]

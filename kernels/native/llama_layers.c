@@ -24,9 +24,10 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
                           int num_kv_heads, int head_dim, int block_size, float scale);
 
 /* Per-layer weights and caches come as int64 arrays of addresses, num_layers entries each (qkv_bias: 0 for
- * none); linear weights packed by linear_bf16_pack. hidden [rows, hidden_size]: the embeddings in, the residual stream out with the last block's output
- * in `delta` not yet added (as the loop leaves it). Scratch: x [rows, hidden], qkv [rows, q + 2 kv],
- * attn [rows, q], gate_up [rows, 2 inter], act [rows, inter], delta and o_out [rows, hidden].
+ * none); linear weights packed by linear_bf16_pack. hidden [rows, hidden_size]: the embeddings in, the
+ * residual stream out, with the last block's output in `delta` not yet added (as the loop leaves it).
+ * Scratch: x [rows, hidden], qkv [rows, q + 2 kv], attn [rows, q], gate_up [rows, 2 inter], act [rows,
+ * inter], delta and o_out [rows, hidden].
  * k_rows / v_rows [rows * kv_heads]: the cache rows (of a layer seen as [*, head_dim]) the new K/V go
  * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). Returns 0, or
  * decode_attention_bf16's error. */
