@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.c_layers import CLayers
+from gpu_worker.c_layers import CLayers, attention_block
 from gpu_worker.checkpoint import ModelConfig
 from gpu_worker import fused_ops
 from gpu_worker.linear import linear, pack_weight
@@ -179,22 +179,31 @@ class LlamaModel:
         if t and int(positions.max()) >= self.cos.shape[0]:  # the RoPE kernel reads its tables unchecked
             raise IndexError(f"position {int(positions.max())} is beyond the model's {self.cos.shape[0]} positions")
         delta: torch.Tensor | None = None  # the last block's output, not yet added to `hidden`
-        plan = self.c_layers and getattr(attention, "native_rows", lambda: None)()
-        if plan is not None:  # the same kernels in the same order, from C (gpu_worker/c_layers.py)
+        # The attention backend's C plan, when it covers every row of the step: the layers' RoPE, K/V write
+        # and attention then run as one C call each (gpu_worker/c_layers.py), or, with C linear layers too,
+        # every layer in one call.
+        plan = getattr(attention, "native_rows", lambda: None)() if t else None
+        if plan is not None:
             if plan.max_page >= kv_cache[0].shape[0]:
                 raise IndexError(f"page {plan.max_page} is outside the cache's {kv_cache[0].shape[0]} blocks")
+            positions = positions.contiguous()
             k_rows, v_rows = hnd_rows(slots.to(torch.int64), kv_heads, kv_cache[0].shape[3])
-            hidden.add_(self.c_layers.run(hidden, positions.contiguous(), kv_cache, k_rows, v_rows, plan.rows,
-                                          plan.pages, plan.kv_lens, attention.scale))
-            return hidden
+            if self.c_layers:  # the same kernels in the same order, from C
+                hidden.add_(self.c_layers.run(hidden, positions, kv_cache, k_rows, v_rows, plan.rows,
+                                              plan.pages, plan.kv_lens, attention.scale))
+                return hidden
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
-            fused_ops.rope_(qkv, heads + kv_heads, dim, positions, self.cos, self.sin)
-            qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
-            v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
-            attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
-            attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
+            if plan is not None:
+                attn = attention_block(qkv, heads, kv_heads, dim, positions, self.cos, self.sin, kv_cache[i], k_rows,
+                                       v_rows, plan.rows, plan.pages, plan.kv_lens, attention.scale)
+            else:
+                fused_ops.rope_(qkv, heads + kv_heads, dim, positions, self.cos, self.sin)
+                qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
+                v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
+                attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
+                attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
             x = fused_ops.add_rms_norm(hidden, self.tp.all_reduce(linear(attn, layer["o"])), layer["post_norm"], eps)
             delta = self.tp.all_reduce(linear(fused_ops.silu_mul(linear(x, layer["gate_up"])), layer["down"]))
         if delta is not None:

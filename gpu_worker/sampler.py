@@ -18,6 +18,7 @@ import torch
 from gpu_worker.constrained import ConstraintMasks, GuidanceVocabulary, build_constraint_masks
 from gpu_worker.logits_processors import (ControlledSequence, LogitsControls, apply_logits_controls, apply_min_p,
                                           build_logits_controls)
+from kernels.native_argmax import argmax_rows
 
 
 @dataclass
@@ -73,7 +74,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     processed = logits if batch.controls is None else apply_logits_controls(logits, batch.controls)
     if batch.constraints is not None:  # after the controls, before temperature, min_p, top-k and top-p
         processed = batch.constraints.apply(processed)
-    tokens = processed.argmax(dim=-1)  # greedy rows see bias, penalties and min_tokens too
+    tokens = argmax_rows(processed)  # greedy rows see bias, penalties and min_tokens too
     random_rows = torch.nonzero(batch.temperature > 0).flatten()
     if random_rows.numel():
         rows = random_rows.tolist()
@@ -88,7 +89,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         for j, row in enumerate(rows):
             if batch.seeds[row] is not None:
                 noise[j] = _seeded_noise(batch.seeds[row], batch.generated_index[row], probs.shape[-1], probs.device)
-        tokens[random_rows] = (probs / noise).argmax(dim=-1)
+        tokens[random_rows] = argmax_rows(probs / noise)
     logprobs = None
     if batch.want_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)

@@ -50,6 +50,10 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, 
     "llama_layers_bf16": (ctypes.c_int, [_p, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _i32,
                                          _p, _p, _p, _p, _p, _p, _p, _p, _i32, _p, _p, _p, _p, _p,
                                          _p, _p, _i32, _p, _f32, _p, _p, _p, _p, _p, _p, _p]),
+    "attention_block_bf16": (ctypes.c_int, [_p, _i32, _i32, _i32, _i32, _p, _p, _p, _p, _i32, _p, _p, _p, _p, _i32,
+                                            _p, _f32, _p]),
+    "argmax_rows_bf16": (None, [_p, _i64, _i64, _i64, _p]),
+    "argmax_rows_f32": (None, [_p, _i64, _i64, _i64, _p]),
 }
 
 _lock = threading.Lock()

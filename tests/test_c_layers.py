@@ -1,7 +1,8 @@
-"""All decoder layers in one C call (gpu_worker/c_layers.py) against the per-layer loop of the same
+"""All decoder layers in one C call (gpu_worker/c_layers.py), and each layer's attention block in one C
+call (the loop's path where the linear layers are oneDNN's), against the per-layer loop of the same
 kernels: bitwise the same logits, on a prompt step and on a mixed step of decodes and a prompt chunk
-with a cached prefix. The path needs head size 64 or 128 (the C attention's vector path), so these
-tiny models have heads of 64; skipped where the CPU cannot run the C linear kernel."""
+with a cached prefix. The paths need head size 64 or 128 (the C attention's vector path), so these
+tiny models have heads of 64; the one-call layers are skipped where the CPU cannot run the C linear kernel."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_de
 from tests.tiny_models import _save, make_tokenizer  # noqa: F401  (make_tokenizer: _save writes one)
 
 REASON = native_linear.unavailable_reason(cpu_flags())
-pytestmark = pytest.mark.skipif(REASON is not None or not native_decode.takes_prompts(64, 16),
-                                reason=f"the C layers do not run here: {REASON or 'no AVX512-BF16 attention path'}")
+pytestmark = pytest.mark.skipif(not native_decode.takes_prompts(64, 16),
+                                reason="the C attention has no AVX512-BF16 path here")
 BLOCK = 16
 
 
@@ -42,16 +43,21 @@ def head64_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return _save(model, tmp_path_factory.mktemp(f"head64-{request.param}"))
 
 
-def two_steps(model: LlamaModel, config, use_c_layers: bool) -> list[torch.Tensor]:
+def two_steps(model: LlamaModel, config, path: str) -> list[torch.Tensor]:
     """Step 1: two prompts (20 and 35 tokens). Step 2: the first decodes one token, the second gets a
-    12-token chunk on top of its cached 35. Logits of each step's last rows."""
+    12-token chunk on top of its cached 35. Logits of each step's last rows. `path`: "c_layers" (every
+    layer in one call, where the model has them), "block" (the loop, each attention block in one call) or
+    "loop" (the loop with RoPE, the K/V write and attention as separate calls)."""
     saved = model.c_layers
-    model.c_layers = saved if use_c_layers else None
+    model.c_layers = saved if path == "c_layers" else None
     try:
         cache = allocate_kv_cache(config.num_hidden_layers, 16, BLOCK, model.num_kv_heads, config.head_dim,
                                   torch.bfloat16, "cpu", TorchPagedAttention.kv_layout)
         attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim, decode_kernel="c",
                                         dtype=torch.bfloat16)
+        native_rows = attention.native_rows
+        if path == "loop":  # the model then takes the separate calls (attention still runs its C plan)
+            attention.native_rows = lambda: None  # type: ignore[method-assign]
         rng = np.random.default_rng(0)
         tables = [np.array([3, 9], dtype=np.int32), np.array([5, 1, 12, 7], dtype=np.int32)]
         steps = [(np.array([20, 35]), np.array([20, 35])), (np.array([1, 12]), np.array([21, 47]))]
@@ -60,7 +66,7 @@ def two_steps(model: LlamaModel, config, use_c_layers: bool) -> list[torch.Tenso
             for q_lens, kv_lens in steps:
                 table = PageTable.build(tables, q_lens, kv_lens, BLOCK)
                 attention.plan(table)
-                assert attention.native_rows() is not None  # the C layers' condition, whichever path runs
+                assert native_rows() is not None  # the C paths' condition, whichever path runs
                 positions, slots = table.token_positions()
                 ids = torch.from_numpy(rng.integers(2, config.vocab_size, int(q_lens.sum())))
                 rows = table.qo_indptr[1:].to(torch.int64) - 1
@@ -71,6 +77,7 @@ def two_steps(model: LlamaModel, config, use_c_layers: bool) -> list[torch.Tenso
         model.c_layers = saved
 
 
+@pytest.mark.skipif(REASON is not None, reason=f"the C linear kernel does not run here: {REASON}")
 def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path) -> None:
     config, weights = load_checkpoint(head64_dir)
     model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True,
@@ -79,10 +86,30 @@ def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path) -> None:
     calls = []
     run = model.c_layers.run
     model.c_layers.run = lambda *args: calls.append(1) or run(*args)  # type: ignore[method-assign]
-    looped = two_steps(model, config, False)
+    looped = two_steps(model, config, "loop")
     assert not calls
-    fused = two_steps(model, config, True)
+    fused = two_steps(model, config, "c_layers")
     assert len(calls) == 2  # both steps took the one-call path
     for a, b in zip(looped, fused):
+        assert a.isfinite().all()
+        assert torch.equal(a, b)
+
+
+def test_attention_block_call_gives_the_loops_logits_bitwise(head64_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's linear layers (as on AMX CPUs): RoPE, the K/V write and attention in one call per layer."""
+    import gpu_worker.model as model_module
+
+    config, weights = load_checkpoint(head64_dir)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True,
+                       native_linear=False, fused=True)
+    assert model.c_layers is None
+    calls = []
+    block = model_module.attention_block
+    monkeypatch.setattr(model_module, "attention_block", lambda *args: calls.append(1) or block(*args))
+    looped = two_steps(model, config, "loop")
+    assert not calls
+    blocks = two_steps(model, config, "block")
+    assert len(calls) == 2 * config.num_hidden_layers  # every layer of both steps
+    for a, b in zip(looped, blocks):
         assert a.isfinite().all()
         assert torch.equal(a, b)

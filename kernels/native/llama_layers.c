@@ -5,7 +5,9 @@
  * attention, the o product, RMSNorm, gate/up, SiLU·mul, down. The results are bitwise those of the
  * loop; what goes is the loop's Python between the ~10 kernel calls of each layer (~1-2 ms a step).
  * Used only where every one of those kernels runs in C (linear_bf16.c's and decode_attention.c's
- * vector paths) and there is no tensor parallelism (its all-reduces are between the kernels).
+ * vector paths) and there is no tensor parallelism (its all-reduces are between the kernels). Where
+ * the linear layers are oneDNN's (AMX CPUs), the loop calls `attention_block_bf16` instead, each
+ * layer's RoPE, K/V write and attention.
  */
 #include <stdint.h>
 #include <string.h>
@@ -22,6 +24,32 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
                           const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                           uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
                           int num_kv_heads, int head_dim, int block_size, float scale);
+
+/* A layer's attention block, from its q/k/v product to attention's output: RoPE on q and k in place in
+ * qkv_buf [rows, q + 2 kv], the new K/V rows written into the layer's paged HND cache at k_rows / v_rows
+ * [rows * kv_heads] (cache rows of head_dim), then attention for every row (q_rows, pages [rows,
+ * max_pages], kv_lens: the attention backend's C plan) into attn [rows, q]. One call instead of three
+ * for the per-layer loop where the linear layers are not C (oneDNN on AMX): the same kernels, so the
+ * same bits. Returns 0, or decode_attention_bf16's error. */
+int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_heads, int head_dim,
+                         const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
+                         uint16_t *layer_cache, int block_size, const int64_t *k_rows, const int64_t *v_rows,
+                         const int64_t *q_rows, const int32_t *pages, int max_pages, const int32_t *kv_lens,
+                         float scale, uint16_t *attn) {
+    const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const int qkv_width = q_size + 2 * kv_size;
+    rope_bf16(qkv_buf, qkv_width, rows, num_heads + num_kv_heads, head_dim, positions, cos_table, sin_table);
+    const size_t row_bytes = sizeof(uint16_t) * (size_t)head_dim;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * num_kv_heads >= 256)
+    for (int t = 0; t < rows; t++)
+        for (int h = 0; h < num_kv_heads; h++) {
+            const uint16_t *k = qkv_buf + (int64_t)t * qkv_width + q_size + h * head_dim;
+            memcpy(layer_cache + k_rows[(int64_t)t * num_kv_heads + h] * head_dim, k, row_bytes);
+            memcpy(layer_cache + v_rows[(int64_t)t * num_kv_heads + h] * head_dim, k + kv_size, row_bytes);
+        }
+    return decode_attention_bf16(qkv_buf, qkv_width, q_rows, layer_cache, pages, max_pages, kv_lens, attn, q_size,
+                                 rows, num_heads, num_kv_heads, head_dim, block_size, scale);
+}
 
 /* Per-layer weights and caches come as int64 arrays of addresses, num_layers entries each (qkv_bias: 0 for
  * none); linear weights packed by linear_bf16_pack. hidden [rows, hidden_size]: the embeddings in, the
@@ -46,19 +74,9 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
                           hidden_size, rows, hidden_size, eps);
         linear_bf16(x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf, qkv_width,
                     rows, qkv_width, hidden_size);
-        rope_bf16(qkv_buf, qkv_width, rows, num_heads + num_kv_heads, head_dim, positions, cos_table, sin_table);
-        uint16_t *layer_cache = (uint16_t *)cache[i];
-        const size_t row_bytes = sizeof(uint16_t) * (size_t)head_dim;
-#pragma omp parallel for schedule(static) if ((int64_t)rows * num_kv_heads >= 256)
-        for (int t = 0; t < rows; t++)
-            for (int h = 0; h < num_kv_heads; h++) {
-                const uint16_t *k = qkv_buf + (int64_t)t * qkv_width + q_size + h * head_dim;
-                memcpy(layer_cache + k_rows[(int64_t)t * num_kv_heads + h] * head_dim, k, row_bytes);
-                memcpy(layer_cache + v_rows[(int64_t)t * num_kv_heads + h] * head_dim, k + kv_size, row_bytes);
-            }
-        const int rc = decode_attention_bf16(qkv_buf, qkv_width, q_rows, layer_cache, pages, max_pages, kv_lens,
-                                             attn, q_size, rows, num_heads, num_kv_heads, head_dim, block_size,
-                                             scale);
+        const int rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table,
+                                            sin_table, (uint16_t *)cache[i], block_size, k_rows, v_rows, q_rows,
+                                            pages, max_pages, kv_lens, scale, attn);
         if (rc != 0) return rc;
         linear_bf16(attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size, q_size);
         add_rms_norm_bf16(hidden, hidden_size, o_out, hidden_size, (const uint16_t *)post_norm[i], x, hidden_size,
