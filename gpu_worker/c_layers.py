@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.linear import DualPackedWeight
 from kernels import native_lib
 from kernels.native_linear import NativePackedWeight
 
@@ -27,7 +28,7 @@ class CLayers:
     def __init__(self, layers: list[dict], cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int, eps: float) -> None:
         def packed(name: str) -> list[torch.Tensor]:
-            weights = [layer[name] for layer in layers]
+            weights = [layer[name].native if type(layer[name]) is DualPackedWeight else layer[name] for layer in layers]
             assert all(type(w) is NativePackedWeight for w in weights), f"{name} is not packed for the C kernel"
             return [w.packed for w in weights]
 

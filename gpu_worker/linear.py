@@ -12,12 +12,16 @@ results differ from MKL's in the last bits (another kernel). The float32 oracle 
 token-exact against `transformers` with it; `weight_prepack: false` gives MKL's own products.
 
 On CPUs with AVX512-BF16 and no AMX, bfloat16 weights are packed for the C kernel of
-kernels/native_linear.py instead (`native=True`), which is faster than oneDNN there.
+kernels/native_linear.py instead (`native=True`), which is faster than oneDNN there. With AMX they are
+packed both ways (`DualPackedWeight`): the C kernel takes products of up to `native_linear.AMX_MAX_ROWS`
+rows (small-batch decoding, 1.6x oneDNN at one row), oneDNN the rest; the weights' memory doubles.
 
 `weight_prepack` in the config turns packing off; CUDA weights are never packed.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,23 +30,43 @@ from kernels import native_linear
 from kernels.native_linear import NativePackedWeight
 
 
+@dataclass(frozen=True)
+class DualPackedWeight:
+    """One weight packed for oneDNN and for the C kernel: products of up to `native_max_rows` rows take the C one."""
+
+    onednn: torch.Tensor
+    native: NativePackedWeight
+    native_max_rows: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.native.shape
+
+
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether packed weights can be used for products on this device in this dtype."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def pack_weight(weight: torch.Tensor, native: bool = False) -> torch.Tensor | NativePackedWeight:
+PackedWeight = torch.Tensor | NativePackedWeight | DualPackedWeight
+
+
+def pack_weight(weight: torch.Tensor, native: bool = False, native_max_rows: int | None = None) -> PackedWeight:
     """The [out, in] weight in oneDNN's blocked layout (an opaque tensor with the same shape), or
-    (`native`, bfloat16 only) in the C kernel's (native_linear.unavailable_reason must be None)."""
+    (`native`, bfloat16 only) in the C kernel's (native_linear.unavailable_reason must be None), or, with
+    `native_max_rows` too, in both (`DualPackedWeight`)."""
+    if native and native_max_rows is not None:
+        return DualPackedWeight(pack_weight(weight), native_linear.pack(weight), native_max_rows)
     if native:
         return native_linear.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | NativePackedWeight,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a plain or a packed weight."""
+    if type(weight) is DualPackedWeight:
+        weight = weight.native if x.numel() <= weight.native_max_rows * x.shape[-1] else weight.onednn
     if type(weight) is NativePackedWeight:
         return native_linear.linear(x, weight, bias)
     if weight.is_mkldnn:

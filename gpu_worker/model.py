@@ -52,12 +52,14 @@ class LlamaModel:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
-                 native_linear: bool = False,
+                 native_linear: bool = False, native_linear_max_rows: int | None = None,
                  fused: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
         gpu_worker/linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
-        C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason). `fused`: run RMSNorm, RoPE and
-        SiLU·mul through the C kernels (gpu_worker/fused_ops.py) where they are available (bfloat16 CPU)."""
+        C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
+        `native_linear_max_rows` (AMX CPUs), for both, the C kernel taking products of up to that many rows.
+        `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/fused_ops.py) where they are
+        available (bfloat16 CPU)."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -73,7 +75,7 @@ class LlamaModel:
             return tensor.to(device=device, dtype=dtype).contiguous()
 
         def matrix(tensor: torch.Tensor) -> torch.Tensor:
-            return pack_weight(tensor, native=native_linear) if prepack else tensor
+            return pack_weight(tensor, native_linear, native_linear_max_rows) if prepack else tensor
 
         self.embed = w("model.embed_tokens.weight")
         # A tied LM head is packed as its own copy: the embedding lookup needs the plain rows.
@@ -106,10 +108,12 @@ class LlamaModel:
         self.fused = fused and fused_ops.available(device, dtype)
         if self.fused:  # the kernel reads [max_positions, head_dim / 2] rows
             self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
-        # Every layer in one C call where each of its kernels is C and no all-reduce sits between them.
+        # Every layer in one C call where each of its kernels is C and no all-reduce sits between them
+        # (with dual-packed weights: for steps of up to native_linear_max_rows rows).
         self.c_layers = (CLayers(self.layers, self.cos, self.sin, self.num_heads, self.num_kv_heads, c.head_dim,
                                  c.rms_norm_eps)
                          if self.fused and prepack and native_linear and not tp.enabled else None)
+        self.c_layers_max_rows = native_linear_max_rows
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -188,7 +192,7 @@ class LlamaModel:
                 raise IndexError(f"page {plan.max_page} is outside the cache's {kv_cache[0].shape[0]} blocks")
             positions = positions.contiguous()
             k_rows, v_rows = hnd_rows(slots.to(torch.int64), kv_heads, kv_cache[0].shape[3])
-            if self.c_layers:  # the same kernels in the same order, from C
+            if self.c_layers and (self.c_layers_max_rows is None or t <= self.c_layers_max_rows):  # from C
                 hidden.add_(self.c_layers.run(hidden, positions, kv_cache, k_rows, v_rows, plan.rows,
                                               plan.pages, plan.kv_lens, attention.scale))
                 return hidden

@@ -91,8 +91,13 @@ class ModelRunner:
         if self.c_linear and (why_not := native_linear.unavailable_reason(cpu_flags())):
             self.c_linear = False
             log.info("linear layers through oneDNN, not the C kernel", reason=why_not)
+        c_linear_max_rows = native_linear.max_rows(cpu_flags()) if self.c_linear else None
+        if c_linear_max_rows is not None:
+            log.info("linear layers through the C kernel up to a few rows, oneDNN above (weights packed for both)",
+                     max_rows=c_linear_max_rows, reason="the CPU has AMX, whose tile kernels win on larger products")
         self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp, prepack=prepack,
-                                native_linear=self.c_linear, fused=config.cpu_kernels != "torch")
+                                native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
+                                fused=config.cpu_kernels != "torch")
         del weights
         elem = torch.empty(0, dtype=self.dtype).element_size()
         kv_heads = self.model.num_kv_heads  # this rank's share

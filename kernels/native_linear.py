@@ -1,6 +1,7 @@
 """bfloat16 linear layers through the C kernel (kernels/native/linear_bf16.c), for CPUs with
-AVX512-BF16 and no AMX, where it beats oneDNN at every row count measured (most at decoding's
-1-64 rows). On AMX CPUs oneDNN's tile kernels are several times faster, so they keep it.
+AVX512-BF16. Without AMX it beats oneDNN at every row count measured (most at decoding's 1-64 rows).
+With AMX, oneDNN's tile kernels win from about 8 rows up, and the C kernel only at the few rows of
+small-batch decoding, where the product streams the weights from memory (`max_rows`).
 
 A weight is packed once at load (`pack`) into the kernel's panel layout; `linear` multiplies by it.
 """
@@ -22,16 +23,26 @@ class NativePackedWeight:
     shape: torch.Size
 
 
+# On AMX CPUs, the most rows the C kernel takes: one forward's products at SmolLM2-135M's shapes on a
+# 2-core Xeon with AMX (benchmarks/cpu_kernels.py) took 1.58x less time than oneDNN's at 1 row, 1.27x at
+# 4, 1.03x at 8, and 0.73x at 12 (0.22x at 64).
+AMX_MAX_ROWS = 8
+
+
 def unavailable_reason(cpu_flags: set[str]) -> str | None:
     """None when the kernel can run here, else why not (the caller then keeps oneDNN)."""
-    if "amx_bf16" in cpu_flags:
-        return "the CPU has AMX, where oneDNN's bfloat16 products are faster"
     library = native_lib.load()
     if library is None:
         return native_lib.unavailable_reason()
     if not library.linear_bf16_supported():
         return "the CPU has no AVX512-BF16"
     return None
+
+
+def max_rows(cpu_flags: set[str]) -> int | None:
+    """The most rows a product goes through the C kernel: None (every product) without AMX; AMX_MAX_ROWS with
+    it, oneDNN's tile kernels taking the larger products."""
+    return AMX_MAX_ROWS if "amx_bf16" in cpu_flags else None
 
 
 def pack(weight: torch.Tensor) -> NativePackedWeight:

@@ -1,6 +1,7 @@
 """The C bfloat16 linear kernel (kernels/native_linear.py) against float32 products of the same
 bfloat16 inputs, its batch invariance, its padding of odd sizes, and the tiny models' logits through
-it against float32. Where the CPU has no AVX512-BF16 (or has AMX) the kernel is not used: skipped."""
+it against float32, and the dual packing of AMX CPUs (the C kernel up to a few rows, oneDNN above).
+Where the CPU has no AVX512-BF16 the kernel is not used: skipped."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from gpu_worker.cpu_setup import cpu_flags
-from gpu_worker.linear import linear, pack_weight
+from gpu_worker.linear import DualPackedWeight, linear, pack_weight, prepack_supported
 from kernels import native_linear
 from kernels.native_linear import NativePackedWeight
 from tests.oracle import make_prompts
@@ -80,3 +81,16 @@ def test_model_logits_close_to_float32_and_to_onednn(model_fixture: str, request
         rel = (fast - exact).norm(dim=-1) / exact.norm(dim=-1)
         assert float(rel.max()) < REL_TOL, rel
     assert torch.equal(native.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN prepacking here")
+def test_dual_packing_takes_the_c_kernel_up_to_its_rows_and_onednn_above() -> None:
+    torch.manual_seed(2)
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    dual = pack_weight(weight, native=True, native_max_rows=4)
+    assert type(dual) is DualPackedWeight and tuple(dual.shape) == (96, 64)
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    for rows in (1, 4, 5, 9):
+        want = linear(x[:rows], dual.native if rows <= 4 else dual.onednn)
+        assert torch.equal(linear(x[:rows], dual), want), rows
+    assert torch.equal(linear(x[:2].view(1, 2, 64), dual), linear(x[:2], dual.native).view(1, 2, 96))  # rows, not dim 0
