@@ -32,6 +32,10 @@ class CLayers:
             assert all(type(w) is NativePackedWeight for w in weights), f"{name} is not packed for the C kernel"
             return [w.packed for w in weights]
 
+        kinds = {(w.native if type(w) is DualPackedWeight else w).amx for layer in layers
+                 for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])}
+        assert len(kinds) == 1, "the layers' weights are packed for different C kernels"
+        self.amx = int(kinds.pop())  # the weights are linear_amx's tiles (else linear_bf16's panels)
         self._keep = (layers, cos, sin)  # every address below points into these
         self.input_norm = _addresses([layer["input_norm"] for layer in layers])
         self.qkv, self.o = _addresses(packed("qkv")), _addresses(packed("o"))
@@ -70,7 +74,7 @@ class CLayers:
             cache_addresses.data_ptr(), int(caches[0].shape[3]), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
             k_rows.data_ptr(), v_rows.data_ptr(), q_rows.data_ptr(), pages.data_ptr(), pages.shape[1],
             kv_lens.data_ptr(), scale, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-            act.data_ptr(), o_out.data_ptr(), delta.data_ptr())
+            act.data_ptr(), o_out.data_ptr(), delta.data_ptr(), self.amx)
         if rc != 0:
             raise RuntimeError(f"llama_layers_bf16 failed ({rc})")
         return delta

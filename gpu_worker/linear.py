@@ -13,8 +13,8 @@ token-exact against `transformers` with it; `weight_prepack: false` gives MKL's 
 
 On CPUs with AVX512-BF16 and no AMX, bfloat16 weights are packed for the C kernel of
 kernels/native_linear.py instead (`native=True`), which is faster than oneDNN there. With AMX they are
-packed both ways (`DualPackedWeight`): the C kernel takes products of up to `native_linear.AMX_MAX_ROWS`
-rows (small-batch decoding, 1.6x oneDNN at one row), oneDNN the rest; the weights' memory doubles.
+packed both ways (`DualPackedWeight`): the C tile kernel takes decoding's products (up to
+`native_linear.AMX_MAX_ROWS` rows, 1.4x oneDNN), oneDNN the larger ones; the weights' memory doubles.
 
 `weight_prepack` in the config turns packing off; CUDA weights are never packed.
 """
@@ -52,14 +52,15 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 PackedWeight = torch.Tensor | NativePackedWeight | DualPackedWeight
 
 
-def pack_weight(weight: torch.Tensor, native: bool = False, native_max_rows: int | None = None) -> PackedWeight:
+def pack_weight(weight: torch.Tensor, native: bool = False, native_max_rows: int | None = None,
+                amx: bool = False) -> PackedWeight:
     """The [out, in] weight in oneDNN's blocked layout (an opaque tensor with the same shape), or
-    (`native`, bfloat16 only) in the C kernel's (native_linear.unavailable_reason must be None), or, with
-    `native_max_rows` too, in both (`DualPackedWeight`)."""
+    (`native`, bfloat16 only) in a C kernel's (native_linear.unavailable_reason must be None; `amx`: the
+    tile kernel's, as native_linear.plan says), or, with `native_max_rows` too, in both (`DualPackedWeight`)."""
     if native and native_max_rows is not None:
-        return DualPackedWeight(pack_weight(weight), native_linear.pack(weight), native_max_rows)
+        return DualPackedWeight(pack_weight(weight), native_linear.pack(weight, amx), native_max_rows)
     if native:
-        return native_linear.pack(weight)
+        return native_linear.pack(weight, amx)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 

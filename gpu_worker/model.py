@@ -23,6 +23,7 @@ from gpu_worker.linear import linear, pack_weight
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels import AttentionBackend
 from kernels.cache_ops import hnd_rows
+from kernels.native_linear import amx_fits
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -47,17 +48,27 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def linear_shapes(config: ModelConfig, tp: TensorParallel) -> list[tuple[int, int]]:
+    """The [out, in] shapes of one rank's linear weights: q/k/v, o, gate/up, down, the LM head."""
+    c, size = config, tp.size
+    q, kv = c.num_attention_heads // size * c.head_dim, c.num_key_value_heads // size * c.head_dim
+    inter = c.intermediate_size // size
+    return [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * inter, c.hidden_size), (c.hidden_size, inter),
+            (c.vocab_size, c.hidden_size)]
+
+
 class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here is trained)."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
-                 native_linear: bool = False, native_linear_max_rows: int | None = None,
+                 native_linear: bool = False, native_linear_max_rows: int | None = None, native_linear_amx: bool = False,
                  fused: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
         gpu_worker/linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
         C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
-        `native_linear_max_rows` (AMX CPUs), for both, the C kernel taking products of up to that many rows.
+        `native_linear_max_rows` (AMX CPUs), for both, the C kernel taking products of up to that many rows;
+        `native_linear_amx`: the C kernel is the AMX tile one (kernels/native_linear.py's `plan` chose it).
         `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/fused_ops.py) where they are
         available (bfloat16 CPU)."""
         self.config = config
@@ -75,7 +86,10 @@ class LlamaModel:
             return tensor.to(device=device, dtype=dtype).contiguous()
 
         def matrix(tensor: torch.Tensor) -> torch.Tensor:
-            return pack_weight(tensor, native_linear, native_linear_max_rows) if prepack else tensor
+            if not prepack:
+                return tensor
+            amx = native_linear_amx and amx_fits(*tensor.shape)  # else the panels (the runner's plan checked them all)
+            return pack_weight(tensor, native_linear, native_linear_max_rows, amx)
 
         self.embed = w("model.embed_tokens.weight")
         # A tied LM head is packed as its own copy: the embedding lookup needs the plain rows.

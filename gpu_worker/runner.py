@@ -22,7 +22,7 @@ from gpu_worker.linear import prepack_supported
 from gpu_worker.cpu_setup import configure_cpu_threads, cpu_flags, resolve_cpu_dtype
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
-from gpu_worker.model import LlamaModel
+from gpu_worker.model import LlamaModel, linear_shapes
 from gpu_worker.logits_processors import RowControls
 from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
 from gpu_worker.sampler import build_sampling_batch, sample, top_logprobs
@@ -91,13 +91,15 @@ class ModelRunner:
         if self.c_linear and (why_not := native_linear.unavailable_reason(cpu_flags())):
             self.c_linear = False
             log.info("linear layers through oneDNN, not the C kernel", reason=why_not)
-        c_linear_max_rows = native_linear.max_rows(cpu_flags()) if self.c_linear else None
+        c_linear_amx, c_linear_max_rows = (native_linear.plan(cpu_flags(), linear_shapes(mc, tp)) if self.c_linear
+                                           else (False, None))
         if c_linear_max_rows is not None:
-            log.info("linear layers through the C kernel up to a few rows, oneDNN above (weights packed for both)",
-                     max_rows=c_linear_max_rows, reason="the CPU has AMX, whose tile kernels win on larger products")
+            log.info("linear layers through a C kernel up to a few rows, oneDNN above (weights packed for both)",
+                     kernel="AMX tiles" if c_linear_amx else "AVX512-BF16 panels", max_rows=c_linear_max_rows,
+                     reason="the CPU has AMX, where oneDNN wins on larger products")
         self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp, prepack=prepack,
                                 native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
-                                fused=config.cpu_kernels != "torch")
+                                native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch")
         del weights
         elem = torch.empty(0, dtype=self.dtype).element_size()
         kv_heads = self.model.num_kv_heads  # this rank's share

@@ -1,9 +1,9 @@
-"""bfloat16 linear layers through the C kernel (kernels/native/linear_bf16.c), for CPUs with
-AVX512-BF16. Without AMX it beats oneDNN at every row count measured (most at decoding's 1-64 rows).
-With AMX, oneDNN's tile kernels win from about 8 rows up, and the C kernel only at the few rows of
-small-batch decoding, where the product streams the weights from memory (`max_rows`).
+"""bfloat16 linear layers through the C kernels: linear_bf16.c's AVX512-BF16 panels, and on AMX CPUs
+linear_amx.c's tiles (gpu_worker/linear.py). Without AMX the panels beat oneDNN at every row count measured
+(most at decoding's 1-64 rows). With AMX, oneDNN's tile kernels win on large products, and the C
+kernels only at decoding's row counts, where a product streams the weights from memory (`plan`).
 
-A weight is packed once at load (`pack`) into the kernel's panel layout; `linear` multiplies by it.
+A weight is packed once at load (`pack`) into its kernel's layout; `linear` multiplies by it.
 """
 
 from __future__ import annotations
@@ -17,20 +17,23 @@ from kernels import native_lib
 
 @dataclass(frozen=True)
 class NativePackedWeight:
-    """An [out, in] bfloat16 weight in the C kernel's layout; `shape` is the weight's own."""
+    """An [out, in] bfloat16 weight in a C kernel's layout; `shape` is the weight's own."""
 
-    packed: torch.Tensor  # int16, linear_bf16_packed_elements(out, in)
+    packed: torch.Tensor  # int16: linear_bf16's panels, or linear_amx's tiles (`amx`)
     shape: torch.Size
+    amx: bool = False
 
 
-# On AMX CPUs, the most rows the C kernel takes: one forward's products at SmolLM2-135M's shapes on a
-# 2-core Xeon with AMX (benchmarks/cpu_kernels.py) took 1.58x less time than oneDNN's at 1 row, 1.27x at
-# 4, 1.03x at 8, and 0.73x at 12 (0.22x at 64).
-AMX_MAX_ROWS = 8
+# The most rows a product takes a C kernel on AMX CPUs, oneDNN taking the larger ones. One forward's
+# products at SmolLM2-135M's shapes on a 2-core Xeon with AMX (benchmarks/cpu_kernels.py), against
+# oneDNN's prepacked weights: the tile kernel 1.4x at 1-32 rows, 1.05x at 64, 0.86x at 256; the
+# AVX512-BF16 panels (where the tile kernel cannot take the shapes) 1.58x at 1 row, 1.03x at 8, 0.73x at 12.
+AMX_MAX_ROWS = 64
+PANELS_ON_AMX_MAX_ROWS = 8
 
 
 def unavailable_reason(cpu_flags: set[str]) -> str | None:
-    """None when the kernel can run here, else why not (the caller then keeps oneDNN)."""
+    """None when the kernels can run here, else why not (the caller then keeps oneDNN)."""
     library = native_lib.load()
     if library is None:
         return native_lib.unavailable_reason()
@@ -39,23 +42,41 @@ def unavailable_reason(cpu_flags: set[str]) -> str | None:
     return None
 
 
-def max_rows(cpu_flags: set[str]) -> int | None:
-    """The most rows a product goes through the C kernel: None (every product) without AMX; AMX_MAX_ROWS with
-    it, oneDNN's tile kernels taking the larger products."""
-    return AMX_MAX_ROWS if "amx_bf16" in cpu_flags else None
+def amx_fits(out_features: int, in_features: int) -> bool:
+    return out_features % 32 == 0 and in_features % 32 == 0
 
 
-def pack(weight: torch.Tensor) -> NativePackedWeight:
-    """The [out, in] bfloat16 weight in the kernel's layout (the caller checked `unavailable_reason`)."""
+def plan(cpu_flags: set[str], shapes: list[tuple[int, int]]) -> tuple[bool, int | None]:
+    """(tile kernel, most rows) for the C kernels on this CPU and these [out, in] weight shapes (the caller
+    checked `unavailable_reason`): without AMX the panels take every product (None); with it the tile
+    kernel takes up to AMX_MAX_ROWS rows where it can run and take every shape, else the panels up to
+    PANELS_ON_AMX_MAX_ROWS."""
+    if "amx_bf16" not in cpu_flags:
+        return False, None
+    library = native_lib.load()
+    if library is not None and library.linear_amx_supported() and all(amx_fits(*shape) for shape in shapes):
+        return True, AMX_MAX_ROWS
+    return False, PANELS_ON_AMX_MAX_ROWS
+
+
+def pack(weight: torch.Tensor, amx: bool = False) -> NativePackedWeight:
+    """The [out, in] bfloat16 weight in the panels' layout, or the tile kernel's (`amx`: the caller checked
+    `plan`)."""
     library = native_lib.load()
     assert library is not None, "pack without the C library"
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise ValueError(f"the C linear kernel takes a 2-D bfloat16 weight, not {weight.dtype} {tuple(weight.shape)}")
     weight = weight.contiguous()
     out_features, in_features = weight.shape
-    packed = torch.empty(library.linear_bf16_packed_elements(out_features, in_features), dtype=torch.int16)
-    library.linear_bf16_pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
-    return NativePackedWeight(packed, weight.shape)
+    if amx:
+        if not amx_fits(out_features, in_features):
+            raise ValueError(f"the AMX linear kernel takes multiples of 32 features, not {tuple(weight.shape)}")
+        packed = torch.empty(out_features * in_features, dtype=torch.int16)
+        library.linear_amx_pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+    else:
+        packed = torch.empty(library.linear_bf16_packed_elements(out_features, in_features), dtype=torch.int16)
+        library.linear_bf16_pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+    return NativePackedWeight(packed, weight.shape, amx)
 
 
 def linear(x: torch.Tensor, weight: NativePackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,18 +93,19 @@ def linear(x: torch.Tensor, weight: NativePackedWeight, bias: torch.Tensor | Non
     num_rows = rows.shape[0]
     out = torch.empty((num_rows, out_features), dtype=torch.bfloat16)
     if num_rows:
-        _kernel()(rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                  out.data_ptr(), out_features, num_rows, out_features, in_features)
+        _kernel(weight.amx)(rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, num_rows,
+                            out_features, in_features)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-_linear_fn = None
+_kernels: dict[bool, object] = {}
 
 
-def _kernel():  # the library's function (it exists: the weight was packed with it)
-    global _linear_fn
-    if _linear_fn is None:
+def _kernel(amx: bool):  # the library's function (it exists: the weight was packed with it)
+    fn = _kernels.get(amx)
+    if fn is None:
         library = native_lib.load()
         assert library is not None, "linear without the C library"
-        _linear_fn = library.linear_bf16
-    return _linear_fn
+        fn = _kernels[amx] = library.linear_amx if amx else library.linear_bf16
+    return fn

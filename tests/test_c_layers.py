@@ -78,11 +78,14 @@ def two_steps(model: LlamaModel, config, path: str) -> list[torch.Tensor]:
 
 
 @pytest.mark.skipif(REASON is not None, reason=f"the C linear kernel does not run here: {REASON}")
-def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path) -> None:
+@pytest.mark.parametrize("amx", [False, True], ids=["panels", "amx tiles"])
+def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path, amx: bool) -> None:
+    if amx and not native_linear.plan({"amx_bf16"}, [(32, 32)])[0]:
+        pytest.skip("the CPU has no AMX (or the kernel was not granted its tiles)")
     config, weights = load_checkpoint(head64_dir)
     model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True,
-                       native_linear=True, fused=True)
-    assert model.c_layers is not None
+                       native_linear=True, native_linear_amx=amx, fused=True)
+    assert model.c_layers is not None and model.c_layers.amx == amx
     calls = []
     run = model.c_layers.run
     model.c_layers.run = lambda *args: calls.append(1) or run(*args)  # type: ignore[method-assign]

@@ -1,7 +1,8 @@
 """The C bfloat16 linear kernel (kernels/native_linear.py) against float32 products of the same
 bfloat16 inputs, its batch invariance, its padding of odd sizes, and the tiny models' logits through
-it against float32, and the dual packing of AMX CPUs (the C kernel up to a few rows, oneDNN above).
-Where the CPU has no AVX512-BF16 the kernel is not used: skipped."""
+it against float32; the AMX tile kernel (kernels/native/linear_amx.c) likewise where the CPU has AMX; and the
+dual packing of AMX CPUs (a C kernel up to a few rows, oneDNN above). Where the CPU has no AVX512-BF16 the
+kernels are not used: skipped."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from gpu_worker.cpu_setup import cpu_flags
 from gpu_worker.linear import DualPackedWeight, linear, pack_weight, prepack_supported
-from kernels import native_linear
+from kernels import native_lib, native_linear
 from kernels.native_linear import NativePackedWeight
 from tests.oracle import make_prompts
 from tests.test_cpu_dtype import REL_TOL, prefill_logits
@@ -94,3 +95,46 @@ def test_dual_packing_takes_the_c_kernel_up_to_its_rows_and_onednn_above() -> No
         want = linear(x[:rows], dual.native if rows <= 4 else dual.onednn)
         assert torch.equal(linear(x[:rows], dual), want), rows
     assert torch.equal(linear(x[:2].view(1, 2, 64), dual), linear(x[:2], dual.native).view(1, 2, 96))  # rows, not dim 0
+
+
+AMX = native_lib.load() is not None and bool(native_lib.load().linear_amx_supported())
+needs_amx = pytest.mark.skipif(not AMX, reason="the CPU has no AMX (or the kernel was not granted its tiles)")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 64, 70])
+@pytest.mark.parametrize("out_features, in_features", [(32, 32), (96, 576), (960, 576), (576, 1536)])
+def test_amx_tiles_match_float32_products(rows: int, out_features: int, in_features: int) -> None:
+    torch.manual_seed(rows * 1000 + out_features + in_features)
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    packed = pack_weight(weight, native=True, amx=True)
+    assert type(packed) is NativePackedWeight and packed.amx
+    wide = torch.randn(rows, 2 * in_features + 32).to(torch.bfloat16)
+    for x in (torch.randn(rows, in_features).to(torch.bfloat16), wide[:, 32:32 + in_features]):  # plain, strided rows
+        for b in (None, bias):
+            got, want = linear(x, packed, b), reference(x, weight, b)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+
+
+@needs_amx
+def test_amx_rows_do_not_depend_on_the_batch_and_odd_shapes_are_refused() -> None:
+    torch.manual_seed(3)
+    weight = torch.randn(128, 96).to(torch.bfloat16)
+    packed = pack_weight(weight, native=True, amx=True)
+    x = torch.randn(45, 96).to(torch.bfloat16)
+    together = linear(x, packed)
+    for i in (0, 15, 16, 31, 32, 44):  # edges of the 16-row tiles and 32-row blocks
+        assert torch.equal(linear(x[i:i + 1], packed), together[i:i + 1])
+    assert torch.equal(linear(x[5:40], packed), together[5:40])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        pack_weight(torch.randn(48, 96).to(torch.bfloat16), native=True, amx=True)
+
+
+def test_plan_picks_the_tiles_on_amx_only_where_every_shape_fits() -> None:
+    shapes = [(960, 576), (576, 576)]
+    assert native_linear.plan({"avx512_bf16"}, shapes) == (False, None)  # no AMX: the panels, every product
+    if AMX:
+        assert native_linear.plan({"amx_bf16"}, shapes) == (True, native_linear.AMX_MAX_ROWS)
+    assert native_linear.plan({"amx_bf16"}, shapes + [(49155, 576)]) == (False, native_linear.PANELS_ON_AMX_MAX_ROWS)

@@ -20,6 +20,8 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint16_t *ou
                    int n);
 void linear_bf16(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
                  int64_t ldc, int rows, int n, int k);
+void linear_amx(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c, int64_t ldc,
+                int rows, int n, int k);
 int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                           const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                           uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
@@ -51,14 +53,20 @@ int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_
                                  rows, num_heads, num_kv_heads, head_dim, block_size, scale);
 }
 
+/* The weights' kernel: linear_amx.c's tiles (`amx`) or linear_bf16.c's panels, as they were packed for. */
+static inline void layer_linear(int amx, const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias,
+                                uint16_t *c, int64_t ldc, int rows, int n, int k) {
+    (amx ? linear_amx : linear_bf16)(a, lda, wp, bias, c, ldc, rows, n, k);
+}
+
 /* Per-layer weights and caches come as int64 arrays of addresses, num_layers entries each (qkv_bias: 0 for
- * none); linear weights packed by linear_bf16_pack. hidden [rows, hidden_size]: the embeddings in, the
+ * none); linear weights packed by linear_bf16_pack (or linear_amx_pack: `amx`). hidden [rows, hidden_size]: the embeddings in, the
  * residual stream out, with the last block's output in `delta` not yet added (as the loop leaves it).
  * Scratch: x [rows, hidden], qkv [rows, q + 2 kv], attn [rows, q], gate_up [rows, 2 inter], act [rows,
  * inter], delta and o_out [rows, hidden].
  * k_rows / v_rows [rows * kv_heads]: the cache rows (of a layer seen as [*, head_dim]) the new K/V go
- * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). Returns 0, or
- * decode_attention_bf16's error. */
+ * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). amx: the weights
+ * are packed for linear_amx (else for linear_bf16). Returns 0, or decode_attention_bf16's error. */
 int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads, int num_kv_heads, int head_dim,
                       int intermediate, float eps, int num_layers, const int64_t *input_norm, const int64_t *qkv,
                       const int64_t *qkv_bias, const int64_t *o, const int64_t *post_norm, const int64_t *gate_up,
@@ -66,25 +74,25 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
                       const uint16_t *cos_table, const uint16_t *sin_table, const int64_t *k_rows,
                       const int64_t *v_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
                       const int32_t *kv_lens, float scale, uint16_t *x, uint16_t *qkv_buf, uint16_t *attn,
-                      uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta) {
+                      uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta, int amx) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     for (int i = 0; i < num_layers; i++) {
         add_rms_norm_bf16(hidden, hidden_size, i ? delta : NULL, hidden_size, (const uint16_t *)input_norm[i], x,
                           hidden_size, rows, hidden_size, eps);
-        linear_bf16(x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf, qkv_width,
-                    rows, qkv_width, hidden_size);
+        layer_linear(amx, x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf,
+                     qkv_width, rows, qkv_width, hidden_size);
         const int rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table,
                                             sin_table, (uint16_t *)cache[i], block_size, k_rows, v_rows, q_rows,
                                             pages, max_pages, kv_lens, scale, attn);
         if (rc != 0) return rc;
-        linear_bf16(attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size, q_size);
+        layer_linear(amx, attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size, q_size);
         add_rms_norm_bf16(hidden, hidden_size, o_out, hidden_size, (const uint16_t *)post_norm[i], x, hidden_size,
                           rows, hidden_size, eps);
-        linear_bf16(x, hidden_size, (const uint16_t *)gate_up[i], NULL, gate_up_buf, 2 * intermediate, rows,
+        layer_linear(amx, x, hidden_size, (const uint16_t *)gate_up[i], NULL, gate_up_buf, 2 * intermediate, rows,
                     2 * intermediate, hidden_size);
         silu_mul_bf16(gate_up_buf, 2 * intermediate, act, intermediate, rows, intermediate);
-        linear_bf16(act, intermediate, (const uint16_t *)down[i], NULL, delta, hidden_size, rows, hidden_size,
+        layer_linear(amx, act, intermediate, (const uint16_t *)down[i], NULL, delta, hidden_size, rows, hidden_size,
                     intermediate);
     }
     return 0;
