@@ -85,7 +85,8 @@ def attention_block(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
                     v_rows: torch.Tensor, q_rows: torch.Tensor, pages: torch.Tensor, kv_lens: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """One layer's RoPE (in place on qkv [T, q + 2 kv]), K/V write into its HND cache at k_rows / v_rows, and
-    attention over the backend's C plan for every row (q_rows, pages, kv_lens): attention's output [T, q].
+    attention over the backend's C plan (q_rows, pages, kv_lens: every row, or all but the fresh prompts that
+    the caller then runs through SDPA, whose rows are left unwritten): attention's output [T, q].
     The kernels of `fused_ops.rope_`, `write_kv_hnd` and the C attention path, so bitwise their result; what
     goes is two calls and torch's index_copy_ per layer (~0.1 ms of a 32-sequence decode step)."""
     t = qkv.shape[0]
@@ -96,8 +97,8 @@ def attention_block(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
     attn = torch.empty((t, num_heads * head_dim), dtype=torch.bfloat16)
     rc = native_lib.load().attention_block_bf16(  # type: ignore[union-attr]
         qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        layer_cache.data_ptr(), int(layer_cache.shape[3]), k_rows.data_ptr(), v_rows.data_ptr(), q_rows.data_ptr(),
-        pages.data_ptr(), pages.shape[1], kv_lens.data_ptr(), scale, attn.data_ptr())
+        layer_cache.data_ptr(), int(layer_cache.shape[3]), k_rows.data_ptr(), v_rows.data_ptr(), q_rows.shape[0],
+        q_rows.data_ptr(), pages.data_ptr(), pages.shape[1], kv_lens.data_ptr(), scale, attn.data_ptr())
     if rc != 0:
         raise RuntimeError(f"attention_block_bf16 failed ({rc})")
     return attn

@@ -51,9 +51,10 @@ def select_attention_backend(name: str, device: torch.device | str, head_dim: in
 
 def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                              device: torch.device | str, dtype: torch.dtype | None = None,
-                             workspace: torch.Tensor | None = None, decode_kernel: str = "torch") -> AttentionBackend:
+                             workspace: torch.Tensor | None = None, decode_kernel: str = "torch",
+                             fresh_prompts_sdpa: bool = False) -> AttentionBackend:
     """`auto` picks FlashInfer on a CUDA device of sm75+ when it is importable, else torch.
-    `decode_kernel`: the torch backend's decode path on the CPU (TorchPagedAttention)."""
+    `decode_kernel`, `fresh_prompts_sdpa`: the torch backend's CPU paths (TorchPagedAttention)."""
     device = torch.device(device)
     chosen, reason = select_attention_backend(name, device, head_dim, dtype)
     if chosen == "flashinfer":
@@ -63,7 +64,8 @@ def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, he
                                         dtype=dtype or torch.bfloat16, workspace=workspace)
     if device.type == "cuda":
         log.warning("attention on CUDA uses the torch reference (slow)", reason=reason)
-    return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device, decode_kernel=decode_kernel, dtype=dtype)
+    return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device, decode_kernel=decode_kernel, dtype=dtype,
+                               fresh_prompts_sdpa=fresh_prompts_sdpa)
 
 
 __all__ = ["AttentionBackend", "PageTable", "TorchPagedAttention", "allocate_kv_cache", "convert_layout", "copy_blocks",

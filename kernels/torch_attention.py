@@ -93,10 +93,13 @@ class TorchPagedAttention:
     kv_layout = "HND"
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
-                 decode_kernel: str = "torch", dtype: torch.dtype | None = None) -> None:
+                 decode_kernel: str = "torch", dtype: torch.dtype | None = None, fresh_prompts_sdpa: bool = False) -> None:
         """`decode_kernel` (config `cpu_kernels`): "c" runs a bfloat16 cache's attention on the CPU through
         the C kernel (kernels/native_decode.py; raises if it cannot be built), "auto" does so where it can
-        be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never)."""
+        be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never).
+        `fresh_prompts_sdpa`: where the C kernel takes prompt rows, prompts with no cached prefix go through
+        torch's SDPA instead (on AMX CPUs its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens);
+        the C plan then covers every other row (`native_rows`, `fresh_prompts`)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):
@@ -121,20 +124,46 @@ class TorchPagedAttention:
         if dtype is not None and dtype != torch.bfloat16:
             self.native_decode = False  # float32 (the oracle mode) and float16 run the torch code
         self._native: _NativePlan | None = None
+        self.fresh_prompts_sdpa = fresh_prompts_sdpa
+        self._sdpa_prompts = False  # this step's prefills are exactly its fresh prompts, for SDPA
 
     def native_rows(self) -> _NativePlan | None:
-        """The step's C plan when it covers every query row (gpu_worker/c_layers.py needs that), else None."""
-        return self._native if self._decode is None and not self._prefills else None
+        """The step's C plan when it covers every query row but the `fresh_prompts` (gpu_worker/c_layers.py needs
+        that), else None."""
+        return self._native if self._decode is None and (self._sdpa_prompts or not self._prefills) else None
+
+    def fresh_prompts(self) -> list[tuple[int, int]]:
+        """(first query row, rows) of the step's prompts with no cached prefix that SDPA computes (`run`, or the
+        caller through `sdpa_fresh_prompts`) while the C plan covers the other rows; usually none."""
+        return [(p.q_start, p.q_len) for p in self._prefills] if self._sdpa_prompts else []
+
+    def sdpa_fresh_prompts(self, qkv: torch.Tensor, out: torch.Tensor) -> None:
+        """Attention of each of `fresh_prompts` from the step's q/k/v product qkv [T, (Hq + 2 Hkv) * D] (RoPE
+        applied) into out [T, Hq * D]: a fresh prompt attends to its own new keys only, causally."""
+        hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
+        for start, n in self.fresh_prompts():
+            rows = qkv[start:start + n]
+            q = rows[:, : hq * d].view(n, hq, d).transpose(0, 1)
+            k = rows[:, hq * d : (hq + hkv) * d].view(n, hkv, d).transpose(0, 1)
+            v = rows[:, (hq + hkv) * d :].view(n, hkv, d).transpose(0, 1)
+            o = _sdpa(q[None], k[None], v[None], None, self.scale, hq // hkv)
+            out[start:start + n].view(n, hq, d).copy_(o[0].transpose(0, 1))
 
     def plan(self, table: PageTable) -> None:
         self._decode, self._prefills, self._write_rows, self._native = None, [], None, None
+        self._sdpa_prompts = False
         bs = table.block_size
         is_decode = table.qo_lens == 1
+        prefill_ids = np.flatnonzero(~is_decode)
         if self.native_decode:
             if native_decode.takes_prompts(self.head_dim, bs):  # every row of the step, in one call
-                self._native = self._plan_native(table, np.arange(len(is_decode)))
-                return
-            if is_decode.any():
+                fresh = ~is_decode & (table.qo_lens == table.kv_lens) if self.fresh_prompts_sdpa else None
+                if fresh is None or not fresh.any():
+                    self._native = self._plan_native(table, np.arange(len(is_decode)))
+                    return
+                self._native = self._plan_native(table, np.flatnonzero(~fresh))  # may have no rows
+                prefill_ids, self._sdpa_prompts = np.flatnonzero(fresh), True
+            elif is_decode.any():
                 self._native = self._plan_native(table, np.flatnonzero(is_decode))
         qo_indptr = table.qo_indptr.numpy()
         kv_indptr = table.kv_indptr.numpy()
@@ -160,7 +189,7 @@ class TorchPagedAttention:
                 num_slots=max_pages * bs,
                 mask=mask[:, None, None, :].to(self.device),
             )
-        for i in np.flatnonzero(~is_decode):
+        for i in prefill_ids:
             q_len, kv_len = int(table.qo_lens[i]), int(table.kv_lens[i])
             mask = None
             if q_len != kv_len:
@@ -222,7 +251,8 @@ class TorchPagedAttention:
             else:  # [Hkv, kv_len, D], gathered in that order
                 k = runs.index_select(0, p.k_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
                 v = runs.index_select(0, p.v_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
-            if q.dtype != torch.float32 and p.q_len * p.kv_len * self.num_qo_heads <= _MATMUL_PREFILL_MAX_SCORES:
+            if (q.dtype != torch.float32 and not self._sdpa_prompts
+                    and p.q_len * p.kv_len * self.num_qo_heads <= _MATMUL_PREFILL_MAX_SCORES):
                 self._run_prefill_matmul(q, k, v, p, out)
                 continue
             qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, q_len, D]

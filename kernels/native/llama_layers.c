@@ -29,15 +29,16 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
 
 /* A layer's attention block, from its q/k/v product to attention's output: RoPE on q and k in place in
  * qkv_buf [rows, q + 2 kv], the new K/V rows written into the layer's paged HND cache at k_rows / v_rows
- * [rows * kv_heads] (cache rows of head_dim), then attention for every row (q_rows, pages [rows,
- * max_pages], kv_lens: the attention backend's C plan) into attn [rows, q]. One call instead of three
+ * [rows * kv_heads] (cache rows of head_dim), then attention for the attn_rows rows of the attention
+ * backend's C plan (q_rows, pages [attn_rows, max_pages], kv_lens: every row, or all but fresh prompts
+ * that the caller runs through SDPA) into attn [rows, q]. One call instead of three
  * for the per-layer loop where the linear layers are not C (oneDNN on AMX): the same kernels, so the
  * same bits. Returns 0, or decode_attention_bf16's error. */
 int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_heads, int head_dim,
                          const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
                          uint16_t *layer_cache, int block_size, const int64_t *k_rows, const int64_t *v_rows,
-                         const int64_t *q_rows, const int32_t *pages, int max_pages, const int32_t *kv_lens,
-                         float scale, uint16_t *attn) {
+                         int attn_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
+                         const int32_t *kv_lens, float scale, uint16_t *attn) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     rope_bf16(qkv_buf, qkv_width, rows, num_heads + num_kv_heads, head_dim, positions, cos_table, sin_table);
@@ -50,7 +51,7 @@ int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_
             memcpy(layer_cache + v_rows[(int64_t)t * num_kv_heads + h] * head_dim, k + kv_size, row_bytes);
         }
     return decode_attention_bf16(qkv_buf, qkv_width, q_rows, layer_cache, pages, max_pages, kv_lens, attn, q_size,
-                                 rows, num_heads, num_kv_heads, head_dim, block_size, scale);
+                                 attn_rows, num_heads, num_kv_heads, head_dim, block_size, scale);
 }
 
 /* The weights' kernel: linear_amx.c's tiles (`amx`) or linear_bf16.c's panels, as they were packed for. */
@@ -83,8 +84,8 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
         layer_linear(amx, x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf,
                      qkv_width, rows, qkv_width, hidden_size);
         const int rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table,
-                                            sin_table, (uint16_t *)cache[i], block_size, k_rows, v_rows, q_rows,
-                                            pages, max_pages, kv_lens, scale, attn);
+                                            sin_table, (uint16_t *)cache[i], block_size, k_rows, v_rows, rows,
+                                            q_rows, pages, max_pages, kv_lens, scale, attn);
         if (rc != 0) return rc;
         layer_linear(amx, attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size, q_size);
         add_rms_norm_bf16(hidden, hidden_size, o_out, hidden_size, (const uint16_t *)post_norm[i], x, hidden_size,
