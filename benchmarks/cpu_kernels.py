@@ -3,8 +3,9 @@
     python benchmarks/cpu_kernels.py [--rows 1,32,64,1024] [--batch 32] [--repeats 8]
 
 1. Linear layers, bfloat16: one forward's worth of products (every layer's weights distinct, so
-   they stream from memory as in a real step) through oneDNN's prepacked weights and through the C
-   kernel (kernels/native_linear.py), at each row count. Needs a CPU with AVX512-BF16.
+   they stream from memory as in a real step) through oneDNN's prepacked weights, the C kernel's
+   AVX512-BF16 panels and, on AMX CPUs, its tiles (kernels/native_linear.py), at each row count. Needs
+   a CPU with AVX512-BF16.
 2. Paged attention, bfloat16: one layer's decode at `--batch` sequences of 16-256 + 32 cached
    tokens (seeded), cycling through one cache per layer so that each call reads cold memory: the
    C kernel's plain loops, its default path (AVX512-BF16 where the CPU has it), and, as a floor for
@@ -58,9 +59,13 @@ def bench_linear(mc, rows: list[int], repeats: int) -> None:
     if why_not is None:
         packed["C kernel"] = ([[pack_weight(w, native=True) for w in ws] for ws in weights],
                               pack_weight(head_w, native=True))
+        if native_linear.plan(cpu_flags(), [(o, i) for i, o in shapes] + [(head[1], head[0])])[0]:
+            packed["AMX tiles"] = ([[pack_weight(w, native=True, amx=True) for w in ws] for ws in weights],
+                                   pack_weight(head_w, native=True, amx=True))
     print(f"\nlinear products of one forward ({len(shapes)} per layer x {mc.num_hidden_layers} + LM head), bfloat16"
           + ("" if why_not is None else f"; C kernel not run: {why_not}"))
-    print(f"{'rows':>6} " + " ".join(f"{name + ' ms':>14} {'GFLOP/s':>8}" for name in packed) + "   C / oneDNN")
+    print(f"{'rows':>6} " + " ".join(f"{name + ' ms':>14} {'GFLOP/s':>8}" for name in packed)
+          + "   " + ", ".join(f"{name} / oneDNN" for name in list(packed)[1:]) + " (speed)")
     with torch.inference_mode():
         for m in rows:
             inputs = {i: torch.randn(m, i, generator=gen).to(torch.bfloat16) for i, _ in shapes + [head]}
@@ -73,7 +78,7 @@ def bench_linear(mc, rows: list[int], repeats: int) -> None:
                     linear(inputs[head[0]], lm_head)
                 times[name] = best_of(forward, repeats)
             cells = " ".join(f"{t * 1e3:>14.2f} {m * flop_per_row / t / 1e9:>8.0f}" for t in times.values())
-            ratio = f"   {times['oneDNN'] / times['C kernel']:.2f}x faster" if "C kernel" in times else ""
+            ratio = "   " + ", ".join(f"{times['oneDNN'] / t:.2f}x" for name, t in times.items() if name != "oneDNN")
             print(f"{m:>6} {cells}{ratio}")
 
 

@@ -7,7 +7,7 @@
  * from one contiguous run, prefetched a few KB ahead. Per block of up to 32 rows, four float32 C tiles
  * (2 row tiles x 2 output tiles) accumulate over K; the A tiles are the input rows read in place.
  * SmolLM2-135M's products on that Xeon (benchmarks/cpu_kernels.py): 1.4x oneDNN's prepacked weights at
- * 1-32 rows, 1.05x at 64, 0.86x at 256: the caller keeps oneDNN above `native_linear.AMX_MAX_ROWS`.
+ * 1-32 rows, 1.1x at 64, 1.0x at 128, 0.85x at 256: the caller keeps oneDNN above `native_linear.AMX_MAX_ROWS`.
  *
  * Sizes: n and k multiples of 32 (the caller checks). Every output row is computed alone, in the same
  * order whatever the other rows, float32 sums, one round-to-nearest-even to bfloat16 (bias added first).
