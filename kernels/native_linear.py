@@ -26,8 +26,8 @@ class NativePackedWeight:
 
 # The most rows a product takes a C kernel on AMX CPUs, oneDNN taking the larger ones. One forward's
 # products at SmolLM2-135M's shapes on a 2-core Xeon with AMX (benchmarks/cpu_kernels.py), against
-# oneDNN's prepacked weights: the tile kernel 1.4x at 1-32 rows, 1.05x at 64, 0.86x at 256; the
-# AVX512-BF16 panels (where the tile kernel cannot take the shapes) 1.58x at 1 row, 1.03x at 8, 0.73x at 12.
+# oneDNN's prepacked weights: the tile kernel 1.4x at 1-32 rows, 1.1x at 64, 1.0x at 128, 0.85x at 256;
+# the AVX512-BF16 panels (where the tile kernel cannot take the shapes) 1.5x at 1 row, 1.0x at 8, 0.7x at 12.
 AMX_MAX_ROWS = 64
 PANELS_ON_AMX_MAX_ROWS = 8
 
