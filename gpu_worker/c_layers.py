@@ -27,15 +27,19 @@ class CLayers:
 
     def __init__(self, layers: list[dict], cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int, eps: float) -> None:
-        def packed(name: str) -> list[torch.Tensor]:
+        def native(name: str) -> list[NativePackedWeight]:  # the C kernel's side of dual-packed weights
             weights = [layer[name].native if type(layer[name]) is DualPackedWeight else layer[name] for layer in layers]
             assert all(type(w) is NativePackedWeight for w in weights), f"{name} is not packed for the C kernel"
-            return [w.packed for w in weights]
+            return weights
 
-        kinds = {(w.native if type(w) is DualPackedWeight else w).amx for layer in layers
-                 for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])}
+        weights = {name: native(name) for name in ("qkv", "o", "gate_up", "down")}
+        kinds = {w.amx for ws in weights.values() for w in ws}
         assert len(kinds) == 1, "the layers' weights are packed for different C kernels"
         self.amx = int(kinds.pop())  # the weights are linear_amx's tiles (else linear_bf16's panels)
+
+        def packed(name: str) -> list[torch.Tensor]:
+            return [w.packed for w in weights[name]]
+
         self._keep = (layers, cos, sin)  # every address below points into these
         self.input_norm = _addresses([layer["input_norm"] for layer in layers])
         self.qkv, self.o = _addresses(packed("qkv")), _addresses(packed("o"))

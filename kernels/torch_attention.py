@@ -141,7 +141,8 @@ class TorchPagedAttention:
         """Attention of each of `fresh_prompts` from the step's q/k/v product qkv [T, (Hq + 2 Hkv) * D] (RoPE
         applied) into out [T, Hq * D]: a fresh prompt attends to its own new keys only, causally."""
         hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
-        for start, n in self.fresh_prompts():
+        for p in self._prefills if self._sdpa_prompts else ():
+            start, n = p.q_start, p.q_len
             rows = qkv[start:start + n]
             q = rows[:, : hq * d].view(n, hq, d).transpose(0, 1)
             k = rows[:, hq * d : (hq + hkv) * d].view(n, hkv, d).transpose(0, 1)

@@ -25,21 +25,27 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return out if bias is None else out + bias.float()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
-@pytest.mark.parametrize("out_features, in_features", [(1, 1), (47, 7), (48, 64), (100, 577), (960, 576)])
-def test_matches_float32_products(rows: int, out_features: int, in_features: int) -> None:
+def check_against_float32(rows: int, out_features: int, in_features: int, amx: bool, offset: int) -> None:
+    """Plain and strided rows (starting `offset` elements into wider ones), with and without bias."""
     torch.manual_seed(rows * 1000 + out_features + in_features)
     weight = (torch.randn(out_features, in_features) / in_features ** 0.5).to(torch.bfloat16)
     bias = torch.randn(out_features).to(torch.bfloat16)
-    packed = pack_weight(weight, native=True)
+    packed = pack_weight(weight, native=True, amx=amx)
     assert type(packed) is NativePackedWeight and tuple(packed.shape) == (out_features, in_features)
-    wide = torch.randn(rows, 2 * in_features + 3).to(torch.bfloat16)
-    for x in (torch.randn(rows, in_features).to(torch.bfloat16), wide[:, 3:3 + in_features]):  # plain, strided rows
+    assert packed.amx == amx
+    wide = torch.randn(rows, 2 * in_features + offset).to(torch.bfloat16)
+    for x in (torch.randn(rows, in_features).to(torch.bfloat16), wide[:, offset:offset + in_features]):
         for b in (None, bias):
             got, want = linear(x, packed, b), reference(x, weight, b)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
             # float32 sums, one bfloat16 rounding: within a unit of the last place (2^-8 relative) or so.
             torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 33])
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (47, 7), (48, 64), (100, 577), (960, 576)])
+def test_matches_float32_products(rows: int, out_features: int, in_features: int) -> None:
+    check_against_float32(rows, out_features, in_features, amx=False, offset=3)
 
 
 def test_rows_do_not_depend_on_the_batch() -> None:
@@ -105,17 +111,7 @@ needs_amx = pytest.mark.skipif(not AMX, reason="the CPU has no AMX (or the kerne
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 64, 70])
 @pytest.mark.parametrize("out_features, in_features", [(32, 32), (96, 576), (960, 576), (576, 1536)])
 def test_amx_tiles_match_float32_products(rows: int, out_features: int, in_features: int) -> None:
-    torch.manual_seed(rows * 1000 + out_features + in_features)
-    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).to(torch.bfloat16)
-    bias = torch.randn(out_features).to(torch.bfloat16)
-    packed = pack_weight(weight, native=True, amx=True)
-    assert type(packed) is NativePackedWeight and packed.amx
-    wide = torch.randn(rows, 2 * in_features + 32).to(torch.bfloat16)
-    for x in (torch.randn(rows, in_features).to(torch.bfloat16), wide[:, 32:32 + in_features]):  # plain, strided rows
-        for b in (None, bias):
-            got, want = linear(x, packed, b), reference(x, weight, b)
-            assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
-            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3)
+    check_against_float32(rows, out_features, in_features, amx=True, offset=32)
 
 
 @needs_amx

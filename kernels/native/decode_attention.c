@@ -151,10 +151,6 @@ static inline void prefetch_item(const uint16_t *cache, const int32_t *seq_pages
     }
 }
 
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
 /* One (sequence, KV head): its G query heads (q0, G rows of DIM) over the len cached tokens, into
  * out0. DIM is a constant at each call (inlined), so the loops unroll and accumulators stay in
  * registers. scores: G * round_up(len, 16) floats; wide: 16 * DIM floats, 64-byte aligned. */

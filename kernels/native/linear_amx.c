@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #include <immintrin.h>
 #include <cpuid.h>
@@ -73,11 +75,6 @@ __attribute__((target("amx-tile"))) static void configure_tiles(int rows0, int r
         cfg.colsb[t] = rows[t] ? 64 : 0;
     }
     _tile_loadconfig(&cfg);
-}
-
-static inline __m512 bf16x16_to_f32(const uint16_t *p) __attribute__((target("avx512f")));
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))

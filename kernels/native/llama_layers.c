@@ -31,9 +31,9 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
  * qkv_buf [rows, q + 2 kv], the new K/V rows written into the layer's paged HND cache at k_rows / v_rows
  * [rows * kv_heads] (cache rows of head_dim), then attention for the attn_rows rows of the attention
  * backend's C plan (q_rows, pages [attn_rows, max_pages], kv_lens: every row, or all but fresh prompts
- * that the caller runs through SDPA) into attn [rows, q]. One call instead of three
- * for the per-layer loop where the linear layers are not C (oneDNN on AMX): the same kernels, so the
- * same bits. Returns 0, or decode_attention_bf16's error. */
+ * that the caller runs through SDPA) into attn [rows, q]. One call instead of three for the per-layer
+ * loop where the linear layers are not C (oneDNN on AMX): the same kernels, so the same bits. Returns 0,
+ * or decode_attention_bf16's error. */
 int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_heads, int head_dim,
                          const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
                          uint16_t *layer_cache, int block_size, const int64_t *k_rows, const int64_t *v_rows,
@@ -61,8 +61,9 @@ static inline void layer_linear(int amx, const uint16_t *a, int64_t lda, const u
 }
 
 /* Per-layer weights and caches come as int64 arrays of addresses, num_layers entries each (qkv_bias: 0 for
- * none); linear weights packed by linear_bf16_pack (or linear_amx_pack: `amx`). hidden [rows, hidden_size]: the embeddings in, the
- * residual stream out, with the last block's output in `delta` not yet added (as the loop leaves it).
+ * none); linear weights packed by linear_bf16_pack (or linear_amx_pack: `amx`). hidden [rows,
+ * hidden_size]: the embeddings in, the residual stream out, with the last block's output in `delta` not
+ * yet added (as the loop leaves it).
  * Scratch: x [rows, hidden], qkv [rows, q + 2 kv], attn [rows, q], gate_up [rows, 2 inter], act [rows,
  * inter], delta and o_out [rows, hidden].
  * k_rows / v_rows [rows * kv_heads]: the cache rows (of a layer seen as [*, head_dim]) the new K/V go
