@@ -1,6 +1,7 @@
 """The CPU C kernels against what they replace, on a model's own shapes (SmolLM2-135M by default).
 
-    python benchmarks/cpu_kernels.py [--rows 1,32,64,1024] [--batch 32] [--repeats 8]
+    python benchmarks/cpu_kernels.py [--rows 1,32,64,1024] [--batch 32] [--prompt-lens 16,64,136,256,1024]
+                                     [--repeats 8]
 
 1. Linear layers, bfloat16: one forward's worth of products (every layer's weights distinct, so
    they stream from memory as in a real step) through oneDNN's prepacked weights, the C kernel's
@@ -10,6 +11,9 @@
    tokens (seeded), cycling through one cache per layer so that each call reads cold memory: the
    C kernel's plain loops, its default path (AVX512-BF16 where the CPU has it), and, as a floor for
    reading the same scattered pages, one `index_select` of them.
+3. Prompt attention, bfloat16, on AMX CPUs: one layer's causal attention of one fresh prompt of each
+   `--prompt-lens` length, straight from a q/k/v product's rows: torch's SDPA (its flash kernel) against
+   the AMX tile kernel (kernels/native_prompt_attention.py).
 Best of `--repeats`, ms or µs per call. Run it on an idle box: it uses all of torch's threads.
 """
 
@@ -31,7 +35,8 @@ from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from gpu_worker.cpu_setup import cpu_flags  # noqa: E402
 from gpu_worker.linear import linear, pack_weight  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
-from kernels import native_lib, native_linear  # noqa: E402
+from kernels import native_lib, native_linear, native_prompt_attention  # noqa: E402
+from kernels.torch_attention import TorchPagedAttention  # noqa: E402
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -118,10 +123,32 @@ def bench_attention(mc, batch: int, repeats: int) -> None:
     print(f"  index_select of those pages   {floor * 1e6:8.0f} µs   (reading them once, for scale)")
 
 
+def bench_prompt_attention(mc, lens: list[int], repeats: int) -> None:
+    hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    if not native_prompt_attention.supported(d, hq, hkv):
+        print(f"\nprompt attention: the AMX tile kernel does not run here ({hq}/{hkv} heads of {d})")
+        return
+    print(f"\nprompt attention, one layer, one fresh prompt: {hq}/{hkv} heads of {d}, causal")
+    gen = torch.Generator().manual_seed(0)
+    tiles = TorchPagedAttention(hq, hkv, d, decode_kernel="c", dtype=torch.bfloat16, fresh_prompts_apart=True)
+    sdpa = TorchPagedAttention(hq, hkv, d, decode_kernel="c", dtype=torch.bfloat16, fresh_prompts_apart=True)
+    sdpa._amx_prompts = False  # the same call, torch's SDPA behind it
+    for n in lens:
+        qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
+        q, k, v = (qkv[:, : hq * d].view(n, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d),
+                   qkv[:, (hq + hkv) * d :].view(n, hkv, d))
+        out = torch.empty(n, hq, d, dtype=torch.bfloat16)
+        flops = 2 * n * (n + 1) * d * hq  # q.k and p.v over the causal half
+        seconds = [best_of(lambda b=backend: b._attend_fresh_prompt(q, k, v, out), repeats) for backend in (sdpa, tiles)]
+        print(f"  {n:5d} tokens: SDPA {seconds[0] * 1e6:8.0f} µs ({flops / seconds[0] / 1e9:4.0f} GFLOP/s), AMX tiles "
+              f"{seconds[1] * 1e6:8.0f} µs ({flops / seconds[1] / 1e9:4.0f} GFLOP/s): {seconds[0] / seconds[1]:.2f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,32,64,1024")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-lens", default="16,64,136,256,1024")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
@@ -129,6 +156,7 @@ def main() -> int:
     mc, _ = load_checkpoint(resolve_model_path(args.model))
     bench_linear(mc, [int(r) for r in args.rows.split(",")], args.repeats)
     bench_attention(mc, args.batch, args.repeats)
+    bench_prompt_attention(mc, [int(n) for n in args.prompt_lens.split(",")], args.repeats)
     return 0
 
 

@@ -220,7 +220,7 @@ class LlamaModel:
                 attn = attention_block(qkv, heads, kv_heads, dim, positions, self.cos, self.sin, kv_cache[i], k_rows,
                                        v_rows, plan.rows, plan.pages, plan.kv_lens, attention.scale)
                 if fresh_prompts:
-                    attention.sdpa_fresh_prompts(qkv, attn)
+                    attention.attend_fresh_prompts(qkv, attn)
             else:
                 fused_ops.rope_(qkv, heads + kv_heads, dim, positions, self.cos, self.sin)
                 qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)

@@ -113,11 +113,11 @@ class ModelRunner:
         else:
             budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
             self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
-            # AMX CPUs: torch's SDPA for prompts with no cached prefix (its bfloat16 flash kernel beats the C rows there).
+            # AMX CPUs: prompts with no cached prefix attend apart (an AMX tile kernel, else SDPA: both beat the C rows).
             self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                       kv_heads, mc.head_dim, self.device, self.dtype,
                                                       decode_kernel=config.cpu_kernels,
-                                                      fresh_prompts_sdpa="amx_bf16" in cpu_flags())
+                                                      fresh_prompts_apart="amx_bf16" in cpu_flags())
             self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
                                               kv_heads, mc.head_dim, self.dtype, self.device, self.attention.kv_layout)
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.

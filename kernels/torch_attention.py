@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import native_decode, native_lib
+from kernels import native_decode, native_lib, native_prompt_attention
 from kernels.cache_ops import hnd_rows, write_kv_hnd
 from kernels.page_table import PageTable
 
@@ -93,13 +93,15 @@ class TorchPagedAttention:
     kv_layout = "HND"
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
-                 decode_kernel: str = "torch", dtype: torch.dtype | None = None, fresh_prompts_sdpa: bool = False) -> None:
+                 decode_kernel: str = "torch", dtype: torch.dtype | None = None, fresh_prompts_apart: bool = False) -> None:
         """`decode_kernel` (config `cpu_kernels`): "c" runs a bfloat16 cache's attention on the CPU through
         the C kernel (kernels/native_decode.py; raises if it cannot be built), "auto" does so where it can
         be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never).
-        `fresh_prompts_sdpa`: where the C kernel takes prompt rows, prompts with no cached prefix go through
-        torch's SDPA instead (on AMX CPUs its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens);
-        the C plan then covers every other row (`native_rows`, `fresh_prompts`)."""
+        `fresh_prompts_apart` (AMX CPUs): where the C kernel takes prompt rows, prompts with no cached prefix are
+        left out of its plan, which then covers every other row (`native_rows`, `fresh_prompts`): they attend
+        to their own new keys only, straight from the q/k/v product (`attend_fresh_prompts`), through the AMX
+        tile kernel where it takes the head size (kernels/native_prompt_attention.py), else torch's SDPA
+        (its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens there; the tile kernel 1.9-2.6x SDPA)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):
@@ -124,46 +126,56 @@ class TorchPagedAttention:
         if dtype is not None and dtype != torch.bfloat16:
             self.native_decode = False  # float32 (the oracle mode) and float16 run the torch code
         self._native: _NativePlan | None = None
-        self.fresh_prompts_sdpa = fresh_prompts_sdpa
-        self._sdpa_prompts = False  # this step's prefills are exactly its fresh prompts, for SDPA
+        self.fresh_prompts_apart = fresh_prompts_apart
+        self._fresh_apart = False  # this step's prefills are exactly its fresh prompts (attend_fresh_prompts)
+        self._amx_prompts = (fresh_prompts_apart and self.native_decode
+                             and native_prompt_attention.supported(head_dim, num_qo_heads, num_kv_heads))
 
     def native_rows(self) -> _NativePlan | None:
         """The step's C plan when it covers every query row but the `fresh_prompts` (gpu_worker/c_layers.py needs
         that), else None."""
-        return self._native if self._decode is None and (self._sdpa_prompts or not self._prefills) else None
+        return self._native if self._decode is None and (self._fresh_apart or not self._prefills) else None
 
     def fresh_prompts(self) -> list[tuple[int, int]]:
-        """(first query row, rows) of the step's prompts with no cached prefix that SDPA computes (`run`, or the
-        caller through `sdpa_fresh_prompts`) while the C plan covers the other rows; usually none."""
-        return [(p.q_start, p.q_len) for p in self._prefills] if self._sdpa_prompts else []
+        """(first query row, rows) of the step's prompts with no cached prefix that are left out of the C plan
+        (`run` attends to them, or the caller through `attend_fresh_prompts`); usually none."""
+        return [(p.q_start, p.q_len) for p in self._prefills] if self._fresh_apart else []
 
-    def sdpa_fresh_prompts(self, qkv: torch.Tensor, out: torch.Tensor) -> None:
+    def attend_fresh_prompts(self, qkv: torch.Tensor, out: torch.Tensor) -> None:
         """Attention of each of `fresh_prompts` from the step's q/k/v product qkv [T, (Hq + 2 Hkv) * D] (RoPE
-        applied) into out [T, Hq * D]: a fresh prompt attends to its own new keys only, causally."""
+        applied) into out [T, Hq * D]: a fresh prompt attends to its own new keys only, causally. The AMX tile
+        kernel where it runs (it falls back to SDPA if its scratch cannot be allocated), else SDPA."""
         hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
-        for p in self._prefills if self._sdpa_prompts else ():
+        for p in self._prefills if self._fresh_apart else ():
             start, n = p.q_start, p.q_len
             rows = qkv[start:start + n]
-            q = rows[:, : hq * d].view(n, hq, d).transpose(0, 1)
-            k = rows[:, hq * d : (hq + hkv) * d].view(n, hkv, d).transpose(0, 1)
-            v = rows[:, (hq + hkv) * d :].view(n, hkv, d).transpose(0, 1)
-            o = _sdpa(q[None], k[None], v[None], None, self.scale, hq // hkv)
-            out[start:start + n].view(n, hq, d).copy_(o[0].transpose(0, 1))
+            q, k, v = (rows[:, : hq * d].view(n, hq, d), rows[:, hq * d : (hq + hkv) * d].view(n, hkv, d),
+                       rows[:, (hq + hkv) * d :].view(n, hkv, d))
+            self._attend_fresh_prompt(q, k, v, out[start:start + n].view(n, hq, d))
+
+    def _attend_fresh_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        """q, out [n, Hq, D], k, v [n, Hkv, D]: one prompt with no cached prefix, whichever path asked (the same
+        kernel for both, so the same bits)."""
+        if self._amx_prompts and native_prompt_attention.prompt_attention(q, k, v, out, self.scale):
+            return
+        o = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, self.scale,
+                  self.num_qo_heads // self.num_kv_heads)
+        out.copy_(o[0].transpose(0, 1))
 
     def plan(self, table: PageTable) -> None:
         self._decode, self._prefills, self._write_rows, self._native = None, [], None, None
-        self._sdpa_prompts = False
+        self._fresh_apart = False
         bs = table.block_size
         is_decode = table.qo_lens == 1
         prefill_ids = np.flatnonzero(~is_decode)
         if self.native_decode:
             if native_decode.takes_prompts(self.head_dim, bs):  # every row of the step, in one call
-                fresh = ~is_decode & (table.qo_lens == table.kv_lens) if self.fresh_prompts_sdpa else None
+                fresh = ~is_decode & (table.qo_lens == table.kv_lens) if self.fresh_prompts_apart else None
                 if fresh is None or not fresh.any():
                     self._native = self._plan_native(table, np.arange(len(is_decode)))
                     return
                 self._native = self._plan_native(table, np.flatnonzero(~fresh))  # may have no rows
-                prefill_ids, self._sdpa_prompts = np.flatnonzero(fresh), True
+                prefill_ids, self._fresh_apart = np.flatnonzero(fresh), True
             elif is_decode.any():
                 self._native = self._plan_native(table, np.flatnonzero(is_decode))
         qo_indptr = table.qo_indptr.numpy()
@@ -246,13 +258,17 @@ class TorchPagedAttention:
             out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
         group = self.num_qo_heads // self.num_kv_heads
         for p in self._prefills:
+            if p.mask is None and self._new_kv is not None and self._fresh_apart:  # as attend_fresh_prompts
+                rows = slice(p.q_start, p.q_start + p.q_len)
+                self._attend_fresh_prompt(q[rows], self._new_kv[0][rows], self._new_kv[1][rows], out[rows])
+                continue
             if p.mask is None and self._new_kv is not None:  # the whole sequence is new this step
                 k = self._new_kv[0][p.q_start : p.q_start + p.q_len].transpose(0, 1)
                 v = self._new_kv[1][p.q_start : p.q_start + p.q_len].transpose(0, 1)
             else:  # [Hkv, kv_len, D], gathered in that order
                 k = runs.index_select(0, p.k_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
                 v = runs.index_select(0, p.v_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
-            if (q.dtype != torch.float32 and not self._sdpa_prompts
+            if (q.dtype != torch.float32 and not self._fresh_apart
                     and p.q_len * p.kv_len * self.num_qo_heads <= _MATMUL_PREFILL_MAX_SCORES):
                 self._run_prefill_matmul(q, k, v, p, out)
                 continue

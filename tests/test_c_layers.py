@@ -43,19 +43,20 @@ def head64_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return _save(model, tmp_path_factory.mktemp(f"head64-{request.param}"))
 
 
-def two_steps(model: LlamaModel, config, path: str, fresh_prompts_sdpa: bool = False) -> list[torch.Tensor]:
+def two_steps(model: LlamaModel, config, path: str, fresh_prompts_apart: bool = False) -> list[torch.Tensor]:
     """Step 1: two prompts (20 and 35 tokens). Step 2: the first decodes one token, the second gets a
     12-token chunk on top of its cached 35. Logits of each step's last rows. `path`: "c_layers" (every
     layer in one call, where the model has them), "block" (the loop, each attention block in one call) or
-    "loop" (the loop with RoPE, the K/V write and attention as separate calls). `fresh_prompts_sdpa`: step 1's
-    prompts (no cached prefix) go through SDPA, as on AMX CPUs."""
+    "loop" (the loop with RoPE, the K/V write and attention as separate calls). `fresh_prompts_apart`: step 1's
+    prompts (no cached prefix) are left out of the C plan and attend apart (the AMX tile kernel, else SDPA),
+    as on AMX CPUs."""
     saved = model.c_layers
     model.c_layers = saved if path == "c_layers" else None
     try:
         cache = allocate_kv_cache(config.num_hidden_layers, 16, BLOCK, model.num_kv_heads, config.head_dim,
                                   torch.bfloat16, "cpu", TorchPagedAttention.kv_layout)
         attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim, decode_kernel="c",
-                                        dtype=torch.bfloat16, fresh_prompts_sdpa=fresh_prompts_sdpa)
+                                        dtype=torch.bfloat16, fresh_prompts_apart=fresh_prompts_apart)
         native_rows = attention.native_rows
         if path == "loop":  # the model then takes the separate calls (attention still runs its C plan)
             attention.native_rows = lambda: None  # type: ignore[method-assign]
@@ -99,11 +100,12 @@ def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path, amx: bool) 
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fresh_prompts_sdpa", [False, True], ids=["C prompts", "SDPA prompts"])
+@pytest.mark.parametrize("fresh_prompts_apart", [False, True], ids=["C prompts", "fresh prompts apart"])
 def test_attention_block_call_gives_the_loops_logits_bitwise(head64_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             fresh_prompts_sdpa: bool) -> None:
+                                                             fresh_prompts_apart: bool) -> None:
     """oneDNN's linear layers (as on AMX CPUs): RoPE, the K/V write and attention in one call per layer; with
-    `fresh_prompts_sdpa`, step 1's prompts then go through SDPA after the call, as in the loop's attention."""
+    `fresh_prompts_apart`, step 1's prompts then attend apart after the call (attend_fresh_prompts), through the
+    same kernel as the loop's attention."""
     import gpu_worker.model as model_module
 
     config, weights = load_checkpoint(head64_dir)
@@ -113,9 +115,9 @@ def test_attention_block_call_gives_the_loops_logits_bitwise(head64_dir: Path, m
     calls = []
     block = model_module.attention_block
     monkeypatch.setattr(model_module, "attention_block", lambda *args: calls.append(1) or block(*args))
-    looped = two_steps(model, config, "loop", fresh_prompts_sdpa)
+    looped = two_steps(model, config, "loop", fresh_prompts_apart)
     assert not calls
-    blocks = two_steps(model, config, "block", fresh_prompts_sdpa)
+    blocks = two_steps(model, config, "block", fresh_prompts_apart)
     assert len(calls) == 2 * config.num_hidden_layers  # every layer of both steps
     for a, b in zip(looped, blocks):
         assert a.isfinite().all()

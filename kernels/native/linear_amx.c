@@ -15,14 +15,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
-#include <immintrin.h>
+#ifdef HAVE_AMX_BUILD
 #include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-#define HAVE_AMX_BUILD 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define PREFETCH_BYTES 8192 /* how far ahead of the B tiles in use the weights are prefetched */
