@@ -256,7 +256,7 @@ static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride,
     int max_len = 0;
     for (int b = 0; b < num_seqs; b++) max_len = kv_lens[b] > max_len ? kv_lens[b] : max_len;
     const size_t score_floats = (size_t)group * (size_t)((max_len + 15) / 16 * 16);
-    int failed = 0;
+    int failed = 0, next_item = 0;
 #pragma omp parallel
     {
         /* scores, then the 64-byte aligned rows of widened V */
@@ -266,15 +266,16 @@ static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride,
             failed = 1;
         }
         float *wide = scores + (score_floats + 15) / 16 * 16;
-        /* Items dealt round-robin, so each thread knows its next one and prefetches it. */
-        const int items = num_seqs * num_kv_heads, step = omp_get_num_threads();
-        const int first = omp_get_thread_num();
-        if (scores && first < items)
-            prefetch_item(cache, pages + (int64_t)(first / num_kv_heads) * max_pages, kv_lens[first / num_kv_heads],
-                          first % num_kv_heads, num_kv_heads, block_size, head_dim);
-        for (int item = first; item < items && scores; item += step) {
+        /* Items claimed one ahead from a shared counter: a thread prefetches the item it will take next while
+         * it computes the current one, and a thread slowed down (another process on its core) takes fewer. */
+        const int items = num_seqs * num_kv_heads;
+        int item = scores ? __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED) : items;
+        if (item < items)
+            prefetch_item(cache, pages + (int64_t)(item / num_kv_heads) * max_pages, kv_lens[item / num_kv_heads],
+                          item % num_kv_heads, num_kv_heads, block_size, head_dim);
+        while (item < items) {
             const int b = item / num_kv_heads, h = item % num_kv_heads;
-            const int next = item + step;
+            const int next = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
             if (next < items)
                 prefetch_item(cache, pages + (int64_t)(next / num_kv_heads) * max_pages, kv_lens[next / num_kv_heads],
                               next % num_kv_heads, num_kv_heads, block_size, head_dim);
@@ -285,6 +286,7 @@ static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride,
                 attend(64, q0, cache, seq_pages, kv_lens[b], h, num_kv_heads, block_size, group, scale, scores, wide, out0);
             else
                 attend(128, q0, cache, seq_pages, kv_lens[b], h, num_kv_heads, block_size, group, scale, scores, wide, out0);
+            item = next;
         }
         free(scores);
     }
