@@ -1,7 +1,7 @@
 """The CPU C kernels against what they replace, on a model's own shapes (SmolLM2-135M by default).
 
     python benchmarks/cpu_kernels.py [--rows 1,32,64,1024] [--batch 32] [--prompt-lens 16,64,136,256,1024]
-                                     [--repeats 8]
+                                     [--chunk 512,2048] [--repeats 8]
 
 1. Linear layers, bfloat16: one forward's worth of products (every layer's weights distinct, so
    they stream from memory as in a real step) through oneDNN's prepacked weights, the C kernel's
@@ -12,8 +12,9 @@
    C kernel's plain loops, its default path (AVX512-BF16 where the CPU has it), and, as a floor for
    reading the same scattered pages, one `index_select` of them.
 3. Prompt attention, bfloat16, on AMX CPUs: one layer's causal attention of one fresh prompt of each
-   `--prompt-lens` length, straight from a q/k/v product's rows: torch's SDPA (its flash kernel) against
-   the AMX tile kernel (kernels/native_prompt_attention.py).
+   `--prompt-lens` length, torch's SDPA (its flash kernel) against the AMX tile kernel
+   (kernels/native_prompt_attention.py); and of one `--chunk` (rows, sequence tokens) over a cached
+   prefix, the C decode kernel's rows against the AMX tile kernel.
 Best of `--repeats`, ms or µs per call. Run it on an idle box: it uses all of torch's threads.
 """
 
@@ -36,7 +37,7 @@ from gpu_worker.cpu_setup import cpu_flags  # noqa: E402
 from gpu_worker.linear import linear, pack_weight  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 from kernels import native_lib, native_linear, native_prompt_attention  # noqa: E402
-from kernels.torch_attention import TorchPagedAttention  # noqa: E402
+from kernels.torch_attention import _sdpa  # noqa: E402
 
 
 def best_of(fn: Callable[[], object], repeats: int) -> float:
@@ -123,25 +124,44 @@ def bench_attention(mc, batch: int, repeats: int) -> None:
     print(f"  index_select of those pages   {floor * 1e6:8.0f} µs   (reading them once, for scale)")
 
 
-def bench_prompt_attention(mc, lens: list[int], repeats: int) -> None:
-    hq, hkv, d = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+def bench_prompt_attention(mc, lens: list[int], chunk: tuple[int, int], repeats: int) -> None:
+    hq, hkv, d, bs = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, 16
     if not native_prompt_attention.supported(d, hq, hkv):
         print(f"\nprompt attention: the AMX tile kernel does not run here ({hq}/{hkv} heads of {d})")
         return
-    print(f"\nprompt attention, one layer, one fresh prompt: {hq}/{hkv} heads of {d}, causal")
+    library = native_lib.load()
     gen = torch.Generator().manual_seed(0)
-    tiles = TorchPagedAttention(hq, hkv, d, decode_kernel="c", dtype=torch.bfloat16, fresh_prompts_apart=True)
-    sdpa = TorchPagedAttention(hq, hkv, d, decode_kernel="c", dtype=torch.bfloat16, fresh_prompts_apart=True)
-    sdpa._amx_prompts = False  # the same call, torch's SDPA behind it
-    for n in lens:
-        qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).to(torch.bfloat16)
-        q, k, v = (qkv[:, : hq * d].view(n, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(n, hkv, d),
-                   qkv[:, (hq + hkv) * d :].view(n, hkv, d))
-        out = torch.empty(n, hq, d, dtype=torch.bfloat16)
+
+    def case(n: int, kv_len: int):
+        pages = torch.randperm(-(-kv_len // bs) + 8, generator=gen)[: -(-kv_len // bs)].to(torch.int32)
+        cache = torch.randn(int(pages.max()) + 1, 2, hkv, bs, d, generator=gen).to(torch.bfloat16)
+        q = torch.randn(n, hq, d, generator=gen).to(torch.bfloat16)
+        return q, cache, pages, torch.empty(n, hq, d, dtype=torch.bfloat16)
+
+    def amx(q, cache, pages, out, kv_len: int) -> Callable[[], object]:
+        return lambda: native_prompt_attention.prompt_attention(q, cache, pages, kv_len, out, d ** -0.5)
+
+    print(f"\nprompt attention, one layer: {hq}/{hkv} heads of {d}, causal, block size {bs}")
+    for n in lens:  # a fresh prompt: SDPA on its q/k/v (what runs where the AMX kernel does not)
+        q, cache, pages, out = case(n, n)
+        k, v = (torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+        sdpa = best_of(lambda: _sdpa(q.transpose(0, 1)[None], k, v, None, d ** -0.5, hq // hkv), repeats)
+        tiles = best_of(amx(q, cache, pages, out, n), repeats)
         flops = 2 * n * (n + 1) * d * hq  # q.k and p.v over the causal half
-        seconds = [best_of(lambda b=backend: b._attend_fresh_prompt(q, k, v, out), repeats) for backend in (sdpa, tiles)]
-        print(f"  {n:5d} tokens: SDPA {seconds[0] * 1e6:8.0f} µs ({flops / seconds[0] / 1e9:4.0f} GFLOP/s), AMX tiles "
-              f"{seconds[1] * 1e6:8.0f} µs ({flops / seconds[1] / 1e9:4.0f} GFLOP/s): {seconds[0] / seconds[1]:.2f}x")
+        print(f"  fresh {n:5d} tokens: SDPA {sdpa * 1e6:8.0f} µs ({flops / sdpa / 1e9:4.0f} GFLOP/s), AMX tiles "
+              f"{tiles * 1e6:8.0f} µs ({flops / tiles / 1e9:4.0f} GFLOP/s): {sdpa / tiles:.2f}x")
+    n, kv_len = chunk  # a chunk over a cached prefix: the C kernel's rows (each a decode up to its position)
+    q, cache, pages, out = case(n, kv_len)
+    rows = torch.arange(n, dtype=torch.int64)
+    row_pages = pages[None, :].expand(n, -1).contiguous()
+    row_lens = torch.arange(kv_len - n + 1, kv_len + 1, dtype=torch.int32)
+    c_rows = best_of(lambda: library.decode_attention_bf16(
+        q.data_ptr(), q.stride(0), rows.data_ptr(), cache.data_ptr(), row_pages.data_ptr(), row_pages.shape[1],
+        row_lens.data_ptr(), out.data_ptr(), out.stride(0), n, hq, hkv, d, bs, d ** -0.5), repeats)
+    tiles = best_of(amx(q, cache, pages, out, kv_len), repeats)
+    flops = 2 * n * (2 * kv_len - n + 1) * d * hq
+    print(f"  chunk of {n} over {kv_len - n} cached: C rows {c_rows * 1e6:8.0f} µs ({flops / c_rows / 1e9:4.0f} "
+          f"GFLOP/s), AMX tiles {tiles * 1e6:8.0f} µs ({flops / tiles / 1e9:4.0f} GFLOP/s): {c_rows / tiles:.2f}x")
 
 
 def main() -> int:
@@ -149,6 +169,7 @@ def main() -> int:
     parser.add_argument("--rows", default="1,32,64,1024")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-lens", default="16,64,136,256,1024")
+    parser.add_argument("--chunk", default="512,2048", help="a prompt chunk's rows and its sequence's tokens")
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
@@ -156,7 +177,8 @@ def main() -> int:
     mc, _ = load_checkpoint(resolve_model_path(args.model))
     bench_linear(mc, [int(r) for r in args.rows.split(",")], args.repeats)
     bench_attention(mc, args.batch, args.repeats)
-    bench_prompt_attention(mc, [int(n) for n in args.prompt_lens.split(",")], args.repeats)
+    chunk = tuple(int(x) for x in args.chunk.split(","))
+    bench_prompt_attention(mc, [int(n) for n in args.prompt_lens.split(",")], (chunk[0], chunk[1]), args.repeats)
     return 0
 
 

@@ -200,15 +200,15 @@ class LlamaModel:
         # The attention backend's C plan, when it covers every row of the step: the layers' RoPE, K/V write
         # and attention then run as one C call each (gpu_worker/c_layers.py), or, with C linear layers too,
         # every layer in one call.
-        # Prompts with no cached prefix may be left to SDPA (`fresh_prompts`, AMX CPUs): after each block.
+        # Prompt chunks may attend apart (`apart_prompts`, AMX CPUs): after each block.
         plan = getattr(attention, "native_rows", lambda: None)() if t else None
         if plan is not None:
             if plan.max_page >= kv_cache[0].shape[0]:
                 raise IndexError(f"page {plan.max_page} is outside the cache's {kv_cache[0].shape[0]} blocks")
             positions = positions.contiguous()
             k_rows, v_rows = hnd_rows(slots.to(torch.int64), kv_heads, kv_cache[0].shape[3])
-            fresh_prompts = attention.fresh_prompts()
-            if (self.c_layers and not fresh_prompts
+            apart_prompts = attention.apart_prompts()
+            if (self.c_layers and not apart_prompts
                     and (self.c_layers_max_rows is None or t <= self.c_layers_max_rows)):  # from C
                 hidden.add_(self.c_layers.run(hidden, positions, kv_cache, k_rows, v_rows, plan.rows,
                                               plan.pages, plan.kv_lens, attention.scale))
@@ -219,8 +219,8 @@ class LlamaModel:
             if plan is not None:
                 attn = attention_block(qkv, heads, kv_heads, dim, positions, self.cos, self.sin, kv_cache[i], k_rows,
                                        v_rows, plan.rows, plan.pages, plan.kv_lens, attention.scale)
-                if fresh_prompts:
-                    attention.attend_fresh_prompts(qkv, attn)
+                if apart_prompts:
+                    attention.attend_apart_prompts(qkv, kv_cache[i], attn)
             else:
                 fused_ops.rope_(qkv, heads + kv_heads, dim, positions, self.cos, self.sin)
                 qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)

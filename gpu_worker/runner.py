@@ -117,7 +117,7 @@ class ModelRunner:
             self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                       kv_heads, mc.head_dim, self.device, self.dtype,
                                                       decode_kernel=config.cpu_kernels,
-                                                      fresh_prompts_apart="amx_bf16" in cpu_flags())
+                                                      prompts_apart="amx_bf16" in cpu_flags())
             self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
                                               kv_heads, mc.head_dim, self.dtype, self.device, self.attention.kv_layout)
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.

@@ -1,7 +1,8 @@
-"""Causal attention of fresh prompts (no cached prefix) on AMX tiles (kernels/native/prompt_attention_amx.c),
-for `TorchPagedAttention.attend_fresh_prompts`: about 2-2.5x torch's bfloat16 SDPA on prompts of 16-256 tokens on
-a 2-core Xeon (benchmarks/cpu_kernels.py). Where it cannot run (no AMX, a head size that is not a multiple
-of 64, no library), `supported` is False and the caller keeps SDPA."""
+"""Causal attention of prompt chunks on AMX tiles (kernels/native/prompt_attention_amx.c), reading K/V from the
+paged cache, any cached prefix included, for `TorchPagedAttention.attend_apart_prompts`: about 2-2.5x torch's
+bfloat16 SDPA on fresh prompts of 64-256 tokens on a 2-core Xeon, and several times the C decode kernel's
+prompt rows on chunks over a cached prefix (benchmarks/cpu_kernels.py). Where it cannot run (no AMX, a head
+size that is not a multiple of 64, no library), `supported` is False and the caller keeps its other paths."""
 
 from __future__ import annotations
 
@@ -34,17 +35,29 @@ def _rows(t: torch.Tensor, heads: int, head_dim: int, name: str) -> int:
     return t.stride(0)
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
-    """out [n, Hq, D] = causal attention of one prompt's q [n, Hq, D] over its k, v [n, Hkv, D] (RoPE applied;
-    rows may be strided, each row's heads contiguous). False (out untouched) when the kernel could not
-    allocate its scratch: the caller falls back to SDPA."""
+def prompt_attention(q: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, kv_len: int, out: torch.Tensor,
+                     scale: float) -> bool:
+    """out [n, Hq, D] = causal attention of a prompt chunk: q [n, Hq, D] (RoPE applied; rows may be strided, each
+    row's heads contiguous) holds the sequence's last n of kv_len tokens, whose K/V (this chunk's too) are in the
+    paged layer cache [blocks, 2, Hkv, block_size, D] at pages (int32, at least ceil(kv_len / block_size) of
+    them). False (out untouched) when the kernel could not allocate its scratch: the caller takes another path."""
     n, hq, d = q.shape
-    hkv = k.shape[1]
-    strides = [_rows(t, h, d, name) for t, h, name in ((q, hq, "q"), (k, hkv, "k"), (v, hkv, "v"), (out, hq, "out"))]
-    if not k.shape[0] == v.shape[0] == out.shape[0] == n:
-        raise ValueError(f"prompt_attention: q, k, v and out must have the same rows, got {n}, {k.shape[0]}, "
-                         f"{v.shape[0]}, {out.shape[0]}")
+    if cache.dim() != 5 or cache.dtype != torch.bfloat16 or not cache.is_contiguous() or cache.shape[1] != 2 \
+            or cache.shape[4] != d:
+        raise ValueError(f"prompt_attention: the cache must be a contiguous bfloat16 [blocks, 2, kv_heads, "
+                         f"block_size, {d}] layer, got {cache.dtype} {tuple(cache.shape)}")
+    hkv, block_size = cache.shape[2], cache.shape[3]
+    strides = [_rows(t, hq, d, name) for t, name in ((q, "q"), (out, "out"))]
+    needed = -(-kv_len // block_size)
+    if not 0 < n <= kv_len or out.shape[0] != n:
+        raise ValueError(f"prompt_attention: {n} query rows (out: {out.shape[0]}) for a sequence of {kv_len} tokens")
+    if pages.dtype != torch.int32 or pages.dim() != 1 or not pages.is_contiguous() or pages.numel() < needed:
+        raise ValueError(f"prompt_attention: pages must be contiguous int32 with at least {needed} entries, got "
+                         f"{pages.dtype} {tuple(pages.shape)}")
+    used = pages[:needed]
+    if int(used.min()) < 0 or int(used.max()) >= cache.shape[0]:  # the kernel reads its pages unchecked
+        raise IndexError(f"prompt_attention: a page is outside the cache's {cache.shape[0]} blocks")
     rc = native_lib.load().prompt_attention_amx(  # type: ignore[union-attr]
-        q.data_ptr(), strides[0], k.data_ptr(), strides[1], v.data_ptr(), strides[2], n, hq, hkv, d, scale,
-        out.data_ptr(), strides[3])
+        q.data_ptr(), strides[0], cache.data_ptr(), pages.data_ptr(), block_size, kv_len, n, hq, hkv, d, scale,
+        out.data_ptr(), strides[1])
     return rc == 0

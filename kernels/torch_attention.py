@@ -40,6 +40,10 @@ _GQA = _sdpa_supports_gqa()
 # this many elements (64 MiB in float32) run as plain matmuls; larger ones, and float32 (the
 # oracle mode, where SDPA is as fast), go through SDPA.
 _MATMUL_PREFILL_MAX_SCORES = 1 << 24
+# With the AMX prompt kernel, prompt chunks over a cached prefix attend apart from this many rows (one tile of
+# query rows): a shorter chunk would re-lay out all of its prefix's K/V for a few rows, which the C rows read
+# in place.
+APART_MIN_ROWS = 16
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -78,6 +82,7 @@ class _PrefillSeq:
     k_runs: torch.Tensor  # K runs to gather [Hkv * num_pages]
     v_runs: torch.Tensor  # the V runs: k_runs + Hkv
     mask: torch.Tensor | None  # bool [q_len, kv_len], None when plain causal (no cached prefix)
+    pages: torch.Tensor  # int32 [num_pages]: the sequence's (the AMX prompt kernel reads K/V there)
     additive_mask: torch.Tensor | None = None  # float32 [q_len, kv_len], 0 / -inf: built by the first layer that needs it
 
 
@@ -93,15 +98,16 @@ class TorchPagedAttention:
     kv_layout = "HND"
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
-                 decode_kernel: str = "torch", dtype: torch.dtype | None = None, fresh_prompts_apart: bool = False) -> None:
+                 decode_kernel: str = "torch", dtype: torch.dtype | None = None, prompts_apart: bool = False) -> None:
         """`decode_kernel` (config `cpu_kernels`): "c" runs a bfloat16 cache's attention on the CPU through
         the C kernel (kernels/native_decode.py; raises if it cannot be built), "auto" does so where it can
         be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never).
-        `fresh_prompts_apart` (AMX CPUs): where the C kernel takes prompt rows, prompts with no cached prefix are
-        left out of its plan, which then covers every other row (`native_rows`, `fresh_prompts`): they attend
-        to their own new keys only, straight from the q/k/v product (`attend_fresh_prompts`), through the AMX
-        tile kernel where it takes the head size (kernels/native_prompt_attention.py), else torch's SDPA
-        (its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens there; the tile kernel 1.9-2.6x SDPA)."""
+        `prompts_apart` (AMX CPUs): where the C kernel takes prompt rows, prompt chunks are left out of its plan,
+        which then covers every other row (`native_rows`, `apart_prompts`), and attend apart (`attend_apart_prompts`):
+        through the AMX tile kernel where it takes the head size (kernels/native_prompt_attention.py; chunks of at
+        least APART_MIN_ROWS rows over a cached prefix too), else only prompts with no cached prefix, through
+        torch's SDPA (its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens there; the tile kernel
+        1.8-2.5x SDPA, and several times the C rows over a prefix)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):
@@ -126,56 +132,60 @@ class TorchPagedAttention:
         if dtype is not None and dtype != torch.bfloat16:
             self.native_decode = False  # float32 (the oracle mode) and float16 run the torch code
         self._native: _NativePlan | None = None
-        self.fresh_prompts_apart = fresh_prompts_apart
-        self._fresh_apart = False  # this step's prefills are exactly its fresh prompts (attend_fresh_prompts)
-        self._amx_prompts = (fresh_prompts_apart and self.native_decode
+        self.prompts_apart = prompts_apart
+        self._apart = False  # this step's prefills are exactly the prompt chunks that attend apart
+        self._amx_prompts = (prompts_apart and self.native_decode
                              and native_prompt_attention.supported(head_dim, num_qo_heads, num_kv_heads))
 
     def native_rows(self) -> _NativePlan | None:
-        """The step's C plan when it covers every query row but the `fresh_prompts` (gpu_worker/c_layers.py needs
+        """The step's C plan when it covers every query row but the `apart_prompts` (gpu_worker/c_layers.py needs
         that), else None."""
-        return self._native if self._decode is None and (self._fresh_apart or not self._prefills) else None
+        return self._native if self._decode is None and (self._apart or not self._prefills) else None
 
-    def fresh_prompts(self) -> list[tuple[int, int]]:
-        """(first query row, rows) of the step's prompts with no cached prefix that are left out of the C plan
-        (`run` attends to them, or the caller through `attend_fresh_prompts`); usually none."""
-        return [(p.q_start, p.q_len) for p in self._prefills] if self._fresh_apart else []
+    def apart_prompts(self) -> list[tuple[int, int]]:
+        """(first query row, rows) of the step's prompt chunks left out of the C plan (`run` attends to them, or
+        the caller through `attend_apart_prompts`); usually none."""
+        return [(p.q_start, p.q_len) for p in self._prefills] if self._apart else []
 
-    def attend_fresh_prompts(self, qkv: torch.Tensor, out: torch.Tensor) -> None:
-        """Attention of each of `fresh_prompts` from the step's q/k/v product qkv [T, (Hq + 2 Hkv) * D] (RoPE
-        applied) into out [T, Hq * D]: a fresh prompt attends to its own new keys only, causally. The AMX tile
-        kernel where it runs (it falls back to SDPA if its scratch cannot be allocated), else SDPA."""
-        hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
-        for p in self._prefills if self._fresh_apart else ():
-            start, n = p.q_start, p.q_len
-            rows = qkv[start:start + n]
-            q, k, v = (rows[:, : hq * d].view(n, hq, d), rows[:, hq * d : (hq + hkv) * d].view(n, hkv, d),
-                       rows[:, (hq + hkv) * d :].view(n, hkv, d))
-            self._attend_fresh_prompt(q, k, v, out[start:start + n].view(n, hq, d))
+    def attend_apart_prompts(self, qkv: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """Attention of each of `apart_prompts` from the step's q/k/v product qkv [T, (Hq + 2 Hkv) * D] (RoPE
+        applied; this step's K/V already written into the layer's cache kv_cache) into out [T, Hq * D]."""
+        hq, d = self.num_qo_heads, self.head_dim
+        for p in self._prefills if self._apart else ():
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            self._attend_apart(qkv[rows, : hq * d].view(p.q_len, hq, d), kv_cache, p, out[rows].view(p.q_len, hq, d))
 
-    def _attend_fresh_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        """q, out [n, Hq, D], k, v [n, Hkv, D]: one prompt with no cached prefix, whichever path asked (the same
-        kernel for both, so the same bits)."""
-        if self._amx_prompts and native_prompt_attention.prompt_attention(q, k, v, out, self.scale):
+    def _attend_apart(self, q: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, out: torch.Tensor) -> None:
+        """One apart prompt chunk, q and out [q_len, Hq, D], whichever path asked (the same kernel for both, so the
+        same bits): the AMX tile kernel, else (it could not allocate, or does not run here) its K/V gathered from
+        the pages and SDPA."""
+        if self._amx_prompts and native_prompt_attention.prompt_attention(q, kv_cache, p.pages, p.kv_len, out,
+                                                                          self.scale):
             return
-        o = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, self.scale,
-                  self.num_qo_heads // self.num_kv_heads)
+        runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)
+        k = runs.index_select(0, p.k_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+        v = runs.index_select(0, p.v_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+        o = _sdpa(q.transpose(0, 1)[None], k[None], v[None], p.mask, self.scale, self.num_qo_heads // self.num_kv_heads)
         out.copy_(o[0].transpose(0, 1))
 
     def plan(self, table: PageTable) -> None:
         self._decode, self._prefills, self._write_rows, self._native = None, [], None, None
-        self._fresh_apart = False
+        self._apart = False
         bs = table.block_size
         is_decode = table.qo_lens == 1
         prefill_ids = np.flatnonzero(~is_decode)
         if self.native_decode:
             if native_decode.takes_prompts(self.head_dim, bs):  # every row of the step, in one call
-                fresh = ~is_decode & (table.qo_lens == table.kv_lens) if self.fresh_prompts_apart else None
-                if fresh is None or not fresh.any():
+                apart = None
+                if self.prompts_apart:
+                    apart = ~is_decode & (table.qo_lens == table.kv_lens)  # no cached prefix
+                    if self._amx_prompts:
+                        apart |= table.qo_lens >= APART_MIN_ROWS
+                if apart is None or not apart.any():
                     self._native = self._plan_native(table, np.arange(len(is_decode)))
                     return
-                self._native = self._plan_native(table, np.flatnonzero(~fresh))  # may have no rows
-                prefill_ids, self._fresh_apart = np.flatnonzero(fresh), True
+                self._native = self._plan_native(table, np.flatnonzero(~apart))  # may have no rows
+                prefill_ids, self._apart = np.flatnonzero(apart), True
             elif is_decode.any():
                 self._native = self._plan_native(table, np.flatnonzero(is_decode))
         qo_indptr = table.qo_indptr.numpy()
@@ -209,9 +219,11 @@ class TorchPagedAttention:
                 # Query j sits at position kv_len - q_len + j and sees keys 0..that position.
                 q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
                 mask = (torch.arange(kv_len)[None, :] <= q_pos).to(self.device)
-            k_runs = _runs(kv_indices[kv_indptr[i]:kv_indptr[i + 1]], self.num_kv_heads).reshape(-1)
+            pages = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+            k_runs = _runs(pages, self.num_kv_heads).reshape(-1)
             self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(k_runs).to(self.device),
-                                              torch.from_numpy(k_runs + self.num_kv_heads).to(self.device), mask))
+                                              torch.from_numpy(k_runs + self.num_kv_heads).to(self.device), mask,
+                                              torch.from_numpy(pages.astype(np.int32))))
 
     def _plan_native(self, table: PageTable, seq_ids: np.ndarray) -> _NativePlan:
         """The C kernel's rows for the sequences `seq_ids` (in order): every query row of each."""
@@ -258,9 +270,9 @@ class TorchPagedAttention:
             out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
         group = self.num_qo_heads // self.num_kv_heads
         for p in self._prefills:
-            if p.mask is None and self._new_kv is not None and self._fresh_apart:  # as attend_fresh_prompts
+            if self._apart:  # as attend_apart_prompts
                 rows = slice(p.q_start, p.q_start + p.q_len)
-                self._attend_fresh_prompt(q[rows], self._new_kv[0][rows], self._new_kv[1][rows], out[rows])
+                self._attend_apart(q[rows], kv_cache, p, out[rows])
                 continue
             if p.mask is None and self._new_kv is not None:  # the whole sequence is new this step
                 k = self._new_kv[0][p.q_start : p.q_start + p.q_len].transpose(0, 1)
@@ -268,7 +280,7 @@ class TorchPagedAttention:
             else:  # [Hkv, kv_len, D], gathered in that order
                 k = runs.index_select(0, p.k_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
                 v = runs.index_select(0, p.v_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
-            if (q.dtype != torch.float32 and not self._fresh_apart
+            if (q.dtype != torch.float32
                     and p.q_len * p.kv_len * self.num_qo_heads <= _MATMUL_PREFILL_MAX_SCORES):
                 self._run_prefill_matmul(q, k, v, p, out)
                 continue

@@ -16,6 +16,7 @@ from gpu_worker.checkpoint import load_checkpoint
 from gpu_worker.cpu_setup import cpu_flags
 from gpu_worker.model import LlamaModel
 from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_decode, native_linear
+from kernels.torch_attention import APART_MIN_ROWS
 from tests.tiny_models import _save, make_tokenizer  # noqa: F401  (make_tokenizer: _save writes one)
 
 REASON = native_linear.unavailable_reason(cpu_flags())
@@ -43,32 +44,35 @@ def head64_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return _save(model, tmp_path_factory.mktemp(f"head64-{request.param}"))
 
 
-def two_steps(model: LlamaModel, config, path: str, fresh_prompts_apart: bool = False) -> list[torch.Tensor]:
+def two_steps(model: LlamaModel, config, path: str, prompts_apart: bool = False) -> list[torch.Tensor]:
     """Step 1: two prompts (20 and 35 tokens). Step 2: the first decodes one token, the second gets a
-    12-token chunk on top of its cached 35. Logits of each step's last rows. `path`: "c_layers" (every
+    20-token chunk on top of its cached 35. Logits of each step's last rows. `path`: "c_layers" (every
     layer in one call, where the model has them), "block" (the loop, each attention block in one call) or
-    "loop" (the loop with RoPE, the K/V write and attention as separate calls). `fresh_prompts_apart`: step 1's
-    prompts (no cached prefix) are left out of the C plan and attend apart (the AMX tile kernel, else SDPA),
-    as on AMX CPUs."""
+    "loop" (the loop with RoPE, the K/V write and attention as separate calls). `prompts_apart`: step 1's
+    prompts (no cached prefix), and with the AMX kernel step 2's chunk, are left out of the C plan and attend
+    apart (the AMX tile kernel, else SDPA), as on AMX CPUs."""
     saved = model.c_layers
     model.c_layers = saved if path == "c_layers" else None
     try:
         cache = allocate_kv_cache(config.num_hidden_layers, 16, BLOCK, model.num_kv_heads, config.head_dim,
                                   torch.bfloat16, "cpu", TorchPagedAttention.kv_layout)
         attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim, decode_kernel="c",
-                                        dtype=torch.bfloat16, fresh_prompts_apart=fresh_prompts_apart)
+                                        dtype=torch.bfloat16, prompts_apart=prompts_apart)
         native_rows = attention.native_rows
         if path == "loop":  # the model then takes the separate calls (attention still runs its C plan)
             attention.native_rows = lambda: None  # type: ignore[method-assign]
         rng = np.random.default_rng(0)
         tables = [np.array([3, 9], dtype=np.int32), np.array([5, 1, 12, 7], dtype=np.int32)]
-        steps = [(np.array([20, 35]), np.array([20, 35])), (np.array([1, 12]), np.array([21, 47]))]
+        steps = [(np.array([20, 35]), np.array([20, 35])), (np.array([1, 20]), np.array([21, 55]))]
         out = []
         with torch.inference_mode():
             for q_lens, kv_lens in steps:
                 table = PageTable.build(tables, q_lens, kv_lens, BLOCK)
                 attention.plan(table)
                 assert native_rows() is not None  # the C paths' condition, whichever path runs
+                if prompts_apart:  # prompts with no cached prefix, and (AMX kernel) the chunk over one
+                    assert [n for _, n in attention.apart_prompts()] == [
+                        n for n, kv in zip(q_lens, kv_lens) if n > 1 and (n == kv or attention._amx_prompts and n >= APART_MIN_ROWS)]
                 positions, slots = table.token_positions()
                 ids = torch.from_numpy(rng.integers(2, config.vocab_size, int(q_lens.sum())))
                 rows = table.qo_indptr[1:].to(torch.int64) - 1
@@ -100,11 +104,11 @@ def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path, amx: bool) 
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fresh_prompts_apart", [False, True], ids=["C prompts", "fresh prompts apart"])
+@pytest.mark.parametrize("prompts_apart", [False, True], ids=["C prompts", "prompts apart"])
 def test_attention_block_call_gives_the_loops_logits_bitwise(head64_dir: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             fresh_prompts_apart: bool) -> None:
+                                                             prompts_apart: bool) -> None:
     """oneDNN's linear layers (as on AMX CPUs): RoPE, the K/V write and attention in one call per layer; with
-    `fresh_prompts_apart`, step 1's prompts then attend apart after the call (attend_fresh_prompts), through the
+    `prompts_apart`, the prompt chunks then attend apart after the call (attend_apart_prompts), through the
     same kernel as the loop's attention."""
     import gpu_worker.model as model_module
 
@@ -115,9 +119,9 @@ def test_attention_block_call_gives_the_loops_logits_bitwise(head64_dir: Path, m
     calls = []
     block = model_module.attention_block
     monkeypatch.setattr(model_module, "attention_block", lambda *args: calls.append(1) or block(*args))
-    looped = two_steps(model, config, "loop", fresh_prompts_apart)
+    looped = two_steps(model, config, "loop", prompts_apart)
     assert not calls
-    blocks = two_steps(model, config, "block", fresh_prompts_apart)
+    blocks = two_steps(model, config, "block", prompts_apart)
     assert len(calls) == 2 * config.num_hidden_layers  # every layer of both steps
     for a, b in zip(looped, blocks):
         assert a.isfinite().all()

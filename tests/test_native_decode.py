@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_decode, native_lib, write_kv
+from kernels.torch_attention import APART_MIN_ROWS
 from tests.test_kernels import dense_attention
 
 REASON = native_lib.unavailable_reason()
@@ -46,14 +47,16 @@ def decode_case(lens: list[int], hq: int, hkv: int, d: int, block_size: int, see
     return cache, table, q, keys, values
 
 
-def run_backend(kernel: str, cache, table, q, fresh_prompts_apart: bool = False) -> torch.Tensor:
+def run_backend(kernel: str, cache, table, q, prompts_apart: bool = False) -> torch.Tensor:
     hq, d, hkv = q.shape[1], q.shape[2], cache.shape[2]
-    backend = TorchPagedAttention(hq, hkv, d, decode_kernel=kernel, fresh_prompts_apart=fresh_prompts_apart)
+    backend = TorchPagedAttention(hq, hkv, d, decode_kernel=kernel, prompts_apart=prompts_apart)
     assert backend.native_decode == (kernel == "c")
     backend.plan(table)
-    fresh = (table.qo_lens > 1) & (table.qo_lens == table.kv_lens)
-    if fresh_prompts_apart and fresh.any() and native_decode.takes_prompts(d, table.block_size):
-        assert [n for _, n in backend.fresh_prompts()] == list(table.qo_lens[fresh])  # attended apart
+    apart = (table.qo_lens > 1) & (table.qo_lens == table.kv_lens)  # no cached prefix
+    if backend._amx_prompts:
+        apart |= table.qo_lens >= APART_MIN_ROWS  # and long chunks over one, through the AMX kernel
+    if prompts_apart and apart.any() and native_decode.takes_prompts(d, table.block_size):
+        assert [n for _, n in backend.apart_prompts()] == list(table.qo_lens[apart])  # attended apart
         assert backend.native_rows() is not None  # and the C plan every other row
     return backend.run(q, cache)
 
@@ -119,22 +122,23 @@ def test_c_decode_rows_do_not_depend_on_the_batch() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("fresh_prompts_apart", [False, True], ids=["C prompts", "fresh prompts apart"])
+@pytest.mark.parametrize("prompts_apart", [False, True], ids=["C prompts", "prompts apart"])
 @pytest.mark.parametrize("block_size, head_dim", [(4, 8), (16, 64)])
 def test_c_kernel_runs_a_mixed_step_decodes_and_prompt_chunks(block_size: int, head_dim: int,
-                                                              fresh_prompts_apart: bool) -> None:
+                                                              prompts_apart: bool) -> None:
     """Where the kernel's vector path runs (16, 64 on an AVX512-BF16 CPU), prompt rows go through it too,
     each a decode over its sequence's tokens up to its own position: causal, and offset by a cached prefix
-    (sequence 2: 5 cached tokens, a 7-token chunk). Elsewhere the prompt rows take the torch path and
-    only the decode row the C kernel: the same answers. With `fresh_prompts_apart` (AMX CPUs) the prompt with
-    no cached prefix (sequence 1) attends apart (the AMX tile kernel, else SDPA), the other rows the C kernel:
-    the same answers again."""
+    (sequence 2: 5 cached tokens, a 7-token chunk; sequence 3: 20 cached, a 40-token chunk). Elsewhere the
+    prompt rows take the torch path and only the decode row the C kernel: the same answers. With
+    `prompts_apart` (AMX CPUs) the prompt with no cached prefix (sequence 1) attends apart (the AMX tile
+    kernel, else SDPA), and with the AMX kernel the 40-token chunk too; the other rows the C kernel: the same
+    answers again."""
     torch.manual_seed(1)
-    lens, new = [10, 6, 12], [1, 6, 7]
-    cache = allocate_kv_cache(1, 16, block_size, 2, head_dim, torch.bfloat16, "cpu", "HND")[0]
+    lens, new = [10, 6, 12, 60], [1, 6, 7, 40]
+    cache = allocate_kv_cache(1, 32, block_size, 2, head_dim, torch.bfloat16, "cpu", "HND")[0]
     if native_decode.takes_prompts(head_dim, block_size):
         cache.fill_(float("nan"))  # unwritten slots must never be read
-    free = list(np.random.default_rng(1).permutation(16))
+    free = list(np.random.default_rng(1).permutation(32))
     tables, keys, values = [], [], []
     for n in lens:
         table = np.array([free.pop() for _ in range(-(-n // block_size))], dtype=np.int32)
@@ -147,7 +151,7 @@ def test_c_kernel_runs_a_mixed_step_decodes_and_prompt_chunks(block_size: int, h
         values.append(v)
     table = PageTable.build(tables, np.array(new), np.array(lens), block_size)
     q = torch.randn(sum(new), 4, head_dim).to(torch.bfloat16)
-    out = run_backend("c", cache, table, q, fresh_prompts_apart)
+    out = run_backend("c", cache, table, q, prompts_apart)
     start = 0
     for n, m, k, v in zip(lens, new, keys, values):
         ref = dense_attention(q[start:start + m].float(), k.float(), v.float(), n - m)

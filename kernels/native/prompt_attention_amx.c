@@ -1,22 +1,24 @@
-/* Causal self-attention of one fresh prompt (no cached prefix) on AMX tiles, bfloat16 on the CPU
- * (kernels/torch_attention.py: `TorchPagedAttention.fresh_prompts`).
+/* Causal attention of one prompt chunk on AMX tiles, bfloat16 on the CPU (kernels/torch_attention.py:
+ * `TorchPagedAttention.apart_prompts`): n query rows, the last n of a sequence of kv_len tokens whose K/V are
+ * all in the paged cache already (a cached prefix, earlier chunks, and this chunk's own rows, written
+ * before attention runs); query row i sits at position kv_len - n + i and sees keys 0 .. that position.
  *
- * A prompt's rows attend to its own keys only, so its q, k and v rows (head after head in each row, RoPE
- * applied) are read where the layer produced them, and nothing from the paged cache. torch's bfloat16 SDPA on a 2-core Xeon
- * reaches about 100 GFLOP/s on prompts of 16-256 tokens (small per-head products, a flash loop per 32-row
- * block). Here:
- * - K and V of each KV head are re-laid out once per call into the B-tile layout TDPBF16PS takes (row r:
- *   the pair 2r, 2r+1 along the product's K dimension), K transposed: keys become the output columns;
+ * The C decode kernel computes a prompt row as a decode (about 94 GFLOP/s on 2 Xeon cores) and torch's
+ * bfloat16 SDPA reaches about 100-400 (small per-head products, a flash loop per 32-row block). Here:
+ * - K and V of each KV head are gathered from their pages once per call into the B-tile layout TDPBF16PS
+ *   takes (row r: the pair 2r, 2r+1 along the product's K dimension), K transposed: keys become the output
+ *   columns;
  * - per query head and block of 16 query rows, the scores against every key up to the block's last row
- *   are one row of S tiles (float32, kept in a per-thread buffer: a prompt's 16 x n floats fit in L2),
+ *   are one row of S tiles (float32, kept in a per-thread buffer: 16 x kv_len floats, in L2),
  *   then an exact softmax per row (float32, masked past the row's position), P rounded to bfloat16 like
  *   SDPA's flash kernel does, then P . V accumulated in four C tiles per 64 output columns, normalised
  *   by the row's sum and rounded once to bfloat16.
  * Two passes instead of flash's online rescaling: the scores of a block are all known before P . V, so the
  * output tiles never leave the tile registers until the end.
  *
- * Sizes: head_dim a multiple of 64 (the caller checks), num_heads a multiple of num_kv_heads. Returns 0,
- * or -1 when a scratch buffer cannot be allocated (the caller falls back to SDPA).
+ * Sizes: head_dim a multiple of 64, num_heads a multiple of num_kv_heads, 0 < n <= kv_len, pages in the
+ * cache (the caller checks; the layer cache is [blocks, 2 (K, V), num_kv_heads, block_size, head_dim]).
+ * Returns 0, or -1 when a scratch buffer cannot be allocated (the caller then takes another path).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -45,22 +47,30 @@ __attribute__((target("amx-tile"))) static void configure_full_tiles(void) {
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
+/* Key `key`'s K (v = 0) or V (v = 1) row of KV head h in the paged layer cache. */
+static inline const uint16_t *cache_row(const uint16_t *cache, const int32_t *pages, int block_size, int num_kv_heads,
+                                        int head_dim, int h, int v, int key) {
+    const int64_t page = pages[key / block_size];
+    return cache + ((page * 2 + v) * num_kv_heads + h) * block_size * (int64_t)head_dim
+           + (int64_t)(key % block_size) * head_dim;
+}
+
 /* K of KV head h -> kt[h][n32 / 16 key blocks][head_dim / 32 chunks][16 pairs][16 keys] (uint32 pairs);
  * V -> vt[h][n32 / 32 key chunks][head_dim / 16 column blocks][16 key pairs][16 columns]. Keys past n: 0. */
-static void relayout_kv(const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv, int n, int n32,
+static void relayout_kv(const uint16_t *cache, const int32_t *pages, int block_size, int n, int n32,
                         int num_kv_heads, int head_dim, uint32_t *kt, uint32_t *vt) {
     const int pairs = head_dim / 2;
 #pragma omp parallel for schedule(static) collapse(2)
     for (int h = 0; h < num_kv_heads; h++)
         for (int kc = 0; kc < n32 / 32; kc++) {
-            const int64_t col = (int64_t)h * head_dim;
             for (int kb = 2 * kc; kb < 2 * kc + 2; kb++) {
                 uint32_t *dst = kt + ((int64_t)h * (n32 / 16) + kb) * 16 * pairs;
                 for (int j = 0; j < 16; j++) {
                     const int key = kb * 16 + j;
                     uint32_t row[512];
                     if (key < n)
-                        memcpy(row, k + key * ldk + col, sizeof(uint16_t) * head_dim);
+                        memcpy(row, cache_row(cache, pages, block_size, num_kv_heads, head_dim, h, 0, key),
+                               sizeof(uint16_t) * head_dim);
                     else
                         memset(row, 0, sizeof(uint16_t) * head_dim);
                     for (int p = 0; p < pairs; p++) dst[(p / 16) * 256 + (p % 16) * 16 + j] = row[p];
@@ -69,8 +79,10 @@ static void relayout_kv(const uint16_t *k, int64_t ldk, const uint16_t *v, int64
             uint32_t *vdst = vt + ((int64_t)h * (n32 / 32) + kc) * 16 * head_dim;
             for (int r = 0; r < 16; r++) {
                 const int even = kc * 32 + 2 * r, odd = even + 1;
-                const uint16_t *ve = even < n ? v + even * ldv + col : NULL;
-                const uint16_t *vo = odd < n ? v + odd * ldv + col : NULL;
+                const uint16_t *ve = even < n ? cache_row(cache, pages, block_size, num_kv_heads, head_dim, h, 1, even)
+                                              : NULL;
+                const uint16_t *vo = odd < n ? cache_row(cache, pages, block_size, num_kv_heads, head_dim, h, 1, odd)
+                                             : NULL;
                 for (int c = 0; c < head_dim; c++) {
                     const uint32_t lo = ve ? ve[c] : 0, hi = vo ? vo[c] : 0;
                     vdst[(c / 16) * 256 + r * 16 + c % 16] = lo | hi << 16;
@@ -120,10 +132,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static float sof
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))) int prompt_attention_amx(
-    const uint16_t *q_rows, int64_t ldq, const uint16_t *k, int64_t ldk, const uint16_t *v, int64_t ldv, int n,
-    int num_heads, int num_kv_heads, int head_dim, float scale, uint16_t *out, int64_t ldo) {
+    const uint16_t *q_rows, int64_t ldq, const uint16_t *cache, const int32_t *pages, int block_size, int kv_len,
+    int n, int num_heads, int num_kv_heads, int head_dim, float scale, uint16_t *out, int64_t ldo) {
     if (n <= 0) return 0;
-    const int n32 = (int)round_up(n, 32), group = num_heads / num_kv_heads, chunks = head_dim / 32;
+    const int n32 = (int)round_up(kv_len, 32), group = num_heads / num_kv_heads, chunks = head_dim / 32;
+    const int first = kv_len - n; /* query row i's position: first + i */
     const int q_blocks = (n + Q_ROWS - 1) / Q_ROWS;
     uint32_t *kt = aligned_alloc(64, (size_t)num_kv_heads * n32 * head_dim * 2);
     uint32_t *vt = aligned_alloc(64, (size_t)num_kv_heads * n32 * head_dim * 2);
@@ -132,7 +145,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
         free(vt);
         return -1;
     }
-    relayout_kv(k, ldk, v, ldv, n, n32, num_kv_heads, head_dim, kt, vt);
+    relayout_kv(cache, pages, block_size, kv_len, n32, num_kv_heads, head_dim, kt, vt);
     int failed = 0;
 #pragma omp parallel
     {
@@ -147,13 +160,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
         } else
             configure_full_tiles();
         /* Every thread meets this loop (a worksharing loop must be reached by all); a thread whose
-         * buffers failed takes no item. Largest blocks (the prompt's end) first: they take the longest. */
+         * buffers failed takes no item. Largest blocks (the chunk's end) first: they take the longest. */
 #pragma omp for schedule(dynamic)
         for (int item = 0; item < num_heads * q_blocks; item++) {
             if (!s || !p || !q) continue;
             const int head = item / q_blocks, qb = q_blocks - 1 - item % q_blocks, kv = head / group;
             const int q0 = qb * Q_ROWS, rows = n - q0 < Q_ROWS ? n - q0 : Q_ROWS;
-            const int keys = (int)round_up(q0 + rows, 32);
+            const int keys = (int)round_up(first + q0 + rows, 32);
             for (int i = 0; i < Q_ROWS; i++) {
                 if (i < rows)
                     memcpy(q + i * head_dim, q_rows + (q0 + i) * ldq + (int64_t)head * head_dim,
@@ -173,7 +186,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
             }
             for (int i = 0; i < Q_ROWS; i++) {
                 if (i < rows)
-                    inv_sum[i] = softmax_row(s + i * keys, q0 + i + 1, keys, scale, p + i * keys);
+                    inv_sum[i] = softmax_row(s + i * keys, first + q0 + i + 1, keys, scale, p + i * keys);
                 else
                     memset(p + i * keys, 0, sizeof(uint16_t) * keys);
             }
@@ -220,10 +233,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
     return failed ? -1 : 0;
 }
 #else
-int prompt_attention_amx(const uint16_t *q_rows, int64_t ldq, const uint16_t *k, int64_t ldk, const uint16_t *v,
-                         int64_t ldv, int n, int num_heads, int num_kv_heads, int head_dim, float scale, uint16_t *out,
-                         int64_t ldo) {
-    (void)q_rows, (void)ldq, (void)k, (void)ldk, (void)v, (void)ldv, (void)n, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)out,
+int prompt_attention_amx(const uint16_t *q_rows, int64_t ldq, const uint16_t *cache, const int32_t *pages,
+                         int block_size, int kv_len, int n, int num_heads, int num_kv_heads, int head_dim, float scale,
+                         uint16_t *out, int64_t ldo) {
+    (void)q_rows, (void)ldq, (void)cache, (void)pages, (void)block_size, (void)kv_len, (void)n, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)out,
         (void)ldo;
     return -1;
 }
