@@ -113,7 +113,7 @@ class ModelRunner:
         else:
             budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
             self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
-            # AMX CPUs: prompts with no cached prefix attend apart (an AMX tile kernel, else SDPA: both beat the C rows).
+            # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA).
             self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                       kv_heads, mc.head_dim, self.device, self.dtype,
                                                       decode_kernel=config.cpu_kernels,

@@ -1,7 +1,7 @@
 """Causal attention of prompt chunks on AMX tiles (kernels/native/prompt_attention_amx.c), reading K/V from the
-paged cache, any cached prefix included, for `TorchPagedAttention.attend_apart_prompts`: about 2-2.5x torch's
-bfloat16 SDPA on fresh prompts of 64-256 tokens on a 2-core Xeon, and several times the C decode kernel's
-prompt rows on chunks over a cached prefix (benchmarks/cpu_kernels.py). Where it cannot run (no AMX, a head
+paged cache, any cached prefix included, for `TorchPagedAttention.attend_apart_prompts`: 1.5-2x torch's bfloat16
+SDPA on fresh prompts of 136-1,024 tokens on a 2-core Xeon, and about 9x the C decode kernel's prompt rows on a
+512-row chunk over 1,536 cached tokens (benchmarks/cpu_kernels.py). Where it cannot run (no AMX, a head
 size that is not a multiple of 64, no library), `supported` is False and the caller keeps its other paths."""
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class TorchPagedAttention:
         through the AMX tile kernel where it takes the head size (kernels/native_prompt_attention.py; chunks of at
         least APART_MIN_ROWS rows over a cached prefix too), else only prompts with no cached prefix, through
         torch's SDPA (its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens there; the tile kernel
-        1.8-2.5x SDPA, and several times the C rows over a prefix)."""
+        1.5-2x SDPA, and about 9x the C rows over a prefix)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):
