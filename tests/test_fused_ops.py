@@ -69,6 +69,18 @@ def test_silu_mul(rows: int) -> None:
     close(fused_ops.silu_mul(gate_up), F.silu(gate) * up)
 
 
+def test_silu_mul_at_the_extremes() -> None:
+    """Gates far out on both sides (the vector path's exp is clamped), zeros, and a width that leaves a tail
+    for the scalar loop: finite, and within two bfloat16 steps of float32."""
+    gate = torch.tensor([-1e4, -200.0, -88.0, -20.0, -1.0, -0.0, 0.0, 1e-20, 0.5, 3.0, 20.0, 88.0, 200.0, 3e4,
+                         -3.5, 7.25, 1.0, -2.0, 60.0], dtype=torch.float32)
+    up = torch.linspace(-3.0, 3.0, gate.numel())
+    gate_up = torch.cat([gate, up])[None].to(BF16)
+    got = fused_ops.silu_mul(gate_up)
+    assert got.float().isfinite().all()
+    close(got, (F.silu(gate_up[:, : gate.numel()].float()) * gate_up[:, gate.numel():].float()).to(BF16))
+
+
 def test_strided_rows_are_refused() -> None:
     with pytest.raises(ValueError, match="contiguous elements"):
         fused_ops.silu_mul(torch.zeros(4, 8, dtype=BF16).t())

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vexp.h"
 
 #define PARALLEL_MIN_ELEMENTS 32768
 
@@ -72,6 +73,25 @@ void rope_bf16(uint16_t *x, int64_t x_stride, int64_t rows, int num_heads, int h
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* 16 lanes at a time: exp16 and a refined reciprocal instead of glibc's vector expf and a division, about 4x
+ * fewer cycles (a prefill's SiLU.mul was compute-bound: ~2 G elements/s on 2 cores). Relative error ~1e-6
+ * before the one bfloat16 rounding. Returns how many leading elements it did (a multiple of 16). */
+static int silu_mul_row16(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
+    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = bf16x16_to_f32(g + i);
+        const __m512 d = _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));  /* 1 + exp(-x) */
+        __m512 r = _mm512_rcp14_ps(d);
+        r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, two));  /* one Newton step: ~1e-7 */
+        const __m512 y = _mm512_mul_ps(_mm512_mul_ps(x, r), bf16x16_to_f32(u + i));
+        _mm256_storeu_si256((__m256i *)(o + i), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+    return i;
+}
+#endif
+
 /* out[r] = silu(gate_up[r, :n]) * gate_up[r, n:] for gate_up [rows, 2n] (row stride gu_stride). */
 void silu_mul_bf16(const uint16_t *gate_up, int64_t gu_stride, uint16_t *out, int64_t out_stride, int64_t rows,
                    int n) {
@@ -80,7 +100,11 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gu_stride, uint16_t *out, in
         const uint16_t *g = gate_up + r * gu_stride;
         const uint16_t *u = g + n;
         uint16_t *o = out + r * out_stride;
-        for (int i = 0; i < n; i++) {
+        int i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        i = silu_mul_row16(g, u, o, n);
+#endif
+        for (; i < n; i++) {
             float x = bf16_to_f32(g[i]);
             o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
         }

@@ -26,6 +26,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "vexp.h"
 
 #define Q_ROWS 16 /* query rows per block: one A tile */
 
@@ -91,22 +92,6 @@ static void relayout_kv(const uint16_t *cache, const int32_t *pages, int block_s
         }
 }
 
-/* exp(x) for x <= 0 (x >= -87: 0 below): 2^(x log2 e) as 2^round(t) times a degree-6 polynomial of 2^f,
- * f = t - round(t) in [-1/2, 1/2], relative error about 2e-7 (the numerators are rounded to bfloat16). */
-__attribute__((target("avx512f"))) static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
-    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, whole);
-    __m512 poly = _mm512_set1_ps(1.535336188319500e-4f);
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.339887440266574e-3f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.618437357674640e-3f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.550332471162809e-2f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402264791363012e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931472028550421e-1f));
-    poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(poly, whole);
-}
-
 /* One row's softmax numerators exp((s - max) * scale) over keys [0, valid) of s (float32), as bfloat16 into p,
  * zeros up to width (a multiple of 16); returns 1 / their float32 sum. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static float softmax_row(const float *s, int valid,
@@ -123,7 +108,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static float sof
     for (; j < valid; j += 16) {
         const __mmask16 m = valid - j >= 16 ? 0xFFFF : (__mmask16)((1u << (valid - j)) - 1);
         const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), top), vscale);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(x));
+        const __m512 e = _mm512_maskz_mov_ps(m, exp16(x));
         sum = _mm512_add_ps(sum, e);
         _mm256_storeu_si256((__m256i *)(p + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
