@@ -74,9 +74,10 @@ void rope_bf16(uint16_t *x, int64_t x_stride, int64_t rows, int num_heads, int h
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* 16 lanes at a time: exp16 and a refined reciprocal instead of glibc's vector expf and a division, about 4x
- * fewer cycles (a prefill's SiLU.mul was compute-bound: ~2 G elements/s on 2 cores). Relative error ~1e-6
- * before the one bfloat16 rounding. Returns how many leading elements it did (a multiple of 16). */
+/* 16 lanes at a time: exp16 and a refined reciprocal instead of glibc's vector expf and a division (a prefill's
+ * SiLU.mul was compute-bound at ~2 G elements/s on 2 Xeon cores; the 64-prompt workload's prefill spent 0.205 s
+ * in it, 0.110 s with this). Relative error ~1e-6 before the one bfloat16 rounding. Returns how many leading
+ * elements it did (a multiple of 16). */
 static int silu_mul_row16(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
     const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
     int i = 0;
