@@ -36,7 +36,7 @@ from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from gpu_worker.cpu_setup import cpu_flags  # noqa: E402
 from gpu_worker.linear import linear, pack_weight  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
-from kernels import native_lib, native_linear, native_prompt_attention  # noqa: E402
+from kernels import native_decode, native_lib, native_linear, native_prompt_attention  # noqa: E402
 from kernels.torch_attention import _sdpa  # noqa: E402
 
 
@@ -129,7 +129,6 @@ def bench_prompt_attention(mc, lens: list[int], chunk: tuple[int, int], repeats:
     if not native_prompt_attention.supported(d, hq, hkv):
         print(f"\nprompt attention: the AMX tile kernel does not run here ({hq}/{hkv} heads of {d})")
         return
-    library = native_lib.load()
     gen = torch.Generator().manual_seed(0)
 
     def case(n: int, kv_len: int):
@@ -155,9 +154,8 @@ def bench_prompt_attention(mc, lens: list[int], chunk: tuple[int, int], repeats:
     rows = torch.arange(n, dtype=torch.int64)
     row_pages = pages[None, :].expand(n, -1).contiguous()
     row_lens = torch.arange(kv_len - n + 1, kv_len + 1, dtype=torch.int32)
-    c_rows = best_of(lambda: library.decode_attention_bf16(
-        q.data_ptr(), q.stride(0), rows.data_ptr(), cache.data_ptr(), row_pages.data_ptr(), row_pages.shape[1],
-        row_lens.data_ptr(), out.data_ptr(), out.stride(0), n, hq, hkv, d, bs, d ** -0.5), repeats)
+    c_rows = best_of(lambda: native_decode.decode_attention(q, rows, cache, row_pages, row_lens, out, d ** -0.5),
+                     repeats)
     tiles = best_of(amx(q, cache, pages, out, kv_len), repeats)
     flops = 2 * n * (2 * kv_len - n + 1) * d * hq
     print(f"  chunk of {n} over {kv_len - n} cached: C rows {c_rows * 1e6:8.0f} µs ({flops / c_rows / 1e9:4.0f} "

@@ -36,11 +36,13 @@ def _rows(t: torch.Tensor, heads: int, head_dim: int, name: str) -> int:
 
 
 def prompt_attention(q: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, kv_len: int, out: torch.Tensor,
-                     scale: float) -> bool:
+                     scale: float, max_page: int | None = None) -> bool:
     """out [n, Hq, D] = causal attention of a prompt chunk: q [n, Hq, D] (RoPE applied; rows may be strided, each
     row's heads contiguous) holds the sequence's last n of kv_len tokens, whose K/V (this chunk's too) are in the
     paged layer cache [blocks, 2, Hkv, block_size, D] at pages (int32, at least ceil(kv_len / block_size) of
-    them). False (out untouched) when the kernel could not allocate its scratch: the caller takes another path."""
+    them). `max_page`: the largest of those pages, when the caller has it (the attention backend finds it once per
+    step, not once per layer); else it is read here. False (out untouched) when the kernel could not allocate its
+    scratch: the caller takes another path."""
     n, hq, d = q.shape
     if cache.dim() != 5 or cache.dtype != torch.bfloat16 or not cache.is_contiguous() or cache.shape[1] != 2 \
             or cache.shape[4] != d:
@@ -54,8 +56,10 @@ def prompt_attention(q: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, 
     if pages.dtype != torch.int32 or pages.dim() != 1 or not pages.is_contiguous() or pages.numel() < needed:
         raise ValueError(f"prompt_attention: pages must be contiguous int32 with at least {needed} entries, got "
                          f"{pages.dtype} {tuple(pages.shape)}")
-    used = pages[:needed]
-    if int(used.min()) < 0 or int(used.max()) >= cache.shape[0]:  # the kernel reads its pages unchecked
+    if max_page is None:
+        used = pages[:needed]
+        max_page = -1 if int(used.min()) < 0 else int(used.max())
+    if not 0 <= max_page < cache.shape[0]:  # the kernel reads its pages unchecked
         raise IndexError(f"prompt_attention: a page is outside the cache's {cache.shape[0]} blocks")
     rc = native_lib.load().prompt_attention_amx(  # type: ignore[union-attr]
         q.data_ptr(), strides[0], cache.data_ptr(), pages.data_ptr(), block_size, kv_len, n, hq, hkv, d, scale,

@@ -83,6 +83,7 @@ class _PrefillSeq:
     v_runs: torch.Tensor  # the V runs: k_runs + Hkv
     mask: torch.Tensor | None  # bool [q_len, kv_len], None when plain causal (no cached prefix)
     pages: torch.Tensor  # int32 [num_pages]: the sequence's (the AMX prompt kernel reads K/V there)
+    max_page: int  # the largest of them (or -1 if one is negative): checked against the cache once per layer
     additive_mask: torch.Tensor | None = None  # float32 [q_len, kv_len], 0 / -inf: built by the first layer that needs it
 
 
@@ -160,7 +161,7 @@ class TorchPagedAttention:
         same bits): the AMX tile kernel, else (it could not allocate, or does not run here) its K/V gathered from
         the pages and SDPA."""
         if self._amx_prompts and native_prompt_attention.prompt_attention(q, kv_cache, p.pages, p.kv_len, out,
-                                                                          self.scale):
+                                                                          self.scale, p.max_page):
             return
         runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)
         k = runs.index_select(0, p.k_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
@@ -223,7 +224,8 @@ class TorchPagedAttention:
             k_runs = _runs(pages, self.num_kv_heads).reshape(-1)
             self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(k_runs).to(self.device),
                                               torch.from_numpy(k_runs + self.num_kv_heads).to(self.device), mask,
-                                              torch.from_numpy(pages.astype(np.int32))))
+                                              torch.from_numpy(pages.astype(np.int32)),
+                                              -1 if pages.min(initial=0) < 0 else int(pages.max(initial=0))))
 
     def _plan_native(self, table: PageTable, seq_ids: np.ndarray) -> _NativePlan:
         """The C kernel's rows for the sequences `seq_ids` (in order): every query row of each."""

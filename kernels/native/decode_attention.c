@@ -22,7 +22,6 @@
 #include <float.h>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
-#include <omp.h>
 #define HAVE_AVX512_BF16 1
 #endif
 #include <math.h>

@@ -57,23 +57,10 @@ void linear_amx_pack(const uint16_t *w, int n, int k, uint16_t *wp) {
 }
 
 #ifdef HAVE_AMX_BUILD
-typedef struct __attribute__((packed)) {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* Tiles 0-3: C (row tile 0 x output tiles 0, 1; row tile 1 x 0, 1); 4, 5: A (row tiles); 6, 7: B. */
-__attribute__((target("amx-tile"))) static void configure_tiles(int rows0, int rows1) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
+static void configure_tiles(int rows0, int rows1) {
     const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)rows[t];
-        cfg.colsb[t] = rows[t] ? 64 : 0;
-    }
-    _tile_loadconfig(&cfg);
+    amx_configure(rows);
 }
 
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16")))

@@ -31,21 +31,6 @@
 #define Q_ROWS 16 /* query rows per block: one A tile */
 
 #ifdef HAVE_AMX_BUILD
-__attribute__((target("amx-tile"))) static void configure_full_tiles(void) {
-    struct __attribute__((packed)) {
-        uint8_t palette_id, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
 /* Key `key`'s K (v = 0) or V (v = 1) row of KV head h in the paged layer cache. */
@@ -143,7 +128,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
 #pragma omp atomic write
             failed = 1;
         } else
-            configure_full_tiles();
+            amx_configure((const int[8]){16, 16, 16, 16, 16, 16, 16, 16});
         /* Every thread meets this loop (a worksharing loop must be reached by all); a thread whose
          * buffers failed takes no item. Largest blocks (the chunk's end) first: they take the longest. */
 #pragma omp for schedule(dynamic)
@@ -221,8 +206,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16"))
 int prompt_attention_amx(const uint16_t *q_rows, int64_t ldq, const uint16_t *cache, const int32_t *pages,
                          int block_size, int kv_len, int n, int num_heads, int num_kv_heads, int head_dim, float scale,
                          uint16_t *out, int64_t ldo) {
-    (void)q_rows, (void)ldq, (void)cache, (void)pages, (void)block_size, (void)kv_len, (void)n, (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)scale, (void)out,
-        (void)ldo;
+    (void)q_rows, (void)ldq, (void)cache, (void)pages, (void)block_size, (void)kv_len, (void)n, (void)num_heads;
+    (void)num_kv_heads, (void)head_dim, (void)scale, (void)out, (void)ldo;
     return -1;
 }
 #endif
