@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
@@ -103,6 +103,7 @@ class SchedulerBackend:
         and replays its events so far, so a retry never starts a second generation. `timeout`
         (the client's remaining time) becomes the Submit deadline."""
         rid = prepared.request_id
+        interval = self.config.serving.stream_interval
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         state = _EventState(set(range(prepared.sampling.n)))
@@ -127,12 +128,12 @@ class SchedulerBackend:
                         call = self.scheduler.Submit(
                             submit, timeout=None if deadline is None else max(0.001, deadline - loop.time()))
                         _report_end(call, queue)
-                        event = await _next_event(queue, state)
+                        event = await _next_event(queue, state, interval)
                 while True:
                     yield event
                     if not state.open_samples:
                         return
-                    event = await _next_event(queue, state)  # type: ignore[arg-type]
+                    event = await _next_event(queue, state, interval)  # type: ignore[arg-type]
             except grpc.aio.AioRpcError as exc:
                 error = from_grpc_error(exc, "scheduler")
                 if isinstance(error, UnavailableError):
@@ -193,6 +194,7 @@ class SchedulerBackend:
 class _EventState:
     open_samples: set[int]  # samples whose last event has not come yet
     next_position: int = 0  # TokenEvent.position expected next (a replay repeats the ones before)
+    started: set[int] = field(default_factory=set)  # samples whose first event has been returned
     held: object | None = None  # an item taken off the queue while coalescing, not merged: the next one
 
 
@@ -207,20 +209,32 @@ def _report_end(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[object]) ->
     asyncio.ensure_future(call.read()).add_done_callback(ended)
 
 
-async def _next_event(queue: asyncio.Queue[object], state: _EventState) -> scheduler_pb2.TokenEvent:
+async def _next_event(queue: asyncio.Queue[object], state: _EventState, interval: int = 1) -> scheduler_pb2.TokenEvent:
     """The request's next event; raises the Submit call's error or the Follow stream's.
 
     Events of the same sample already queued behind it are merged into it (`merge_events`): when the
     client reads slower than the engine steps, one message carries several tokens instead of the queue
-    growing, which costs the gateway and the client less per token (as vLLM's output collector does)."""
+    growing, which costs the gateway and the client less per token (as vLLM's output collector does).
+    `interval` (serving.stream_interval): after a sample's first event, its events are awaited and merged
+    until the message holds that many tokens, the sample ends, or something that cannot be merged comes
+    (another sample's event, an error, the Submit call's end): that is held for the next call, so neither
+    the other sample nor the error waits behind the interval."""
     event = await _take_event(queue, state)
-    while not is_finished(event.finish_reason) and queue.qsize():
-        item = queue.get_nowait()
+    wait = event.index in state.started  # a sample's first token goes out at once (time to first token)
+    state.started.add(event.index)
+    merged = False  # whether `event` is a merge's own copy, which later merges extend in place
+    while not is_finished(event.finish_reason):
+        if queue.qsize():
+            item = queue.get_nowait()
+        elif wait and len(event.token_ids) < interval:
+            item = await queue.get()
+        else:
+            break
         if isinstance(item, scheduler_pb2.TokenEvent):
             if item.position < state.next_position:
                 continue  # replayed after a re-attach: already had it
             if can_merge(event, item):
-                event = merge_events(event, item)
+                event, merged = merge_events(event, item, owned=merged), True
                 _advance(state, item)
                 continue
         state.held = item

@@ -102,10 +102,15 @@ def can_merge(event: scheduler_pb2.TokenEvent, later: scheduler_pb2.TokenEvent) 
             and later.finish_reason != common_pb2.FINISH_REASON_ERROR)
 
 
-def merge_events(event: scheduler_pb2.TokenEvent, later: scheduler_pb2.TokenEvent) -> scheduler_pb2.TokenEvent:
-    """One event holding `event`'s tokens then `later`'s, with `later`'s position, finish reason and error."""
-    merged = scheduler_pb2.TokenEvent()
-    merged.CopyFrom(event)  # the events belong to a Follow batch message: left as they are
+def merge_events(event: scheduler_pb2.TokenEvent, later: scheduler_pb2.TokenEvent,
+                 owned: bool = False) -> scheduler_pb2.TokenEvent:
+    """One event holding `event`'s tokens then `later`'s, with `later`'s position, finish reason and error.
+    `owned`: `event` is a merge result already (not part of a Follow batch message): extended in place."""
+    if owned:
+        merged = event
+    else:
+        merged = scheduler_pb2.TokenEvent()
+        merged.CopyFrom(event)  # the events belong to a Follow batch message: left as they are
     merged.token_ids.extend(later.token_ids)
     merged.token_timestamps.extend(later.token_timestamps)
     merged.logprobs.extend(later.logprobs)

@@ -59,6 +59,11 @@ class ServingConfig:
     api_keys_file: str | None = None  # one key per line (added to api_keys)
     tls: TLSConfig = field(default_factory=TLSConfig)  # TLS on the public gRPC and HTTP ports
     max_concurrent_requests: int = 0  # generations in flight at the gateway; more get 429 / RESOURCE_EXHAUSTED; 0 = no limit
+    # Streaming (scheduler backend): a sample's first token goes out at once, later ones in messages of at
+    # least this many tokens (fewer only at its end, or where another sample's tokens come between); 1 = each
+    # token as it comes. Larger values cost the gateway and the client less per token (vLLM's and SGLang's
+    # stream_interval), and the client sees tokens later.
+    stream_interval: int = 1
 
 
 @dataclass
@@ -229,6 +234,8 @@ class Config:
                f"must differ from serving.port ({self.serving.port})")
         _check(self.serving.max_concurrent_requests >= 0, "serving.max_concurrent_requests",
                self.serving.max_concurrent_requests, "must be >= 0 (0 = no limit)")
+        _check(self.serving.stream_interval >= 1, "serving.stream_interval", self.serving.stream_interval,
+               "must be >= 1 (tokens per streamed message; 1 = every token at once)")
         _check(all(k.strip() == k and k for k in self.serving.api_keys), "serving.api_keys", "<redacted>",
                "must not hold empty keys or keys with surrounding spaces")
         _check(not self.serving.api_keys_file or Path(self.serving.api_keys_file).is_file(), "serving.api_keys_file",

@@ -1,7 +1,9 @@
 """The gateway merges a sample's token events that queued up behind each other (the client reading
 slower than the engine steps) into one message: tokens, timestamps and logprobs in order, the last
 event's position and finish reason; never across samples, past a sample's last event, or into an
-error; an item it took off the queue but could not merge comes next."""
+error; an item it took off the queue but could not merge comes next. With serving.stream_interval N,
+it also waits for a sample's later events until a message holds N tokens (the first goes alone), but
+never past the sample's end, another sample's event or an error."""
 
 from __future__ import annotations
 
@@ -20,15 +22,31 @@ def ev(position: int, token: int, index: int = 0, finish: int = 0, **kw) -> sche
                                     finish_reason=finish, **kw)
 
 
-def drain(items: list[object], samples: int = 1) -> list[scheduler_pb2.TokenEvent]:
+def drain(items: list[object], samples: int = 1, interval: int = 1, trickle: bool = False,
+          out: list[scheduler_pb2.TokenEvent] | None = None) -> list[scheduler_pb2.TokenEvent]:
+    """The messages `_next_event` makes of `items`: all queued at once, or (`trickle`) one per turn of
+    the event loop, as a Follow stream delivers one step's events at a time. `out` collects them as
+    they come (to read them when the drain raises)."""
+    out = [] if out is None else out
+
     async def run() -> list[scheduler_pb2.TokenEvent]:
         queue: asyncio.Queue[object] = asyncio.Queue()
-        for item in items:
-            queue.put_nowait(item)
+
+        async def feed() -> None:
+            for item in items:
+                queue.put_nowait(item)
+                await asyncio.sleep(0)
+
+        if trickle:
+            feeder = asyncio.create_task(feed())
+        else:
+            for item in items:
+                queue.put_nowait(item)
         state = _EventState(set(range(samples)))
-        out = []
         while state.open_samples:
-            out.append(await _next_event(queue, state))
+            out.append(await _next_event(queue, state, interval))
+        if trickle:
+            await feeder
         return out
 
     return asyncio.run(run())
@@ -56,3 +74,28 @@ def test_a_replayed_event_is_skipped_and_a_held_item_comes_next() -> None:
 def test_the_submit_calls_error_taken_while_merging_is_raised_next() -> None:
     with pytest.raises(RuntimeError, match="gone"):
         drain([ev(0, 5), ev(1, 6), RuntimeError("gone")])
+
+
+def test_stream_interval_sends_the_first_token_alone_then_groups_of_n() -> None:
+    items = [ev(i, 10 + i, finish=common_pb2.FINISH_REASON_LENGTH if i == 7 else 0) for i in range(8)]
+    events = drain(items, interval=3, trickle=True)
+    assert [list(e.token_ids) for e in events] == [[10], [11, 12, 13], [14, 15, 16], [17]]
+    assert [e.position for e in events] == [0, 3, 6, 7] and events[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert list(events[1].token_timestamps) == [1.0, 2.0, 3.0] and list(events[1].logprobs) == [-5.5, -6.0, -6.5]
+    # interval 1 (the default): each event as it comes
+    assert [list(e.token_ids) for e in drain(items, trickle=True)] == [[t] for t in range(10, 18)]
+
+
+def test_stream_interval_waits_for_no_other_sample() -> None:
+    stop = common_pb2.FINISH_REASON_STOP
+    items = [ev(0, 5, index=0), ev(1, 6, index=1), ev(2, 7, index=0), ev(3, 8, index=1, finish=stop),
+             ev(4, 9, index=0), ev(5, 10, index=0, finish=stop)]
+    events = drain(items, samples=2, interval=4, trickle=True)
+    assert [(e.index, list(e.token_ids)) for e in events] == [(0, [5]), (1, [6]), (0, [7]), (1, [8]), (0, [9, 10])]
+
+
+def test_stream_interval_hands_over_its_tokens_before_an_error() -> None:
+    out: list[scheduler_pb2.TokenEvent] = []
+    with pytest.raises(RuntimeError, match="gone"):
+        drain([ev(0, 5), ev(1, 6), ev(2, 7), RuntimeError("gone")], interval=8, trickle=True, out=out)
+    assert [list(e.token_ids) for e in out] == [[5], [6, 7]]

@@ -1,0 +1,49 @@
+"""serving.stream_interval through the real stack: a sample's first token comes alone, later ones in
+messages of at least that many tokens (fewer only in the last), on gRPC and on HTTP's SSE, with the
+same tokens and text as a stream of one token per message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hetero.v1 import inference_pb2
+from tests.stack import Stack, run_stack
+from tests.stack_requests import greedy, wait_for_idle
+
+pytestmark = pytest.mark.slow
+INTERVAL, NEW_TOKENS = 4, 15
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path):
+    with run_stack(tiny_llama_dir, "--serving-stream-interval", str(INTERVAL), "--log-level", "warning") as s:
+        yield s
+
+
+def test_grpc_stream_groups_tokens_after_the_first(stack: Stack) -> None:
+    request = inference_pb2.GenerateRequest(prompt="Paris is the capital",
+                                            params=greedy(NEW_TOKENS, track_generated_token_events=True))
+    messages = list(stack.inference.Generate(request))
+    sizes = [len(m.token_ids) for m in messages]
+    assert sizes[0] == 1 and all(size >= INTERVAL for size in sizes[1:-1]) and sum(sizes) == NEW_TOKENS
+    assert len(messages) <= 1 + -(-(NEW_TOKENS - 1) // INTERVAL)
+    assert all(len(m.token_timestamps) == len(m.token_ids) for m in messages)
+    assert messages[-1].usage.completion_tokens == NEW_TOKENS
+    whole = stack.inference.Complete(request)
+    assert "".join(m.text for m in messages) == whole.text
+    assert [t for m in messages for t in m.token_ids] == list(whole.token_ids)
+    assert wait_for_idle(stack).used_blocks == 0
+
+
+def test_sse_stream_groups_tokens_after_the_first(stack: Stack) -> None:
+    body = {"prompt": "Paris is the capital", "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", f"{stack.http_url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert len(texts) <= 2 + -(-(NEW_TOKENS - 1) // INTERVAL)  # and perhaps an empty last chunk with the finish
+    whole = httpx.post(f"{stack.http_url}/v1/completions", json=body, timeout=60).json()
+    assert "".join(texts) == whole["choices"][0]["text"]
