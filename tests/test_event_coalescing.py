@@ -12,6 +12,8 @@ import asyncio
 import pytest
 
 from gateway.scheduler_backend import _EventState, _next_event
+from hetero_common.config import Config, ServingConfig
+from hetero_common.errors import ConfigError
 from gateway.scheduler_events import SubmitEnded
 from hetero.v1 import common_pb2, scheduler_pb2
 
@@ -99,3 +101,8 @@ def test_stream_interval_hands_over_its_tokens_before_an_error() -> None:
     with pytest.raises(RuntimeError, match="gone"):
         drain([ev(0, 5), ev(1, 6), ev(2, 7), RuntimeError("gone")], interval=8, trickle=True, out=out)
     assert [list(e.token_ids) for e in out] == [[5], [6, 7]]
+
+
+def test_a_stream_interval_below_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="serving.stream_interval"):
+        Config(serving=ServingConfig(stream_interval=0)).validate()
