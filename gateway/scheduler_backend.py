@@ -81,7 +81,7 @@ class SchedulerBackend:
                 if stream is None:
                     continue  # this sample already ended (stop string) before its abort landed
                 response = self._response(prepared.request_id, event, stream, request.params)
-                generated = len(event.token_ids)
+                generated = len(response.token_ids)  # a stop string within a merged event: up to it
                 if scoring:
                     drop_generated(response)
                     generated = 0
@@ -167,7 +167,9 @@ class SchedulerBackend:
         """One scheduler event as a client message: new text, and the finish reason when it ends."""
         if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
             raise ExecutionError(event.error or "generation failed")
-        delta = stream.push(list(event.token_ids))
+        delta = stream.push_until_stop(list(event.token_ids))
+        if delta.used_tokens is not None and delta.used_tokens < len(event.token_ids):
+            event = _first_tokens(event, delta.used_tokens)  # the ones after the stop string are not the answer's
         response = inference_pb2.GenerateResponse(
             request_id=request_id, text=delta.text, token_ids=event.token_ids, model=self.model_name,
             backend=NAME, index=event.index)
@@ -188,6 +190,15 @@ class SchedulerBackend:
     def _add_logprobs(self, response: inference_pb2.GenerateResponse, event: scheduler_pb2.TokenEvent) -> None:
         add_token_logprobs(response.logprobs, response.top_logprobs, event.token_ids, event.logprobs,
                            event.top_logprobs, self._token_text)
+
+
+def _first_tokens(event: scheduler_pb2.TokenEvent, count: int) -> scheduler_pb2.TokenEvent:
+    """A copy of `event` with its first `count` tokens only (and their timestamps and logprobs)."""
+    first = scheduler_pb2.TokenEvent()
+    first.CopyFrom(event)
+    for per_token in (first.token_ids, first.token_timestamps, first.logprobs, first.top_logprobs):
+        del per_token[count:]
+    return first
 
 
 @dataclass

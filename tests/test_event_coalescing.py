@@ -8,11 +8,15 @@ never past the sample's end, another sample's event or an error."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from gateway.scheduler_backend import _EventState, _next_event
+from gateway.text_stream import TextStream
 from hetero_common.config import Config, ServingConfig
+from hetero_common.sampling import resolve
+from hetero_common.tokenizer import load_tokenizer
 from hetero_common.errors import ConfigError
 from gateway.scheduler_events import SubmitEnded
 from hetero.v1 import common_pb2, scheduler_pb2
@@ -106,3 +110,23 @@ def test_stream_interval_hands_over_its_tokens_before_an_error() -> None:
 def test_a_stream_interval_below_one_is_refused() -> None:
     with pytest.raises(ConfigError, match="serving.stream_interval"):
         Config(serving=ServingConfig(stream_interval=0)).validate()
+
+
+def test_a_stop_string_inside_a_merged_message_says_which_token_completed_it(tiny_llama_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    ids = tokenizer.encode(" The quick brown fox. The lazy dog.", add_special_tokens=False)
+    prompt = tokenizer.encode("Paris", add_special_tokens=False)
+    sampling = resolve(common_pb2.SamplingParams(stop=["fox"]))
+    one_by_one = TextStream(tokenizer, prompt, sampling)
+    texts, used = [], 0
+    for used, token_id in enumerate(ids, 1):
+        delta = one_by_one.push([token_id])
+        texts.append(delta.text)
+        if delta.stopped:
+            break
+    assert delta.stopped and used < len(ids)
+    merged = TextStream(tokenizer, prompt, sampling).push_until_stop(ids)
+    assert merged.stopped and merged.stop_string == "fox" and merged.used_tokens == used
+    assert merged.text == "".join(texts) == " The quick brown "
+    no_stop = TextStream(tokenizer, prompt, resolve(common_pb2.SamplingParams())).push_until_stop(ids)
+    assert not no_stop.stopped and no_stop.used_tokens is None

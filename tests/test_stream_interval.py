@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hetero.v1 import inference_pb2
+from hetero.v1 import common_pb2, inference_pb2
+from hetero_common.tokenizer import load_tokenizer
 from tests.stack import Stack, run_stack
 from tests.stack_requests import greedy, wait_for_idle
 
@@ -47,3 +48,20 @@ def test_sse_stream_groups_tokens_after_the_first(stack: Stack) -> None:
     assert len(texts) <= 2 + -(-(NEW_TOKENS - 1) // INTERVAL)  # and perhaps an empty last chunk with the finish
     whole = httpx.post(f"{stack.http_url}/v1/completions", json=body, timeout=60).json()
     assert "".join(texts) == whole["choices"][0]["text"]
+
+
+def test_a_stop_string_ends_a_grouped_message_at_the_token_that_completes_it(stack: Stack, tiny_llama_dir: Path) -> None:
+    whole = stack.inference.Complete(inference_pb2.GenerateRequest(prompt="Paris is the capital", params=greedy(NEW_TOKENS)))
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    texts = [tokenizer.decode(list(whole.token_ids[:k]), skip_special_tokens=True) for k in range(NEW_TOKENS + 1)]
+    # a stop string that the 3rd to 10th token completes, with tokens after it in the same message
+    k = next(k for k in range(3, 11) if len(texts[k].strip()) > len(texts[k - 1].strip()) >= 3)
+    stop = texts[k].strip()[-3:]
+    if stop in texts[k - 1]:
+        pytest.skip("no stop string completed by one token found in this model's output")
+    request = inference_pb2.GenerateRequest(prompt="Paris is the capital", params=greedy(NEW_TOKENS, stop=[stop]))
+    messages = list(stack.inference.Generate(request))
+    ids = [t for m in messages for t in m.token_ids]
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP and messages[-1].stop_reason == stop
+    assert ids == list(whole.token_ids[:k]) and messages[-1].usage.completion_tokens == k
+    assert stop not in "".join(m.text for m in messages)
