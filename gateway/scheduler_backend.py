@@ -228,8 +228,9 @@ async def _next_event(queue: asyncio.Queue[object], state: _EventState, interval
     growing, which costs the gateway and the client less per token (as vLLM's output collector does).
     `interval` (serving.stream_interval): after a sample's first event, its events are awaited and merged
     until the message holds that many tokens, the sample ends, or something that cannot be merged comes
-    (another sample's event, an error, the Submit call's end): that is held for the next call, so neither
-    the other sample nor the error waits behind the interval."""
+    (another sample's event, an error): that is held for the next call, so neither the other sample nor
+    the error waits behind the interval. The Submit call's end without an error carries nothing: the
+    request's last events may come after it on the Follow stream, and are merged as any other."""
     event = await _take_event(queue, state)
     wait = event.index in state.started  # a sample's first token goes out at once (time to first token)
     state.started.add(event.index)
@@ -248,6 +249,8 @@ async def _next_event(queue: asyncio.Queue[object], state: _EventState, interval
                 event, merged = merge_events(event, item, owned=merged), True
                 _advance(state, item)
                 continue
+        elif isinstance(item, SubmitEnded) and item.error is None:
+            continue  # ended OK: its last events may still be on the way on the Follow stream (_take_event)
         state.held = item
         break
     return event

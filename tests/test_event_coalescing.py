@@ -72,9 +72,13 @@ def test_no_merge_across_samples_or_past_an_end_or_into_an_error() -> None:
     assert events[-1].error == "boom"
 
 
-def test_a_replayed_event_is_skipped_and_a_held_item_comes_next() -> None:
+def test_a_replayed_event_is_skipped_and_an_ok_submit_end_splits_nothing() -> None:
+    # The Submit call may end before the request's last events arrive on the Follow stream.
     events = drain([ev(0, 5), ev(0, 5), ev(1, 6), SubmitEnded(None), ev(2, 7), ev(3, 8, finish=common_pb2.FINISH_REASON_STOP)])
-    assert [list(e.token_ids) for e in events] == [[5, 6], [7, 8]]
+    assert [list(e.token_ids) for e in events] == [[5, 6, 7, 8]]
+    events = drain([ev(0, 5), ev(1, 6), SubmitEnded(None), ev(2, 7, finish=common_pb2.FINISH_REASON_STOP)],
+                   interval=3, trickle=True)
+    assert [list(e.token_ids) for e in events] == [[5], [6, 7]]
 
 
 def test_the_submit_calls_error_taken_while_merging_is_raised_next() -> None:
