@@ -23,15 +23,15 @@ class TextStream:
         self._detok = IncrementalDetokenizer(tokenizer.tokenizer, prompt_token_ids,
                                              skip_special_tokens=not sampling.include_special_tokens)
         self._stops = StopStringMatcher(sampling.stop)
-        self.checks_stops = bool(sampling.stop)
+        self._has_stops = bool(sampling.stop)
         self.stopped = False
         # min_tokens: stop strings are looked for only in the text after the first min_tokens tokens.
-        self._unchecked_tokens = sampling.min_tokens if sampling.stop else 0
+        self._unchecked_tokens = sampling.min_tokens if self._has_stops else 0
 
     def push_until_stop(self, token_ids: list[int]) -> TextDelta:
         """`push`, token by token where stop strings are set, so that a stop string completed by one of
         several tokens (a merged message) says which (`used_tokens`): the tokens after it are not the answer's."""
-        if len(token_ids) < 2 or not self.checks_stops:
+        if len(token_ids) < 2 or not self._has_stops:
             delta = self.push(token_ids)
             if delta.stopped:
                 delta.used_tokens = len(token_ids)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from gateway.scheduler_backend import _EventState, _next_event
+from gateway.scheduler_events import SubmitEnded
 from gateway.text_stream import TextStream
+from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.config import Config, ServingConfig
+from hetero_common.errors import ConfigError
 from hetero_common.sampling import resolve
 from hetero_common.tokenizer import load_tokenizer
-from hetero_common.errors import ConfigError
-from gateway.scheduler_events import SubmitEnded
-from hetero.v1 import common_pb2, scheduler_pb2
 
 
 def ev(position: int, token: int, index: int = 0, finish: int = 0, **kw) -> scheduler_pb2.TokenEvent:
