@@ -1,7 +1,8 @@
 """The stack's own cost per step, with a model whose compute is negligible.
 
     python benchmarks/step_cost.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 8] [--json FILE]
-                                   [--serve-flags "--omp-wait-policy passive"]
+                                   [--serve-flags "--omp-wait-policy passive"] [--device cpu|cuda]
+                                   [--model tiny|llama-1b]
 
 A seeded random 2-layer Llama (tests/tiny_models.py, hidden 64, vocab 512): its forward costs
 well under a millisecond, so what is left of a step is the serving machinery itself (scheduler
@@ -14,12 +15,20 @@ Printed per system and B: ms per decode step = (last token's time - first token'
 (new_tokens - 1) (all streams start together, so each step after the first gives every stream
 one token), and CPU seconds spent per process during the run: the engine's own process; the
 stack's gateway, scheduler and worker (psutil on `serve`'s children) and this client.
+
+`--device cuda` runs both on the GPU in bfloat16 (the float32 CPU default is the exact mode), with the
+config's other defaults (on CUDA: FlashInfer and CUDA graphs where FlashInfer is installed).
+`--model llama-1b` swaps the tiny model for a Llama-3.2-1B-shaped one with random weights (16 layers,
+hidden 2048, 32 query / 8 KV heads of 64, MLP 8192; a 512-token vocabulary, so ~0.97B parameters):
+the issue's case of a GPU whose decode step takes a few milliseconds, where the stack's cost per step
+must hide behind the model's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -39,7 +48,7 @@ from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
 from tests.stack import run_stack  # noqa: E402
-from tests.tiny_models import make_tiny_llama  # noqa: E402
+from tests.tiny_models import make_random_llama, make_tiny_llama  # noqa: E402
 
 SERVICES = ("gateway", "scheduler", "worker")
 
@@ -49,8 +58,7 @@ def cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def engine_step_cost(model: Path, prompts: list[list[int]], new_tokens: int, max_batch: int) -> dict[str, Any]:
-    engine = InferenceEngine(Config(model=str(model), max_batch_size=max_batch, dtype="float32"))
+def engine_step_cost(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.submit_request(prompts[0], GenerationParams(max_tokens=4, temperature=0.0))
     engine.run()  # warm-up
@@ -71,14 +79,14 @@ def engine_step_cost(model: Path, prompts: list[list[int]], new_tokens: int, max
 
 
 def stack_step_cost(model: Path, batches: list[int], prompts: list[list[int]], new_tokens: int,
-                    max_batch: int, serve_flags: list[str]) -> dict[int, dict[str, Any]]:
+                    max_batch: int, serve_flags: list[str], device: str, dtype: str) -> dict[int, dict[str, Any]]:
     import grpc
 
     from hetero.v1 import inference_pb2_grpc
 
     results: dict[int, dict[str, Any]] = {}
-    with run_stack(model, "--log-level", "warning", "--max-batch-size", str(max_batch), "--dtype", "float32",
-                   *serve_flags) as stack:
+    with run_stack(model, "--log-level", "warning", "--max-batch-size", str(max_batch), "--dtype", dtype,
+                   "--device", device, *serve_flags) as stack:
         services = {name: stack.service_process(name) for name in SERVICES}
         client = psutil.Process()
         stack.inference.Complete(inference_pb2.GenerateRequest(
@@ -123,6 +131,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=8)
     parser.add_argument("--json", default=None)
     parser.add_argument("--serve-flags", default="", help="more `serve` flags for the stack, e.g. \"--omp-wait-policy passive\"")
+    parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda[:N] (bfloat16)")
+    parser.add_argument("--model", choices=("tiny", "llama-1b"), default="tiny")
     args = parser.parse_args()
     configure_logging("warning", "console")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -131,14 +141,28 @@ def main() -> int:
     # 384: the tiny tokenizer's vocabulary (the gateway checks prompt ids against it), below the model's 512.
     prompts = make_prompts(max_batch, args.prompt_len, args.prompt_len, vocab=384)
     report: dict[str, Any] = {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": {}, "stack": {}}
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_llama(Path(tmp) / "tiny-llama")
-        print(f"tiny 2-layer Llama (hidden 64, vocab 512); B streams x {args.new_tokens} new tokens, "
+        if args.model == "tiny":
+            model, described = make_tiny_llama(Path(tmp) / "tiny-llama"), "tiny 2-layer Llama (hidden 64, vocab 512)"
+        else:
+            model = make_random_llama(Path(tmp) / "llama-1b", hidden=2048, intermediate=8192, layers=16, heads=32,
+                                      kv_heads=8, scale=0.02, dtype=torch.bfloat16)
+            described = "Llama-3.2-1B-shaped, random weights (16 layers, hidden 2048, vocab 512)"
+        device_name = torch.cuda.get_device_name(torch.device(args.device)) if args.device != "cpu" else "CPU"
+        print(f"{described}; {device_name}, {dtype}; B streams x {args.new_tokens} new tokens, "
               f"{args.prompt_len}-token prompts, max_batch_size {max_batch}, {os.cpu_count()} cores"
               + (f"; serve {args.serve_flags}" if args.serve_flags else ""))
+        # One engine for every B, built and freed before the stack starts: on a GPU both would hold the card.
+        engine = InferenceEngine(Config(model=str(model), max_batch_size=max_batch, dtype=dtype, device=args.device))
         for b in batches:
-            report["engine"][b] = engine_step_cost(model, prompts[:b], args.new_tokens, max_batch)
-        report["stack"] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch, args.serve_flags.split())
+            report["engine"][b] = engine_step_cost(engine, prompts[:b], args.new_tokens)
+        del engine
+        gc.collect()
+        if args.device != "cpu":
+            torch.cuda.empty_cache()
+        report["stack"] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch, args.serve_flags.split(),
+                                          args.device, dtype)
     print(f"\n{'B':>4} {'engine ms/step':>15} {'stack ms/step':>14} {'stack/engine':>13}   CPU seconds "
           f"(engine | {' '.join(SERVICES)} client)")
     for b in batches:

@@ -62,7 +62,12 @@ def bench_engine(config: Config, prompts: list[list[int]], new_tokens: int, batc
 
 
 def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[int]], new_tokens: int,
-                batch: bool, single: int) -> Results:
+                batch: bool, single: int, unary: bool = False) -> Results:
+    """`unary`: each request is one `Complete` call (the whole answer in one message, as a batch client
+    or vLLM's offline `LLM.generate` gets it) asking for `track_generated_token_events`, and TTFT/TPOT
+    come from those per-token timestamps, which the scheduler stamps (wall clock) when a step's tokens
+    are applied, as vLLM's figures come from its engine's own; else `Generate` streams, one message
+    per token, timed where the client receives each."""
     import grpc
 
     from hetero.v1 import inference_pb2_grpc
@@ -78,12 +83,18 @@ def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[i
             timings = [RequestTiming() for _ in group]
             async with grpc.aio.insecure_channel(stack.address) as channel:
                 stub = inference_pb2_grpc.InferenceStub(channel)
-                start = time.perf_counter()
+                start, wall_start = time.perf_counter(), time.time()
 
                 async def one(i: int) -> None:
-                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                                       track_generated_token_events=unary)
                     req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=group[i]),
                                                         params=params)
+                    if unary:
+                        answer = await stub.Complete(req, timeout=900)
+                        for stamp in answer.token_timestamps:
+                            timings[i].add(stamp - wall_start)
+                        return
                     async for msg in stub.Generate(req, timeout=900):
                         if msg.token_ids:
                             timings[i].add(time.perf_counter() - start, len(msg.token_ids))
@@ -94,7 +105,8 @@ def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[i
         results: Results = {}
         if batch:
             seconds, timings = asyncio.run(run(prompts))
-            results["batch"] = summarize(seconds, timings, "TTFT/TPOT from gRPC stream message times")
+            results["batch"] = summarize(seconds, timings, "TTFT/TPOT from the scheduler's token timestamps" if unary
+                                         else "TTFT/TPOT from gRPC stream message times")
         if single:
             runs = [asyncio.run(run([p])) for p in prompts[:single]]
             results["single"] = summarize(sum(s for s, _ in runs), [t[0] for _, t in runs])

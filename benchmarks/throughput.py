@@ -4,7 +4,7 @@ and vLLM's CPU engine in float32 and bfloat16 when its environment exists
 
     python benchmarks/throughput.py [--mode both|batch|single] [--requests 64] [--new-tokens 64]
                                     [--min-prompt 16] [--max-prompt 256] [--single 8]
-                                    [--max-batch-size N] [--hf-batch 16] [--skip-hf] [--skip-vllm]
+                                    [--max-batch-size N] [--hf-batch 16] [--skip-hf] [--skip-unary] [--skip-vllm]
                                     [--stack-variant "SERVE FLAGS" ...]
                                     [--vllm-dtypes float32,bfloat16] [--model PATH] [--json FILE]
 
@@ -15,7 +15,10 @@ For each system: output tok/s, TTFT and TPOT (mean / p50 per request), the ratio
 to the best vLLM and to the engine, and each system's fraction of the matrix-product roofline
 measured on this machine (benchmarks/roofline.py) in the dtype that system runs.
 The stack and the engine run with the config's defaults (`hetero-infer serve` as shipped)
-unless --max-batch-size is given.
+unless --max-batch-size is given. The stack runs twice: its 64 clients streaming `Generate` (one
+message per token, each timed where it arrives), then calling the unary `Complete` (the answer in one
+message, TTFT/TPOT from the token timestamps the scheduler stamps: vLLM's offline `LLM.generate`, the
+peer here, streams to no client either and times tokens in its engine); `--skip-unary` skips the second.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 
 STACK, ENGINE = "stack (3 processes, gRPC)", "in-process engine"
+STACK_UNARY = "stack, unary Complete calls"  # the same stack, each answer in one message (systems.bench_stack)
 
 
 def roofline_tok_s(mc: ModelConfig, prompts: list[list[int]], new_tokens: int, rates: MatmulRates,
@@ -70,15 +74,17 @@ def print_mode(mode: str, results: dict[str, Result], dtypes: dict[str, str], ro
         print(f"{name:<34} {dtypes[name]:>8} {r.seconds:>8.2f} {r.tok_per_s:>9.1f} {fmt(r.ttft_mean)} "
               f"{fmt(r.ttft_p50)} {fmt(r.tpot_mean)} {fmt(r.tpot_p50)} {frac}")
     vllm = {n: r for n, r in results.items() if n.startswith("vLLM")}
-    if STACK in results:
-        stack = results[STACK]
+    for label, name in (("stack", STACK), ("stack, unary", STACK_UNARY)):
+        if name not in results:
+            continue
+        stack = results[name]
         if ENGINE in results:
-            print(f"stack / engine: {stack.tok_per_s / results[ENGINE].tok_per_s:.2f}x tok/s"
+            print(f"{label} / engine: {stack.tok_per_s / results[ENGINE].tok_per_s:.2f}x tok/s"
                   + (f", {stack.tpot_mean / results[ENGINE].tpot_mean:.2f}x TPOT"
                      if stack.tpot_mean and results[ENGINE].tpot_mean else ""))
         if vllm:
             best = max(vllm, key=lambda n: vllm[n].tok_per_s)
-            print(f"stack / best vLLM ({best}): {stack.tok_per_s / vllm[best].tok_per_s:.2f}x tok/s"
+            print(f"{label} / best vLLM ({best}): {stack.tok_per_s / vllm[best].tok_per_s:.2f}x tok/s"
                   + (f", {stack.tpot_mean / vllm[best].tpot_mean:.2f}x TPOT"
                      if stack.tpot_mean and vllm[best].tpot_mean else ""))
 
@@ -97,6 +103,7 @@ def main() -> int:
     parser.add_argument("--stack-variant", action="append", default=[],
                         help="also run the stack with these extra serve flags (repeatable), e.g. \"--async-scheduling false\"")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-unary", action="store_true", help="not the stack's second run with unary Complete calls")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-dtypes", default="float32,bfloat16")
     parser.add_argument("--vllm-reserved-cpus", type=int, default=0,
@@ -134,6 +141,10 @@ def main() -> int:
     flags_for_stack = ["--dtype", config.dtype] + (["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else [])
     runs[STACK] = systems.bench_stack(flags_for_stack, args.model, prompts, args.new_tokens, batch, single)
     names[STACK] = stack_dtype
+    if not args.skip_unary:
+        runs[STACK_UNARY] = systems.bench_stack(flags_for_stack, args.model, prompts, args.new_tokens, batch, single,
+                                                unary=True)
+        names[STACK_UNARY] = stack_dtype
     for variant in args.stack_variant:  # A/B in the same run, e.g. "--async-scheduling false"
         runs[f"stack {variant}"] = systems.bench_stack(flags_for_stack + variant.split(), args.model, prompts,
                                                        args.new_tokens, batch, single)

@@ -16,8 +16,10 @@ PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3
 carry=.flashinfer_carry
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+# abi3 and manylinux_2_31: llguidance ships only cp39-abi3-manylinux_2_31 wheels (the GPU image's glibc is newer).
+target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64
+        --platform manylinux2014_x86_64)
 
 # FlashInfer and its FFI layer. Its other declared dependencies (cuda-python, cuda-tile, cutlass-dsl,
 # cudnn-frontend, nccl4py, einops, tabulate, click) are not needed to import it and JIT-compile

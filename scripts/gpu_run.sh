@@ -5,7 +5,9 @@
 #   bash scripts/gpu_run.sh build    # install the carried wheels, JIT-compile FlashInfer's modules (minutes)
 #   bash scripts/gpu_run.sh tests    # the GPU tests (pytest -m gpu)
 #   bash scripts/gpu_run.sh bench [benchmark flags...]   # benchmarks/gpu_bench.py
-#   bash scripts/gpu_run.sh all      # the three in one call, when one call has the time
+#   bash scripts/gpu_run.sh stepcost # benchmarks/step_cost.py: the stack's step against the engine's, on the GPU
+#                                    # with a 1B-shaped model, then on this host's CPU cores with the tiny one
+#   bash scripts/gpu_run.sh all      # build, tests and bench in one call, when one call has the time
 #
 # One step per device call: a cold JIT alone can take most of a 600 s call. Every step first
 # prints what the JIT needs (nvcc, CUDA_HOME, the libcuda stub) and fails at once without it.
@@ -19,7 +21,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 what=${1:-all}
 [ $# -gt 0 ] && shift
-case "$what" in all|build|tests|bench) ;; *) echo "usage: bash scripts/gpu_run.sh [build|tests|bench|all] [benchmark flags...]" >&2; exit 2;; esac
+case "$what" in all|build|tests|bench|stepcost) ;; *) echo "usage: bash scripts/gpu_run.sh [build|tests|bench|stepcost|all] [benchmark flags...]" >&2; exit 2;; esac
 out=${OUT:-bench_results/gpu}
 mkdir -p "$out"
 state=${HETERO_GPU_STATE:-/tmp/hetero-gpu}
@@ -112,5 +114,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench gpu_bench.log "$PY" benchmarks/gpu_bench.py --json "$out/gpu_bench.json" "$@"
+fi
+if [ "$what" = stepcost ]; then
+    # FlashInfer compiles on first use what the build step did not (the 64-wide heads these models have).
+    step stepcost-cuda step_cost_cuda.log "$PY" benchmarks/step_cost.py --device cuda --model llama-1b \
+        --json "$out/step_cost_cuda.json"
+    step stepcost-cpu step_cost_cpu.log "$PY" benchmarks/step_cost.py --device cpu --json "$out/step_cost_cpu.json"
 fi
 exit "$rc"

@@ -20,10 +20,10 @@ from packaging.requirements import Requirement
 from tests.import_graph import external_imports, module_files, reachable_modules
 
 RUNTIME_PACKAGES = ("hetero", "hetero_common", "gateway", "scheduler_svc", "gpu_worker", "kernels", "hetero_infer")
-# What runs on the GPU machine besides the runtime: scripts/gpu_run.sh's tests, benchmark and JIT
+# What runs on the GPU machine besides the runtime: scripts/gpu_run.sh's tests, benchmarks and JIT
 # build, and the conftest pytest loads first.
 GPU_ENTRY_POINTS = ("tests.conftest", "tests.test_gpu", "tests.test_gpu_logic", "benchmarks.gpu_bench",
-                    "scripts.flashinfer_jit", "scripts.wheel_tree")
+                    "benchmarks.step_cost", "scripts.flashinfer_jit", "scripts.wheel_tree")
 # Import names that no installed distribution here declares (flashinfer is an optional extra).
 IMPORT_TO_DISTRIBUTION = {"flashinfer": "flashinfer-python", "tvm_ffi": "apache-tvm-ffi"}
 # flashinfer-python's requirements left out on purpose: nothing imports them when it is imported

@@ -101,42 +101,10 @@ NEW_TOKENS = 8
 
 
 def make_gpu_llama(directory: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama with FlashInfer-sized heads, written as config.json + safetensors directly
-    (no `transformers`: the GPU machine's image does not have it)."""
-    import json
+    """A 2-layer Llama with FlashInfer-sized heads (64), one KV head for four query heads."""
+    from tests.tiny_models import make_random_llama
 
-    from safetensors.torch import save_file
-
-    from tests.tiny_models import make_tokenizer
-
-    hidden, inter, vocab, layers, heads, kv_heads = 256, 512, 512, 2, 4, 1
-    head_dim = hidden // heads
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.08
-
-    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
-               "model.norm.weight": torch.ones(hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        weights.update({p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-                        p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-                        p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-                        p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-                        p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
-                        p + "mlp.down_proj.weight": rand(hidden, inter),
-                        p + "input_layernorm.weight": torch.ones(hidden),
-                        p + "post_attention_layernorm.weight": torch.ones(hidden)})
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 0}))
-    make_tokenizer(directory)
-    return directory
+    return make_random_llama(directory, hidden=256, intermediate=512, layers=2, heads=4, kv_heads=1, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -129,3 +129,45 @@ def make_tiny_byte_llama(directory: Path, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     LlamaForCausalLM(config).eval().save_pretrained(str(directory), safe_serialization=True)
     return directory
+
+
+def make_random_llama(directory: Path, *, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                      vocab: int = 512, max_position_embeddings: int = 1024, scale: float = 0.08, seed: int = 0,
+                      dtype: torch.dtype = torch.float32) -> Path:
+    """A Llama of any shape with seeded random weights, written as config.json + safetensors directly (no
+    `transformers`: the GPU machine's benchmarks and tests use it), with the tiny tokenizer. Weights are drawn
+    N(0, scale) in a fixed order on the CPU, so a shape and seed give the same model anywhere."""
+    from safetensors.torch import save_file
+
+    head_dim = hidden // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
+
+    weights = {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
+               "model.norm.weight": ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights.update({p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+                        p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+                        p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+                        p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+                        p + "mlp.gate_proj.weight": rand(intermediate, hidden),
+                        p + "mlp.up_proj.weight": rand(intermediate, hidden),
+                        p + "mlp.down_proj.weight": rand(hidden, intermediate),
+                        p + "input_layernorm.weight": ones(hidden),
+                        p + "post_attention_layernorm.weight": ones(hidden)})
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 0,
+        "torch_dtype": str(dtype).removeprefix("torch.")}))
+    make_tokenizer(directory)
+    return directory
