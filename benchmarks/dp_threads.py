@@ -26,6 +26,7 @@ from benchmarks.roofline import cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from gpu_worker.cpu_setup import worker_threads  # noqa: E402
+from hetero_common.host_cores import default_reserved_cpus, host_cores  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 
@@ -46,7 +47,7 @@ def main() -> int:
     prompts = make_prompts(args.requests, 16, 256, mc.vocab_size)
     results: dict[int, float] = {}
     for threads in (int(t) for t in args.threads.split(",")):
-        per_worker = worker_threads(threads, args.replicas, 1)
+        per_worker = worker_threads(threads, args.replicas, 1, default_reserved_cpus(host_cores()))  # as serve picks
         flags = ["--dtype", "auto", "--data-parallel-size", str(args.replicas), "--num-threads", str(threads)]
         run = systems.bench_stack(flags, args.model, prompts, args.new_tokens, True, 0)["batch"]
         results[threads] = run.tok_per_s

@@ -14,7 +14,6 @@ core each instead of both fighting for both.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import structlog
 import torch
 
 from gpu_worker.linear import linear, pack_weight, prepack_supported
+from hetero_common.host_cores import host_cores
 from kernels import native_linear
 
 log = structlog.get_logger("gpu_worker.cpu_setup")
@@ -85,16 +85,18 @@ def resolve_cpu_dtype(name: str, hidden_size: int, prepack: bool = True,
     return torch.float32, f"bfloat16 matmul measured only {speedup:.1f}x float32 (needs {BF16_MIN_SPEEDUP}x)"
 
 
-def worker_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int) -> int:
+def worker_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int, reserved_cpus: int = 0) -> int:
     """Torch intra-op threads of one worker process: the configured count, or (0) this host's
-    cores divided among all its workers (replicas × ranks), at least one."""
+    cores but `reserved_cpus` divided among all its workers (replicas × ranks), at least one.
+    A negative `reserved_cpus` (auto, outside `serve`, which resolves it) reserves none."""
     if num_threads:
         return num_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = host_cores() - max(0, reserved_cpus)
     return max(1, cores // max(1, data_parallel_size * tensor_parallel_size))
 
 
-def configure_cpu_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int) -> int:
-    threads = worker_threads(num_threads, data_parallel_size, tensor_parallel_size)
+def configure_cpu_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int,
+                          reserved_cpus: int = 0) -> int:
+    threads = worker_threads(num_threads, data_parallel_size, tensor_parallel_size, reserved_cpus)
     torch.set_num_threads(threads)
     return threads

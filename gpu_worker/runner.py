@@ -72,7 +72,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         threads = 0
         if self.device.type == "cpu":  # every worker process on this host (replicas x ranks) shares the cores
-            threads = configure_cpu_threads(config.num_threads, config.data_parallel_size, tp.size)
+            threads = configure_cpu_threads(config.num_threads, config.data_parallel_size, tp.size, config.reserved_cpus)
         self.model_path = resolve_model_path(config.model)
         started = time.perf_counter()
         self.model_config, weights = load_checkpoint(self.model_path)
@@ -81,7 +81,8 @@ class ModelRunner:
             self.dtype, why = tp.rank0_choice(resolve_cpu_dtype(config.dtype, mc.hidden_size, config.weight_prepack,
                                                                    config.cpu_kernels))  # type: ignore[misc]
             log.info("cpu dtype and threads", dtype=str(self.dtype).removeprefix("torch."), requested=config.dtype,
-                     reason=why, threads=threads, weight_prepack=config.weight_prepack)
+                     reason=why, threads=threads, reserved_cpus=max(0, config.reserved_cpus),
+                     weight_prepack=config.weight_prepack)
         else:
             self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size

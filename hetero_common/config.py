@@ -107,6 +107,9 @@ class Config:
     kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
     num_threads: int = 0  # torch threads per worker process; 0 = host cores / (data_parallel_size x tensor_parallel_size)
     omp_wait_policy: str = ""  # workers' OMP_WAIT_POLICY set by serve: "" = OpenMP's default (spin) | passive | active
+    # Cores that num_threads 0 leaves to the rest of the host (gateway, scheduler, clients) when serve runs them beside
+    # the workers; -1 = auto (gpu_worker/cpu_setup.default_reserved_cpus under serve, none elsewhere)
+    reserved_cpus: int = -1
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free device memory (after weights + warm-up) for the KV cache
     enable_cuda_graphs: bool = True  # CUDA + flashinfer: replay captured graphs for decode-only steps
     num_cuda_graphs: int | None = None  # Megatron's name: at most this many captured batch sizes; None = the whole ladder
@@ -200,6 +203,7 @@ class Config:
                "must be auto, torch or flashinfer")
         _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be positive")
         _check(self.num_threads >= 0, "num_threads", self.num_threads, "must be >= 0 (0 = all cores)")
+        _check(self.reserved_cpus >= -1, "reserved_cpus", self.reserved_cpus, "must be >= 0, or -1 (auto)")
         _check(self.omp_wait_policy in ("", "passive", "active"), "omp_wait_policy", self.omp_wait_policy,
                "must be passive, active, or empty for OpenMP's default")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization,

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from hetero_common.grpc_server import channel_credentials
+from hetero_common.host_cores import default_reserved_cpus, host_cores
 
 log = structlog.get_logger("hetero_infer.supervisor")
 STOP_MARGIN_S = 5.0  # beyond drain_grace_s, for a gateway or scheduler to stop once its calls are done
@@ -109,6 +110,10 @@ class Supervisor:
             raise ConfigError(f"config key 'tp_init_method' = {config.tp_init_method!r} serves one tensor-parallel "
                               "group; with data_parallel_size > 1 leave it empty (serve gives each replica its own "
                               "rendezvous file) or start each replica's ranks with `hetero-infer worker`")
+        if config.reserved_cpus < 0:  # auto: serve runs the gateway and the scheduler on the workers' host
+            config = replace(config, reserved_cpus=default_reserved_cpus(host_cores()))
+            log.info("cores reserved for the services", reserved_cpus=config.reserved_cpus, host_cores=host_cores(),
+                     hint="config reserved_cpus; with num_threads 0 the workers share the rest")
         self.config = config
         self.children: list[Child] = []
         self.groups: list[WorkerGroup] = []

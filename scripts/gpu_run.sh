@@ -8,6 +8,7 @@
 #   bash scripts/gpu_run.sh stepcost # benchmarks/step_cost.py: the stack's step against the engine's, on the GPU
 #                                    # with a 1B-shaped model, then on this host's CPU cores with the tiny one
 #   bash scripts/gpu_run.sh all      # build, tests and bench in one call, when one call has the time
+#   bash scripts/gpu_run.sh install  # only the carried wheels (then PYTHONPATH=$(ls -d /tmp/hetero-gpu/site-*):$PWD)
 #
 # One step per device call: a cold JIT alone can take most of a 600 s call. Every step first
 # prints what the JIT needs (nvcc, CUDA_HOME, the libcuda stub) and fails at once without it.
@@ -21,7 +22,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 what=${1:-all}
 [ $# -gt 0 ] && shift
-case "$what" in all|build|tests|bench|stepcost) ;; *) echo "usage: bash scripts/gpu_run.sh [build|tests|bench|stepcost|all] [benchmark flags...]" >&2; exit 2;; esac
+case "$what" in all|build|tests|bench|stepcost|install) ;; *) echo "usage: bash scripts/gpu_run.sh [install|build|tests|bench|stepcost|all] [benchmark flags...]" >&2; exit 2;; esac
 out=${OUT:-bench_results/gpu}
 mkdir -p "$out"
 state=${HETERO_GPU_STATE:-/tmp/hetero-gpu}

@@ -9,6 +9,7 @@ either way: that step and what follows it are not compared).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,9 @@ import torch
 from gpu_worker import cpu_setup
 from gpu_worker.checkpoint import load_checkpoint
 from gpu_worker.model import LlamaModel
+from hetero_common import host_cores
+from hetero_common.config import Config
+from hetero_common.errors import ConfigError
 from kernels import PageTable, TorchPagedAttention, allocate_kv_cache
 from tests.oracle import engine_greedy, make_prompts
 
@@ -100,8 +104,44 @@ def test_auto_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_worker_threads_share_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_setup.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(host_cores.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert cpu_setup.worker_threads(0, 1, 1) == 2
     assert cpu_setup.worker_threads(0, 2, 1) == 1  # two replicas on two cores: one each
     assert cpu_setup.worker_threads(0, 2, 2) == 1  # never below one
     assert cpu_setup.worker_threads(3, 2, 1) == 3  # a set count is kept
+    assert cpu_setup.worker_threads(0, 1, 1, reserved_cpus=1) == 1
+    assert cpu_setup.worker_threads(0, 1, 1, reserved_cpus=5) == 1  # never below one
+    assert cpu_setup.worker_threads(0, 1, 1, reserved_cpus=-1) == 2  # auto outside serve: none reserved
+
+
+def test_reserved_cpus_leave_the_services_cores_on_large_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [host_cores.default_reserved_cpus(n) for n in (1, 2, 4, 7, 8, 16, 64)] == [0, 0, 0, 0, 2, 2, 2]
+    monkeypatch.setattr(host_cores.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert cpu_setup.worker_threads(0, 1, 1, reserved_cpus=2) == 14
+    assert cpu_setup.worker_threads(0, 2, 1, reserved_cpus=2) == 7  # two replicas share the rest
+    assert cpu_setup.worker_threads(6, 1, 1, reserved_cpus=2) == 6  # a set count is kept
+
+
+@pytest.mark.parametrize(("cores", "configured", "expected"), [(16, -1, 2), (2, -1, 0), (16, 0, 0), (2, 3, 3)])
+def test_serve_resolves_auto_reserved_cpus_before_starting_workers(
+        monkeypatch: pytest.MonkeyPatch, cores: int, configured: int, expected: int) -> None:
+    """The supervisor writes the resolved count into the config file its workers read: a worker started
+    by `hetero-infer worker` alone (no services beside it) keeps auto, which reserves none."""
+    import json
+
+    from hetero_infer import supervisor
+
+    monkeypatch.setattr(supervisor, "host_cores", lambda: cores)
+    sup = supervisor.Supervisor(Config(reserved_cpus=configured).validate())
+    try:
+        assert sup.config.reserved_cpus == expected
+        with open(sup.config_path) as f:
+            assert json.load(f)["reserved_cpus"] == expected
+    finally:
+        os.unlink(sup.config_path)
+        os.rmdir(sup.tp_dir)
+
+
+def test_reserved_cpus_below_auto_is_refused() -> None:
+    with pytest.raises(ConfigError, match="reserved_cpus"):
+        Config(reserved_cpus=-2).validate()
