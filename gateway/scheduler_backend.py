@@ -122,6 +122,7 @@ class SchedulerBackend:
                         attempts += 1
                         follow, queue = self.follows.subscribe(rid)
                         state.held = None  # from the queue of the attempt before
+                        state.pending.clear()
                         submit = scheduler_pb2.SubmitRequest(
                             request_id=rid, prompt_token_ids=prepared.prompt_token_ids, params=params,
                             cache_salt=cache_salt, priority=priority, follower_id=follow.follower_id)
@@ -207,6 +208,8 @@ class _EventState:
     next_position: int = 0  # TokenEvent.position expected next (a replay repeats the ones before)
     started: set[int] = field(default_factory=set)  # samples whose first event has been returned
     held: object | None = None  # an item taken off the queue while coalescing, not merged: the next one
+    # stream_interval > 1: per sample, its tokens not sent yet (an event, and whether it is a merge's own copy)
+    pending: dict[int, tuple[scheduler_pb2.TokenEvent, bool]] = field(default_factory=dict)
 
 
 def _report_end(call: grpc.aio.UnaryStreamCall, queue: asyncio.Queue[object]) -> None:
@@ -226,22 +229,16 @@ async def _next_event(queue: asyncio.Queue[object], state: _EventState, interval
     Events of the same sample already queued behind it are merged into it (`merge_events`): when the
     client reads slower than the engine steps, one message carries several tokens instead of the queue
     growing, which costs the gateway and the client less per token (as vLLM's output collector does).
-    `interval` (serving.stream_interval): after a sample's first event, its events are awaited and merged
-    until the message holds that many tokens, the sample ends, or something that cannot be merged comes
-    (another sample's event, an error): that is held for the next call, so neither the other sample nor
-    the error waits behind the interval. The Submit call's end without an error carries nothing: the
-    request's last events may come after it on the Follow stream, and are merged as any other."""
+    An item that cannot be merged (another sample's event, an error) is held for the next call. The
+    Submit call's end without an error carries nothing: the request's last events may come after it on
+    the Follow stream, and are merged as any other. `interval` > 1 (serving.stream_interval): see
+    `_next_grouped_event`."""
+    if interval > 1:
+        return await _next_grouped_event(queue, state, interval)
     event = await _take_event(queue, state)
-    wait = event.index in state.started  # a sample's first token goes out at once (time to first token)
-    state.started.add(event.index)
     merged = False  # whether `event` is a merge's own copy, which later merges extend in place
-    while not is_finished(event.finish_reason):
-        if queue.qsize():
-            item = queue.get_nowait()
-        elif wait and len(event.token_ids) < interval:
-            item = await queue.get()
-        else:
-            break
+    while not is_finished(event.finish_reason) and queue.qsize():
+        item = queue.get_nowait()
         if isinstance(item, scheduler_pb2.TokenEvent):
             if item.position < state.next_position:
                 continue  # replayed after a re-attach: already had it
@@ -250,10 +247,60 @@ async def _next_event(queue: asyncio.Queue[object], state: _EventState, interval
                 _advance(state, item)
                 continue
         elif isinstance(item, SubmitEnded) and item.error is None:
-            continue  # ended OK: its last events may still be on the way on the Follow stream (_take_event)
+            continue
         state.held = item
         break
     return event
+
+
+async def _next_grouped_event(queue: asyncio.Queue[object], state: _EventState,
+                              interval: int) -> scheduler_pb2.TokenEvent:
+    """`_next_event` with serving.stream_interval N > 1. A sample's first event goes out at once (time to
+    first token); its later ones are merged in a buffer of its own (`state.pending`) until it holds N
+    tokens or the sample ends, and go out then. Samples are buffered apart, so the events of n > 1 samples,
+    which come interleaved (one each per step), neither wait for nor cut short each other's messages. An
+    error, or an event that cannot be merged into its sample's buffer, goes out after the buffered tokens."""
+    while True:
+        if state.held is not None:
+            if state.pending and not isinstance(state.held, scheduler_pb2.TokenEvent):
+                return _flush_pending(state)  # every buffered token before the error
+            item, state.held = state.held, None
+        else:
+            item = queue.get_nowait() if queue.qsize() else await queue.get()
+        if isinstance(item, scheduler_pb2.TokenEvent):
+            if item.position < state.next_position:
+                continue  # replayed after a re-attach: already had it
+            buffered = state.pending.get(item.index)
+            if buffered is not None and not can_merge(buffered[0], item):
+                state.held = item  # taken again next call, after its sample's buffered tokens
+                return state.pending.pop(item.index)[0]
+            _advance(state, item)
+            if item.index not in state.started:
+                state.started.add(item.index)
+                return item
+            if buffered is None:
+                event, owned = item, False
+            else:
+                event, owned = merge_events(buffered[0], item, owned=buffered[1]), True
+            if is_finished(event.finish_reason) or len(event.token_ids) >= interval:
+                state.pending.pop(item.index, None)
+                return event
+            state.pending[item.index] = (event, owned)
+        elif isinstance(item, SubmitEnded) and item.error is None:
+            continue  # ended OK: its last events may still be on the way on the Follow stream
+        elif state.pending:
+            state.held = item
+            return _flush_pending(state)
+        elif isinstance(item, SubmitEnded):
+            raise item.error  # type: ignore[misc]
+        else:
+            assert isinstance(item, BaseException)
+            raise item
+
+
+def _flush_pending(state: _EventState) -> scheduler_pb2.TokenEvent:
+    """One sample's buffered tokens (the one buffered first), taken out of `state.pending`."""
+    return state.pending.pop(next(iter(state.pending)))[0]
 
 
 async def _take_event(queue: asyncio.Queue[object], state: _EventState) -> scheduler_pb2.TokenEvent:

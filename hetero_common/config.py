@@ -60,7 +60,7 @@ class ServingConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)  # TLS on the public gRPC and HTTP ports
     max_concurrent_requests: int = 0  # generations in flight at the gateway; more get 429 / RESOURCE_EXHAUSTED; 0 = no limit
     # Streaming (scheduler backend): a sample's first token goes out at once, later ones in messages of at
-    # least this many tokens (fewer only at its end, or where another sample's tokens or an error come between); 1 = each
+    # least this many tokens (fewer only at its end or before an error; n > 1 samples are grouped each apart); 1 = each
     # token as it comes. Larger values cost the gateway and the client less per token (vLLM's and SGLang's
     # stream_interval), and the client sees tokens later.
     stream_interval: int = 1

@@ -3,7 +3,8 @@ slower than the engine steps) into one message: tokens, timestamps and logprobs 
 event's position and finish reason; never across samples, past a sample's last event, or into an
 error; an item it took off the queue but could not merge comes next. With serving.stream_interval N,
 it also waits for a sample's later events until a message holds N tokens (the first goes alone), but
-never past the sample's end, another sample's event or an error."""
+never past the sample's end or an error; each sample's tokens are grouped apart, so interleaved samples
+(n > 1) neither wait for nor split each other's messages."""
 
 from __future__ import annotations
 
@@ -101,7 +102,33 @@ def test_stream_interval_waits_for_no_other_sample() -> None:
     items = [ev(0, 5, index=0), ev(1, 6, index=1), ev(2, 7, index=0), ev(3, 8, index=1, finish=stop),
              ev(4, 9, index=0), ev(5, 10, index=0, finish=stop)]
     events = drain(items, samples=2, interval=4, trickle=True)
-    assert [(e.index, list(e.token_ids)) for e in events] == [(0, [5]), (1, [6]), (0, [7]), (1, [8]), (0, [9, 10])]
+    # sample 1's end goes out as it comes, while sample 0's 7 waits in its own group
+    assert [(e.index, list(e.token_ids)) for e in events] == [(0, [5]), (1, [6]), (1, [8]), (0, [7, 9, 10])]
+
+
+def test_stream_interval_groups_each_of_interleaved_samples_apart() -> None:
+    """n = 2 samples step together, so their events alternate: grouping per sample still makes messages of N."""
+    length = common_pb2.FINISH_REASON_LENGTH
+    items = [ev(2 * i + s, 100 * s + i, index=s, finish=length if i == 6 else 0) for i in range(7) for s in (0, 1)]
+    events = drain(items, samples=2, interval=3, trickle=True)
+    assert [(e.index, list(e.token_ids)) for e in events] == [
+        (0, [0]), (1, [100]), (0, [1, 2, 3]), (1, [101, 102, 103]), (0, [4, 5, 6]), (1, [104, 105, 106])]
+    assert [list(e.token_timestamps) for e in events[2:4]] == [[2.0, 4.0, 6.0], [3.0, 5.0, 7.0]]
+    assert events[-1].finish_reason == length and events[-1].position == 13
+    # everything queued at once makes the same messages
+    assert [list(e.token_ids) for e in drain(items, samples=2, interval=3)] == [list(e.token_ids) for e in events]
+
+
+def test_stream_interval_sends_every_samples_buffered_tokens_before_an_error() -> None:
+    out: list[scheduler_pb2.TokenEvent] = []
+    with pytest.raises(RuntimeError, match="gone"):
+        drain([ev(0, 5, index=0), ev(1, 6, index=1), ev(2, 7, index=0), ev(3, 8, index=1), ev(4, 9, index=0),
+               RuntimeError("gone")], samples=2, interval=8, trickle=True, out=out)
+    assert [(e.index, list(e.token_ids)) for e in out] == [(0, [5]), (1, [6]), (0, [7, 9]), (1, [8])]
+    # a sample's own error event goes out after its buffered tokens, as its last message
+    events = drain([ev(0, 5), ev(1, 6), ev(2, 7, finish=common_pb2.FINISH_REASON_ERROR, error="boom")], interval=8,
+                   trickle=True)
+    assert [(list(e.token_ids), e.error) for e in events] == [([5], ""), ([6], ""), ([7], "boom")]
 
 
 def test_stream_interval_hands_over_its_tokens_before_an_error() -> None:

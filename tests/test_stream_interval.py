@@ -65,3 +65,21 @@ def test_a_stop_string_ends_a_grouped_message_at_the_token_that_completes_it(sta
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP and messages[-1].stop_reason == stop
     assert ids == list(whole.token_ids[:k]) and messages[-1].usage.completion_tokens == k
     assert stop not in "".join(m.text for m in messages)
+
+
+def test_samples_of_one_request_are_grouped_each_apart(stack: Stack) -> None:
+    """n = 3 samples decode in the same steps, so their tokens reach the gateway interleaved; each sample's
+    messages still group N tokens (the request's usage comes once, on its last message)."""
+    n = 3
+    request = inference_pb2.GenerateRequest(prompt="Paris is the capital",
+                                            params=greedy(NEW_TOKENS, n=n, track_generated_token_events=True))
+    messages = list(stack.inference.Generate(request))
+    whole = stack.inference.Complete(inference_pb2.GenerateRequest(prompt="Paris is the capital", params=greedy(NEW_TOKENS)))
+    for index in range(n):
+        mine = [m for m in messages if m.index == index]
+        sizes = [len(m.token_ids) for m in mine if m.token_ids]
+        assert sizes[0] == 1 and all(size >= INTERVAL for size in sizes[1:-1]) and sum(sizes) == NEW_TOKENS, sizes
+        assert [t for m in mine for t in m.token_ids] == list(whole.token_ids)  # greedy: every sample the same
+        assert "".join(m.text for m in mine) == whole.text
+    assert len(messages) <= n * (1 + -(-(NEW_TOKENS - 1) // INTERVAL)) + 1
+    assert wait_for_idle(stack).used_blocks == 0
