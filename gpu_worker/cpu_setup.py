@@ -9,7 +9,8 @@ are logged. float32 is the exact mode the oracle tests pin.
 
 Threads: `num_threads: 0` shares the host's cores among every worker process on it
 (data-parallel replicas × tensor-parallel ranks), so two replicas on a 2-core box take one
-core each instead of both fighting for both.
+core each instead of both fighting for both; under `serve`, less the `reserved_cpus` it keeps
+for the gateway and the scheduler (hetero_common/host_cores.py).
 """
 
 from __future__ import annotations
