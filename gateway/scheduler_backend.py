@@ -247,7 +247,7 @@ async def _next_event(queue: asyncio.Queue[object], state: _EventState, interval
                 _advance(state, item)
                 continue
         elif isinstance(item, SubmitEnded) and item.error is None:
-            continue
+            continue  # ended OK: its last events may still be on the way on the Follow stream (_take_event)
         state.held = item
         break
     return event

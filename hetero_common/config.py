@@ -105,10 +105,10 @@ class Config:
     cpu_kernels: str = "auto"  # bfloat16 on the CPU: auto (the C kernels of kernels/native/ where they build) | c | torch
     weight_prepack: bool = True  # CPU: hold linear weights in oneDNN's blocked layout (gpu_worker/linear.py)
     kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
-    num_threads: int = 0  # torch threads per worker process; 0 = host cores / (data_parallel_size x tensor_parallel_size)
+    num_threads: int = 0  # torch threads per worker process; 0 = (host cores - reserved_cpus) / (dp size x tp size)
     omp_wait_policy: str = ""  # workers' OMP_WAIT_POLICY set by serve: "" = OpenMP's default (spin) | passive | active
     # Cores that num_threads 0 leaves to the rest of the host (gateway, scheduler, clients) when serve runs them beside
-    # the workers; -1 = auto (gpu_worker/cpu_setup.default_reserved_cpus under serve, none elsewhere)
+    # the workers; -1 = auto (hetero_common/host_cores.default_reserved_cpus under serve, none elsewhere)
     reserved_cpus: int = -1
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of free device memory (after weights + warm-up) for the KV cache
     enable_cuda_graphs: bool = True  # CUDA + flashinfer: replay captured graphs for decode-only steps
