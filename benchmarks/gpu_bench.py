@@ -26,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -91,6 +92,34 @@ def model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def gpu_unavailable(tool: str) -> int | None:
+    """None where a CUDA device and FlashInfer are there; else, having said why, the exit code: 0 on a
+    machine without a GPU (nothing to measure), 1 where FlashInfer is missing on one."""
+    if not torch.cuda.is_available():
+        print(f"{tool}: no CUDA device is visible; it runs only on a GPU machine (see the README's GPU section: "
+              "scripts/gpu_carry.sh, then scripts/gpu_run.sh there).")
+        return 0
+    reason = flashinfer_unavailable_reason(torch.device("cuda"), LLAMA_1B.head_dim, DTYPE)
+    if reason is not None:
+        print(f"{tool}: FlashInfer cannot run here ({reason}); install it as scripts/gpu_run.sh does.")
+        return 1
+    return None
+
+
+def graph_decode_attention(cfg: ModelConfig, pages_per_seq: int, device: torch.device,
+                           workspace: torch.Tensor) -> Callable[[int], object]:
+    """`DecodeGraphs`' make_attention: a FlashInfer graph decode for `bs` sequences of up to `pages_per_seq`
+    pages each, sharing the eager attention's workspace."""
+    from kernels.flashinfer_backend import FlashInferGraphDecode
+
+    def make(bs: int) -> FlashInferGraphDecode:
+        indices = torch.zeros(bs * pages_per_seq, dtype=torch.int32, device=device)
+        return FlashInferGraphDecode(bs, indices, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                                     device, DTYPE, workspace)
+
+    return make
+
+
 def decode_table(batch: int, context: int, first_block: int) -> PageTable:
     """`batch` sequences of `context` cached tokens + the one decoded now, on consecutive blocks."""
     pages = -(-(context + 1) // BLOCK_SIZE)
@@ -106,20 +135,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="measured decode steps per configuration")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_bench: no CUDA device is visible; this benchmark runs only on a GPU machine "
-              "(see the README's GPU section: scripts/gpu_carry.sh, then scripts/gpu_run.sh there).")
-        return 0
+    if (code := gpu_unavailable("gpu_bench")) is not None:
+        return code
     device = torch.device("cuda")
-    reason = flashinfer_unavailable_reason(device, LLAMA_1B.head_dim, DTYPE)
-    if reason is not None:
-        print(f"gpu_bench: FlashInfer cannot run here ({reason}); install it as scripts/gpu_run.sh does.")
-        return 1
     import flashinfer
 
     from gpu_worker.cuda_graphs import DecodeGraphs
     from gpu_worker.model import LlamaModel
-    from kernels.flashinfer_backend import FlashInferGraphDecode, FlashInferPagedAttention
+    from kernels.flashinfer_backend import FlashInferPagedAttention
 
     torch.manual_seed(0)
     cfg = LLAMA_1B
@@ -170,10 +193,7 @@ def main() -> int:
             ids_dev, pos_dev = torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device)
             slots_dev, rows_dev = torch.from_numpy(slots).to(device), torch.arange(b, device=device)
             graphs = DecodeGraphs(model, kv, [b], pad_block, BLOCK_SIZE,
-                                  lambda bs: FlashInferGraphDecode(bs, torch.zeros(bs * pages_per_seq, dtype=torch.int32,
-                                                                                   device=device),
-                                                                   cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                                   cfg.head_dim, device, DTYPE, attention.workspace))
+                                  graph_decode_attention(cfg, pages_per_seq, device, attention.workspace))
             graphs.capture()
 
             def eager_step() -> list[int]:

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.gpu_bench import BLOCK_SIZE, DTYPE, LLAMA_1B, decode_table, random_weights  # noqa: E402
+from benchmarks.gpu_bench import (  # noqa: E402
+    BLOCK_SIZE, DTYPE, LLAMA_1B, decode_table, gpu_unavailable, graph_decode_attention, random_weights)
 from kernels import allocate_kv_cache  # noqa: E402
-from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
 
 
 def median_ms(fn, steps: int, sync_before: bool = True) -> float:
@@ -67,18 +67,13 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=1000, help="cached tokens per sequence")
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_step_breakdown: no CUDA device is visible; it runs only on a GPU machine (scripts/gpu_run.sh)")
-        return 0
+    if (code := gpu_unavailable("gpu_step_breakdown")) is not None:
+        return code
     device = torch.device("cuda")
-    reason = flashinfer_unavailable_reason(device, LLAMA_1B.head_dim, DTYPE)
-    if reason is not None:
-        print(f"gpu_step_breakdown: FlashInfer cannot run here ({reason})")
-        return 1
 
     from gpu_worker.cuda_graphs import DecodeGraphs, pad_decode_table, padded_batch_size
     from gpu_worker.model import LlamaModel
-    from kernels.flashinfer_backend import FlashInferGraphDecode, FlashInferPagedAttention
+    from kernels.flashinfer_backend import FlashInferPagedAttention
 
     cfg = LLAMA_1B
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -99,12 +94,8 @@ def main() -> int:
             table = decode_table(b, args.context, 0)
             positions, _ = table.token_positions()
             ids = np.random.default_rng(b).integers(0, cfg.vocab_size, b)
-            def make_attention(bs: int) -> FlashInferGraphDecode:
-                indices = torch.zeros(bs * pages_per_seq, dtype=torch.int32, device=device)
-                return FlashInferGraphDecode(bs, indices, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                             cfg.head_dim, device, DTYPE, attention.workspace)
-
-            graphs = DecodeGraphs(model, kv, [b], num_blocks - 1, BLOCK_SIZE, make_attention)
+            graphs = DecodeGraphs(model, kv, [b], num_blocks - 1, BLOCK_SIZE,
+                                  graph_decode_attention(cfg, pages_per_seq, device, attention.workspace))
             graphs.capture()
             g = graphs.graphs[padded_batch_size(b, graphs.sizes)]
             padded = pad_decode_table(table, g.attention.batch_size, graphs.pad_block)

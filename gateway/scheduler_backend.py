@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, NoReturn
 
 import grpc
 import structlog
@@ -261,12 +261,9 @@ async def _next_grouped_event(queue: asyncio.Queue[object], state: _EventState,
     which come interleaved (one each per step), neither wait for nor cut short each other's messages. An
     error, or an event that cannot be merged into its sample's buffer, goes out after the buffered tokens."""
     while True:
-        if state.held is not None:
-            if state.pending and not isinstance(state.held, scheduler_pb2.TokenEvent):
-                return _flush_pending(state)  # every buffered token before the error
-            item, state.held = state.held, None
-        else:
-            item = queue.get_nowait() if queue.qsize() else await queue.get()
+        if state.pending and state.held is not None and not isinstance(state.held, scheduler_pb2.TokenEvent):
+            return _flush_pending(state)  # every buffered token before the error
+        item = await _next_item(queue, state)
         if isinstance(item, scheduler_pb2.TokenEvent):
             if item.position < state.next_position:
                 continue  # replayed after a re-attach: already had it
@@ -291,11 +288,8 @@ async def _next_grouped_event(queue: asyncio.Queue[object], state: _EventState,
         elif state.pending:
             state.held = item
             return _flush_pending(state)
-        elif isinstance(item, SubmitEnded):
-            raise item.error  # type: ignore[misc]
         else:
-            assert isinstance(item, BaseException)
-            raise item
+            _raise_item(item)
 
 
 def _flush_pending(state: _EventState) -> scheduler_pb2.TokenEvent:
@@ -305,21 +299,32 @@ def _flush_pending(state: _EventState) -> scheduler_pb2.TokenEvent:
 
 async def _take_event(queue: asyncio.Queue[object], state: _EventState) -> scheduler_pb2.TokenEvent:
     while True:
-        if state.held is not None:
-            item, state.held = state.held, None
-        else:
-            item = queue.get_nowait() if queue.qsize() else await queue.get()
+        item = await _next_item(queue, state)
         if isinstance(item, scheduler_pb2.TokenEvent):
             if item.position < state.next_position:
                 continue  # replayed after a re-attach: already had it
             _advance(state, item)
             return item
-        if isinstance(item, SubmitEnded):
-            if item.error is not None:
-                raise item.error
+        if isinstance(item, SubmitEnded) and item.error is None:
             continue  # ended OK: its last events may still be on the way on the Follow stream
-        assert isinstance(item, BaseException)
-        raise item
+        _raise_item(item)
+
+
+async def _next_item(queue: asyncio.Queue[object], state: _EventState) -> object:
+    """The item held back by the last call, else the queue's next."""
+    if state.held is not None:
+        item, state.held = state.held, None
+        return item
+    return queue.get_nowait() if queue.qsize() else await queue.get()
+
+
+def _raise_item(item: object) -> NoReturn:
+    """An item that ends the request with an error: the Submit call's (SubmitEnded) or the Follow stream's."""
+    if isinstance(item, SubmitEnded):
+        assert item.error is not None
+        raise item.error
+    assert isinstance(item, BaseException)
+    raise item
 
 
 def _advance(state: _EventState, event: scheduler_pb2.TokenEvent) -> None:
