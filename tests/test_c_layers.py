@@ -44,9 +44,12 @@ def head64_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return _save(model, tmp_path_factory.mktemp(f"head64-{request.param}"))
 
 
-def two_steps(model: LlamaModel, config, path: str, prompts_apart: bool = False) -> list[torch.Tensor]:
+def two_steps(model: LlamaModel, config, path: str, prompts_apart: bool = False,
+              tables: list[np.ndarray] | None = None, steps: list[tuple[np.ndarray, np.ndarray]] | None = None,
+              num_blocks: int = 16) -> list[torch.Tensor]:
     """Step 1: two prompts (20 and 35 tokens). Step 2: the first decodes one token, the second gets a
-    20-token chunk on top of its cached 35. Logits of each step's last rows. `path`: "c_layers" (every
+    20-token chunk on top of its cached 35 (or the given page `tables` and `steps` of (q_lens, kv_lens), over
+    a cache of `num_blocks`). Logits of each step's last rows. `path`: "c_layers" (every
     layer in one call, where the model has them), "block" (the loop, each attention block in one call) or
     "loop" (the loop with RoPE, the K/V write and attention as separate calls). `prompts_apart`: step 1's
     prompts (no cached prefix), and with the AMX kernel step 2's chunk, are left out of the C plan and attend
@@ -54,7 +57,7 @@ def two_steps(model: LlamaModel, config, path: str, prompts_apart: bool = False)
     saved = model.c_layers
     model.c_layers = saved if path == "c_layers" else None
     try:
-        cache = allocate_kv_cache(config.num_hidden_layers, 16, BLOCK, model.num_kv_heads, config.head_dim,
+        cache = allocate_kv_cache(config.num_hidden_layers, num_blocks, BLOCK, model.num_kv_heads, config.head_dim,
                                   torch.bfloat16, "cpu", TorchPagedAttention.kv_layout)
         attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim, decode_kernel="c",
                                         dtype=torch.bfloat16, prompts_apart=prompts_apart)
@@ -62,8 +65,8 @@ def two_steps(model: LlamaModel, config, path: str, prompts_apart: bool = False)
         if path == "loop":  # the model then takes the separate calls (attention still runs its C plan)
             attention.native_rows = lambda: None  # type: ignore[method-assign]
         rng = np.random.default_rng(0)
-        tables = [np.array([3, 9], dtype=np.int32), np.array([5, 1, 12, 7], dtype=np.int32)]
-        steps = [(np.array([20, 35]), np.array([20, 35])), (np.array([1, 20]), np.array([21, 55]))]
+        tables = tables or [np.array([3, 9], dtype=np.int32), np.array([5, 1, 12, 7], dtype=np.int32)]
+        steps = steps or [(np.array([20, 35]), np.array([20, 35])), (np.array([1, 20]), np.array([21, 55]))]
         out = []
         with torch.inference_mode():
             for q_lens, kv_lens in steps:
@@ -99,6 +102,25 @@ def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path, amx: bool) 
     assert not calls
     fused = two_steps(model, config, "c_layers")
     assert len(calls) == 2  # both steps took the one-call path
+    for a, b in zip(looped, fused):
+        assert a.isfinite().all()
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(REASON is not None, reason=f"the C linear kernel does not run here: {REASON}")
+def test_one_c_call_prefetching_more_pages_than_its_products_carry(head64_dir: Path) -> None:
+    """A 320-token prompt, then its decode of one row: 20 pages of K/V a layer (2,688 cache lines), more
+    than that row's q/k/v and down products have K pairs to prefetch them on, so the gate/up product of the
+    layer before takes the rest (kernels/native/side_prefetch.h). Prefetches change no result: bitwise the
+    loop's logits, and the pages come from a scattered table."""
+    config, weights = load_checkpoint(head64_dir)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=512, prepack=True,
+                       native_linear=True, fused=True)
+    assert model.c_layers is not None
+    table = [np.random.default_rng(1).permutation(24)[:21].astype(np.int32)]
+    steps = [(np.array([320]), np.array([320])), (np.array([1]), np.array([321]))]
+    looped = two_steps(model, config, "loop", tables=table, steps=steps, num_blocks=24)
+    fused = two_steps(model, config, "c_layers", tables=table, steps=steps, num_blocks=24)
     for a, b in zip(looped, fused):
         assert a.isfinite().all()
         assert torch.equal(a, b)

@@ -14,6 +14,9 @@
  *
  * Every output row is computed alone, in the same order whatever the other rows: a row's result
  * does not depend on the batch. Float32 accumulation, one round-to-nearest-even to bfloat16.
+ *
+ * linear_bf16_side also issues one prefetch per K pair of each tile from a list of cache lines that the
+ * next memory-bound kernel will read (the next layer's K/V pages: side_prefetch.h, llama_layers.c).
  */
 #include <stdint.h>
 #include <string.h>
@@ -25,6 +28,8 @@
 
 #define NR 48 /* output features per panel: three 16-float accumulators per row */
 #define MR 8  /* rows per tile */
+
+#include "side_prefetch.h"
 
 /* 1 when this build has the kernel (the CPU has AVX512-BF16), else 0: the other functions do nothing. */
 int linear_bf16_supported(void) {
@@ -59,7 +64,7 @@ void linear_bf16_pack(const uint16_t *w, int n, int k, uint16_t *wp) {
 /* rows (a constant at each call, inlined) x one panel of NR outputs; `cols`: how many of the NR exist. */
 static inline __attribute__((always_inline)) void tile(const int rows, const uint16_t *a, int64_t lda,
                                                         const uint16_t *panel, const uint16_t *bias, uint16_t *c,
-                                                        int64_t ldc, int k, int cols) {
+                                                        int64_t ldc, int k, int cols, side_cursor side) {
     __m512 acc[MR][3];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < 3; j++) acc[m][j] = _mm512_setzero_ps();
@@ -71,6 +76,7 @@ static inline __attribute__((always_inline)) void tile(const int rows, const uin
         _mm_prefetch(ahead, _MM_HINT_T0);
         _mm_prefetch(ahead + 64, _MM_HINT_T0);
         _mm_prefetch(ahead + 128, _MM_HINT_T0);
+        side_cursor_next(&side);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
                        w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
 #pragma GCC unroll 8
@@ -110,13 +116,21 @@ static inline __attribute__((always_inline)) void tile(const int rows, const uin
 }
 #endif
 
-/* c[m, :n] = a[m, :k] @ W^T (+ bias) for m < rows. a: rows lda apart; wp: linear_bf16_pack's output;
- * bias: [n] or NULL; c: rows ldc apart. */
-void linear_bf16(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
-                 int64_t ldc, int rows, int n, int k) {
+/* How many side prefetches linear_bf16_side can issue for these sizes: one per K pair of each tile. */
+int64_t linear_bf16_pairs(int rows, int n, int k) {
+    return (int64_t)((n + NR - 1) / NR) * ((rows + MR - 1) / MR) * (k / 2);
+}
+
+/* c[m, :n] = a[m, :k] @ W^T (+ bias) for m < rows, while prefetching `side`'s cache lines (or none: NULL),
+ * spread one per K pair over the tiles. a: rows lda apart; wp: linear_bf16_pack's output; bias: [n] or
+ * NULL; c: rows ldc apart. */
+void linear_bf16_side(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
+                      int64_t ldc, int rows, int n, int k, const side_prefetch *side) {
 #ifdef HAVE_AVX512_BF16
     const int panels = (n + NR - 1) / NR;
     const int64_t panel_elements = (int64_t)((k + 1) / 2) * NR * 2;
+    const int tiles_per_panel = (rows + MR - 1) / MR;
+    const int64_t tiles = (int64_t)panels * tiles_per_panel;
 #pragma omp parallel for schedule(static) if ((int64_t)rows * n * k >= 65536)
     for (int p = 0; p < panels; p++) {
         const uint16_t *panel = wp + p * panel_elements;
@@ -124,21 +138,30 @@ void linear_bf16(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint1
         uint16_t *cp = c + p * NR;
         const int cols = n - p * NR < NR ? n - p * NR : NR;
         int m = 0;
-        for (; m + MR <= rows; m += MR) tile(MR, a + m * lda, lda, panel, pb, cp + m * ldc, ldc, k, cols);
+        int64_t t = (int64_t)p * tiles_per_panel;
+        for (; m + MR <= rows; m += MR, t++)
+            tile(MR, a + m * lda, lda, panel, pb, cp + m * ldc, ldc, k, cols, side_cursor_at(side, t, tiles));
         const uint16_t *am = a + m * lda;
         uint16_t *cm = cp + m * ldc;
+        const side_cursor sc = side_cursor_at(side, t, tiles);
         switch (rows - m) {  /* the last rows, with a tile of their own size */
-            case 7: tile(7, am, lda, panel, pb, cm, ldc, k, cols); break;
-            case 6: tile(6, am, lda, panel, pb, cm, ldc, k, cols); break;
-            case 5: tile(5, am, lda, panel, pb, cm, ldc, k, cols); break;
-            case 4: tile(4, am, lda, panel, pb, cm, ldc, k, cols); break;
-            case 3: tile(3, am, lda, panel, pb, cm, ldc, k, cols); break;
-            case 2: tile(2, am, lda, panel, pb, cm, ldc, k, cols); break;
-            case 1: tile(1, am, lda, panel, pb, cm, ldc, k, cols); break;
+            case 7: tile(7, am, lda, panel, pb, cm, ldc, k, cols, sc); break;
+            case 6: tile(6, am, lda, panel, pb, cm, ldc, k, cols, sc); break;
+            case 5: tile(5, am, lda, panel, pb, cm, ldc, k, cols, sc); break;
+            case 4: tile(4, am, lda, panel, pb, cm, ldc, k, cols, sc); break;
+            case 3: tile(3, am, lda, panel, pb, cm, ldc, k, cols, sc); break;
+            case 2: tile(2, am, lda, panel, pb, cm, ldc, k, cols, sc); break;
+            case 1: tile(1, am, lda, panel, pb, cm, ldc, k, cols, sc); break;
             default: break;
         }
     }
 #else
-    (void)a, (void)lda, (void)wp, (void)bias, (void)c, (void)ldc, (void)rows, (void)n, (void)k;
+    (void)a, (void)lda, (void)wp, (void)bias, (void)c, (void)ldc, (void)rows, (void)n, (void)k, (void)side;
 #endif
+}
+
+/* c[m, :n] = a[m, :k] @ W^T (+ bias) for m < rows (linear_bf16_side with nothing to prefetch). */
+void linear_bf16(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
+                 int64_t ldc, int rows, int n, int k) {
+    linear_bf16_side(a, lda, wp, bias, c, ldc, rows, n, k, NULL);
 }

@@ -10,7 +10,15 @@
  * layer's RoPE, K/V write and attention.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "side_prefetch.h"
+
+/* At most this much of the next layer's K/V is prefetched during a layer's MLP: more would not stay in
+ * the caches until its attention reads it (a prompt chunk's steps; a decode step of 32 sequences of ~150
+ * tokens of SmolLM2 reads ~3.6 MiB a layer). */
+#define SIDE_PREFETCH_MAX_BYTES (8 << 20)
 
 void add_rms_norm_bf16(uint16_t *hidden, int64_t hidden_stride, const uint16_t *delta, int64_t delta_stride,
                        const uint16_t *weight, uint16_t *out, int64_t out_stride, int64_t rows, int dim, float eps);
@@ -20,6 +28,9 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gate_up_stride, uint16_t *ou
                    int n);
 void linear_bf16(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
                  int64_t ldc, int rows, int n, int k);
+void linear_bf16_side(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
+                      int64_t ldc, int rows, int n, int k, const side_prefetch *side);
+int64_t linear_bf16_pairs(int rows, int n, int k);
 void linear_amx(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c, int64_t ldc,
                 int rows, int n, int k);
 int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
@@ -54,10 +65,41 @@ int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_
                                  attn_rows, num_heads, num_kv_heads, head_dim, block_size, scale);
 }
 
-/* The weights' kernel: linear_amx.c's tiles (`amx`) or linear_bf16.c's panels, as they were packed for. */
+/* The weights' kernel: linear_amx.c's tiles (`amx`) or linear_bf16.c's panels, as they were packed for;
+ * the panels also prefetch `side` (NULL: nothing). */
 static inline void layer_linear(int amx, const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias,
-                                uint16_t *c, int64_t ldc, int rows, int n, int k) {
-    (amx ? linear_amx : linear_bf16)(a, lda, wp, bias, c, ldc, rows, n, k);
+                                uint16_t *c, int64_t ldc, int rows, int n, int k, const side_prefetch *side) {
+    if (amx)
+        linear_amx(a, lda, wp, bias, c, ldc, rows, n, k);
+    else
+        linear_bf16_side(a, lda, wp, bias, c, ldc, rows, n, k, side);
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+static int compare_i32(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The distinct pages that the step's attention reads (each row's first ceil(kv_len / block_size)), sorted,
+ * into a new array (the caller frees it); *count: how many. NULL (and 0) when there are none or malloc fails. */
+static int32_t *step_pages(int rows, const int32_t *pages, int max_pages, const int32_t *kv_lens, int block_size,
+                           int64_t *count) {
+    int64_t total = 0;
+    for (int r = 0; r < rows; r++) total += (kv_lens[r] + block_size - 1) / block_size;
+    *count = 0;
+    int32_t *out = total > 0 ? malloc(sizeof(int32_t) * (size_t)total) : NULL;
+    if (!out) return NULL;
+    int64_t n = 0;
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < (kv_lens[r] + block_size - 1) / block_size; j++) out[n++] = pages[(int64_t)r * max_pages + j];
+    qsort(out, (size_t)n, sizeof(int32_t), compare_i32);
+    int64_t u = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (u == 0 || out[i] != out[u - 1]) out[u++] = out[i];
+    *count = u;
+    return out;
 }
 
 /* Per-layer weights and caches come as int64 arrays of addresses, num_layers entries each (qkv_bias: 0 for
@@ -79,23 +121,45 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
                       uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta, int amx) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
+    /* A layer's K/V pages are prefetched during the products before its attention, as late as their K pairs
+     * allow (one line each, side_prefetch.h): its own q/k/v product takes the last lines, the down and then the
+     * gate/up products of the layer before take the rest. */
+    int64_t num_pages = 0;
+    int32_t *used = amx ? NULL : step_pages(rows, pages, max_pages, kv_lens, block_size, &num_pages);
+    const int64_t page_bytes = (int64_t)2 * num_kv_heads * block_size * head_dim * (int64_t)sizeof(uint16_t);
+    int64_t lines = num_pages * side_lines_per_page(page_bytes);
+    const int64_t max_lines = SIDE_PREFETCH_MAX_BYTES / SIDE_LINE;
+    lines = lines < max_lines ? lines : max_lines;
+    const int64_t in_qkv = min64(lines, linear_bf16_pairs(rows, qkv_width, hidden_size));
+    const int64_t in_down = min64(lines - in_qkv, linear_bf16_pairs(rows, hidden_size, intermediate));
+    const int64_t in_gate_up = min64(lines - in_qkv - in_down, linear_bf16_pairs(rows, 2 * intermediate, hidden_size));
     for (int i = 0; i < num_layers; i++) {
+        const char *this_layer = (const char *)cache[i], *next_layer = (const char *)cache[i + 1 < num_layers ? i + 1 : i];
+        const int64_t next = used && i + 1 < num_layers;  /* 1: prefetch the next layer's pages here */
+        const side_prefetch qkv_side = {this_layer, used, page_bytes, lines - in_qkv, used ? in_qkv : 0};
+        const side_prefetch gate_up_side = {next_layer, used, page_bytes, 0, next * in_gate_up};
+        const side_prefetch down_side = {next_layer, used, page_bytes, in_gate_up, next * in_down};
         add_rms_norm_bf16(hidden, hidden_size, i ? delta : NULL, hidden_size, (const uint16_t *)input_norm[i], x,
                           hidden_size, rows, hidden_size, eps);
         layer_linear(amx, x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf,
-                     qkv_width, rows, qkv_width, hidden_size);
+                     qkv_width, rows, qkv_width, hidden_size, &qkv_side);
         const int rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table,
                                             sin_table, (uint16_t *)cache[i], block_size, k_rows, v_rows, rows,
                                             q_rows, pages, max_pages, kv_lens, scale, attn);
-        if (rc != 0) return rc;
-        layer_linear(amx, attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size, q_size);
+        if (rc != 0) {
+            free(used);
+            return rc;
+        }
+        layer_linear(amx, attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size, q_size,
+                     NULL);
         add_rms_norm_bf16(hidden, hidden_size, o_out, hidden_size, (const uint16_t *)post_norm[i], x, hidden_size,
                           rows, hidden_size, eps);
         layer_linear(amx, x, hidden_size, (const uint16_t *)gate_up[i], NULL, gate_up_buf, 2 * intermediate, rows,
-                    2 * intermediate, hidden_size);
+                    2 * intermediate, hidden_size, &gate_up_side);
         silu_mul_bf16(gate_up_buf, 2 * intermediate, act, intermediate, rows, intermediate);
         layer_linear(amx, act, intermediate, (const uint16_t *)down[i], NULL, delta, hidden_size, rows, hidden_size,
-                    intermediate);
+                    intermediate, &down_side);
     }
+    free(used);
     return 0;
 }
