@@ -14,10 +14,12 @@
  * - on CPUs with AVX512-BF16 (chosen at compile time by -march=native), head size 64 or 128 and
  *   block sizes that are multiples of 16: q.k with the bf16 dot-product instruction (float32
  *   accumulation, 16 keys at a time, their sums by one transpose-and-add tree), and each V row
- *   widened to float32 once for all G query heads, whose accumulators stay in registers; each
- *   thread prefetches its next item's scattered pages. 2.1x the plain loops on SmolLM2's shapes
- *   (9/3 heads of 64, batch 32, ~150 cached tokens, a cold cache: benchmarks/cpu_kernels.py) on an
- *   AMD EPYC with avx512_bf16. Only the order of the float32 additions differs.
+ *   widened to float32 once for all G query heads: in registers, added straight into every head's
+ *   sums, where those fit in registers too (G <= 4 at head size 64, G <= 2 at 128: 12% less time on
+ *   SmolLM2's shapes with warm caches), else 16 rows at a time through a buffer; each thread
+ *   prefetches its next item's scattered pages. 2.1x the plain loops on SmolLM2's shapes (9/3 heads
+ *   of 64, batch 32, ~150 cached tokens, a cold cache: benchmarks/cpu_kernels.py) on an AMD EPYC
+ *   with avx512_bf16. Only the order of the float32 additions differs.
  */
 #include <float.h>
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -33,6 +35,7 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
+#define V_REGS_MAX_GROUP 4 /* query heads per KV head whose V sums weighted_v_in_registers keeps in registers */
 
 /* q: the step's query rows, row r of sequence b at q + q_rows[b] * q_row_stride, its heads D apart.
  * cache: one layer [blocks, 2, Hkv, bs, D]. pages: [B, max_pages] page ids. kv_lens: [B].
@@ -150,13 +153,99 @@ static inline void prefetch_item(const uint16_t *cache, const int32_t *seq_pages
     }
 }
 
+/* The weighted sum of V for G query heads whose G * DIM / 16 float32 accumulators fit in registers (G and
+ * DIM constants at each call): each V row is widened once, in registers, and added into every head's sums.
+ * The same additions in the same order as weighted_v_through_memory. */
+static inline __attribute__((always_inline)) void weighted_v_in_registers(
+    const int G, const int DIM, const uint16_t *cache, const int32_t *seq_pages, int len, int h, int num_kv_heads,
+    int block_size, const float *scores, int stride, const float *inv_sum, uint16_t *out0) {
+    enum { MAX_NV = 8 };
+    const int NV = DIM / 16;
+    const int64_t run = (int64_t)block_size * DIM;
+    __m512 acc[V_REGS_MAX_GROUP][MAX_NV];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < len; t0 += block_size) {
+        const uint16_t *v = cache + (((int64_t)seq_pages[t0 / block_size] * 2 + 1) * num_kv_heads + h) * run;
+        const int n = len - t0 < block_size ? len - t0 : block_size;
+        for (int i = 0; i < n; i++, v += DIM) {
+            __m512 row[MAX_NV];
+#pragma GCC unroll 8
+            for (int j = 0; j < NV; j++) row[j] = bf16x16_to_f32(v + 16 * j);
+#pragma GCC unroll 4
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * stride + t0 + i]);
+#pragma GCC unroll 8
+                for (int j = 0; j < NV; j++) acc[g][j] = _mm512_fmadd_ps(p, row[j], acc[g][j]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+        uint16_t *o = out0 + (int64_t)g * DIM;
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int j = 0; j < NV; j++) {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g][j], inv));
+            for (int d = 0; d < 16; d++) o[16 * j + d] = f32_to_bf16(tmp[d]);
+        }
+    }
+}
+
+/* The weighted sum of V for any number of query heads: 16 rows widened to float32 once into `wide`, then each
+ * head's accumulators over them; the result, divided by each head's sum, to out0. */
+static inline __attribute__((always_inline)) void weighted_v_through_memory(
+    const int DIM, const uint16_t *cache, const int32_t *seq_pages, int len, int h, int num_kv_heads, int block_size,
+    int group, const float *scores, int stride, const float *inv_sum, float *wide, uint16_t *out0) {
+    const int NV = DIM / 16;
+    const int64_t run = (int64_t)block_size * DIM;
+    __m512 acc[MAX_GROUP][8];
+    for (int g = 0; g < group; g++)
+        for (int j = 0; j < NV; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < len; t0 += block_size) {
+        const uint16_t *v_page = cache + (((int64_t)seq_pages[t0 / block_size] * 2 + 1) * num_kv_heads + h) * run;
+        const int n = len - t0 < block_size ? len - t0 : block_size;
+        for (int c0 = 0; c0 < n; c0 += 16) {
+            const int m = n - c0 < 16 ? n - c0 : 16;  /* only rows below len: others may hold any bits */
+            for (int i = 0; i < m; i++)
+#pragma GCC unroll 8
+                for (int j = 0; j < NV; j++)
+                    _mm512_store_ps(wide + i * DIM + 16 * j, bf16x16_to_f32(v_page + (int64_t)(c0 + i) * DIM + 16 * j));
+            for (int g = 0; g < group; g++) {
+                const float *p = scores + g * stride + t0 + c0;
+                __m512 r[8];
+#pragma GCC unroll 8
+                for (int j = 0; j < NV; j++) r[j] = acc[g][j];
+                for (int i = 0; i < m; i++) {
+                    const __m512 pi = _mm512_set1_ps(p[i]);
+#pragma GCC unroll 8
+                    for (int j = 0; j < NV; j++) r[j] = _mm512_fmadd_ps(pi, _mm512_load_ps(wide + i * DIM + 16 * j), r[j]);
+                }
+#pragma GCC unroll 8
+                for (int j = 0; j < NV; j++) acc[g][j] = r[j];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        uint16_t *o = out0 + (int64_t)g * DIM;
+        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int j = 0; j < NV; j++) {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g][j], inv));
+            for (int d = 0; d < 16; d++) o[16 * j + d] = f32_to_bf16(tmp[d]);
+        }
+    }
+}
+
 /* One (sequence, KV head): its G query heads (q0, G rows of DIM) over the len cached tokens, into
  * out0. DIM is a constant at each call (inlined), so the loops unroll and accumulators stay in
  * registers. scores: G * round_up(len, 16) floats; wide: 16 * DIM floats, 64-byte aligned. */
 static inline __attribute__((always_inline)) void attend(
     const int DIM, const uint16_t *q0, const uint16_t *cache, const int32_t *seq_pages, int len, int h,
     int num_kv_heads, int block_size, int group, float scale, float *scores, float *wide, uint16_t *out0) {
-    const int NQ = DIM / 32, NV = DIM / 16;  /* bf16 vectors per q row; float32 vectors per V row */
+    const int NQ = DIM / 32;  /* bf16 vectors per q row */
     const int64_t run = (int64_t)block_size * DIM;
     const int stride = (len + 15) / 16 * 16;
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -209,43 +298,22 @@ static inline __attribute__((always_inline)) void attend(
         }
         inv_sum[g] = sum > 0.0f ? 1.0f / sum : 0.0f;
     }
-    /* Weighted sum of V: 16 rows widened to float32 once, then each head's accumulators over them. */
-    __m512 acc[MAX_GROUP][8];
-    for (int g = 0; g < group; g++)
-        for (int j = 0; j < NV; j++) acc[g][j] = _mm512_setzero_ps();
-    for (int t0 = 0; t0 < len; t0 += block_size) {
-        const uint16_t *v_page = cache + (((int64_t)seq_pages[t0 / block_size] * 2 + 1) * num_kv_heads + h) * run;
-        const int n = len - t0 < block_size ? len - t0 : block_size;
-        for (int c0 = 0; c0 < n; c0 += 16) {
-            const int m = n - c0 < 16 ? n - c0 : 16;  /* only rows below len: others may hold any bits */
-            for (int i = 0; i < m; i++)
-#pragma GCC unroll 8
-                for (int j = 0; j < NV; j++)
-                    _mm512_store_ps(wide + i * DIM + 16 * j, bf16x16_to_f32(v_page + (int64_t)(c0 + i) * DIM + 16 * j));
-            for (int g = 0; g < group; g++) {
-                const float *p = scores + g * stride + t0 + c0;
-                __m512 r[8];
-#pragma GCC unroll 8
-                for (int j = 0; j < NV; j++) r[j] = acc[g][j];
-                for (int i = 0; i < m; i++) {
-                    const __m512 pi = _mm512_set1_ps(p[i]);
-#pragma GCC unroll 8
-                    for (int j = 0; j < NV; j++) r[j] = _mm512_fmadd_ps(pi, _mm512_load_ps(wide + i * DIM + 16 * j), r[j]);
-                }
-#pragma GCC unroll 8
-                for (int j = 0; j < NV; j++) acc[g][j] = r[j];
-            }
-        }
-    }
-    for (int g = 0; g < group; g++) {
-        uint16_t *o = out0 + (int64_t)g * DIM;
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int j = 0; j < NV; j++) {
-            float tmp[16];
-            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g][j], inv));
-            for (int d = 0; d < 16; d++) o[16 * j + d] = f32_to_bf16(tmp[d]);
-        }
-    }
+    /* Weighted sum of V, divided by each head's sum, into out0. */
+    if (DIM == 64 && group == 1)
+        weighted_v_in_registers(1, DIM, cache, seq_pages, len, h, num_kv_heads, block_size, scores, stride, inv_sum, out0);
+    else if (DIM == 64 && group == 2)
+        weighted_v_in_registers(2, DIM, cache, seq_pages, len, h, num_kv_heads, block_size, scores, stride, inv_sum, out0);
+    else if (DIM == 64 && group == 3)
+        weighted_v_in_registers(3, DIM, cache, seq_pages, len, h, num_kv_heads, block_size, scores, stride, inv_sum, out0);
+    else if (DIM == 64 && group == 4)
+        weighted_v_in_registers(4, DIM, cache, seq_pages, len, h, num_kv_heads, block_size, scores, stride, inv_sum, out0);
+    else if (DIM == 128 && group == 1)
+        weighted_v_in_registers(1, DIM, cache, seq_pages, len, h, num_kv_heads, block_size, scores, stride, inv_sum, out0);
+    else if (DIM == 128 && group == 2)
+        weighted_v_in_registers(2, DIM, cache, seq_pages, len, h, num_kv_heads, block_size, scores, stride, inv_sum, out0);
+    else
+        weighted_v_through_memory(DIM, cache, seq_pages, len, h, num_kv_heads, block_size, group, scores, stride, inv_sum,
+                                  wide, out0);
 }
 
 static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
