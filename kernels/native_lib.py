@@ -85,20 +85,34 @@ def _build(compiler: str) -> Path:
     parts = [p.read_text() for p in SOURCES + HEADERS] + [" ".join(COMPILE_FLAGS + LINK_FLAGS), version, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_dir() / f"hetero_cpu_kernels-{key[:16]}.so"
-    if target.exists():
-        return target
+    if not target.exists():
+        build_library(compiler, SOURCES, target)
+    return target
+
+
+def build_library(compiler: str, sources: list[Path], target: Path) -> None:
+    """Compile `sources` (their headers beside them) into the shared library `target`, built aside and renamed
+    in, so that concurrent workers are safe. Also used to build another revision's kernels for an A/B
+    (benchmarks/kernel_ab.py). Raises RuntimeError with the compiler's message on failure."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed in: concurrent workers are safe
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        objects = [str(Path(tmp) / f"{source.stem}.o") for source in SOURCES]
-        steps = [[compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj] for source, obj in zip(SOURCES, objects)]
+        objects = [str(Path(tmp) / f"{source.stem}.o") for source in sources]
+        steps = [[compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj] for source, obj in zip(sources, objects)]
         steps.append([compiler, *LINK_FLAGS, *objects, "-o", str(built), "-lm"])
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(step[:2])} ... failed: {done.stderr.strip()[-2000:]}")
         os.replace(built, target)
-    return target
+
+
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """Set every kernel's ctypes signature on `library` (AttributeError if one is missing)."""
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(library, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return library
 
 
 def load() -> ctypes.CDLL | None:
@@ -114,11 +128,7 @@ def load() -> ctypes.CDLL | None:
             _failure = "no C compiler (cc, gcc or $CC) on PATH"
         else:
             try:
-                library = ctypes.CDLL(str(_build(compiler)))
-                for name, (restype, argtypes) in SIGNATURES.items():
-                    fn = getattr(library, name)
-                    fn.restype, fn.argtypes = restype, argtypes
-                _library = library
+                _library = bind(ctypes.CDLL(str(_build(compiler))))
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
                 _failure = f"building the CPU kernels failed: {e}"
         if _failure:

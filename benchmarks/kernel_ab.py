@@ -1,0 +1,122 @@
+"""Two builds of the CPU C kernels in one process: this checkout's and another git revision's, on the
+in-process engine's decode steps, interleaved, so that a virtual machine's drift between runs (±15% on the
+development box) does not decide an A/B of a few percent.
+
+    python benchmarks/kernel_ab.py [--base HEAD~1] [--reps 8] [--batch 32] [--min-prompt 120]
+                                   [--max-prompt 180] [--new-tokens 48] [--model PATH]
+
+The base revision's `kernels/native/` (`git archive`) is compiled with the same flags as this checkout's
+(kernels/native_lib.py). The engine (the config's defaults: bfloat16 where `dtype: auto` picks it) then
+runs `--reps` rounds; in each, both builds in turn (the order alternating) take `--batch` seeded prompts
+of `--min-prompt`-`--max-prompt` random tokens to `--new-tokens` greedy tokens each, with every decoder
+layer running through that build's `llama_layers_bf16` (the one-call layers, gpu_worker/c_layers.py:
+the linear products, attention and element-wise kernels of every layer; the LM head and sampling stay
+this checkout's). Printed: each round's median decode-step time per build, and this checkout's time over
+the base's per round and their median. Needs a CPU where the one-call layers run (AVX512-BF16, the
+C kernels built), and the same `llama_layers_bf16` signature in both revisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.roofline import cpu_description, cpu_line  # noqa: E402
+from benchmarks.workload import make_prompts  # noqa: E402
+from gpu_worker.c_layers import CLayers  # noqa: E402
+from hetero_common.config import Config  # noqa: E402
+from hetero_common.log import configure_logging  # noqa: E402
+from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
+from kernels import native_lib  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+LAYERS = "llama_layers_bf16"
+
+
+def build_revision(revision: str, workdir: Path) -> ctypes.CDLL:
+    """`revision`'s kernels/native/, compiled into workdir; its llama_layers_bf16 bound with this checkout's signature."""
+    archive = subprocess.run(["git", "archive", revision, "kernels/native"], cwd=REPO, capture_output=True, check=True)
+    with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
+        tar.extractall(workdir, filter="data")
+    sources = sorted((workdir / "kernels" / "native").glob("*.c"))
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("no C compiler (cc, gcc or $CC) on PATH")
+    target = workdir / "base_kernels.so"
+    native_lib.build_library(compiler, sources, target)
+    library = ctypes.CDLL(str(target))
+    fn = getattr(library, LAYERS)
+    fn.restype, fn.argtypes = native_lib.SIGNATURES[LAYERS]
+    return library
+
+
+def decode_step_ms(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Median time of the steps in which every sequence decodes (after the prompts' steps)."""
+    params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for p in prompts:
+        engine.submit_request(p, params)
+    times: list[tuple[int, float]] = []
+    while engine.has_pending_work():
+        start = time.perf_counter()
+        engine.step()
+        times.append((len(engine.last_step_outputs), time.perf_counter() - start))
+    full = [t for n, t in times[len(times) - new_tokens + 1:] if n == len(prompts)]
+    return statistics.median(full) * 1e3
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD~1", help="the git revision to compare this checkout's kernels with")
+    parser.add_argument("--reps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--min-prompt", type=int, default=120)
+    parser.add_argument("--max-prompt", type=int, default=180)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    configure_logging("warning", "console")
+    if args.reps < 1 or args.batch < 1 or args.new_tokens < 4 or not 1 <= args.min_prompt <= args.max_prompt:
+        parser.error("need --reps >= 1, --batch >= 1, --new-tokens >= 4 and 1 <= --min-prompt <= --max-prompt")
+    print(cpu_line(cpu_description()))
+    current = native_lib.load()
+    if current is None:
+        raise SystemExit(f"the C kernels are unavailable: {native_lib.unavailable_reason()}")
+    engine = InferenceEngine(Config(model=args.model, max_batch_size=max(args.batch, Config().max_batch_size)))
+    layers: CLayers | None = engine.runner.model.c_layers
+    if layers is None:
+        raise SystemExit("the engine does not run its layers in one C call here (needs AVX512-BF16 and dtype "
+                         "bfloat16): nothing to compare")
+    with tempfile.TemporaryDirectory() as tmp:
+        builds = {"base": getattr(build_revision(args.base, Path(tmp)), LAYERS), "this": getattr(current, LAYERS)}
+        vocab = engine.runner.model_config.vocab_size
+        print(f"decode steps of {args.batch} sequences, {args.min_prompt}-{args.max_prompt}-token prompts + "
+              f"{args.new_tokens} tokens; base = {args.base}, this = the checkout; median ms per step")
+        times: dict[str, list[float]] = {name: [] for name in builds}
+        for rep in range(args.reps):
+            prompts = make_prompts(args.batch, args.min_prompt, args.max_prompt, vocab=vocab, seed=rep)
+            for name in (("base", "this") if rep % 2 == 0 else ("this", "base")):
+                layers._fn = builds[name]
+                times[name].append(decode_step_ms(engine, prompts, args.new_tokens))
+            print(f"  round {rep + 1}: base {times['base'][-1]:.2f}, this {times['this'][-1]:.2f} "
+                  f"({times['this'][-1] / times['base'][-1]:.3f}x)")
+        ratios = [t / b for t, b in zip(times["this"], times["base"])]
+        print(f"this / base step time: median {statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-"
+              f"{max(ratios):.3f}); faster in {sum(r < 1 for r in ratios)} of {len(ratios)} rounds")
+        layers._fn = builds["this"]
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
