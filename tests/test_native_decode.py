@@ -63,7 +63,7 @@ def run_backend(kernel: str, cache, table, q, prompts_apart: bool = False) -> to
 
 @needs_kernel
 @pytest.mark.parametrize("block_size", [1, 5, 16, 32])
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (9, 3), (8, 2), (10, 2)])  # G = 1-5: V sums in registers up to 4 at head size 64, 2 at 128
 @pytest.mark.parametrize("head_dim", [8, 64, 128])
 def test_c_decode_matches_dense_float32(block_size: int, heads: tuple[int, int], head_dim: int) -> None:
     lens = [1, 9, 33, 16, 250]

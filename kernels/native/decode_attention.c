@@ -153,6 +153,17 @@ static inline void prefetch_item(const uint16_t *cache, const int32_t *seq_pages
     }
 }
 
+/* One query head's NV float32 vectors of V sums, divided by its softmax sum, to bfloat16 at o. */
+static inline __attribute__((always_inline)) void store_head(const int NV, const __m512 *acc, float inv_sum,
+                                                             uint16_t *o) {
+    const __m512 inv = _mm512_set1_ps(inv_sum);
+    for (int j = 0; j < NV; j++) {
+        float tmp[16];
+        _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[j], inv));
+        for (int d = 0; d < 16; d++) o[16 * j + d] = f32_to_bf16(tmp[d]);
+    }
+}
+
 /* The weighted sum of V for G query heads whose G * DIM / 16 float32 accumulators fit in registers (G and
  * DIM constants at each call): each V row is widened once, in registers, and added into every head's sums.
  * The same additions in the same order as weighted_v_through_memory. */
@@ -183,15 +194,7 @@ static inline __attribute__((always_inline)) void weighted_v_in_registers(
         }
     }
 #pragma GCC unroll 4
-    for (int g = 0; g < G; g++) {
-        uint16_t *o = out0 + (int64_t)g * DIM;
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int j = 0; j < NV; j++) {
-            float tmp[16];
-            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g][j], inv));
-            for (int d = 0; d < 16; d++) o[16 * j + d] = f32_to_bf16(tmp[d]);
-        }
-    }
+    for (int g = 0; g < G; g++) store_head(NV, acc[g], inv_sum[g], out0 + (int64_t)g * DIM);
 }
 
 /* The weighted sum of V for any number of query heads: 16 rows widened to float32 once into `wide`, then each
@@ -228,15 +231,7 @@ static inline __attribute__((always_inline)) void weighted_v_through_memory(
             }
         }
     }
-    for (int g = 0; g < group; g++) {
-        uint16_t *o = out0 + (int64_t)g * DIM;
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int j = 0; j < NV; j++) {
-            float tmp[16];
-            _mm512_storeu_ps(tmp, _mm512_mul_ps(acc[g][j], inv));
-            for (int d = 0; d < 16; d++) o[16 * j + d] = f32_to_bf16(tmp[d]);
-        }
-    }
+    for (int g = 0; g < group; g++) store_head(NV, acc[g], inv_sum[g], out0 + (int64_t)g * DIM);
 }
 
 /* One (sequence, KV head): its G query heads (q0, G rows of DIM) over the len cached tokens, into
