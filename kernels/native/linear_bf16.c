@@ -135,6 +135,7 @@ static inline __attribute__((always_inline)) void tile(const int rows, const uin
             _mm256_mask_storeu_epi16(c + m * ldc + 16 * j, keep[j],
                                      (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b[j])));
 }
+
 /* Tile ti of a panel's tiles_per_panel: the first reads the panel from memory, prefetching 16 K pairs ahead;
  * where there are more, the others read it from L2 and prefetch the next panel's lines between them
  * instead, so that the weights stream from memory while the L2-fed tiles compute rather than stalling the
@@ -194,7 +195,7 @@ void linear_bf16_side(const uint16_t *a, int64_t lda, const uint16_t *wp, const 
         const side_cursor sc = side_cursor_at(side, t, tiles);
         const panel_stream ps = streaming ? panel_stream_at(wp, panel_elements, panels, p, m / MR, tiles_per_panel, k / 2)
                                           : no_stream;
-        switch (rows - m) {  /* the last rows, with a tile of their own size; streaming or not, they stream */
+        switch (rows - m) {  /* the last rows, with a tile of their own size (no_stream: as before the streaming) */
             case 7: tile(7, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
             case 6: tile(6, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
             case 5: tile(5, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
