@@ -3,7 +3,7 @@ in-process engine's decode steps, interleaved, so that a virtual machine's drift
 development box) does not decide an A/B of a few percent.
 
     python benchmarks/kernel_ab.py [--base HEAD~1] [--reps 8] [--batch 32] [--min-prompt 120]
-                                   [--max-prompt 180] [--new-tokens 48] [--model PATH]
+                                   [--max-prompt 180] [--new-tokens 48] [--model PATH] [--products ROWS]
 
 The base revision's `kernels/native/` (`git archive`) is compiled with the same flags as this checkout's
 (kernels/native_lib.py). The engine (the config's defaults: bfloat16 where `dtype: auto` picks it) then
@@ -14,6 +14,10 @@ the linear products, attention and element-wise kernels of every layer; the LM h
 this checkout's). Printed: each round's median decode-step time per build, and this checkout's time over
 the base's per round and their median. Needs a CPU where the one-call layers run (AVX512-BF16, the
 C kernels built), and the same `llama_layers_bf16` signature in both revisions.
+
+`--products 16,32,...` compares the two builds' `linear_bf16` instead: one forward's products of the model's
+shapes (every layer's weights distinct, as in a step, packed by this checkout's `linear_bf16_pack`, which
+must be the base's layout too) at each row count, `--reps` rounds per count.
 """
 
 from __future__ import annotations
@@ -30,15 +34,20 @@ import tempfile
 import time
 from io import BytesIO
 from pathlib import Path
+from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.roofline import cpu_description, cpu_line  # noqa: E402
+from benchmarks.roofline import cpu_description, cpu_line, linear_shapes  # noqa: E402
 from benchmarks.workload import make_prompts  # noqa: E402
 from gpu_worker.c_layers import CLayers  # noqa: E402
+from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
+from hetero_common.model_files import resolve_model_path  # noqa: E402
 from kernels import native_lib  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,9 +66,46 @@ def build_revision(revision: str, workdir: Path) -> ctypes.CDLL:
     target = workdir / "base_kernels.so"
     native_lib.build_library(compiler, sources, target)
     library = ctypes.CDLL(str(target))
-    fn = getattr(library, LAYERS)
-    fn.restype, fn.argtypes = native_lib.SIGNATURES[LAYERS]
+    bind_base(library, LAYERS)
     return library
+
+
+def bind_base(library: ctypes.CDLL, name: str) -> Any:
+    fn = getattr(library, name)
+    fn.restype, fn.argtypes = native_lib.SIGNATURES[name]
+    return fn
+
+
+def compare_products(base: ctypes.CDLL, current: ctypes.CDLL, model: str | None, rows: list[int], reps: int) -> None:
+    """One forward's linear products through each build's linear_bf16, interleaved; prints the time ratios."""
+    mc, _ = load_checkpoint(resolve_model_path(model))
+    del _
+    layer, head = linear_shapes(mc)
+    h, q, kv = layer[0][0], layer[0][1], layer[1][1]
+    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * layer[4][1]), (layer[6][0], h)]
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for i, o in [s for _ in range(mc.num_hidden_layers) for s in shapes] + [head]:
+        weight = torch.randn(o, i, generator=gen).to(torch.bfloat16)  # held until packed
+        packed = torch.empty(current.linear_bf16_packed_elements(o, i), dtype=torch.int16)
+        current.linear_bf16_pack(weight.data_ptr(), o, i, packed.data_ptr())
+        weights.append((i, o, packed))
+    fns = {"base": bind_base(base, "linear_bf16"), "this": current.linear_bf16}
+    print(f"one forward's linear products ({len(weights)}), median ms of {reps} rounds")
+    for m in rows:
+        inputs = {i: torch.randn(m, i, generator=gen).to(torch.bfloat16) for i, _, _ in weights}
+        out = torch.empty(m, max(o for _, o, _ in weights), dtype=torch.bfloat16)
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for rep in range(reps):
+            for name in (("base", "this") if rep % 2 == 0 else ("this", "base")):
+                start = time.perf_counter()
+                for i, o, packed in weights:
+                    fns[name](inputs[i].data_ptr(), i, packed.data_ptr(), None, out.data_ptr(), o, m, o, i)
+                times[name].append(time.perf_counter() - start)
+        ratios = [t / b for t, b in zip(times["this"], times["base"])]
+        print(f"  {m:5d} rows: base {statistics.median(times['base']) * 1e3:8.2f}, this "
+              f"{statistics.median(times['this']) * 1e3:8.2f}; this / base median {statistics.median(ratios):.3f}x, "
+              f"faster in {sum(r < 1 for r in ratios)} of {reps}")
 
 
 def decode_step_ms(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> float:
@@ -85,6 +131,7 @@ def main() -> int:
     parser.add_argument("--max-prompt", type=int, default=180)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--products", default=None, help="row counts: compare the builds' linear products instead")
     args = parser.parse_args()
     configure_logging("warning", "console")
     if args.reps < 1 or args.batch < 1 or args.new_tokens < 4 or not 1 <= args.min_prompt <= args.max_prompt:
@@ -93,6 +140,13 @@ def main() -> int:
     current = native_lib.load()
     if current is None:
         raise SystemExit(f"the C kernels are unavailable: {native_lib.unavailable_reason()}")
+    if args.products:
+        if not current.linear_bf16_supported():
+            raise SystemExit("the C linear kernel does not run here (no AVX512-BF16)")
+        with tempfile.TemporaryDirectory() as tmp:
+            compare_products(build_revision(args.base, Path(tmp)), current, args.model,
+                             [int(r) for r in args.products.split(",")], args.reps)
+        return 0
     engine = InferenceEngine(Config(model=args.model, max_batch_size=max(args.batch, Config().max_batch_size)))
     layers: CLayers | None = engine.runner.model.c_layers
     if layers is None:
