@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,14 +38,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.roofline import cpu_description, cpu_line, linear_shapes  # noqa: E402
+from benchmarks.roofline import cpu_description, cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts  # noqa: E402
 from gpu_worker.c_layers import CLayers  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
+from gpu_worker.model import linear_shapes  # noqa: E402
+from gpu_worker.tensor_parallel import TensorParallel  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
-from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
+from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
 from kernels import native_lib  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def build_revision(revision: str, workdir: Path) -> ctypes.CDLL:
     with tarfile.open(fileobj=BytesIO(archive.stdout)) as tar:
         tar.extractall(workdir, filter="data")
     sources = sorted((workdir / "kernels" / "native").glob("*.c"))
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = native_lib.find_compiler()
     if compiler is None:
         raise SystemExit("no C compiler (cc, gcc or $CC) on PATH")
     target = workdir / "base_kernels.so"
@@ -80,12 +80,10 @@ def compare_products(base: ctypes.CDLL, current: ctypes.CDLL, model: str | None,
     """One forward's linear products through each build's linear_bf16, interleaved; prints the time ratios."""
     mc, _ = load_checkpoint(resolve_model_path(model))
     del _
-    layer, head = linear_shapes(mc)
-    h, q, kv = layer[0][0], layer[0][1], layer[1][1]
-    shapes = [(h, q + 2 * kv), (q, h), (h, 2 * layer[4][1]), (layer[6][0], h)]
+    *layer, head = linear_shapes(mc, TensorParallel())  # [out, in]: q/k/v, o, gate/up, down; the LM head
     gen = torch.Generator().manual_seed(0)
     weights = []
-    for i, o in [s for _ in range(mc.num_hidden_layers) for s in shapes] + [head]:
+    for o, i in layer * mc.num_hidden_layers + [head]:
         weight = torch.randn(o, i, generator=gen).to(torch.bfloat16)  # held until packed
         packed = torch.empty(current.linear_bf16_packed_elements(o, i), dtype=torch.int16)
         current.linear_bf16_pack(weight.data_ptr(), o, i, packed.data_ptr())

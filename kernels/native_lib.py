@@ -90,6 +90,11 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def find_compiler() -> str | None:
+    """The host's C compiler: $CC, else cc, else gcc on PATH; None when there is none."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def build_library(compiler: str, sources: list[Path], target: Path) -> None:
     """Compile `sources` (their headers beside them) into the shared library `target`, built aside and renamed
     in, so that concurrent workers are safe. Also used to build another revision's kernels for an A/B
@@ -123,7 +128,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if _library is not None or _failure is not None:
             return _library
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        compiler = find_compiler()
         if compiler is None:
             _failure = "no C compiler (cc, gcc or $CC) on PATH"
         else:
