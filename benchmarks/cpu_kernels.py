@@ -11,10 +11,11 @@
    tokens (seeded), cycling through one cache per layer so that each call reads cold memory: the
    C kernel's plain loops, its default path (AVX512-BF16 where the CPU has it), and, as a floor for
    reading the same scattered pages, one `index_select` of them.
-3. Prompt attention, bfloat16, on AMX CPUs: one layer's causal attention of one fresh prompt of each
-   `--prompt-lens` length, torch's SDPA (its flash kernel) against the AMX tile kernel
-   (kernels/native_prompt_attention.py); and of one `--chunk` (rows, sequence tokens) over a cached
-   prefix, the C decode kernel's rows against the AMX tile kernel.
+3. Prompt attention, bfloat16: one layer's causal attention of one fresh prompt of each `--prompt-lens`
+   length, torch's SDPA (its flash kernel) against, where they run, the C kernel's per-row path (each row a
+   decode up to its position) and its 16-row tiles (AVX512-BF16 CPUs: kernels/native/prompt_row_tiles.c),
+   and the AMX tile kernel (kernels/native_prompt_attention.py); and of one `--chunk` (rows, sequence
+   tokens) over a cached prefix, the same kernels.
 Best of `--repeats`, ms or µs per call. Run it on an idle box: it uses all of torch's threads.
 """
 
@@ -126,8 +127,11 @@ def bench_attention(mc, batch: int, repeats: int) -> None:
 
 def bench_prompt_attention(mc, lens: list[int], chunk: tuple[int, int], repeats: int) -> None:
     hq, hkv, d, bs = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, 16
-    if not native_prompt_attention.supported(d, hq, hkv):
-        print(f"\nprompt attention: the AMX tile kernel does not run here ({hq}/{hkv} heads of {d})")
+    amx_runs = native_prompt_attention.supported(d, hq, hkv)
+    c_runs = native_decode.takes_prompts(d, bs)  # the C kernel's AVX512-BF16 path: prompt rows, and its tiles
+    if not (amx_runs or c_runs):
+        print(f"\nprompt attention: neither the AMX tile kernel nor the C kernel's AVX512-BF16 path runs here "
+              f"({hq}/{hkv} heads of {d})")
         return
     gen = torch.Generator().manual_seed(0)
 
@@ -137,29 +141,38 @@ def bench_prompt_attention(mc, lens: list[int], chunk: tuple[int, int], repeats:
         q = torch.randn(n, hq, d, generator=gen).to(torch.bfloat16)
         return q, cache, pages, torch.empty(n, hq, d, dtype=torch.bfloat16)
 
-    def amx(q, cache, pages, out, kv_len: int) -> Callable[[], object]:
-        return lambda: native_prompt_attention.prompt_attention(q, cache, pages, kv_len, out, d ** -0.5)
+    def kernels(q, cache, pages, out, kv_len: int) -> dict[str, Callable[[], object]]:
+        """The C kernel's per-row path and its tiles (the rows of one chunk: the last len(q) of kv_len tokens),
+        and the AMX tile kernel, where each runs."""
+        n = q.shape[0]
+        rows = torch.arange(n, dtype=torch.int64)
+        row_pages = pages[None, :].expand(n, -1).contiguous()
+        row_lens = torch.arange(kv_len - n + 1, kv_len + 1, dtype=torch.int32)
+        found: dict[str, Callable[[], object]] = {}
+        if c_runs:
+            for name, tiles in (("C rows", False), ("C tiles", True)):
+                found[name] = lambda tiles=tiles: native_decode.decode_attention(q, rows, cache, row_pages, row_lens,
+                                                                                 out, d ** -0.5, tiles=tiles)
+        if amx_runs:
+            found["AMX tiles"] = lambda: native_prompt_attention.prompt_attention(q, cache, pages, kv_len, out, d ** -0.5)
+        return found
 
-    print(f"\nprompt attention, one layer: {hq}/{hkv} heads of {d}, causal, block size {bs}")
-    for n in lens:  # a fresh prompt: SDPA on its q/k/v (what runs where the AMX kernel does not)
+    def line(times: dict[str, float], flops: int, base: str) -> str:
+        return ", ".join(f"{name} {t * 1e6:7.0f} µs ({flops / t / 1e9:4.0f} GFLOP/s, {times[base] / t:.2f}x)"
+                         for name, t in times.items())
+
+    print(f"\nprompt attention, one layer: {hq}/{hkv} heads of {d}, causal, block size {bs} (x: the first's time over "
+          f"each)")
+    for n in lens:  # a fresh prompt: SDPA on its q/k/v (what runs where neither C path does), then the kernels
         q, cache, pages, out = case(n, n)
         k, v = (torch.randn(1, hkv, n, d, generator=gen).to(torch.bfloat16) for _ in range(2))
-        sdpa = best_of(lambda: _sdpa(q.transpose(0, 1)[None], k, v, None, d ** -0.5, hq // hkv), repeats)
-        tiles = best_of(amx(q, cache, pages, out, n), repeats)
-        flops = 2 * n * (n + 1) * d * hq  # q.k and p.v over the causal half
-        print(f"  fresh {n:5d} tokens: SDPA {sdpa * 1e6:8.0f} µs ({flops / sdpa / 1e9:4.0f} GFLOP/s), AMX tiles "
-              f"{tiles * 1e6:8.0f} µs ({flops / tiles / 1e9:4.0f} GFLOP/s): {sdpa / tiles:.2f}x")
-    n, kv_len = chunk  # a chunk over a cached prefix: the C kernel's rows (each a decode up to its position)
+        times = {"SDPA": best_of(lambda: _sdpa(q.transpose(0, 1)[None], k, v, None, d ** -0.5, hq // hkv), repeats)}
+        times |= {name: best_of(fn, repeats) for name, fn in kernels(q, cache, pages, out, n).items()}
+        print(f"  fresh {n:5d} tokens: {line(times, 2 * n * (n + 1) * d * hq, 'SDPA')}")  # q.k and p.v, causal half
+    n, kv_len = chunk  # a chunk over a cached prefix
     q, cache, pages, out = case(n, kv_len)
-    rows = torch.arange(n, dtype=torch.int64)
-    row_pages = pages[None, :].expand(n, -1).contiguous()
-    row_lens = torch.arange(kv_len - n + 1, kv_len + 1, dtype=torch.int32)
-    c_rows = best_of(lambda: native_decode.decode_attention(q, rows, cache, row_pages, row_lens, out, d ** -0.5),
-                     repeats)
-    tiles = best_of(amx(q, cache, pages, out, kv_len), repeats)
-    flops = 2 * n * (2 * kv_len - n + 1) * d * hq
-    print(f"  chunk of {n} over {kv_len - n} cached: C rows {c_rows * 1e6:8.0f} µs ({flops / c_rows / 1e9:4.0f} "
-          f"GFLOP/s), AMX tiles {tiles * 1e6:8.0f} µs ({flops / tiles / 1e9:4.0f} GFLOP/s): {c_rows / tiles:.2f}x")
+    times = {name: best_of(fn, repeats) for name, fn in kernels(q, cache, pages, out, kv_len).items()}
+    print(f"  chunk of {n} over {kv_len - n} cached: {line(times, 2 * n * (2 * kv_len - n + 1) * d * hq, next(iter(times)))}")
 
 
 def main() -> int:

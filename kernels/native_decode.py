@@ -22,18 +22,20 @@ def supports(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim:
 
 def takes_prompts(head_dim: int, block_size: int) -> bool:
     """Whether prompt rows go through the kernel too: where its AVX512-BF16 path runs (1.4-4x the torch
-    prompt path there); its plain loops are no faster than torch's matmuls on prompts."""
+    prompt path there as rows; chunks of 8+ rows now run in 16-row tiles, kernels/native/prompt_row_tiles.c,
+    2.3x those rows); its plain loops are no faster than torch's matmuls on prompts."""
     library = native_lib.load()
     return library is not None and bool(library.decode_attention_bf16_vectorized(head_dim, block_size))
 
 
 def decode_attention(q: torch.Tensor, q_rows: torch.Tensor, layer_cache: torch.Tensor, pages: torch.Tensor,
-                     kv_lens: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+                     kv_lens: torch.Tensor, out: torch.Tensor, scale: float, tiles: bool = True) -> None:
     """out[q_rows[b]] = attention of q[q_rows[b]] over sequence b's first kv_lens[b] cached tokens.
 
     q, out [T, Hq, D] bfloat16 (rows may be strided, heads contiguous); q_rows int64 [B];
     layer_cache [blocks, 2, Hkv, bs, D] bfloat16 contiguous; pages int32 [B, P]; kv_lens int32 [B].
-    The caller checks `supports` and that `native_lib.load()` succeeded.
+    The caller checks `supports` and that `native_lib.load()` succeeded. `tiles=False`: prompt chunks on the
+    per-row path too (for comparisons; decode_attention_bf16_rows).
     """
     library = native_lib.load()
     assert library is not None, "decode_attention without the C library"
@@ -45,7 +47,7 @@ def decode_attention(q: torch.Tensor, q_rows: torch.Tensor, layer_cache: torch.T
     if not (layer_cache.is_contiguous() and pages.is_contiguous() and kv_lens.is_contiguous()
             and q_rows.is_contiguous()):
         raise ValueError("layer_cache, pages, kv_lens and q_rows must be contiguous")
-    rc = library.decode_attention_bf16(
+    rc = (library.decode_attention_bf16 if tiles else library.decode_attention_bf16_rows)(
         q.data_ptr(), q.stride(0), q_rows.data_ptr(), layer_cache.data_ptr(), pages.data_ptr(), pages.shape[1],
         kv_lens.data_ptr(), out.data_ptr(), out.stride(0), num_seqs, num_qo_heads, num_kv_heads, head_dim,
         block_size, scale)

@@ -1,12 +1,18 @@
 /* Paged decode attention for the CPU, bfloat16 KV cache in the HND layout (kernels/cache_ops.py).
  *
- * One query token per sequence. Each (sequence, KV head) reads its K and V rows once, in place
+ * Each row of the plan is one query token over its sequence's first kv_len tokens: a decode, or a row of a
+ * prompt chunk. On AVX512-BF16 CPUs, prompt chunks of at least PROMPT_TILE_MIN_ROWS rows go to
+ * prompt_row_tiles.c (16 rows per vector instead of one: 2.3x these per-row loops on a prefill step of
+ * SmolLM2's shapes); what follows is the per-row path, which every other row takes.
+ *
+ * Per row, each (sequence, KV head) reads its K and V rows once, in place
  * in the cache pages (no gather into a padded copy, no padding to the longest sequence), for all
  * G query heads of that KV head; scores, softmax and the weighted sum of V stay in float32. The
  * work items are spread over the OpenMP threads of torch's own runtime: this library is loaded
  * after torch, so its libgomp.so.1 dependency resolves to the copy torch already loaded.
  *
- * Every sequence's result depends only on its own inputs, never on the rest of the batch.
+ * Every sequence's result depends only on its own inputs, never on the rest of the batch (which rows form a
+ * tiled chunk depends on the sequence's own chunk only).
  *
  * Two implementations of the same function:
  * - plain C loops written for the compiler to vectorize (-O3 -march=native -ffast-math, at compile
@@ -22,7 +28,7 @@
  *   with avx512_bf16. Only the order of the float32 additions differs.
  */
 #include <float.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 #endif
@@ -36,6 +42,7 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define V_REGS_MAX_GROUP 4 /* query heads per KV head whose V sums weighted_v_in_registers keeps in registers */
+#define PROMPT_TILE_MIN_ROWS 8 /* prompt chunks of at least this many rows go through prompt_row_tiles.c */
 
 /* q: the step's query rows, row r of sequence b at q + q_rows[b] * q_row_stride, its heads D apart.
  * cache: one layer [blocks, 2, Hkv, bs, D]. pages: [B, max_pages] page ids. kv_lens: [B].
@@ -311,12 +318,62 @@ static inline __attribute__((always_inline)) void attend(
                                   wide, out0);
 }
 
+int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const uint16_t *cache,
+                          const int32_t *pages, int max_pages, const int32_t *kv_lens, uint16_t *out,
+                          int64_t out_row_stride, int num_kv_heads, int group, int head_dim, int block_size,
+                          float scale, const int *groups, int num_groups);
+
+/* The plan's prompt chunks: runs of at least PROMPT_TILE_MIN_ROWS consecutive rows with the same page table, as
+ * [first, rows] pairs into groups (room for num_seqs / PROMPT_TILE_MIN_ROWS); returns how many. */
+static int find_prompt_groups(const int32_t *pages, int max_pages, int num_seqs, int *groups) {
+    int count = 0;
+    for (int i = 0; i < num_seqs;) {
+        int j = i + 1;
+        while (j < num_seqs && !memcmp(pages + (int64_t)j * max_pages, pages + (int64_t)i * max_pages,
+                                       sizeof(int32_t) * (size_t)max_pages))
+            j++;
+        if (j - i >= PROMPT_TILE_MIN_ROWS) {
+            groups[2 * count] = i;
+            groups[2 * count + 1] = j - i;
+            count++;
+        }
+        i = j;
+    }
+    return count;
+}
+
 static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                                         const uint16_t *cache, const int32_t *pages, int max_pages,
                                         const int32_t *kv_lens, uint16_t *out, int64_t out_row_stride, int num_seqs,
-                                        int num_kv_heads, int group, int head_dim, int block_size, float scale) {
+                                        int num_kv_heads, int group, int head_dim, int block_size, float scale,
+                                        int tiles) {
+    /* Prompt chunks go through prompt_row_tiles.c (with `tiles`); every other row (decodes, short chunks, all of them if the
+     * tiles cannot allocate) through the loop below, listed in `rest` (NULL: every row). */
+    int *rest = NULL, num_rest = num_seqs;
+    if (tiles && num_seqs >= PROMPT_TILE_MIN_ROWS) {
+        int *groups = malloc(sizeof(int) * 2 * (size_t)(num_seqs / PROMPT_TILE_MIN_ROWS));
+        const int num_groups = groups ? find_prompt_groups(pages, max_pages, num_seqs, groups) : 0;
+        rest = num_groups ? malloc(sizeof(int) * (size_t)num_seqs) : NULL;
+        if (rest && prompt_row_tiles_bf16(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out,
+                                          out_row_stride, num_kv_heads, group, head_dim, block_size, scale, groups,
+                                          num_groups) == 0) {
+            num_rest = 0;
+            for (int i = 0, gi = 0; i < num_seqs; i++) {
+                if (gi < num_groups && i >= groups[2 * gi] + groups[2 * gi + 1]) gi++;
+                if (gi < num_groups && i >= groups[2 * gi]) continue;
+                rest[num_rest++] = i;
+            }
+        } else {
+            free(rest);
+            rest = NULL;
+        }
+        free(groups);
+    }
     int max_len = 0;
-    for (int b = 0; b < num_seqs; b++) max_len = kv_lens[b] > max_len ? kv_lens[b] : max_len;
+    for (int r = 0; r < num_rest; r++) {
+        const int b = rest ? rest[r] : r;
+        max_len = kv_lens[b] > max_len ? kv_lens[b] : max_len;
+    }
     const size_t score_floats = (size_t)group * (size_t)((max_len + 15) / 16 * 16);
     int failed = 0, next_item = 0;
 #pragma omp parallel
@@ -330,16 +387,17 @@ static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride,
         float *wide = scores + (score_floats + 15) / 16 * 16;
         /* Items claimed one ahead from a shared counter: a thread prefetches the item it will take next while
          * it computes the current one, and a thread slowed down (another process on its core) takes fewer. */
-        const int items = num_seqs * num_kv_heads;
+        const int items = num_rest * num_kv_heads;
+#define ROW_OF(item) (rest ? rest[(item) / num_kv_heads] : (item) / num_kv_heads)
         int item = scores ? __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED) : items;
         if (item < items)
-            prefetch_item(cache, pages + (int64_t)(item / num_kv_heads) * max_pages, kv_lens[item / num_kv_heads],
+            prefetch_item(cache, pages + (int64_t)ROW_OF(item) * max_pages, kv_lens[ROW_OF(item)],
                           item % num_kv_heads, num_kv_heads, block_size, head_dim);
         while (item < items) {
-            const int b = item / num_kv_heads, h = item % num_kv_heads;
+            const int b = ROW_OF(item), h = item % num_kv_heads;
             const int next = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
             if (next < items)
-                prefetch_item(cache, pages + (int64_t)(next / num_kv_heads) * max_pages, kv_lens[next / num_kv_heads],
+                prefetch_item(cache, pages + (int64_t)ROW_OF(next) * max_pages, kv_lens[ROW_OF(next)],
                               next % num_kv_heads, num_kv_heads, block_size, head_dim);
             const uint16_t *q0 = q + q_rows[b] * q_row_stride + (int64_t)h * group * head_dim;
             uint16_t *out0 = out + q_rows[b] * out_row_stride + (int64_t)h * group * head_dim;
@@ -350,8 +408,10 @@ static int decode_attention_avx512_bf16(const uint16_t *q, int64_t q_row_stride,
                 attend(128, q0, cache, seq_pages, kv_lens[b], h, num_kv_heads, block_size, group, scale, scores, wide, out0);
             item = next;
         }
+#undef ROW_OF
         free(scores);
     }
+    free(rest);
     return failed ? -2 : 0;
 }
 #endif
@@ -366,20 +426,40 @@ int decode_attention_bf16_vectorized(int head_dim, int block_size) {
 #endif
 }
 
-/* The kernel: the AVX512-BF16 path where it applies, else the plain loops. Same arguments as above. */
-int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
-                          const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
-                          uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
-                          int num_kv_heads, int head_dim, int block_size, float scale) {
+static int decode_attention_dispatch(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+                                     const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
+                                     uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
+                                     int num_kv_heads, int head_dim, int block_size, float scale, int tiles) {
 #ifdef HAVE_AVX512_BF16
     const int group = num_qo_heads / num_kv_heads;
     if (decode_attention_bf16_vectorized(head_dim, block_size) && group <= MAX_GROUP
         && group * num_kv_heads == num_qo_heads)
         return decode_attention_avx512_bf16(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out,
                                             out_row_stride, num_seqs, num_kv_heads, group, head_dim, block_size,
-                                            scale);
+                                            scale, tiles);
+#else
+    (void)tiles;
 #endif
     return decode_attention_bf16_generic(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out,
                                          out_row_stride, num_seqs, num_qo_heads, num_kv_heads, head_dim,
                                          block_size, scale);
+}
+
+/* The kernel: the AVX512-BF16 path where it applies (prompt chunks in tiles), else the plain loops. Same
+ * arguments as above. */
+int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+                          const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
+                          uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
+                          int num_kv_heads, int head_dim, int block_size, float scale) {
+    return decode_attention_dispatch(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out, out_row_stride,
+                                     num_seqs, num_qo_heads, num_kv_heads, head_dim, block_size, scale, 1);
+}
+
+/* The same with every row on the per-row path, tiles or not (benchmarks/cpu_kernels.py compares the two). */
+int decode_attention_bf16_rows(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+                               const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
+                               uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
+                               int num_kv_heads, int head_dim, int block_size, float scale) {
+    return decode_attention_dispatch(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out, out_row_stride,
+                                     num_seqs, num_qo_heads, num_kv_heads, head_dim, block_size, scale, 0);
 }

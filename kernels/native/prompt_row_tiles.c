@@ -1,0 +1,307 @@
+/* Prompt rows of a decode_attention_bf16 plan in tiles of 16 query rows, on CPUs with AVX512-BF16
+ * (decode_attention.c hands over its groups: consecutive plan rows, at least PROMPT_TILE_MIN_ROWS, that share one
+ * page table, i.e. a prompt chunk; decode rows stay on its per-row path).
+ *
+ * The per-row path computes a prompt row as a decode: for every (row, key) it re-reads the key, sums each q.k
+ * across lanes with a transpose tree and widens V to float32 again. Here the 16 lanes of a vector are 16 query
+ * rows of one head instead (the tile):
+ * - q.k: the tile's q, transposed once into pairs of bfloat16 along the head dimension, times each key's pair
+ *   broadcast from the cache page (the bf16 dot-product instruction, float32 accumulation): two instructions
+ *   per (row, key) at head size 64, no cross-lane sums; K is read in place, never copied;
+ * - softmax per lane over the keys each row sees (its own kv_len: causal, any cached prefix), float32, exp16;
+ *   the numerators rounded to bfloat16 like SDPA's flash kernel and the AMX prompt kernel do, the sum kept in
+ *   float32;
+ * - P . V with the same instruction: V re-laid once per (group, KV head) into pairs of consecutive keys;
+ *   the output tile transposed back to rows once per 16 columns.
+ * Two passes (all scores of a tile, then P . V): no online rescaling.
+ *
+ * A row's result depends on its own q, its sequence's K/V and kv_len only, never on the other rows of its
+ * tile or of the step. It is not bitwise the per-row path's (P is rounded to bfloat16 here, the sums run in
+ * another order): a prompt row computed in a chunk of fewer than PROMPT_TILE_MIN_ROWS rows (or as a decode)
+ * differs from the same row computed in a larger chunk by a unit or two in the last place of bfloat16.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include "vexp.h"
+
+#define TILE 16 /* query rows per tile: the lanes of a float32 vector */
+
+typedef struct {
+    int first, rows;   /* plan rows [first, first + rows) */
+    int keys;          /* the largest kv_len among them */
+    int64_t v_offset;  /* this group's re-laid V in the shared buffer, uint32 units (KV head h: + h * pairs * D) */
+} tile_group;
+
+/* KV head h's V rows [0, keys) of a page table -> pairs [ceil(keys / 2)][D] of uint32 (V[2p][d] | V[2p+1][d] << 16);
+ * a missing odd key is 0 (the slot past the last written one may hold any bits, NaN included). */
+static void relayout_v(const uint16_t *cache, const int32_t *pages, int keys, int h, int num_kv_heads,
+                       int block_size, int head_dim, uint32_t *vt) {
+    static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const int64_t run = (int64_t)block_size * head_dim;
+    for (int p = 0; p < (keys + 1) / 2; p++) {
+        const int k0 = 2 * p, k1 = k0 + 1;
+        const uint16_t *e = cache + (((int64_t)pages[k0 / block_size] * 2 + 1) * num_kv_heads + h) * run
+                            + (int64_t)(k0 % block_size) * head_dim;
+        const uint16_t *o = k1 < keys ? cache + (((int64_t)pages[k1 / block_size] * 2 + 1) * num_kv_heads + h) * run
+                                            + (int64_t)(k1 % block_size) * head_dim
+                                      : NULL;
+        uint32_t *dst = vt + (int64_t)p * head_dim;
+        for (int d = 0; d < head_dim; d += 32) {
+            const __m512i ev = _mm512_loadu_si512(e + d);
+            const __m512i ov = o ? _mm512_loadu_si512(o + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(ev, lo, ov));
+            _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(ev, hi, ov));
+        }
+    }
+}
+
+/* r[i] lane j -> r[j] lane i: 16 x 16 float32 (or any 32-bit lanes), in 64 shuffles. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: u[4i + c] holds column 4 * lane + c of rows 4i .. 4i + 3 */
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
+        t[8 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+        r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
+        r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
+    }
+}
+
+/* One tile: rows [r0, r0 + m) (m <= 16) of a group, for the HP query heads head0 .. head0 + HP - 1 of one KV head
+ * (they read the same K and V, so each broadcast key or value pair feeds HP products). DIM and HP are constants at
+ * each call; KB keys (q.k) and KB output columns (P . V) at a time, HP * KB accumulators. Per-thread scratch:
+ * qt HP * DIM / 2 * 16 uint32, s HP * 16 * round_up(keys, 16) floats, p HP * 16 * ceil(keys / 2) uint32,
+ * ot 16 * DIM floats. */
+static inline __attribute__((always_inline)) void tile(
+    const int DIM, const int HP, const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const uint16_t *cache,
+    const int32_t *seq_pages, const int32_t *kv_lens, uint16_t *out, int64_t out_row_stride, int num_kv_heads,
+    int block_size, float scale, int r0, int m, int h, int head0, const uint32_t *vt, uint32_t *qt, float *s,
+    uint32_t *p, float *ot) {
+    const int NP = DIM / 2, KB = HP == 1 ? 16 : HP == 2 ? 8 : HP == 3 ? 8 : 4;
+    const int64_t run = (int64_t)block_size * DIM;
+    /* Each lane's kv_len (0 past m: those lanes see no key) and the tile's largest. */
+    int lens_arr[TILE];
+    int keys = 0;
+    for (int l = 0; l < TILE; l++) {
+        lens_arr[l] = l < m ? kv_lens[r0 + l] : 0;
+        keys = lens_arr[l] > keys ? lens_arr[l] : keys;
+    }
+    const __m512i lens = _mm512_loadu_si512(lens_arr);
+    const int64_t key_slots = (keys + 15) / 16 * 16, pairs = (keys + 1) / 2;
+    /* q transposed: qt[head][pair][lane], 16 pairs at a time. */
+    for (int g = 0; g < HP; g++)
+        for (int j0 = 0; j0 < NP; j0 += 16) {
+            __m512 r[16];
+            for (int l = 0; l < TILE; l++)
+                r[l] = l < m ? _mm512_loadu_ps(q + q_rows[r0 + l] * q_row_stride + (int64_t)(head0 + g) * DIM + 2 * j0)
+                             : _mm512_setzero_ps();
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_store_ps((float *)qt + (g * NP + j0 + j) * TILE, r[j]);
+        }
+    /* Scores s[head][key][lane], KB keys of one page's run (block_size is a multiple of 16) at a time. */
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int k0 = 0; k0 < keys; k0 += KB) {
+        const uint32_t *kp = (const uint32_t *)(cache + ((int64_t)seq_pages[k0 / block_size] * 2 * num_kv_heads + h) * run
+                                                + (int64_t)(k0 % block_size) * DIM);
+        __m512 acc[4][16];
+#pragma GCC unroll 4
+        for (int g = 0; g < HP; g++)
+#pragma GCC unroll 16
+            for (int j = 0; j < KB; j++) acc[g][j] = _mm512_setzero_ps();
+        for (int i = 0; i < NP; i++) {
+            __m512bh qv[4];
+#pragma GCC unroll 4
+            for (int g = 0; g < HP; g++) qv[g] = (__m512bh)_mm512_load_si512(qt + (g * NP + i) * TILE);
+#pragma GCC unroll 16
+            for (int j = 0; j < KB; j++) {
+                const __m512bh kv = (__m512bh)_mm512_set1_epi32((int)kp[j * NP + i]);
+#pragma GCC unroll 4
+                for (int g = 0; g < HP; g++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qv[g], kv);
+            }
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < HP; g++)
+#pragma GCC unroll 16
+            for (int j = 0; j < KB; j++)
+                _mm512_store_ps(s + (g * key_slots + k0 + j) * TILE, _mm512_mul_ps(acc[g][j], vscale));
+    }
+    /* Softmax per (head, lane) over the lane's keys [0, lens): the maximum, then the numerators (summed in
+     * float32, kept as bfloat16 pairs of consecutive keys, 0 where a lane does not see the key). */
+    static const uint16_t pair_idx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_loadu_si512(pair_idx);
+    __m512 inv[4];
+    int min_len = keys;  /* keys [0, min_len) are seen by every lane of a row: no masks there */
+    for (int l = 0; l < m; l++) min_len = lens_arr[l] < min_len ? lens_arr[l] : min_len;
+    for (int g = 0; g < HP; g++) {
+        const float *sg = s + g * key_slots * TILE;
+        __m512 max = _mm512_set1_ps(-3.0e38f);
+        int k = 0;
+        for (; k < min_len; k++) max = _mm512_max_ps(max, _mm512_load_ps(sg + (int64_t)k * TILE));
+        for (; k < keys; k++) {
+            const __mmask16 sees = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k));
+            max = _mm512_mask_max_ps(max, sees, max, _mm512_load_ps(sg + (int64_t)k * TILE));
+        }
+        __m512 sum = _mm512_setzero_ps();
+        int i = 0;
+        for (; 2 * i + 1 < min_len; i++) {
+            const __m512 e0 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (int64_t)(2 * i) * TILE), max));
+            const __m512 e1 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (int64_t)(2 * i + 1) * TILE), max));
+            sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+            _mm512_store_si512(p + (g * pairs + i) * TILE,
+                               _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+        }
+        for (; i < pairs; i++) {
+            const int k0 = 2 * i;
+            const __mmask16 sees0 = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k0));
+            const __mmask16 sees1 = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k0 + 1));
+            const __m512 e0 = _mm512_maskz_mov_ps(sees0, exp16(_mm512_sub_ps(_mm512_maskz_load_ps(sees0, sg + (int64_t)k0 * TILE), max)));
+            const __m512 e1 = _mm512_maskz_mov_ps(sees1, exp16(_mm512_sub_ps(_mm512_maskz_load_ps(sees1, sg + (int64_t)(k0 + 1) * TILE), max)));
+            sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+            _mm512_store_si512(p + (g * pairs + i) * TILE,
+                               _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+        }
+        inv[g] = _mm512_maskz_div_ps(_mm512_cmpgt_epi32_mask(lens, _mm512_setzero_si512()), _mm512_set1_ps(1.0f), sum);
+    }
+    /* P . V, KB output columns of every head at a time, into ot[head][column][lane]; then each lane's rows out. */
+    for (int c0 = 0; c0 < DIM; c0 += KB) {
+        __m512 acc[4][16];
+#pragma GCC unroll 4
+        for (int g = 0; g < HP; g++)
+#pragma GCC unroll 16
+            for (int j = 0; j < KB; j++) acc[g][j] = _mm512_setzero_ps();
+        for (int i = 0; i < pairs; i++) {
+            __m512bh pv[4];
+#pragma GCC unroll 4
+            for (int g = 0; g < HP; g++) pv[g] = (__m512bh)_mm512_load_si512(p + (g * pairs + i) * TILE);
+            const uint32_t *vrow = vt + (int64_t)i * DIM + c0;
+#pragma GCC unroll 16
+            for (int j = 0; j < KB; j++) {
+                const __m512bh vv = (__m512bh)_mm512_set1_epi32((int)vrow[j]);
+#pragma GCC unroll 4
+                for (int g = 0; g < HP; g++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], pv[g], vv);
+            }
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < HP; g++)
+#pragma GCC unroll 16
+            for (int j = 0; j < KB; j++) _mm512_store_ps(ot + ((int64_t)g * DIM + c0 + j) * TILE, _mm512_mul_ps(acc[g][j], inv[g]));
+    }
+    for (int g = 0; g < HP; g++)
+        for (int c0 = 0; c0 < DIM; c0 += 16) {
+            __m512 r[16];
+            for (int j = 0; j < 16; j++) r[j] = _mm512_load_ps(ot + ((int64_t)g * DIM + c0 + j) * TILE);
+            transpose16(r);
+            for (int l = 0; l < m; l++)
+                _mm256_storeu_si256((__m256i *)(out + q_rows[r0 + l] * out_row_stride + (int64_t)(head0 + g) * DIM + c0),
+                                    (__m256i)_mm512_cvtneps_pbh(r[l]));
+        }
+}
+
+/* Query heads per tile: the most of 4, 3, 2 that divides the group (4 and 3 keep 16-24 accumulators busy). */
+static int heads_per_tile(int group) { return group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1; }
+
+/* groups: [first, rows] pairs of plan rows (each group's rows share one page table: pages row `first`).
+ * The other arguments as decode_attention_bf16's; head_dim 64 or 128, block_size a multiple of 16.
+ * Returns 0, or -2 when a buffer cannot be allocated (nothing written then). */
+int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const uint16_t *cache,
+                          const int32_t *pages, int max_pages, const int32_t *kv_lens, uint16_t *out,
+                          int64_t out_row_stride, int num_kv_heads, int group, int head_dim, int block_size,
+                          float scale, const int *groups, int num_groups) {
+    if (num_groups <= 0) return 0;
+    const int num_heads = num_kv_heads * group, hp = heads_per_tile(group);
+    tile_group *g = malloc(sizeof(tile_group) * (size_t)num_groups);
+    if (!g) return -2;
+    int64_t v_total = 0, max_keys = 0, items = 0;
+    for (int i = 0; i < num_groups; i++) {
+        g[i].first = groups[2 * i];
+        g[i].rows = groups[2 * i + 1];
+        g[i].keys = 0;
+        for (int r = g[i].first; r < g[i].first + g[i].rows; r++) g[i].keys = kv_lens[r] > g[i].keys ? kv_lens[r] : g[i].keys;
+        g[i].v_offset = v_total;
+        v_total += (int64_t)num_kv_heads * ((g[i].keys + 1) / 2) * head_dim;
+        max_keys = g[i].keys > max_keys ? g[i].keys : max_keys;
+        items += (int64_t)(num_heads / hp) * ((g[i].rows + TILE - 1) / TILE);
+    }
+    /* Work items (group, first of hp heads, tile), the tiles with the most keys first: the last ones to finish are small. */
+    int32_t *work = malloc(sizeof(int32_t) * 3 * (size_t)items);
+    uint32_t *vt = aligned_alloc(64, sizeof(uint32_t) * (size_t)((v_total + 15) / 16 * 16 + 16));
+    if (!work || !vt) {
+        free(g), free(work), free(vt);
+        return -2;
+    }
+    int max_tiles = 0;
+    for (int i = 0; i < num_groups; i++) max_tiles = (g[i].rows + TILE - 1) / TILE > max_tiles ? (g[i].rows + TILE - 1) / TILE : max_tiles;
+    int64_t n = 0;
+    for (int t = max_tiles - 1; t >= 0; t--)
+        for (int i = 0; i < num_groups; i++)
+            if (t * TILE < g[i].rows)
+                for (int head = 0; head < num_heads; head += hp) {
+                    work[3 * n] = i, work[3 * n + 1] = head, work[3 * n + 2] = t;
+                    n++;
+                }
+    const int64_t key_slots = (max_keys + 15) / 16 * 16;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)(hp * TILE * key_slots));
+        uint32_t *p = aligned_alloc(64, sizeof(uint32_t) * (size_t)(hp * TILE * (key_slots / 2 + 1)));
+        uint32_t *qt = aligned_alloc(64, sizeof(uint32_t) * (size_t)(hp * TILE * head_dim / 2));
+        float *ot = aligned_alloc(64, sizeof(float) * (size_t)(hp * TILE * head_dim));
+        if (!s || !p || !qt || !ot) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (int i = 0; i < num_groups; i++)
+            for (int h = 0; h < num_kv_heads; h++)
+                relayout_v(cache, pages + (int64_t)g[i].first * max_pages, g[i].keys, h, num_kv_heads, block_size,
+                           head_dim, vt + g[i].v_offset + (int64_t)h * ((g[i].keys + 1) / 2) * head_dim);
+        /* (the implicit barrier: every group's V is re-laid before any tile reads it) */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t w = 0; w < n; w++) {
+            if (failed) continue;
+            const tile_group *gi = &g[work[3 * w]];
+            const int head = work[3 * w + 1], t = work[3 * w + 2];
+            const int r0 = gi->first + t * TILE, m = gi->rows - t * TILE < TILE ? gi->rows - t * TILE : TILE;
+            const int32_t *seq_pages = pages + (int64_t)gi->first * max_pages;
+            const uint32_t *v_head = vt + gi->v_offset + (int64_t)(head / group) * ((gi->keys + 1) / 2) * head_dim;
+#define TILE_CALL(DIM, HP) tile(DIM, HP, q, q_row_stride, q_rows, cache, seq_pages, kv_lens, out, out_row_stride, \
+                                 num_kv_heads, block_size, scale, r0, m, head / group, head, v_head, qt, s, p, ot)
+            if (head_dim == 64) {
+                if (hp == 4) TILE_CALL(64, 4); else if (hp == 3) TILE_CALL(64, 3); else if (hp == 2) TILE_CALL(64, 2);
+                else TILE_CALL(64, 1);
+            } else {
+                if (hp == 4) TILE_CALL(128, 4); else if (hp == 3) TILE_CALL(128, 3); else if (hp == 2) TILE_CALL(128, 2);
+                else TILE_CALL(128, 1);
+            }
+#undef TILE_CALL
+        }
+        free(s), free(p), free(qt), free(ot);
+    }
+    free(g), free(work), free(vt);
+    return failed ? -2 : 0;
+}
+#endif
