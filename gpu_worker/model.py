@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gpu_worker.c_layers import CLayers, attention_block
 from gpu_worker.checkpoint import ModelConfig
 from gpu_worker import fused_ops
-from gpu_worker.linear import linear, pack_weight
+from gpu_worker.linear import linear, linear_float32, pack_weight
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels import AttentionBackend
 from kernels.cache_ops import hnd_rows
@@ -155,7 +155,7 @@ class LlamaModel:
             normed = fused_ops.add_rms_norm(hidden.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
         else:
             normed = self._rms_norm(hidden, self.final_norm)
-        return linear(normed, self.lm_head).float()
+        return linear_float32(normed, self.lm_head)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       kv_cache: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:

@@ -79,9 +79,12 @@ def pack(weight: torch.Tensor, amx: bool = False) -> NativePackedWeight:
     return NativePackedWeight(packed, weight.shape, amx)
 
 
-def linear(x: torch.Tensor, weight: NativePackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: NativePackedWeight, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x @ weight.T (+ bias): x [..., in] bfloat16 -> [..., out] bfloat16. Called ~120 times per decode
-    step: a few microseconds of Python each is a few percent of a batch-1 step, so checks are kept lean."""
+    step: a few microseconds of Python each is a few percent of a batch-1 step, so checks are kept lean.
+    `out_dtype` float32 (panel-packed weights only, not AMX tiles): the float32 sums themselves, which the
+    bfloat16 output is the rounding of (the LM head's logits: no rounding to bfloat16, no conversion pass)."""
     out_features, in_features = weight.shape
     if x.dtype is not torch.bfloat16 or x.shape[-1] != in_features:
         raise ValueError(f"input {x.dtype} {tuple(x.shape)} does not fit a bfloat16 [{out_features}, {in_features}] weight")
@@ -91,15 +94,23 @@ def linear(x: torch.Tensor, weight: NativePackedWeight, bias: torch.Tensor | Non
     if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous()):
         bias = bias.to(torch.bfloat16).contiguous()
     num_rows = rows.shape[0]
-    out = torch.empty((num_rows, out_features), dtype=torch.bfloat16)
+    if out_dtype is torch.float32 and weight.amx:
+        raise ValueError("float32 output is the panel kernel's (linear_bf16_f32), not the AMX tiles'")
+    out = torch.empty((num_rows, out_features), dtype=out_dtype)
     if num_rows:
-        _kernel(weight.amx)(rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(),
+        (_f32_kernel() if out_dtype is torch.float32 else _kernel(weight.amx))(rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(),
                             None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, num_rows,
                             out_features, in_features)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 _kernels: dict[bool, object] = {}
+
+
+def _f32_kernel():
+    library = native_lib.load()
+    assert library is not None, "linear without the C library"
+    return library.linear_bf16_f32
 
 
 def _kernel(amx: bool):  # the library's function (it exists: the weight was packed with it)

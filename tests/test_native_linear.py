@@ -59,6 +59,23 @@ def test_rows_do_not_depend_on_the_batch() -> None:
     assert torch.equal(linear(x[3:17], packed), together[3:17])
 
 
+@pytest.mark.parametrize("rows", [1, 7, 8, 33])
+@pytest.mark.parametrize("out_features, in_features", [(47, 7), (100, 577), (960, 576)])
+def test_float32_output_is_what_the_bfloat16_output_rounds(rows: int, out_features: int, in_features: int) -> None:
+    """linear_bf16_f32 (the LM head's logits) stores the float32 sums that linear_bf16 rounds: rounded to bfloat16
+    they are its output bit for bit, and they are within float32 summation error of the float32 product."""
+    torch.manual_seed(rows + out_features)
+    weight = (torch.randn(out_features, in_features) / in_features ** 0.5).to(torch.bfloat16)
+    packed = pack_weight(weight, native=True)
+    x = torch.randn(rows, 2 * in_features).to(torch.bfloat16)[:, 3:3 + in_features]  # strided rows
+    wide = native_linear.linear(x, packed, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32 and wide.shape == (rows, out_features)
+    assert torch.equal(wide.to(torch.bfloat16), native_linear.linear(x, packed))
+    torch.testing.assert_close(wide, reference(x, weight, None), rtol=1e-4, atol=1e-4)
+    assert native_linear.linear(torch.empty(0, in_features, dtype=torch.bfloat16), packed,
+                                out_dtype=torch.float32).shape == (0, out_features)
+
+
 def test_leading_dimensions_and_empty_input() -> None:
     weight = torch.randn(50, 16).to(torch.bfloat16)
     packed = pack_weight(weight, native=True)

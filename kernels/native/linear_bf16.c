@@ -78,9 +78,9 @@ typedef struct {
 
 /* rows (a constant at each call, inlined) x one panel of NR outputs; `cols`: how many of the NR exist. */
 static inline __attribute__((always_inline)) void tile(const int rows, const uint16_t *a, int64_t lda,
-                                                        const uint16_t *panel, const uint16_t *bias, uint16_t *c,
+                                                        const uint16_t *panel, const uint16_t *bias, void *c,
                                                         int64_t ldc, int k, int cols, side_cursor side,
-                                                        const int streaming, panel_stream stream) {
+                                                        const int streaming, panel_stream stream, const int f32_out) {
     __m512 acc[MR][3];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < 3; j++) acc[m][j] = _mm512_setzero_ps();
@@ -131,9 +131,13 @@ static inline __attribute__((always_inline)) void tile(const int rows, const uin
                     : _mm512_setzero_ps();
     }
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < 3; j++)
-            _mm256_mask_storeu_epi16(c + m * ldc + 16 * j, keep[j],
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b[j])));
+        for (int j = 0; j < 3; j++) {
+            const __m512 sum = _mm512_add_ps(acc[m][j], b[j]);
+            if (f32_out)  /* the float32 sums themselves: what the bfloat16 output rounds */
+                _mm512_mask_storeu_ps((float *)c + m * ldc + 16 * j, keep[j], sum);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)c + m * ldc + 16 * j, keep[j], (__m256i)_mm512_cvtneps_pbh(sum));
+        }
 }
 
 /* Tile ti of a panel's tiles_per_panel: the first reads the panel from memory, prefetching 16 K pairs ahead;
@@ -162,50 +166,59 @@ int64_t linear_bf16_pairs(int rows, int n, int k) {
     return (int64_t)((n + NR - 1) / NR) * ((rows + MR - 1) / MR) * (k / 2);
 }
 
-/* c[m, :n] = a[m, :k] @ W^T (+ bias) for m < rows, while prefetching `side`'s cache lines (or none: NULL),
- * spread one per K pair over the tiles. a: rows lda apart; wp: linear_bf16_pack's output; bias: [n] or
- * NULL; c: rows ldc apart. */
-void linear_bf16_side(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
-                      int64_t ldc, int rows, int n, int k, const side_prefetch *side) {
 #ifdef HAVE_AVX512_BF16
+/* Panel p of a product (see linear_bf16_side), its outputs bfloat16 or, with f32_out, float32. f32_out is a
+ * constant at each call (inlined into each function's own OpenMP loop), so each has its own compiled loop. */
+static inline __attribute__((always_inline)) void product_panel(
+    int p, const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, void *c, int64_t ldc, int rows,
+    int n, int k, const side_prefetch *side, const int f32_out) {
     const int panels = (n + NR - 1) / NR;
     const int64_t panel_elements = (int64_t)((k + 1) / 2) * NR * 2;
     const int tiles_per_panel = (rows + MR - 1) / MR;
     const int64_t tiles = (int64_t)panels * tiles_per_panel;
     const int streaming = tiles_per_panel <= STREAM_MAX_TILES;
     const panel_stream no_stream = {NULL, 0, 0, 1};
-#pragma omp parallel for schedule(static) if ((int64_t)rows * n * k >= 65536)
-    for (int p = 0; p < panels; p++) {
-        const uint16_t *panel = wp + p * panel_elements;
-        const uint16_t *pb = bias ? bias + p * NR : NULL;
-        uint16_t *cp = c + p * NR;
-        const int cols = n - p * NR < NR ? n - p * NR : NR;
-        int m = 0;
-        int64_t t = (int64_t)p * tiles_per_panel;
-        for (; m + MR <= rows; m += MR, t++) {
-            const side_cursor sc = side_cursor_at(side, t, tiles);
-            if (streaming)
-                tile(MR, a + m * lda, lda, panel, pb, cp + m * ldc, ldc, k, cols, sc, 1,
-                     panel_stream_at(wp, panel_elements, panels, p, m / MR, tiles_per_panel, k / 2));
-            else
-                tile(MR, a + m * lda, lda, panel, pb, cp + m * ldc, ldc, k, cols, sc, 0, no_stream);
-        }
-        const uint16_t *am = a + m * lda;
-        uint16_t *cm = cp + m * ldc;
+    const int64_t out_size = f32_out ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);  /* bytes per output */
+    const uint16_t *panel = wp + p * panel_elements;
+    const uint16_t *pb = bias ? bias + p * NR : NULL;
+    char *cp = (char *)c + (int64_t)p * NR * out_size;
+    const int cols = n - p * NR < NR ? n - p * NR : NR;
+    int m = 0;
+    int64_t t = (int64_t)p * tiles_per_panel;
+    for (; m + MR <= rows; m += MR, t++) {
         const side_cursor sc = side_cursor_at(side, t, tiles);
-        const panel_stream ps = streaming ? panel_stream_at(wp, panel_elements, panels, p, m / MR, tiles_per_panel, k / 2)
-                                          : no_stream;
-        switch (rows - m) {  /* the last rows, with a tile of their own size (no_stream: as before the streaming) */
-            case 7: tile(7, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
-            case 6: tile(6, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
-            case 5: tile(5, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
-            case 4: tile(4, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
-            case 3: tile(3, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
-            case 2: tile(2, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
-            case 1: tile(1, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps); break;
-            default: break;
-        }
+        if (streaming)
+            tile(MR, a + m * lda, lda, panel, pb, cp + m * ldc * out_size, ldc, k, cols, sc, 1,
+                 panel_stream_at(wp, panel_elements, panels, p, m / MR, tiles_per_panel, k / 2), f32_out);
+        else
+            tile(MR, a + m * lda, lda, panel, pb, cp + m * ldc * out_size, ldc, k, cols, sc, 0, no_stream, f32_out);
     }
+    const uint16_t *am = a + m * lda;
+    char *cm = cp + m * ldc * out_size;
+    const side_cursor sc = side_cursor_at(side, t, tiles);
+    const panel_stream ps = streaming ? panel_stream_at(wp, panel_elements, panels, p, m / MR, tiles_per_panel, k / 2)
+                                      : no_stream;
+    switch (rows - m) {  /* the last rows, with a tile of their own size (no_stream: as before the streaming) */
+        case 7: tile(7, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps, f32_out); break;
+        case 6: tile(6, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps, f32_out); break;
+        case 5: tile(5, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps, f32_out); break;
+        case 4: tile(4, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps, f32_out); break;
+        case 3: tile(3, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps, f32_out); break;
+        case 2: tile(2, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps, f32_out); break;
+        case 1: tile(1, am, lda, panel, pb, cm, ldc, k, cols, sc, 1, ps, f32_out); break;
+        default: break;
+    }
+}
+#endif
+
+/* c[m, :n] = a[m, :k] @ W^T (+ bias) for m < rows, while prefetching `side`'s cache lines (or none: NULL),
+ * spread one per K pair over the tiles. a: rows lda apart; wp: linear_bf16_pack's output; bias: [n] or
+ * NULL; c: rows ldc apart. */
+void linear_bf16_side(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
+                      int64_t ldc, int rows, int n, int k, const side_prefetch *side) {
+#ifdef HAVE_AVX512_BF16
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n * k >= 65536)
+    for (int p = 0; p < (n + NR - 1) / NR; p++) product_panel(p, a, lda, wp, bias, c, ldc, rows, n, k, side, 0);
 #else
     (void)a, (void)lda, (void)wp, (void)bias, (void)c, (void)ldc, (void)rows, (void)n, (void)k, (void)side;
 #endif
@@ -215,4 +228,16 @@ void linear_bf16_side(const uint16_t *a, int64_t lda, const uint16_t *wp, const 
 void linear_bf16(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c,
                  int64_t ldc, int rows, int n, int k) {
     linear_bf16_side(a, lda, wp, bias, c, ldc, rows, n, k, NULL);
+}
+
+/* c[m, :n] = a[m, :k] @ W^T (+ bias) in float32 (c: rows ldc floats apart): the sums that linear_bf16 rounds to
+ * bfloat16, for outputs read in float32 anyway (the LM head's logits: no rounding, no conversion pass). */
+void linear_bf16_f32(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, float *c, int64_t ldc,
+                     int rows, int n, int k) {
+#ifdef HAVE_AVX512_BF16
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n * k >= 65536)
+    for (int p = 0; p < (n + NR - 1) / NR; p++) product_panel(p, a, lda, wp, bias, c, ldc, rows, n, k, NULL, 1);
+#else
+    (void)a, (void)lda, (void)wp, (void)bias, (void)c, (void)ldc, (void)rows, (void)n, (void)k;
+#endif
 }
