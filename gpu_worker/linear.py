@@ -68,17 +68,23 @@ def linear_float32(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """(x @ weight.T) in float32: straight from the C panels' float32 sums where they run (the LM head's logits
     of a bfloat16 model on AVX512-BF16 CPUs: no bfloat16 rounding of the logits, no conversion pass), else
     `linear` then a conversion."""
-    if type(weight) is DualPackedWeight:
-        weight = weight.native if x.numel() <= weight.native_max_rows * x.shape[-1] else weight.onednn
+    weight = for_rows(weight, x)
     if type(weight) is NativePackedWeight and not weight.amx:
         return native_linear.linear(x, weight, out_dtype=torch.float32)
     return linear(x, weight).float()
 
 
+def for_rows(weight: PackedWeight, x: torch.Tensor) -> PackedWeight:
+    """The packing of a dual-packed weight that serves x's row count (the C kernel's up to its rows, oneDNN's
+    above); any other weight as it is."""
+    if type(weight) is DualPackedWeight:
+        return weight.native if x.numel() <= weight.native_max_rows * x.shape[-1] else weight.onednn
+    return weight
+
+
 def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a plain or a packed weight."""
-    if type(weight) is DualPackedWeight:
-        weight = weight.native if x.numel() <= weight.native_max_rows * x.shape[-1] else weight.onednn
+    weight = for_rows(weight, x)
     if type(weight) is NativePackedWeight:
         return native_linear.linear(x, weight, bias)
     if weight.is_mkldnn:

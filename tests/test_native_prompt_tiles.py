@@ -9,32 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_decode, write_kv
+from kernels import PageTable, TorchPagedAttention, native_decode
 from tests.test_kernels import dense_attention
-from tests.test_native_decode import needs_kernel
+from tests.test_native_decode import decode_case, needs_kernel
 
 TILE_MIN_ROWS = 8  # decode_attention.c's PROMPT_TILE_MIN_ROWS
 
 
 def chunk_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, block_size: int, seed: int = 0):
-    """A bf16 HND cache (NaN in every slot no sequence wrote) holding each sequence's (kv_len, q_len) K/V rows in
-    shuffled pages, its last q_len tokens this step's chunk; q rows strided like the model's. Returns the cache,
-    the pages per sequence, q, and each sequence's K and V."""
-    torch.manual_seed(seed)
-    num_blocks = sum(-(-n // block_size) for n, _ in seqs) + 5
-    cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.bfloat16, "cpu", "HND")[0]
-    cache.fill_(float("nan"))
-    free = list(np.random.default_rng(seed).permutation(num_blocks))
-    tables, keys, values = [], [], []
-    for n, _ in seqs:
-        table = np.array([free.pop() for _ in range(-(-n // block_size))], dtype=np.int32)
-        k, v = torch.randn(n, hkv, d).to(torch.bfloat16), torch.randn(n, hkv, d).to(torch.bfloat16)
-        pos = torch.arange(n)
-        write_kv(cache, k, v, torch.from_numpy(table[(pos // block_size).numpy()].astype(np.int64)) * block_size
-                 + pos % block_size, "HND")
-        tables.append(table)
-        keys.append(k)
-        values.append(v)
+    """test_native_decode's cache (NaN in every slot no sequence wrote) holding each sequence's (kv_len, q_len)
+    K/V rows, its last q_len tokens this step's chunk; q rows strided like the model's. Returns the cache, the
+    pages per sequence, q, and each sequence's K and V."""
+    cache, table, _, keys, values = decode_case([n for n, _ in seqs], hq, hkv, d, block_size, seed, fill=float("nan"))
+    indptr, indices = table.kv_indptr.numpy(), table.kv_indices.numpy()
+    tables = [indices[indptr[i]:indptr[i + 1]].astype(np.int32) for i in range(len(seqs))]
     q = torch.randn(sum(m for _, m in seqs), hq + 2 * hkv, d).to(torch.bfloat16)[:, :hq]
     return cache, tables, q, keys, values
 
