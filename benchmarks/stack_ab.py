@@ -23,6 +23,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -60,17 +61,9 @@ def parse_arm(spec: str) -> Arm:
 
 def run_arm(arm: Arm, model: str | None, prompts: list[list[int]], new_tokens: int, unary: bool) -> float:
     """One fresh stack with this arm's flags and environment: output tok/s."""
-    saved = {key: os.environ.get(key) for key in arm.env}
-    os.environ.update(arm.env)
-    try:
-        flags = ["--dtype", "auto", *arm.flags]  # later flags win: an arm may set its own dtype
+    flags = ["--dtype", "auto", *arm.flags]  # later flags win: an arm may set its own dtype
+    with mock.patch.dict(os.environ, arm.env):  # the stack's processes inherit it (tests/stack.py)
         result = systems.bench_stack(flags, model, prompts, new_tokens, batch=True, single=0, unary=unary)["batch"]
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return result.tok_per_s
 
 

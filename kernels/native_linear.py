@@ -94,29 +94,25 @@ def linear(x: torch.Tensor, weight: NativePackedWeight, bias: torch.Tensor | Non
     if bias is not None and (bias.dtype is not torch.bfloat16 or not bias.is_contiguous()):
         bias = bias.to(torch.bfloat16).contiguous()
     num_rows = rows.shape[0]
-    if out_dtype is torch.float32 and weight.amx:
-        raise ValueError("float32 output is the panel kernel's (linear_bf16_f32), not the AMX tiles'")
+    if out_dtype is not torch.bfloat16 and (out_dtype is not torch.float32 or weight.amx):
+        raise ValueError(f"out_dtype {out_dtype}: the output is bfloat16, or float32 from the panel kernel "
+                         "(linear_bf16_f32), not from the AMX tiles")
     out = torch.empty((num_rows, out_features), dtype=out_dtype)
     if num_rows:
-        (_f32_kernel() if out_dtype is torch.float32 else _kernel(weight.amx))(rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(),
+        _kernel(weight.amx, out_dtype is torch.float32)(rows.data_ptr(), rows.stride(0), weight.packed.data_ptr(),
                             None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, num_rows,
                             out_features, in_features)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-_kernels: dict[bool, object] = {}
+_kernels: dict[tuple[bool, bool], object] = {}
 
 
-def _f32_kernel():
-    library = native_lib.load()
-    assert library is not None, "linear without the C library"
-    return library.linear_bf16_f32
-
-
-def _kernel(amx: bool):  # the library's function (it exists: the weight was packed with it)
-    fn = _kernels.get(amx)
+def _kernel(amx: bool, f32_out: bool):  # the library's function (it exists: the weight was packed with it)
+    fn = _kernels.get((amx, f32_out))
     if fn is None:
         library = native_lib.load()
         assert library is not None, "linear without the C library"
-        fn = _kernels[amx] = library.linear_amx if amx else library.linear_bf16
+        name = "linear_amx" if amx else "linear_bf16_f32" if f32_out else "linear_bf16"
+        fn = _kernels[(amx, f32_out)] = getattr(library, name)
     return fn
