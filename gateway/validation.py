@@ -48,9 +48,10 @@ def prompt_token_ids(request: inference_pb2.GenerateRequest, tokenizer: TextToke
         ids = list(request.prompt_token_ids.ids)
         if not ids:
             raise ValidationError("prompt_token_ids.ids must not be empty")
-        bad = next((t for t in ids if t >= tokenizer.vocab_size), None)
-        if bad is not None:
-            raise ValidationError(f"prompt_token_ids.ids holds {bad}, outside the vocabulary (size {tokenizer.vocab_size})")
+        size = tokenizer.vocab_size  # once: the tokenizer computes it on every call
+        if max(ids) >= size:
+            bad = next(t for t in ids if t >= size)
+            raise ValidationError(f"prompt_token_ids.ids holds {bad}, outside the vocabulary (size {size})")
     else:
         # The template already writes the special tokens it needs (e.g. <|im_start|>).
         ids = tokenizer.encode(render_chat(tokenizer, request.chat), add_special_tokens=False)
