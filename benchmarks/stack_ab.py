@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import systems  # noqa: E402
 from benchmarks.roofline import cpu_line  # noqa: E402
-from benchmarks.workload import make_prompts  # noqa: E402
+from benchmarks.workload import make_prompts, round_order  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
@@ -92,8 +92,7 @@ def main() -> int:
           f"tokens each, clients {'calling Complete' if args.unary else 'streaming Generate'}; {args.rounds} rounds")
     tok_s: dict[str, list[float]] = {arm.name: [] for arm in args.arm}
     for round_index in range(args.rounds):
-        order = args.arm if round_index % 2 == 0 else list(reversed(args.arm))
-        for arm in order:
+        for arm in round_order(args.arm, round_index):
             tok_s[arm.name].append(run_arm(arm, args.model, prompts, args.new_tokens, args.unary))
             print(f"round {round_index + 1}: {arm.name:20s} {tok_s[arm.name][-1]:7.1f} tok/s", flush=True)
     first = args.arm[0].name

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import systems  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402
     MatmulRates, cpu_description, cpu_line, flop_per_token, measure_matmul_rates)
-from benchmarks.workload import Result, make_prompts  # noqa: E402
+from benchmarks.workload import Result, make_prompts, round_order  # noqa: E402
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint  # noqa: E402
 from gpu_worker.runner import resolve_dtype  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
@@ -94,12 +94,11 @@ def print_mode(mode: str, results: dict[str, Result], dtypes: dict[str, str], ro
 
 
 def run_rounds(plan: list[tuple[str, Callable[[], systems.Results]]], count: int) -> list[dict[str, systems.Results]]:
-    """Every system once per round, the odd rounds in reverse order, so that the machine's drift over the
-    run (this VM's speed wanders by ±15% within minutes) favours no system: per round, each system's results."""
+    """Every system once per round, in `round_order`: per round, each system's results."""
     rounds: list[dict[str, systems.Results]] = []
     for index in range(count):
         done = {}
-        for name, run in (plan if index % 2 == 0 else plan[::-1]):
+        for name, run in round_order(plan, index):
             results = run()
             if results:
                 done[name] = results
@@ -248,9 +247,10 @@ def main() -> int:
         group = prompts if mode == "batch" else prompts[:single]
         roofs = {d: roofline_tok_s(mc, group, args.new_tokens, r, mode) for d, r in rates.items()}
         print_mode(mode, results, names, roofs)
+        per_round = round_ratios(mode, rounds)
         if args.rounds > 1:
             print(f"(each system's median of {args.rounds} rounds; per round:)")
-            for label, values in round_ratios(mode, rounds).items():
+            for label, values in per_round.items():
                 print(f"  {label}: " + ", ".join(f"{v:.2f}x" for v in values)
                       + f"; median {statistics.median(values):.2f}x")
         line = "roofline output tok/s: " + ", ".join(f"{d} {t:.0f}" for d, t in roofs.items())
@@ -261,7 +261,7 @@ def main() -> int:
             name: {**r.to_dict(), "dtype": names[name], "roofline_fraction": r.tok_per_s / roofs[names[name]],
                    "stack_dtype_roofline_fraction": r.tok_per_s / roofs[stack_dtype]} for name, r in results.items()},
             "rounds": [{name: r[mode].to_dict() for name, r in done.items() if mode in r} for done in rounds],
-            "round_ratios": round_ratios(mode, rounds)}
+            "round_ratios": per_round}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence, TypeVar
 
 SMOLLM2_VOCAB = 49152
 # Skip the low ids, where SmolLM2 keeps its special tokens: a random EOS would not stop us
@@ -42,6 +42,15 @@ class RequestTiming:
         if len(self.token_times) < 2:
             return None
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+T = TypeVar("T")
+
+
+def round_order(items: Sequence[T], round_index: int) -> list[T]:
+    """The order of a round of an A/B: every other round reversed, so that the machine's drift over the run
+    (this VM's speed wanders by ±15% within minutes) favours none of them."""
+    return list(items) if round_index % 2 == 0 else list(reversed(items))
 
 
 def percentile(values: list[float], q: float) -> float:
