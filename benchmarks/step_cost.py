@@ -2,7 +2,7 @@
 
     python benchmarks/step_cost.py [--batches 1,16,64] [--new-tokens 128] [--prompt-len 8] [--json FILE]
                                    [--serve-flags "--omp-wait-policy passive"] [--device cpu|cuda]
-                                   [--model tiny|llama-1b]
+                                   [--model tiny|llama-1b] [--client stream|unary|both]
 
 A seeded random 2-layer Llama (tests/tiny_models.py, hidden 64, vocab 512): its forward costs
 well under a millisecond, so what is left of a step is the serving machinery itself (scheduler
@@ -15,6 +15,13 @@ Printed per system and B: ms per decode step = (last token's time - first token'
 (new_tokens - 1) (all streams start together, so each step after the first gives every stream
 one token), and CPU seconds spent per process during the run: the engine's own process; the
 stack's gateway, scheduler and worker (psutil on `serve`'s children) and this client.
+
+`--client`: how the B streams call the stack. `stream` (the default): `Generate`, one gRPC message
+per token, each timed where it arrives. `unary`: one `Complete` call each (the answer in one message)
+asking for `track_generated_token_events`, timed by the scheduler's per-token stamps (wall clock, when
+a step's tokens are applied), as the engine's are timed when its step returns them: this leaves out
+the gateway's and this client's per-token gRPC messages, which on a small machine share the worker's
+cores. `both` runs the stack once with each.
 
 `--device cuda` runs both on the GPU in bfloat16 (the float32 CPU default is the exact mode), with the
 config's other defaults (on CUDA: FlashInfer and CUDA graphs where FlashInfer is installed).
@@ -51,6 +58,7 @@ from tests.stack import run_stack  # noqa: E402
 from tests.tiny_models import make_random_llama, make_tiny_llama  # noqa: E402
 
 SERVICES = ("gateway", "scheduler", "worker")
+REPORT_KEYS = {"stream": "stack", "unary": "stack_unary"}  # --client: its runs' key in the report (and --json)
 
 
 def cpu_seconds(process: psutil.Process) -> float:
@@ -79,7 +87,9 @@ def engine_step_cost(engine: InferenceEngine, prompts: list[list[int]], new_toke
 
 
 def stack_step_cost(model: Path, batches: list[int], prompts: list[list[int]], new_tokens: int,
-                    max_batch: int, serve_flags: list[str], device: str, dtype: str) -> dict[int, dict[str, Any]]:
+                    max_batch: int, serve_flags: list[str], device: str, dtype: str,
+                    unary: bool = False) -> dict[int, dict[str, Any]]:
+    """`unary`: `Complete` calls timed by the scheduler's token stamps (module docstring); else streams."""
     import grpc
 
     from hetero.v1 import inference_pb2_grpc
@@ -98,10 +108,17 @@ def stack_step_cost(model: Path, batches: list[int], prompts: list[list[int]], n
             async with grpc.aio.insecure_channel(stack.address) as channel:
                 stub = inference_pb2_grpc.InferenceStub(channel)
                 start = time.perf_counter()
+                wall_start = time.time()  # the scheduler's token stamps are wall-clock seconds
 
                 async def one(ids: list[int]) -> None:
-                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                                       track_generated_token_events=unary)
                     req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=ids), params=params)
+                    if unary:
+                        stamps = (await stub.Complete(req, timeout=600)).token_timestamps
+                        first_times.append(stamps[0] - wall_start)
+                        last_times.append(stamps[-1] - wall_start)
+                        return
                     seen: float | None = None
                     last = 0.0
                     async for msg in stub.Generate(req, timeout=600):
@@ -133,6 +150,8 @@ def main() -> int:
     parser.add_argument("--serve-flags", default="", help="more `serve` flags for the stack, e.g. \"--omp-wait-policy passive\"")
     parser.add_argument("--device", default="cpu", help="cpu (float32) or cuda[:N] (bfloat16)")
     parser.add_argument("--model", choices=("tiny", "llama-1b"), default="tiny")
+    parser.add_argument("--client", choices=("stream", "unary", "both"), default="stream",
+                        help="the stack's clients: streaming Generate, unary Complete, or a run of each")
     args = parser.parse_args()
     configure_logging("warning", "console")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -140,7 +159,8 @@ def main() -> int:
     max_batch = max(batches)
     # 384: the tiny tokenizer's vocabulary (the gateway checks prompt ids against it), below the model's 512.
     prompts = make_prompts(max_batch, args.prompt_len, args.prompt_len, vocab=384)
-    report: dict[str, Any] = {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": {}, "stack": {}}
+    clients = ("stream", "unary") if args.client == "both" else (args.client,)
+    report: dict[str, Any] = {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": {}}
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     with tempfile.TemporaryDirectory() as tmp:
         if args.model == "tiny":
@@ -161,15 +181,19 @@ def main() -> int:
         gc.collect()
         if args.device != "cpu":
             torch.cuda.empty_cache()
-        report["stack"] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch, args.serve_flags.split(),
-                                          args.device, dtype)
-    print(f"\n{'B':>4} {'engine ms/step':>15} {'stack ms/step':>14} {'stack/engine':>13}   CPU seconds "
-          f"(engine | {' '.join(SERVICES)} client)")
-    for b in batches:
-        e, s = report["engine"][b], report["stack"][b]
-        cpu = " ".join(f"{s['cpu_seconds'][name]:.2f}" for name in (*SERVICES, "client"))
-        print(f"{b:>4} {e['ms_per_step']:>15.2f} {s['ms_per_step']:>14.2f} {s['ms_per_step'] / e['ms_per_step']:>12.1f}x"
-              f"   {e['cpu_seconds']['engine']:.2f} | {cpu}")
+        for client in clients:
+            report[REPORT_KEYS[client]] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch,
+                                                          args.serve_flags.split(), args.device, dtype,
+                                                          unary=client == "unary")
+    for client in clients:
+        print(f"\nclients: {'streaming Generate' if client == 'stream' else 'unary Complete (scheduler token stamps)'}")
+        print(f"{'B':>4} {'engine ms/step':>15} {'stack ms/step':>14} {'stack/engine':>13}   CPU seconds "
+              f"(engine | {' '.join(SERVICES)} client)")
+        for b in batches:
+            e, s = report["engine"][b], report[REPORT_KEYS[client]][b]
+            cpu = " ".join(f"{s['cpu_seconds'][name]:.2f}" for name in (*SERVICES, "client"))
+            print(f"{b:>4} {e['ms_per_step']:>15.2f} {s['ms_per_step']:>14.2f} {s['ms_per_step'] / e['ms_per_step']:>12.1f}x"
+                  f"   {e['cpu_seconds']['engine']:.2f} | {cpu}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
