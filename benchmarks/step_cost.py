@@ -49,7 +49,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workload import make_prompts  # noqa: E402
+from benchmarks.systems import timed_request  # noqa: E402
+from benchmarks.workload import RequestTiming, make_prompts  # noqa: E402
 from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
@@ -58,7 +59,8 @@ from tests.stack import run_stack  # noqa: E402
 from tests.tiny_models import make_random_llama, make_tiny_llama  # noqa: E402
 
 SERVICES = ("gateway", "scheduler", "worker")
-REPORT_KEYS = {"stream": "stack", "unary": "stack_unary"}  # --client: its runs' key in the report (and --json)
+# --client: its runs' key in the report (and --json), and its heading in the printout
+CLIENTS = {"stream": ("stack", "streaming Generate"), "unary": ("stack_unary", "unary Complete (scheduler token stamps)")}
 
 
 def cpu_seconds(process: psutil.Process) -> float:
@@ -103,34 +105,14 @@ def stack_step_cost(model: Path, batches: list[int], prompts: list[list[int]], n
             prompt_token_ids=inference_pb2.TokenIds(ids=prompts[0]), params=common_pb2.SamplingParams(max_tokens=4)))
 
         async def run(group: list[list[int]]) -> tuple[float, float, float]:
-            first_times: list[float] = []
-            last_times: list[float] = []
+            timings = [RequestTiming() for _ in group]
             async with grpc.aio.insecure_channel(stack.address) as channel:
                 stub = inference_pb2_grpc.InferenceStub(channel)
-                start = time.perf_counter()
-                wall_start = time.time()  # the scheduler's token stamps are wall-clock seconds
-
-                async def one(ids: list[int]) -> None:
-                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                                                       track_generated_token_events=unary)
-                    req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=ids), params=params)
-                    if unary:
-                        stamps = (await stub.Complete(req, timeout=600)).token_timestamps
-                        first_times.append(stamps[0] - wall_start)
-                        last_times.append(stamps[-1] - wall_start)
-                        return
-                    seen: float | None = None
-                    last = 0.0
-                    async for msg in stub.Generate(req, timeout=600):
-                        if msg.token_ids:
-                            now = time.perf_counter() - start
-                            seen = now if seen is None else seen
-                            last = now
-                    first_times.append(seen or 0.0)
-                    last_times.append(last)
-
-                await asyncio.gather(*(one(p) for p in group))
-                return min(first_times), max(last_times), time.perf_counter() - start
+                start, wall_start = time.perf_counter(), time.time()
+                await asyncio.gather(*(timed_request(stub, ids, new_tokens, unary, timing, start, wall_start,
+                                                     timeout=600) for ids, timing in zip(group, timings)))
+                return (min(t.token_times[0] for t in timings), max(t.token_times[-1] for t in timings),
+                        time.perf_counter() - start)
 
         for b in batches:
             before = {name: cpu_seconds(p) for name, p in services.items()} | {"client": cpu_seconds(client)}
@@ -182,15 +164,16 @@ def main() -> int:
         if args.device != "cpu":
             torch.cuda.empty_cache()
         for client in clients:
-            report[REPORT_KEYS[client]] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch,
-                                                          args.serve_flags.split(), args.device, dtype,
-                                                          unary=client == "unary")
+            report[CLIENTS[client][0]] = stack_step_cost(model, batches, prompts, args.new_tokens, max_batch,
+                                                       args.serve_flags.split(), args.device, dtype,
+                                                       unary=client == "unary")
     for client in clients:
-        print(f"\nclients: {'streaming Generate' if client == 'stream' else 'unary Complete (scheduler token stamps)'}")
+        key, heading = CLIENTS[client]
+        print(f"\nclients: {heading}")
         print(f"{'B':>4} {'engine ms/step':>15} {'stack ms/step':>14} {'stack/engine':>13}   CPU seconds "
               f"(engine | {' '.join(SERVICES)} client)")
         for b in batches:
-            e, s = report["engine"][b], report[REPORT_KEYS[client]][b]
+            e, s = report["engine"][b], report[key][b]
             cpu = " ".join(f"{s['cpu_seconds'][name]:.2f}" for name in (*SERVICES, "client"))
             print(f"{b:>4} {e['ms_per_step']:>15.2f} {s['ms_per_step']:>14.2f} {s['ms_per_step'] / e['ms_per_step']:>12.1f}x"
                   f"   {e['cpu_seconds']['engine']:.2f} | {cpu}")

@@ -61,6 +61,25 @@ def bench_engine(config: Config, prompts: list[list[int]], new_tokens: int, batc
     return results
 
 
+async def timed_request(stub: Any, ids: list[int], new_tokens: int, unary: bool, timing: RequestTiming,
+                        start: float, wall_start: float, timeout: float = 900) -> None:
+    """One greedy request of `new_tokens` (EOS ignored) on a `hetero.v1.Inference` stub, its tokens' times
+    added to `timing` in seconds from `start` (perf_counter). Streaming `Generate`: each message timed where
+    it arrives. `unary`: one `Complete` call asking for `track_generated_token_events`, its tokens timed by
+    the scheduler's stamps (wall clock, hence `wall_start`)."""
+    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                                       track_generated_token_events=unary)
+    req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=ids), params=params)
+    if unary:
+        answer = await stub.Complete(req, timeout=timeout)
+        for stamp in answer.token_timestamps:
+            timing.add(stamp - wall_start)
+        return
+    async for msg in stub.Generate(req, timeout=timeout):
+        if msg.token_ids:
+            timing.add(time.perf_counter() - start, len(msg.token_ids))
+
+
 def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[int]], new_tokens: int,
                 batch: bool, single: int, unary: bool = False) -> Results:
     """`unary`: each request is one `Complete` call (the whole answer in one message, as a batch client
@@ -85,21 +104,8 @@ def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[i
                 stub = inference_pb2_grpc.InferenceStub(channel)
                 start, wall_start = time.perf_counter(), time.time()
 
-                async def one(i: int) -> None:
-                    params = common_pb2.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True,
-                                                       track_generated_token_events=unary)
-                    req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=group[i]),
-                                                        params=params)
-                    if unary:
-                        answer = await stub.Complete(req, timeout=900)
-                        for stamp in answer.token_timestamps:
-                            timings[i].add(stamp - wall_start)
-                        return
-                    async for msg in stub.Generate(req, timeout=900):
-                        if msg.token_ids:
-                            timings[i].add(time.perf_counter() - start, len(msg.token_ids))
-
-                await asyncio.gather(*(one(i) for i in range(len(group))))
+                await asyncio.gather(*(timed_request(stub, ids, new_tokens, unary, timing, start, wall_start)
+                                       for ids, timing in zip(group, timings)))
                 return time.perf_counter() - start, timings
 
         results: Results = {}
