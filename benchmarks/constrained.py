@@ -34,7 +34,7 @@ from gpu_worker.constrained import GuidanceVocabulary, build_constraint_masks  #
 from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 from hetero_common.sampling import resolve  # noqa: E402
-from tests.stack import Stack, run_stack  # noqa: E402
+from hetero_infer.testing.stack import Stack, run_stack  # noqa: E402
 
 LONG = {"type": "array", "items": {"type": "string", "minLength": 6, "maxLength": 12}, "minItems": 40, "maxItems": 40}
 RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],

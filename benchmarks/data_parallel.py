@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
-from tests.stack import free_port, run_stack  # noqa: E402
+from hetero_infer.testing.stack import free_port, run_stack  # noqa: E402
 
 POLICIES = ("round_robin", "first_prefix_block", "longest_prefix")
 
@@ -87,7 +87,7 @@ def main() -> int:
     if args.model:
         model, vocab = Path(args.model), 30000
     else:
-        from tests.tiny_models import make_tiny_llama
+        from hetero_infer.testing.tiny_models import make_tiny_llama
 
         model, vocab = make_tiny_llama(Path(tempfile.mkdtemp(prefix="dp-bench-")) / "tiny-llama", seed=1), 384
     prompts = workload(args.groups, args.per_group, args.prefix, args.suffix, vocab)

@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
-from tests.stack import run_stack  # noqa: E402
-from tests.stack_requests import wait_for_idle  # noqa: E402
+from hetero_infer.testing.stack import run_stack  # noqa: E402
+from hetero_infer.testing.stack_requests import wait_for_idle  # noqa: E402
 
 
 async def load(address: str, streams: int, seconds: float, vocab: int, seed: int) -> tuple[Counter, int, list[float]]:
@@ -82,7 +82,7 @@ def main() -> int:
     if args.model:
         model, vocab = Path(args.model), 30000
     else:
-        from tests.tiny_models import make_tiny_llama
+        from hetero_infer.testing.tiny_models import make_tiny_llama
 
         model, vocab = make_tiny_llama(Path(tempfile.mkdtemp(prefix="load-test-")) / "tiny-llama", seed=1), 384
     ok = True

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
-from tests.stack import Stack, run_stack  # noqa: E402
+from hetero_infer.testing.stack import Stack, run_stack  # noqa: E402
 
 
 def ttft(stack: Stack, ids: list[int], salt: str, echo: bool) -> tuple[float, int]:

@@ -46,7 +46,7 @@ class AttentionShape:
 # The shapes checked without a device. The default model, SmolLM2-135M (9 query heads, 3 KV
 # heads, head_dim 64: CUDA-core decode); the GPU tests' and benchmark's head_dim-64 Llamas (group
 # 4); a head_dim-128 model with a GQA group of 4 (Llama-3-8B) and one of 7 (Qwen2.5-7B: tensor-core
-# decode), as tests/test_gpu.py's attention test uses them.
+# decode), as tests/gpu/test_gpu.py's attention test uses them.
 CHECKED_SHAPES = (
     AttentionShape("SmolLM2-135M (default model)", 9, 3, 64),
     AttentionShape("Llama-3.2-1B shape (gpu_bench)", 32, 8, 64),

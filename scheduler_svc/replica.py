@@ -35,7 +35,7 @@ def link_silent(exc: grpc.aio.AioRpcError) -> bool:
     or refused the connection (gRPC core says "ping timeout"; older cores "keepalive watchdog").
     With data in flight the kernel may say it first: gRPC sets TCP_USER_TIMEOUT to the keepalive
     timeout, and unacknowledged data then ends the call with "recvmsg:Connection timed out (110)"
-    (seen mid-stream in tests/test_multihost.py about one cut in three: taken for a lost step, the
+    (seen mid-stream in tests/multihost/test_multihost.py about one cut in three: taken for a lost step, the
     replica was retried and went down only after 3.0 s)."""
     details = (exc.details() or "").lower()
     return "ping timeout" in details or "keepalive" in details or "connection timed out" in details

@@ -29,7 +29,7 @@ target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp31
 # What the runtime (serving included), the GPU tests, the benchmark and the JIT build import beyond the
 # GPU image's own packages (scripts/gpu_image_packages.txt, from the device tool's KINDS.md), at
 # pyproject.toml's pins; and what these carried packages require beyond the image, since --no-deps
-# fetches none of it. tests/test_gpu_carry.py reads these lines and checks that they, with the
+# fetches none of it. tests/gpu/test_gpu_carry.py reads these lines and checks that they, with the
 # image, cover every third-party import.
 "$PY" -m pip download --no-deps "${target[@]}" -d "$work/wheels" \
     "grpcio>=1.85,<1.86" "grpcio-health-checking>=1.85,<1.86" "grpcio-reflection>=1.85,<1.86" \

@@ -111,7 +111,7 @@ if [ "$what" = build ] || [ "$what" = all ]; then
     step build gpu_build.log "$PY" scripts/flashinfer_jit.py build
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    step tests gpu_tests.log "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
+    step tests gpu_tests.log "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu/test_gpu.py
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench gpu_bench.log "$PY" benchmarks/gpu_bench.py --json "$out/gpu_bench.json" "$@"

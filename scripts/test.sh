@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 . .venv/bin/activate
-# FlashInfer for the slow compile check (tests/test_flashinfer_compile.py: every module the worker
+# FlashInfer for the slow compile check (tests/gpu/test_flashinfer_compile.py: every module the worker
 # selects, compiled for sm_90a up to the object files, ~11 min on 2 cores). --no-deps: the package,
 # its FFI layer and what importing it and its JIT need (about 120 MiB with cuRAND), not the `gpu`
 # extra's CUDA Python libraries (cutlass-dsl, cudnn-frontend, nccl4py, ...: 290 MiB in all) that

@@ -1,0 +1,86 @@
+"""The layering the design asks for, checked on the source: no two modules import each other
+(directly or round a longer loop), nothing imports upward (the base and the services never
+import the product), and no module is over 400 lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.import_graph import describe_cycle, find_cycles, import_graph, imports_across_layers, long_modules
+from hetero_infer.testing.stack import REPO_ROOT
+
+# Bottom to top: the generated stubs and the shared base, the services, the product.
+LAYERS = (("hetero", "hetero_common"), ("gateway", "scheduler_svc", "gpu_worker", "kernels"), ("hetero_infer",))
+PACKAGES = tuple(package for layer in LAYERS for package in layer)
+MAX_MODULE_LINES = 400
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(import_graph(REPO_ROOT, PACKAGES))
+    if cycles:
+        pytest.fail("modules that import each other:\n" + "\n".join(describe_cycle(c, REPO_ROOT) for c in cycles))
+
+
+def test_nothing_imports_a_higher_layer() -> None:
+    upward = imports_across_layers(import_graph(REPO_ROOT, PACKAGES), LAYERS)
+    if upward:
+        pytest.fail("imports of a higher layer:\n" + "\n".join(
+            f"{edge.where(REPO_ROOT)}: {edge.importer} imports {edge.imported}" for edge in upward))
+
+
+def test_no_module_over_400_lines() -> None:
+    long = long_modules(REPO_ROOT, PACKAGES, MAX_MODULE_LINES)
+    if long:
+        pytest.fail(f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(
+            f"{path.relative_to(REPO_ROOT)}: {lines}" for path, lines in long))
+
+
+# --- the walker itself, on a tiny tree made for each case ---
+
+
+def write_tree(root: Path, files: dict[str, str]) -> Path:
+    for name, source in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    return root
+
+
+def test_walker_finds_a_cycle_through_function_type_checking_and_relative_imports(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {
+        "low/__init__.py": "",
+        "low/a.py": "def f():\n    from low import b\n",  # `from pkg import module` inside a function
+        "low/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .c import Thing\n",
+        "low/c.py": "import os\n\nimport low.a\n",
+        "low/d.py": "from low.a import f\n",  # imports into the cycle, is not part of it
+    })
+    cycles = find_cycles(import_graph(root, ["low"]))
+    assert [describe_cycle(c, root) for c in cycles] == [
+        "low.a -> low.b -> low.c -> low.a (low/a.py:2, low/b.py:3, low/c.py:3)"]
+
+
+def test_walker_reports_an_upward_import_with_its_line(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {
+        "base/__init__.py": "",
+        "base/util.py": "X = 1\n",
+        "svc/__init__.py": "",
+        "svc/run.py": "from base.util import X\n\n\ndef late():\n    from product import cli\n",
+        "product/__init__.py": "",
+        "product/cli.py": "from svc import run\n",
+    })
+    upward = imports_across_layers(import_graph(root, ["base", "svc", "product"]), [["base"], ["svc"], ["product"]])
+    assert [(e.where(root), e.imported) for e in upward] == [("svc/run.py:5", "product.cli")]
+    assert find_cycles(import_graph(root, ["base", "svc", "product"])) != []  # svc.run <-> product.cli
+
+
+def test_walker_counts_lines_and_skips_generated_stubs(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/short.py": "x = 1\n" * 400,
+        "pkg/long.py": "x = 1\n" * 401,
+        "pkg/thing_pb2.py": "x = 1\n" * 1000,
+        "pkg/thing_pb2_grpc.py": "x = 1\n" * 1000,
+    })
+    assert long_modules(root, ["pkg"], 400) == [(root / "pkg/long.py", 401)]

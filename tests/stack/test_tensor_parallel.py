@@ -1,0 +1,64 @@
+"""Tensor parallel 2 on the CPU (gloo): the same greedy token ids as tensor parallel 1, also
+across a KV-cache suspend/resume, which every rank carries out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.helpers.oracle import NEW_TOKENS, engine_greedy, make_prompts
+from hetero_infer.testing.stack import free_port, run_stack
+from hetero_infer.testing.stack_requests import generate_concurrently, start_streams_to_suspend, wait_for_idle
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_tp2_stack_matches_tp1(model_fixture: str, request: pytest.FixtureRequest) -> None:
+    model_dir: Path = request.getfixturevalue(model_fixture)
+    prompts = make_prompts()
+    tp1 = engine_greedy(model_dir, prompts, block_size=5)  # tensor parallel 1 (the transformers-checked path)
+    worker = f"127.0.0.1:{free_port()}"
+    with run_stack(model_dir, "--block-size", "5", "--max-model-len", "512", "--tensor-parallel-size", "2",
+                   "--worker-address", worker, "--log-level", "warning") as stack:
+        assert generate_concurrently(stack, prompts, NEW_TOKENS, 120) == tp1
+        assert wait_for_idle(stack).used_blocks == 0
+        info = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest())
+        assert info.service.num_workers_up == 1
+        with grpc.insecure_channel(worker) as channel:
+            described = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
+        assert described.tensor_parallel_size == 2 and described.pid > 0
+
+
+@pytest.mark.parametrize("mode", ["OFFLOAD", "RECOMPUTE"])
+def test_tp2_suspend_releases_every_rank_and_streams_continue(tiny_llama_dir: Path, mode: str) -> None:
+    prompts = make_prompts()
+    tp1 = engine_greedy(tiny_llama_dir, prompts[6:8], block_size=16)
+    # 32,768 blocks x 4 KiB per rank (2 layers x K/V x 16 slots x 1 KV head x 16 dims x fp32):
+    # 128 MiB a rank, enough for the follower's resident memory to show the release.
+    block_bytes, num_blocks = 2 * 2 * 16 * 1 * 16 * 4, 32768
+    scheduler_address = f"127.0.0.1:{free_port()}"
+    results: dict[int, list[int]] = {}
+    with run_stack(tiny_llama_dir, "--block-size", "16", "--max-num-blocks", str(num_blocks), "--max-model-len", "512",
+                   "--tensor-parallel-size", "2", "--scheduler-address", scheduler_address,
+                   "--log-level", "warning") as stack:
+        follower = stack.service_process("worker", tp_rank=1)
+        threads = start_streams_to_suspend(stack, results)
+        rss_before = follower.memory_info().rss
+        with grpc.insecure_channel(scheduler_address) as channel:
+            scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+            answer = scheduler.Suspend(scheduler_pb2.SuspendRequest(
+                mode=common_pb2.KVCacheManagementMode.Value(f"KV_CACHE_MANAGEMENT_MODE_{mode}")), timeout=60)
+            assert answer.released_bytes == 2 * num_blocks * block_bytes  # both ranks' shards
+            if mode == "RECOMPUTE":  # dropped, not copied to host memory: rank 1's memory goes back
+                drop = rss_before - follower.memory_info().rss
+                assert drop > 0.75 * num_blocks * block_bytes, f"rank 1 released only {drop / 2**20:.1f} MiB"
+            scheduler.Resume(scheduler_pb2.ResumeRequest(), timeout=60)
+        for t in threads:
+            t.join(150)
+        assert results[6] == tp1[0]
+        assert len(results[7]) == 200 and results[7][:NEW_TOKENS] == tp1[1]
+        assert wait_for_idle(stack).used_blocks == 0
