@@ -8,6 +8,17 @@ import sys
 import structlog
 
 
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time of the write, not at configure time: a process
+    that swaps it later (pytest's capture, a daemon that redirects it) must not keep a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", fmt: str = "auto", service: str | None = None) -> None:
     """Configure structlog once per process. `fmt`: auto (console on a TTY, else JSON), json, console."""
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
@@ -23,7 +34,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", service: str | Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
