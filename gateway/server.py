@@ -17,7 +17,7 @@ from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.fallback import FallbackBackend
 from gateway.generation import Generation
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
-from gateway.http_api import HttpApi
+from gateway.openai.app import HttpApi
 from gateway.scheduler_backend import SchedulerBackend
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import inference_pb2_grpc

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from gateway.auth import ApiKeys
 from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
-from gateway.http_api import HttpApi
+from gateway.openai.app import HttpApi
 from hetero.v1 import scheduler_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.errors import UnavailableError

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway import openai_schema as oa
+from gateway.openai import schema as oa
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config

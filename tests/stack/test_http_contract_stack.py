@@ -102,7 +102,7 @@ def test_fuzzed_bodies_never_get_a_5xx(stack: Stack) -> None:
 
 def _served_subset(document: dict) -> dict:
     """The OpenAPI document without the fields the server refuses unless they hold their default."""
-    from gateway.openai_fields import CHAT, COMPLETION, MESSAGE
+    from gateway.openai.fields import CHAT, COMPLETION, MESSAGE
 
     document = copy.deepcopy(document)
     schemas = document["components"]["schemas"]

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway import openai_schema as oa
+from gateway.openai import schema as oa
 from gateway.auth import ApiKeys
 from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
-from gateway.http_api import HttpApi
-from gateway.openai_fields import CHAT, COMPLETION, MESSAGE
+from gateway.openai.app import HttpApi
+from gateway.openai.fields import CHAT, COMPLETION, MESSAGE
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import scheduler_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config

@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError as PydanticValidationError
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import openai_schema as oa
+from gateway.openai import schema as oa
 from gateway.auth import ApiKeys
 from gateway.metrics import GatewayMetrics
 from gpu_worker.sampler import top_logprobs

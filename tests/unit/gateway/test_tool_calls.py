@@ -18,11 +18,11 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway import openai_schema as oa
+from gateway.openai import schema as oa
 from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
-from gateway.openai_structured import apply_constraint
-from gateway.openai_tools import call_deltas, chat_message
+from gateway.openai.structured import apply_constraint
+from gateway.openai.tools import call_deltas, chat_message
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from gateway.tool_calls import ToolPlan, default_tools_block, template_input, validate_history
 from gateway.tool_stream import ToolCallStream, tool_request

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> GenerateRequests, and GenerateResponses -> OpenAI response shapes.
 
-Pure translation: no I/O. The bodies and their range checks are `openai_bodies`; the fields
-refused by name are `openai_fields`. Here: the checks that need the model (token ids inside
+Pure translation: no I/O. The bodies and their range checks are `bodies`; the fields
+refused by name are `fields`. Here: the checks that need the model (token ids inside
 the vocabulary) and the mapping of every served field onto the proto.
 
 `n` samples go to the engine as one request per prompt with `params.n`, exactly as a gRPC
@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from gateway.openai_bodies import ChatBody, ChatMessageBody, CompletionBody, StreamOptions, _Body
-from gateway.openai_structured import apply_constraint
-from gateway.openai_tools import chat_proto
-from gateway.prompt_echo import engine_prompt_logprobs
+from gateway.openai.bodies import ChatBody, ChatMessageBody, CompletionBody, StreamOptions, _Body
+from gateway.openai.prompt_echo import engine_prompt_logprobs
+from gateway.openai.structured import apply_constraint
+from gateway.openai.tools import chat_proto
 from hetero_common.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
@@ -94,7 +94,7 @@ def completion_requests(body: CompletionBody, request_id: str,
                         tokenizer: TextTokenizer) -> list[inference_pb2.GenerateRequest]:
     """One GenerateRequest per prompt, each asking for n samples; choice index = prompt index * n + sample.
     Request ids are `{request_id}-{prompt index}`."""
-    # echo: the HTTP layer prepends the prompt (gateway/prompt_echo.py); with logprobs it needs the prompt's.
+    # echo: the HTTP layer prepends the prompt (gateway/openai/prompt_echo.py); with logprobs it needs the prompt's.
     prompt_logprobs = engine_prompt_logprobs(body.echo, body.logprobs, body.prompt_logprobs, body.max_tokens)
     prompts: list[str | list[int]]
     if isinstance(body.prompt, str) or isinstance(body.prompt[0], int):

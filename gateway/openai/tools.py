@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.openai_bodies import ChatBody, ChatMessageBody
+from gateway.openai.bodies import ChatBody, ChatMessageBody
 from gateway.tool_calls import AUTO, NONE, REQUIRED, tool_specs
 from hetero.v1 import inference_pb2
 from hetero_common.errors import ValidationError

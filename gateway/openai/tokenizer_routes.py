@@ -11,9 +11,9 @@ from pydantic import Field, model_validator
 
 from gateway import tokenization
 from gateway.generation import Generation
-from gateway.openai_bodies import UINT32_MAX, ChatMessageBody, StrictBody
-from gateway.openai_fields import MESSAGE, Unserved, refuse_unserved
-from gateway.openai_tools import chat_of
+from gateway.openai.bodies import UINT32_MAX, ChatMessageBody, StrictBody
+from gateway.openai.fields import MESSAGE, Unserved, refuse_unserved
+from gateway.openai.tools import chat_of
 from gateway.validation import check_model, render_chat
 from hetero_common.errors import ValidationError
 

@@ -3,11 +3,11 @@
 One rule: every field is honoured or refused with a 400 naming it.
 - Unknown fields are refused (`extra="forbid"`), in messages and `stream_options` too.
 - Fields OpenAI or vLLM define that we do not serve are declared, accepted at their default
-  and refused otherwise (`openai_fields`).
+  and refused otherwise (`fields`).
 - Every number is range-checked here, so that no value reaches protobuf out of range (a
   uint32 field given -1 or 2**40 would raise inside the protobuf conversion: a 500). NaN and
   infinities are refused. Checks that need the model (token ids < vocabulary size) are made
-  when the bodies are translated (`openai_schema`).
+  when the bodies are translated (`schema`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.openai_fields import CHAT, COMPLETION, MESSAGE, refuse_unserved
+from gateway.openai.fields import CHAT, COMPLETION, MESSAGE, refuse_unserved
 from hetero_common.errors import ValidationError
 from hetero_common.sampling import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
 
@@ -64,14 +64,14 @@ class _Body(StrictBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=1024, description="OpenAI's end-user id: accepted, informational only")
-    # Structured output (openai_structured); the guided_* fields are vLLM's older names.
+    # Structured output (openai.structured); the guided_* fields are vLLM's older names.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Declared so that they are refused by name, not as unknown (openai_fields.COMMON).
+    # Declared so that they are refused by name, not as unknown (openai.fields.COMMON).
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     use_beam_search: bool = False
@@ -181,7 +181,7 @@ class ChatMessageBody(StrictBody):
     content: str | list[TextPart] | None = None
     name: str | None = None  # given to the chat template (a tool message's: the function's name)
     refusal: str | None = None  # OpenAI's assistant refusal text, when a client echoes a reply back
-    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (openai_tools)
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made (openai.tools)
     tool_call_id: str | None = None  # tool: the call this message answers
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
@@ -198,10 +198,10 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None  # checked in openai_tools
+    tools: list[dict[str, Any]] | None = None  # checked in openai.tools
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # accepted: `auto` answers may hold several calls, `required` one
-    # Declared so that they are refused by name, not as unknown (openai_fields.CHAT).
+    # Declared so that they are refused by name, not as unknown (openai.fields.CHAT).
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     store: bool | None = None

@@ -3,7 +3,7 @@
 JSON, streams, errors. Without the header the gateway makes one (and echoes that).
 
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would wrap `receive` and hide
-the client's disconnect from `http_streams.unless_client_gone`)."""
+the client's disconnect from `streams.unless_client_gone`)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ _TOOLS = "the deprecated function-calling fields are not served; send tools and 
 
 # Both routes.
 COMMON: dict[str, Unserved] = {
-    # response_format, structured_outputs and guided_json/regex/choice/grammar are served (openai_structured).
+    # response_format, structured_outputs and guided_json/regex/choice/grammar are served (openai.structured).
     "guided_decoding_backend": Unserved(_none, "one structured-output backend (llguidance) is served"),
     "guided_whitespace_pattern": Unserved(_none, "JSON is always compact"),
     "use_beam_search": Unserved(_false, "beam search is not served"),
@@ -71,7 +71,7 @@ COMPLETION: dict[str, Unserved] = {
 
 CHAT: dict[str, Unserved] = {
     **COMMON,
-    # tools, tool_choice and parallel_tool_calls are served (openai_tools).
+    # tools, tool_choice and parallel_tool_calls are served (openai.tools).
     "functions": Unserved(_empty, _TOOLS),
     "function_call": Unserved(_is("none"), f"{_TOOLS}; only \"none\" is accepted"),
     "store": Unserved(_false, "completions are not stored"),

@@ -8,7 +8,7 @@ GET /tokenizer_info (need an API key when keys are on); GET /healthz, /readyz, /
 /openapi.json (open, for probes, scrapers and API tools).
 
 Every request field is honoured or refused with a 400 naming it (`error.param`): the bodies
-are `openai_bodies`, and pydantic's errors are reported here in OpenAI's error shape.
+are `bodies`, and pydantic's errors are reported here in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import openai_schema as oa
 from gateway.auth import ApiKeys
 from gateway.generation import Generation
-from gateway.http_request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
-from gateway.http_streams import merged, unless_client_gone
-from gateway.http_tokenize import TokenizerRoutes
 from gateway.metrics import CONTENT_TYPE_LATEST
-from gateway.openai_structured import renamed_errors
-from gateway.openai_tools import call_deltas, chat_message
-from gateway.prompt_echo import PromptShaping
+from gateway.openai import schema as oa
+from gateway.openai.prompt_echo import PromptShaping
+from gateway.openai.request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
+from gateway.openai.streams import merged, unless_client_gone
+from gateway.openai.structured import renamed_errors
+from gateway.openai.tokenizer_routes import TokenizerRoutes
+from gateway.openai.tools import call_deltas, chat_message
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
 

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from gateway.generation import Generation
 from hetero.v1 import inference_pb2
 
-log = structlog.get_logger("gateway.http_streams")
+log = structlog.get_logger("gateway.openai.streams")
 
 
 async def merged(generation: Generation, requests: list[inference_pb2.GenerateRequest],
