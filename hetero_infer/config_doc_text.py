@@ -75,45 +75,46 @@ NOTES = """\
 ## Notes on some keys
 
 - **`dtype`** `auto`: bfloat16 on GPUs. On a CPU, bfloat16 where it has `amx_bf16`, or
-  `avx512_bf16` where the C linear kernel runs (`cpu_kernels` and `weight_prepack` on), or else
-  where a matrix product timed at start-up runs at least 1.5x faster than in float32; otherwise
-  float32. The choice is logged. `float32` is the exact mode: greedy output matches
-  `transformers` token for token.
+  `avx512_bf16` where the C linear kernel runs (`cpu_kernels` and `weight_prepack` on), or
+  else where a matrix product timed at start-up runs at least 1.5x faster than in float32;
+  otherwise float32 (`gpu_worker/cpu/worker_setup.py`). The choice is logged. `float32` is the
+  exact mode: greedy output matches `transformers` token for token.
 - **`attention_backend`** `auto` picks FlashInfer when it imports, the device is CUDA sm75 or
   newer, the head size is 64, 128 or 256 and the dtype is bfloat16 or float16; otherwise the
   torch paged reference. Naming `flashinfer` where it cannot run fails at start-up with the
   reason.
 - **`cpu_kernels`**: the C kernels in `kernels/native/` are built on first use with the host's
-  `cc` into `~/.cache/hetero-infer/native` (or `$HETERO_CACHE_DIR`), in about a second. They
-  cover paged attention that reads each sequence's K/V rows in place (decodes, and prompt rows
-  where the AVX512-BF16 path runs), fused RMSNorm (+ residual), RoPE and SiLU·mul, the bfloat16
-  linear layers on CPUs with AVX512-BF16 (AMX tile kernels where the CPU has AMX), AMX prompt
-  attention, greedy sampling's argmax, and, where every kernel of a layer is C and there is no
-  tensor parallelism, all decoder layers in one C call with the same results bit for bit.
-  float32 always runs the torch code.
+  `cc` into `~/.cache/hetero-infer/native` (or `$HETERO_CACHE_DIR`), in about a second
+  (`kernels/native/lib.py`). They cover paged attention that reads each sequence's K/V rows in
+  place (decodes, and prompt rows where the AVX512-BF16 path runs), fused RMSNorm (with the
+  residual add), RoPE and SiLU·mul, the bfloat16 linear layers on CPUs with AVX512-BF16 (AMX
+  tile kernels where the CPU has AMX), AMX prompt attention, greedy sampling's argmax, and,
+  where every kernel of a layer is C and there is no tensor parallelism, all decoder layers in
+  one C call with the same results bit for bit. float32 always runs the torch code.
 - **`weight_prepack`**: the linear layers' weights are re-laid out once at load instead of on
-  every product. In float32 the products move from MKL to oneDNN (last-bit differences; the
-  oracle tests stay token-exact); in bfloat16 results are bit-identical. A tied LM head costs
-  one extra copy of the embedding. `false` gives plain `F.linear`, exactly `transformers`'
-  float32 products.
+  every product (`gpu_worker/cpu/packed_linear.py`). In float32 the products move from MKL to
+  oneDNN (last-bit differences; the oracle tests stay token-exact); in bfloat16 results are
+  bit-identical. A tied LM head costs one extra copy of the embedding. `false` gives plain
+  `F.linear`, exactly `transformers`' float32 products.
 - **Threads** (`num_threads`, `reserved_cpus`, `omp_wait_policy`): with `num_threads` 0 each
-  worker process takes an equal share of the host's cores less `reserved_cpus`. `reserved_cpus`
-  -1 (auto) reserves cores for the gateway and scheduler only under `serve` on hosts with enough
-  cores (`hetero_common/host_cores.py`); a worker started alone, or the in-process engine,
-  reserves none. `omp_wait_policy: passive` lets torch's threads sleep instead of spinning after
-  each parallel region, which leaves the cores to the other processes and costs a wake-up per
-  region: it helps many streams of a small model and slows a single stream.
-- **`serving.stream_interval`** N > 1: fewer, larger messages per stream (fewer only in a
-  sample's last message or before an error; the samples of an `n` > 1 request are grouped each
-  apart). A stop string is matched as its message is made, so the engine may compute up to
-  N - 1 tokens past it.
-- **`async_scheduling`**: output is the same token for token as one step at a time; a
-  sequence that ends with EOS or a stop id has one token computed in vain.
+  worker process takes an equal share of the host's cores less `reserved_cpus`.
+  `reserved_cpus` -1 (auto) reserves cores for the gateway and scheduler only under `serve` on
+  hosts with enough cores (`hetero_common/host_cores.py`); a worker started alone, or the
+  in-process engine, reserves none. `omp_wait_policy: passive` lets torch's threads sleep
+  instead of spinning after each parallel region, which leaves the cores to the other
+  processes and costs a wake-up per region: it helps many streams of a small model and slows a
+  single stream.
+- **`serving.stream_interval`** N > 1: fewer, larger messages per stream; a message holds
+  fewer than N tokens only at a sample's end or before an error, and the samples of an `n` > 1
+  request are grouped each apart. A stop string is matched as its message is made, so the
+  engine may compute up to N-1 tokens past it.
+- **`async_scheduling`**: output is the same token for token as one step at a time; a sequence
+  that ends with EOS or a stop id has one token computed in vain.
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with
   `hetero-infer worker --tp-rank R`, all with the same config and rank 0's `worker_address`,
-  and point the scheduler at rank 0 alone; rank 0 serves the TCP store (gloo on the CPU, NCCL on
-  GPUs). With gloo the interface that routes to rank 0 is used unless `GLOO_SOCKET_IFNAME` is
-  set. `serve` refuses it with `data_parallel_size` > 1.
+  and point the scheduler at rank 0 alone; rank 0 serves the TCP store (gloo on the CPU, NCCL
+  on GPUs). With gloo the interface that routes to rank 0 is used unless `GLOO_SOCKET_IFNAME`
+  is set. `serve` refuses it with `data_parallel_size` > 1.
 - **`worker_dns`**: an address that appears joins after a `Describe`, with its own block pool;
   one that vanishes is handled as a dead worker (its sequences recomputed elsewhere); a name
   with no records means no such replicas.
