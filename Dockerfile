@@ -1,6 +1,6 @@
 # One image for all three services: `hetero-infer worker | scheduler | gateway` (see docker-compose.yml
-# and deploy/). The defaults build the CPU image. A CUDA image for deploy/overlays/gpu (README,
-# "Deploying on Kubernetes"): --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+# and deploy/). The defaults build the CPU image. A CUDA image for deploy/overlays/gpu (docs/deployment.md,
+# Kubernetes): --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 # --build-arg EXTRAS=[gpu], on a BASE_IMAGE with Python 3.12 and the CUDA toolkit (FlashInfer's JIT needs nvcc).
 ARG BASE_IMAGE=python:3.12-slim
 FROM ${BASE_IMAGE}

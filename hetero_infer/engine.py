@@ -37,7 +37,7 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # parallel samples; each finishes as its own CompletedRequest (same request_id, index 0..n-1)
-    # The logits controls (README, SamplingParams); the defaults are off.
+    # The logits controls (docs/api.md, SamplingParams); the defaults are off.
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0

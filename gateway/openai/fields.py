@@ -4,7 +4,7 @@ caller trusts the answer), and refusing a default value would break clients that
 it (e.g. `tools: []`, `store: false`, `response_format: {"type": "text"}`).
 
 Fields nobody defines are refused by the body models themselves (`extra="forbid"`). The
-README's API section lists this table; keep them in step.
+docs/api.md lists this table; keep them in step.
 """
 
 from __future__ import annotations
