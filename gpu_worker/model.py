@@ -16,14 +16,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.c_layers import CLayers, attention_block
 from gpu_worker.checkpoint import ModelConfig
-from gpu_worker import fused_ops
-from gpu_worker.linear import linear, linear_float32, pack_weight
+from gpu_worker.cpu import fused_ops
+from gpu_worker.cpu.c_layers import CLayers, attention_block
+from gpu_worker.cpu.packed_linear import linear, linear_float32, pack_weight
 from gpu_worker.tensor_parallel import TensorParallel
-from kernels import AttentionBackend
+from kernels.attention_backend import AttentionBackend
 from kernels.cache_ops import hnd_rows
-from kernels.native_linear import amx_fits
+from kernels.native.linear import amx_fits
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -65,11 +65,11 @@ class LlamaModel:
                  native_linear: bool = False, native_linear_max_rows: int | None = None, native_linear_amx: bool = False,
                  fused: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
-        gpu_worker/linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
+        gpu_worker/cpu/packed_linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
         C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
         `native_linear_max_rows` (AMX CPUs), for both, the C kernel taking products of up to that many rows;
-        `native_linear_amx`: the C kernel is the AMX tile one (kernels/native_linear.py's `plan` chose it).
-        `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/fused_ops.py) where they are
+        `native_linear_amx`: the C kernel is the AMX tile one (kernels/native/linear.py's `plan` chose it).
+        `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/cpu/fused_ops.py) where they are
         available (bfloat16 CPU)."""
         self.config = config
         self.device = device
@@ -198,7 +198,7 @@ class LlamaModel:
             raise IndexError(f"position {int(positions.max())} is beyond the model's {self.cos.shape[0]} positions")
         delta: torch.Tensor | None = None  # the last block's output, not yet added to `hidden`
         # The attention backend's C plan, when it covers every row of the step: the layers' RoPE, K/V write
-        # and attention then run as one C call each (gpu_worker/c_layers.py), or, with C linear layers too,
+        # and attention then run as one C call each (gpu_worker/cpu/c_layers.py), or, with C linear layers too,
         # every layer in one call.
         # Prompt chunks may attend apart (`apart_prompts`, AMX CPUs): after each block.
         plan = getattr(attention, "native_rows", lambda: None)() if t else None

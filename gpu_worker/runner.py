@@ -18,8 +18,8 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
-from gpu_worker.linear import prepack_supported
-from gpu_worker.cpu_setup import configure_cpu_threads, cpu_flags, resolve_cpu_dtype
+from gpu_worker.cpu.packed_linear import prepack_supported
+from gpu_worker.cpu.worker_setup import configure_cpu_threads, cpu_flags, resolve_cpu_dtype
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel, linear_shapes
@@ -32,9 +32,10 @@ from hetero_common.config import Config
 from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import Sampling, resolve
-from kernels import PageTable, allocate_kv_cache, copy_blocks, create_attention_backend
-from kernels import native_linear
-from kernels.cache_ops import swap_in_blocks, swap_out_blocks
+from kernels.attention_backend import create_attention_backend
+from kernels.cache_ops import allocate_kv_cache, copy_blocks, swap_in_blocks, swap_out_blocks
+from kernels.native import linear as native_linear
+from kernels.page_table import PageTable
 
 log = structlog.get_logger("gpu_worker.runner")
 
@@ -59,7 +60,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, hidden_size: int = 0, prepack: bool = True,
                   cpu_kernels: str = "auto") -> torch.dtype:
-    """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 where its matrix products are faster (cpu_setup)."""
+    """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 where its matrix products are faster (cpu.worker_setup)."""
     if device.type == "cpu":
         return resolve_cpu_dtype(name, hidden_size, prepack, cpu_kernels)[0]
     return torch.bfloat16 if name == "auto" else getattr(torch, name)

