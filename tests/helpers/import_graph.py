@@ -3,7 +3,9 @@ imported, so a module that needs CUDA or a missing extra is read like any other)
 
 Every import statement counts, wherever it is: at the top, inside a function, or under
 `if TYPE_CHECKING:` (a cycle through a type-only import is still a cycle in the design).
-`from pkg import name` is an edge to the submodule `pkg.name` when that is a module, else to `pkg`.
+`from pkg import name` is an edge to the submodule `pkg.name` when that is a module, else to `pkg`;
+an import of a submodule is an edge to each package above it too (`import a.b.c`: a, a.b and a.b.c),
+whose `__init__.py` runs first.
 Imports of anything outside the given packages (the standard library, torch, ...) are dropped.
 """
 
@@ -71,17 +73,28 @@ def _imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: 
     return [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"] or [base]
 
 
+def _packages_above(module: str, modules: dict[str, Path]) -> list[str]:
+    """The project packages that contain `module`, outermost first."""
+    parts = module.split(".")
+    return [name for end in range(1, len(parts)) if (name := ".".join(parts[:end])) in modules]
+
+
 def imports_in(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
-    """Every edge from `module` (its file `path`) to another project module."""
+    """Every edge from `module` (its file `path`) to another project module: to the module an import
+    statement loads, and to each package above that module, since loading a.b.c runs a/__init__.py and
+    a/b/__init__.py first (`from kernels import native_decode` in a module that kernels/__init__.py
+    imports is a cycle through that __init__)."""
     is_package = path.name == "__init__.py"
     edges: list[Import] = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
+        targets: dict[str, None] = {}  # each once per statement, in order
         for name in _imported_names(node, module, is_package):
             target = _resolve(name, modules)
-            if target is not None and target != module:
-                edges.append(Import(module, target, path, node.lineno))
+            if target is not None:
+                targets.update(dict.fromkeys([target, *_packages_above(target, modules)]))
+        edges += [Import(module, target, path, node.lineno) for target in targets if target != module]
     return edges
 
 
@@ -206,8 +219,6 @@ def reachable_modules(entry_points: Iterable[str], modules: dict[str, Path]) -> 
         if module in seen:
             continue
         seen.append(module)
-        # Importing a.b.c runs a/__init__.py and a/b/__init__.py first.
-        parents = [".".join(module.split(".")[:end]) for end in range(1, module.count(".") + 1)]
-        pending += [parent for parent in parents if parent in modules]
+        pending += _packages_above(module, modules)  # importing a.b.c runs a/__init__.py and a/b/__init__.py first
         pending += [edge.imported for edge in imports_in(module, modules[module], modules)]
     return sorted(seen)

@@ -61,6 +61,32 @@ def test_walker_finds_a_cycle_through_function_type_checking_and_relative_import
         "low.a -> low.b -> low.c -> low.a (low/a.py:2, low/b.py:3, low/c.py:3)"]
 
 
+def test_walker_adds_the_packages_an_import_runs(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {
+        "a/__init__.py": "",
+        "a/b/__init__.py": "",
+        "a/b/c.py": "",
+        "a/b/d.py": "from a.b import c\n",  # its own packages too (they ran before it; no edge to itself)
+        "app/__init__.py": "",
+        "app/user.py": "import a.b.c\n",
+        "app/other.py": "from a.b.c import thing\n",
+    })
+    graph = import_graph(root, ["a", "app"])
+    assert [e.imported for e in graph["app.user"]] == ["a.b.c", "a", "a.b"]
+    assert [e.imported for e in graph["app.other"]] == ["a.b.c", "a", "a.b"]
+    assert [e.imported for e in graph["a.b.d"]] == ["a.b.c", "a", "a.b"]
+
+
+def test_walker_finds_a_cycle_through_a_package_init(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {  # kernels/__init__ -> torch_attention -> `from kernels import native_decode`
+        "pkg/__init__.py": "from pkg.user import run\n",
+        "pkg/user.py": "from pkg import helper\n",
+        "pkg/helper.py": "X = 1\n",
+    })
+    cycles = find_cycles(import_graph(root, ["pkg"]))
+    assert [describe_cycle(c, root) for c in cycles] == ["pkg -> pkg.user -> pkg (pkg/__init__.py:1, pkg/user.py:1)"]
+
+
 def test_walker_reports_an_upward_import_with_its_line(tmp_path: Path) -> None:
     root = write_tree(tmp_path, {
         "base/__init__.py": "",
@@ -71,7 +97,7 @@ def test_walker_reports_an_upward_import_with_its_line(tmp_path: Path) -> None:
         "product/cli.py": "from svc import run\n",
     })
     upward = imports_across_layers(import_graph(root, ["base", "svc", "product"]), [["base"], ["svc"], ["product"]])
-    assert [(e.where(root), e.imported) for e in upward] == [("svc/run.py:5", "product.cli")]
+    assert [(e.where(root), e.imported) for e in upward] == [("svc/run.py:5", "product.cli"), ("svc/run.py:5", "product")]
     assert find_cycles(import_graph(root, ["base", "svc", "product"])) != []  # svc.run <-> product.cli
 
 
