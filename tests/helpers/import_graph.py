@@ -193,6 +193,19 @@ def long_modules(root: Path, packages: Iterable[str], max_lines: int) -> list[tu
     return found
 
 
+def long_functions(root: Path, packages: Iterable[str], max_lines: int) -> list[tuple[Path, int, str, int]]:
+    """(file, line, name, lines) of every function over `max_lines` lines (`end_lineno - lineno + 1`): plain
+    and async, methods and nested functions too, each counted whole (a nested one also inside its outer's)."""
+    found = []
+    for path in module_files(root, packages).values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > max_lines:
+                    found.append((path, node.lineno, node.name, lines))
+    return sorted(found)
+
+
 def external_imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
     """(top-level name, line) of every absolute import in `path` that is not one of `modules`'
     packages: the standard library's and third parties', wherever the statement is (a function's
