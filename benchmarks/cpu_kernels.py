@@ -5,7 +5,7 @@
 
 1. Linear layers, bfloat16: one forward's worth of products (every layer's weights distinct, so
    they stream from memory as in a real step) through oneDNN's prepacked weights, the C kernel's
-   AVX512-BF16 panels and, on AMX CPUs, its tiles (kernels/native_linear.py), at each row count. Needs
+   AVX512-BF16 panels and, on AMX CPUs, its tiles (kernels/native/linear.py), at each row count. Needs
    a CPU with AVX512-BF16.
 2. Paged attention, bfloat16: one layer's decode at `--batch` sequences of 16-256 + 32 cached
    tokens (seeded), cycling through one cache per layer so that each call reads cold memory: the
@@ -14,7 +14,7 @@
 3. Prompt attention, bfloat16: one layer's causal attention of one fresh prompt of each `--prompt-lens`
    length, torch's SDPA (its flash kernel) against, where they run, the C kernel's per-row path (each row a
    decode up to its position) and its 16-row tiles (AVX512-BF16 CPUs: kernels/native/prompt_row_tiles.c),
-   and the AMX tile kernel (kernels/native_prompt_attention.py); and of one `--chunk` (rows, sequence
+   and the AMX tile kernel (kernels/native/prompt_attention.py); and of one `--chunk` (rows, sequence
    tokens) over a cached prefix, the same kernels.
 Best of `--repeats`, ms or µs per call. Run it on an idle box: it uses all of torch's threads.
 """
@@ -34,10 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import cpu_line, linear_shapes  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
-from gpu_worker.cpu_setup import cpu_flags  # noqa: E402
-from gpu_worker.linear import linear, pack_weight  # noqa: E402
+from gpu_worker.cpu.packed_linear import linear, pack_weight  # noqa: E402
+from gpu_worker.cpu.worker_setup import cpu_flags  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
-from kernels import native_decode, native_lib, native_linear, native_prompt_attention  # noqa: E402
+from kernels.native import decode_attention as native_decode  # noqa: E402
+from kernels.native import lib as native_lib  # noqa: E402
+from kernels.native import linear as native_linear  # noqa: E402
+from kernels.native import prompt_attention as native_prompt_attention  # noqa: E402
 from kernels.torch_attention import _sdpa  # noqa: E402
 
 

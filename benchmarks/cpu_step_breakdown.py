@@ -30,7 +30,8 @@ from benchmarks.workload import make_prompts  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
-from kernels import native_lib, native_linear  # noqa: E402
+from kernels.native import lib as native_lib  # noqa: E402
+from kernels.native import linear as native_linear  # noqa: E402
 
 PREFILL_KERNELS = {"linear_bf16": "linear products", "attention_block_bf16": "attention block",
                    "decode_attention_bf16": "attention", "silu_mul_bf16": "SiLU·mul",

@@ -4,7 +4,7 @@
                                     [--model PATH] [--json FILE]
 
 `hetero-infer serve --data-parallel-size N` starts N worker processes on this host. With
-`num_threads: 0` (the default) each takes the host's cores divided by N (gpu_worker/cpu_setup.py);
+`num_threads: 0` (the default) each takes the host's cores divided by N (gpu_worker/cpu/worker_setup.py);
 a hand-set `--num-threads T` gives each worker T threads. This runs the throughput workload of
 benchmarks/throughput.py (64 concurrent requests, 16-256 random prompt tokens, 64 greedy new
 tokens, EOS ignored, SmolLM2-135M, the stack's default dtype) on a fresh stack per thread count,
@@ -25,7 +25,7 @@ from benchmarks import systems  # noqa: E402
 from benchmarks.roofline import cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
-from gpu_worker.cpu_setup import worker_threads  # noqa: E402
+from gpu_worker.cpu.worker_setup import worker_threads  # noqa: E402
 from hetero_common.host_cores import default_reserved_cpus, host_cores  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402

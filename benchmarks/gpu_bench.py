@@ -35,7 +35,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from gpu_worker.checkpoint import ModelConfig  # noqa: E402
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, convert_layout  # noqa: E402
+from kernels.cache_ops import allocate_kv_cache, convert_layout  # noqa: E402
+from kernels.page_table import PageTable  # noqa: E402
+from kernels.torch_attention import TorchPagedAttention  # noqa: E402
 from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
 
 DTYPE = torch.bfloat16

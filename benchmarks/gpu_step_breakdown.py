@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks.gpu_bench import (  # noqa: E402
     BLOCK_SIZE, DTYPE, LLAMA_1B, decode_table, gpu_unavailable, graph_decode_attention, random_weights)
-from kernels import allocate_kv_cache  # noqa: E402
+from kernels.cache_ops import allocate_kv_cache  # noqa: E402
 
 
 def median_ms(fn, steps: int, sync_before: bool = True) -> float:

@@ -6,10 +6,10 @@ development box) does not decide an A/B of a few percent.
                                    [--max-prompt 180] [--new-tokens 48] [--model PATH] [--products ROWS]
 
 The base revision's `kernels/native/` (`git archive`) is compiled with the same flags as this checkout's
-(kernels/native_lib.py). The engine (the config's defaults: bfloat16 where `dtype: auto` picks it) then
+(kernels/native/lib.py). The engine (the config's defaults: bfloat16 where `dtype: auto` picks it) then
 runs `--reps` rounds; in each, both builds in turn (the order alternating) take `--batch` seeded prompts
 of `--min-prompt`-`--max-prompt` random tokens to `--new-tokens` greedy tokens each, with every decoder
-layer running through that build's `llama_layers_bf16` (the one-call layers, gpu_worker/c_layers.py:
+layer running through that build's `llama_layers_bf16` (the one-call layers, gpu_worker/cpu/c_layers.py:
 the linear products, attention and element-wise kernels of every layer; the LM head and sampling stay
 this checkout's). Printed: each round's median decode-step time per build, and this checkout's time over
 the base's per round and their median. Needs a CPU where the one-call layers run (AVX512-BF16, the
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import cpu_description, cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts  # noqa: E402
-from gpu_worker.c_layers import CLayers  # noqa: E402
+from gpu_worker.cpu.c_layers import CLayers  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from gpu_worker.model import linear_shapes  # noqa: E402
 from gpu_worker.tensor_parallel import TensorParallel  # noqa: E402
@@ -48,7 +48,7 @@ from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
-from kernels import native_lib  # noqa: E402
+from kernels.native import lib as native_lib  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = "llama_layers_bf16"

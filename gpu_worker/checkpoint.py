@@ -224,67 +224,94 @@ def _unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     try:
         reader = GGUFReader(str(path))
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{str(path)!r} is not a readable GGUF file: {exc}.") from exc
+    meta = _GGUFMetadata(reader, path)
+    # llama.cpp writes Mistral models under "llama", so these two cover the supported family.
+    _check_architecture(meta.architecture, path, ("llama", "qwen2"))
+    gguf_tensors = {t.name: t for t in reader.tensors}
+    config = _gguf_config(meta, gguf_tensors)
+    return config, _gguf_state(gguf_tensors, config, dtype)
 
-    def field(key: str, default: Any = None) -> Any:
-        entry = reader.get_field(key)
+
+class _GGUFMetadata:
+    """A GGUF file's metadata fields; `required` ones are the architecture's (`llama.block_count`)."""
+
+    def __init__(self, reader: Any, path: Path) -> None:  # reader: gguf.GGUFReader
+        self.reader = reader
+        self.path = path
+        self.architecture = str(self.field("general.architecture", ""))
+
+    def field(self, key: str, default: Any = None) -> Any:
+        entry = self.reader.get_field(key)
         return default if entry is None else entry.contents()
 
-    architecture = str(field("general.architecture", ""))
-    # llama.cpp writes Mistral models under "llama", so these two cover the supported family.
-    _check_architecture(architecture, path, ("llama", "qwen2"))
-
-    def required(key: str) -> Any:
-        value = field(f"{architecture}.{key}")
+    def required(self, key: str) -> Any:
+        value = self.field(f"{self.architecture}.{key}")
         if value is None:
-            raise CheckpointError(f"GGUF file {str(path)!r} lacks metadata key {architecture}.{key!s}.")
+            raise CheckpointError(f"GGUF file {str(self.path)!r} lacks metadata key {self.architecture}.{key!s}.")
         return value
 
-    gguf_tensors = {t.name: t for t in reader.tensors}
-    hidden, heads = int(required("embedding_length")), int(required("attention.head_count"))
-    kv_heads = int(field(f"{architecture}.attention.head_count_kv") or heads)
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    if tokens is not None:
-        vocab_size = len(tokens.data)  # one entry per token string
-    elif "token_embd.weight" in gguf_tensors:
-        vocab_size = int(gguf_tensors["token_embd.weight"].shape[-1])  # GGUF order: (hidden, vocab)
-    else:
-        vocab_size = int(required("vocab_size"))
-    rope_scaling: dict[str, Any] | None = None
-    scaling_type = field(f"{architecture}.rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        factor = _f32(field(f"{architecture}.rope.scaling.factor", 1.0))
-        rope_scaling = {"rope_type": str(scaling_type), "factor": factor}
-        original = field(f"{architecture}.rope.scaling.original_context_length")
-        if original is not None:
-            rope_scaling["original_max_position_embeddings"] = int(original)
-    # Note: Llama 3.1-style scaling is baked into a `rope_freqs` tensor by llama.cpp, and its HF
-    # parameters are not recoverable from the metadata; such files load with rope_scaling=None.
-    eos = token_ids(field("tokenizer.ggml.eos_token_id")) + token_ids(field("tokenizer.ggml.eot_token_id"))
-    bos = field("tokenizer.ggml.bos_token_id")
-    config = ModelConfig(
-        architecture=architecture,
+
+def _gguf_config(meta: _GGUFMetadata, gguf_tensors: dict[str, Any]) -> ModelConfig:
+    """The HF-style config from the metadata, and from the tensors where it says nothing."""
+    arch = meta.architecture
+    hidden, heads = int(meta.required("embedding_length")), int(meta.required("attention.head_count"))
+    kv_heads = int(meta.field(f"{arch}.attention.head_count_kv") or heads)
+    vocab_size = _gguf_vocab_size(meta, gguf_tensors)
+    rope_scaling = _gguf_rope_scaling(meta)
+    eos = token_ids(meta.field("tokenizer.ggml.eos_token_id")) + token_ids(meta.field("tokenizer.ggml.eot_token_id"))
+    bos = meta.field("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(required("feed_forward_length")),
-        num_hidden_layers=int(required("block_count")),
+        intermediate_size=int(meta.required("feed_forward_length")),
+        num_hidden_layers=int(meta.required("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=int(field(f"{architecture}.attention.key_length") or hidden // heads),
-        rms_norm_eps=_f32(required("attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32(field(f"{architecture}.rope.freq_base", 10000.0)),
+        head_dim=int(meta.field(f"{arch}.attention.key_length") or hidden // heads),
+        rms_norm_eps=_f32(meta.required("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta.field(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(field(f"{architecture}.context_length", 2048)),
+        max_position_embeddings=int(meta.field(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in gguf_tensors,
         attention_bias="blk.0.attn_q.bias" in gguf_tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_unique(eos),
     )
+
+
+def _gguf_vocab_size(meta: _GGUFMetadata, gguf_tensors: dict[str, Any]) -> int:
+    tokens = meta.reader.get_field("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)  # one entry per token string
+    if "token_embd.weight" in gguf_tensors:
+        return int(gguf_tensors["token_embd.weight"].shape[-1])  # GGUF order: (hidden, vocab)
+    return int(meta.required("vocab_size"))
+
+
+def _gguf_rope_scaling(meta: _GGUFMetadata) -> dict[str, Any] | None:
+    # Note: Llama 3.1-style scaling is baked into a `rope_freqs` tensor by llama.cpp, and its HF
+    # parameters are not recoverable from the metadata; such files load with rope_scaling=None.
+    arch = meta.architecture
+    scaling_type = meta.field(f"{arch}.rope.scaling.type")
+    if scaling_type in (None, "none"):
+        return None
+    rope_scaling: dict[str, Any] = {"rope_type": str(scaling_type),
+                                    "factor": _f32(meta.field(f"{arch}.rope.scaling.factor", 1.0))}
+    original = meta.field(f"{arch}.rope.scaling.original_context_length")
+    if original is not None:
+        rope_scaling["original_max_position_embeddings"] = int(original)
+    return rope_scaling
+
+
+def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors under HF names, dequantized to `dtype`; llama's Q/K rows back in HF's rotary order."""
+    from gguf.quants import dequantize
 
     state: dict[str, torch.Tensor] = {}
     for name, tensor in gguf_tensors.items():
@@ -298,10 +325,10 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
             array = np.array(array)
         # GGUF lists dimensions fastest-first (ne0 = columns): reverse for torch's row-major order.
         weight = torch.from_numpy(array).reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
-        if architecture == "llama" and name.startswith("blk."):
+        if config.architecture == "llama" and name.startswith("blk."):
             if ".attn_q." in name:
-                weight = _unpermute_rotary(weight, heads)
+                weight = _unpermute_rotary(weight, config.num_attention_heads)
             elif ".attn_k." in name:
-                weight = _unpermute_rotary(weight, kv_heads)
+                weight = _unpermute_rotary(weight, config.num_key_value_heads)
         state[hf_name] = weight.to(dtype).contiguous()
-    return config, state
+    return state

@@ -18,7 +18,9 @@ import torch
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
-from kernels import AttentionBackend, PageTable, allocate_kv_cache, create_attention_backend
+from kernels.attention_backend import AttentionBackend, create_attention_backend
+from kernels.cache_ops import allocate_kv_cache
+from kernels.page_table import PageTable
 
 log = structlog.get_logger("gpu_worker.cuda_setup")
 

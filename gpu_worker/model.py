@@ -12,18 +12,20 @@ are all-reduced across ranks (see gpu_worker/tensor_parallel.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.c_layers import CLayers, attention_block
 from gpu_worker.checkpoint import ModelConfig
-from gpu_worker import fused_ops
-from gpu_worker.linear import linear, linear_float32, pack_weight
+from gpu_worker.cpu import fused_ops
+from gpu_worker.cpu.c_layers import CLayers, attention_block
+from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, pack_weight
 from gpu_worker.tensor_parallel import TensorParallel
-from kernels import AttentionBackend
+from kernels.attention_backend import AttentionBackend
 from kernels.cache_ops import hnd_rows
-from kernels.native_linear import amx_fits
+from kernels.native.linear import amx_fits
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -57,6 +59,40 @@ def linear_shapes(config: ModelConfig, tp: TensorParallel) -> list[tuple[int, in
             (c.vocab_size, c.hidden_size)]
 
 
+def rope_tables(config: ModelConfig, max_positions: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim / 2] for rotate-half RoPE (the HF layout), computed in float64."""
+    positions = torch.arange(max_positions, dtype=torch.float64)
+    freqs = torch.outer(positions, rope_inv_freq(config))
+    return freqs.cos().to(device=device, dtype=dtype), freqs.sin().to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class WeightPlacer:
+    """Checkpoint tensors onto the model's device in its dtype, linear weights packed as the runner planned
+    (LlamaModel's arguments of the same names)."""
+
+    weights: dict[str, torch.Tensor]
+    device: torch.device
+    dtype: torch.dtype
+    prepack: bool
+    native_linear: bool
+    native_linear_max_rows: int | None
+    native_linear_amx: bool
+
+    def tensor(self, name: str, shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous."""
+        tensor = self.weights[name] if shard is None else shard(self.weights[name])
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def matrix(self, tensor: torch.Tensor) -> PackedWeight:
+        """A linear layer's weight, packed when `prepack`."""
+        if not self.prepack:
+            return tensor
+        amx = self.native_linear_amx and amx_fits(*tensor.shape)  # else the panels (the runner's plan checked them all)
+        return pack_weight(tensor, self.native_linear, self.native_linear_max_rows, amx)
+
+
 class LlamaModel:
     """Weights as plain tensors (no nn.Module: nothing here is trained)."""
 
@@ -65,11 +101,11 @@ class LlamaModel:
                  native_linear: bool = False, native_linear_max_rows: int | None = None, native_linear_amx: bool = False,
                  fused: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
-        gpu_worker/linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
+        gpu_worker/cpu/packed_linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
         C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
         `native_linear_max_rows` (AMX CPUs), for both, the C kernel taking products of up to that many rows;
-        `native_linear_amx`: the C kernel is the AMX tile one (kernels/native_linear.py's `plan` chose it).
-        `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/fused_ops.py) where they are
+        `native_linear_amx`: the C kernel is the AMX tile one (kernels/native/linear.py's `plan` chose it).
+        `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/cpu/fused_ops.py) where they are
         available (bfloat16 CPU)."""
         self.config = config
         self.device = device
@@ -80,43 +116,13 @@ class LlamaModel:
                          intermediate_size=c.intermediate_size)
         self.num_heads = c.num_attention_heads // tp.size  # on this rank
         self.num_kv_heads = c.num_key_value_heads // tp.size
-
-        def w(name: str, shard=None) -> torch.Tensor:
-            tensor = weights[name] if shard is None else shard(weights[name])
-            return tensor.to(device=device, dtype=dtype).contiguous()
-
-        def matrix(tensor: torch.Tensor) -> torch.Tensor:
-            if not prepack:
-                return tensor
-            amx = native_linear_amx and amx_fits(*tensor.shape)  # else the panels (the runner's plan checked them all)
-            return pack_weight(tensor, native_linear, native_linear_max_rows, amx)
-
-        self.embed = w("model.embed_tokens.weight")
+        place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx)
+        self.embed = place.tensor("model.embed_tokens.weight")
         # A tied LM head is packed as its own copy: the embedding lookup needs the plain rows.
-        self.lm_head = matrix(self.embed if c.tie_word_embeddings else w("lm_head.weight"))
-        self.final_norm = w("model.norm.weight")
-        self.layers: list[dict[str, torch.Tensor | None]] = []
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            # q, k, v fused into one matrix and gate, up into another: two matmuls instead of five.
-            # Under tensor parallelism each is this rank's slice (rows: heads / intermediate features).
-            qkv_bias = None
-            if c.attention_bias:
-                qkv_bias = torch.cat([w(p + f"self_attn.{n}_proj.bias", tp.rows) for n in "qkv"])
-            self.layers.append({
-                "input_norm": w(p + "input_layernorm.weight"),
-                "qkv": matrix(torch.cat([w(p + f"self_attn.{n}_proj.weight", tp.rows) for n in "qkv"])),
-                "qkv_bias": qkv_bias,
-                "o": matrix(w(p + "self_attn.o_proj.weight", tp.columns)),
-                "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": matrix(torch.cat([w(p + "mlp.gate_proj.weight", tp.rows), w(p + "mlp.up_proj.weight", tp.rows)])),
-                "down": matrix(w(p + "mlp.down_proj.weight", tp.columns)),
-            })
-        positions = torch.arange(max_positions, dtype=torch.float64)
-        freqs = torch.outer(positions, rope_inv_freq(c))
-        # cos/sin tables for rotate-half RoPE (the HF layout), computed once in float64.
-        self.cos = freqs.cos().to(device=device, dtype=dtype)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        self.lm_head = place.matrix(self.embed if c.tie_word_embeddings else place.tensor("lm_head.weight"))
+        self.final_norm = place.tensor("model.norm.weight")
+        self.layers = [self._layer_weights(place, i) for i in range(c.num_hidden_layers)]
+        self.cos, self.sin = rope_tables(c, max_positions, device, dtype)
         self.q_size = self.num_heads * c.head_dim
         self.kv_size = self.num_kv_heads * c.head_dim
         self.fused = fused and fused_ops.available(device, dtype)
@@ -128,6 +134,25 @@ class LlamaModel:
                                  c.rms_norm_eps)
                          if self.fused and prepack and native_linear and not tp.enabled else None)
         self.c_layers_max_rows = native_linear_max_rows
+
+    def _layer_weights(self, place: WeightPlacer, i: int) -> dict[str, PackedWeight | None]:
+        """Layer `i`'s weights on this rank."""
+        c, tp, p = self.config, self.tp, f"model.layers.{i}."
+        # q, k, v fused into one matrix and gate, up into another: two matmuls instead of five.
+        # Under tensor parallelism each is this rank's slice (rows: heads / intermediate features).
+        qkv_bias = None
+        if c.attention_bias:
+            qkv_bias = torch.cat([place.tensor(p + f"self_attn.{n}_proj.bias", tp.rows) for n in "qkv"])
+        return {
+            "input_norm": place.tensor(p + "input_layernorm.weight"),
+            "qkv": place.matrix(torch.cat([place.tensor(p + f"self_attn.{n}_proj.weight", tp.rows) for n in "qkv"])),
+            "qkv_bias": qkv_bias,
+            "o": place.matrix(place.tensor(p + "self_attn.o_proj.weight", tp.columns)),
+            "post_norm": place.tensor(p + "post_attention_layernorm.weight"),
+            "gate_up": place.matrix(torch.cat([place.tensor(p + "mlp.gate_proj.weight", tp.rows),
+                                               place.tensor(p + "mlp.up_proj.weight", tp.rows)])),
+            "down": place.matrix(place.tensor(p + "mlp.down_proj.weight", tp.columns)),
+        }
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -198,7 +223,7 @@ class LlamaModel:
             raise IndexError(f"position {int(positions.max())} is beyond the model's {self.cos.shape[0]} positions")
         delta: torch.Tensor | None = None  # the last block's output, not yet added to `hidden`
         # The attention backend's C plan, when it covers every row of the step: the layers' RoPE, K/V write
-        # and attention then run as one C call each (gpu_worker/c_layers.py), or, with C linear layers too,
+        # and attention then run as one C call each (gpu_worker/cpu/c_layers.py), or, with C linear layers too,
         # every layer in one call.
         # Prompt chunks may attend apart (`apart_prompts`, AMX CPUs): after each block.
         plan = getattr(attention, "native_rows", lambda: None)() if t else None

@@ -18,8 +18,9 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
-from gpu_worker.linear import prepack_supported
-from gpu_worker.cpu_setup import configure_cpu_threads, cpu_flags, resolve_cpu_dtype
+from gpu_worker.cpu.packed_linear import prepack_supported
+from gpu_worker.cpu.worker_setup import (choose_cpu_dtype, configure_cpu_threads, cpu_flags, plan_c_linear,
+                                         resolve_cpu_dtype)
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel, linear_shapes
@@ -32,9 +33,9 @@ from hetero_common.config import Config
 from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import Sampling, resolve
-from kernels import PageTable, allocate_kv_cache, copy_blocks, create_attention_backend
-from kernels import native_linear
-from kernels.cache_ops import swap_in_blocks, swap_out_blocks
+from kernels.attention_backend import create_attention_backend
+from kernels.cache_ops import allocate_kv_cache, copy_blocks, swap_in_blocks, swap_out_blocks
+from kernels.page_table import PageTable
 
 log = structlog.get_logger("gpu_worker.runner")
 
@@ -51,6 +52,31 @@ class SequenceState:
     constraint: RowConstraint | None = None  # the constraint's matcher, built at the first sampled step (constrained)
 
 
+@dataclass
+class StepInputs:
+    """One step's model inputs, flattened over its scheduled sequences (ModelRunner._prepare)."""
+
+    states: list[SequenceState]  # in the plan's order
+    qo_lens: list[int]  # tokens each computes this step
+    spans: list[PromptSpan]  # prompt positions whose logprobs are asked for
+    table: PageTable
+    positions: np.ndarray  # int64 [T]: each token's position in its sequence
+    slots: np.ndarray  # int64 [T]: where each token's K/V is written
+    flat_inputs: np.ndarray  # int64 [T]: the token ids
+    sample_idx: list[int]  # the scheduled sequences that sample, by index
+    logits_rows: torch.Tensor  # int64: their last rows in the flattened tokens
+
+
+@dataclass
+class SampledTokens:
+    """The step's samples (ModelRunner._sample), in `StepInputs.sample_idx` order."""
+
+    states: list[SequenceState]
+    token_ids: list[int]
+    logprobs: torch.Tensor | None  # the sampled tokens' own, where asked for
+    failures: list[tuple[int, str]]  # (row, error) of the constrained samples that failed
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -59,7 +85,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device, hidden_size: int = 0, prepack: bool = True,
                   cpu_kernels: str = "auto") -> torch.dtype:
-    """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 where its matrix products are faster (cpu_setup)."""
+    """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 where its matrix products are faster (cpu.worker_setup)."""
     if device.type == "cpu":
         return resolve_cpu_dtype(name, hidden_size, prepack, cpu_kernels)[0]
     return torch.bfloat16 if name == "auto" else getattr(torch, name)
@@ -76,53 +102,22 @@ class ModelRunner:
         self.model_path = resolve_model_path(config.model)
         started = time.perf_counter()
         self.model_config, weights = load_checkpoint(self.model_path)
-        mc: ModelConfig = self.model_config
-        if self.device.type == "cpu":
-            self.dtype, why = tp.rank0_choice(resolve_cpu_dtype(config.dtype, mc.hidden_size, config.weight_prepack,
-                                                                   config.cpu_kernels))  # type: ignore[misc]
-            log.info("cpu dtype and threads", dtype=str(self.dtype).removeprefix("torch."), requested=config.dtype,
-                     reason=why, threads=threads, reserved_cpus=max(0, config.reserved_cpus),
-                     weight_prepack=config.weight_prepack)
-        else:
-            self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = self._choose_dtype(threads)
         self.block_size = config.block_size
-        self.max_positions = min(config.max_model_len, mc.max_position_embeddings)
-        prepack = config.weight_prepack and prepack_supported(self.device, self.dtype)
-        self.c_linear = prepack and self.dtype == torch.bfloat16 and config.cpu_kernels != "torch"
-        if self.c_linear and (why_not := native_linear.unavailable_reason(cpu_flags())):
-            self.c_linear = False
-            log.info("linear layers through oneDNN, not the C kernel", reason=why_not)
-        c_linear_amx, c_linear_max_rows = (native_linear.plan(cpu_flags(), linear_shapes(mc, tp)) if self.c_linear
-                                           else (False, None))
-        if c_linear_max_rows is not None:
-            log.info("linear layers through a C kernel up to a few rows, oneDNN above (weights packed for both)",
-                     kernel="AMX tiles" if c_linear_amx else "AVX512-BF16 panels", max_rows=c_linear_max_rows,
-                     reason="the CPU has AMX, where oneDNN wins on larger products")
-        self.model = LlamaModel(mc, weights, self.device, self.dtype, self.max_positions, tp, prepack=prepack,
-                                native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
-                                native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch")
-        del weights
+        self.max_positions = min(config.max_model_len, self.model_config.max_position_embeddings)
+        self.model = self._build_model(weights)
+        del weights  # the checkpoint's tensors go before the KV cache is sized (the model keeps what it uses)
         elem = torch.empty(0, dtype=self.dtype).element_size()
-        kv_heads = self.model.num_kv_heads  # this rank's share
-        self.bytes_per_block = mc.num_hidden_layers * 2 * self.block_size * kv_heads * mc.head_dim * elem
+        self.bytes_per_block = (self.model_config.num_hidden_layers * 2 * self.block_size * self.model.num_kv_heads
+                                * self.model_config.head_dim * elem)  # this rank's share of the KV heads
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":  # the KV cache is sized from free memory after a warm-up pass
-            cuda = prepare_cuda_worker(self.model, config, self.device, self.dtype, self.block_size,
-                                       self.bytes_per_block, self.max_positions)
-            self.num_blocks, self.kv_cache, self.attention, self.graphs = (cuda.num_blocks, cuda.kv_cache,
-                                                                           cuda.attention, cuda.graphs)
+            self._prepare_cuda()
         else:
-            budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
-            self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
-            # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA).
-            self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
-                                                      kv_heads, mc.head_dim, self.device, self.dtype,
-                                                      decode_kernel=config.cpu_kernels,
-                                                      prompts_apart="amx_bf16" in cpu_flags())
-            self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
-                                              kv_heads, mc.head_dim, self.dtype, self.device, self.attention.kv_layout)
+            self._allocate_cpu_kv_cache()
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
-        self.vocabulary = GuidanceVocabulary(self._tokenizer_json, mc.eos_token_ids, mc.vocab_size)
+        self.vocabulary = GuidanceVocabulary(self._tokenizer_json, self.model_config.eos_token_ids,
+                                             self.model_config.vocab_size)
         self.sequences: dict[int, SequenceState] = {}
         self.swapped: dict[int, torch.Tensor] = {}  # seq id -> its blocks in host memory (preemption by swap)
         self._suspended_kv: torch.Tensor | None = None  # the KV cache in host memory while suspended (offload)
@@ -130,6 +125,50 @@ class ModelRunner:
         self._kv_shape: tuple[int, ...] = tuple(self.kv_cache.shape)
         self._recapture_graphs = False
         self.steps = 0
+        self._log_loaded(started)
+
+    # ------------------------------------------------------------------ start-up
+
+    def _choose_dtype(self, threads: int) -> torch.dtype:
+        """The config's dtype, `auto` resolved (on a CPU: rank 0's choice for every rank, logged)."""
+        if self.device.type == "cpu":
+            return choose_cpu_dtype(self.config, self.model_config.hidden_size, self.tp, threads)
+        return resolve_dtype(self.config.dtype, self.device)
+
+    def _build_model(self, weights: dict[str, torch.Tensor]) -> LlamaModel:
+        """The model on this device, its linear weights packed where the CPU's products want them (`c_linear`:
+        through the C kernel)."""
+        config = self.config
+        prepack = config.weight_prepack and prepack_supported(self.device, self.dtype)
+        self.c_linear, c_linear_amx, c_linear_max_rows = plan_c_linear(
+            self.dtype, prepack, config.cpu_kernels, linear_shapes(self.model_config, self.tp))
+        return LlamaModel(self.model_config, weights, self.device, self.dtype, self.max_positions, self.tp,
+                          prepack=prepack, native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
+                          native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch")
+
+    def _prepare_cuda(self) -> None:
+        """The attention backend, the KV cache sized from the memory left after a warm-up pass, the decode graphs."""
+        cuda = prepare_cuda_worker(self.model, self.config, self.device, self.dtype, self.block_size,
+                                   self.bytes_per_block, self.max_positions)
+        self.num_blocks, self.kv_cache, self.attention, self.graphs = (cuda.num_blocks, cuda.kv_cache,
+                                                                       cuda.attention, cuda.graphs)
+
+    def _allocate_cpu_kv_cache(self) -> None:
+        """The attention backend and a KV cache of `kv_cache_memory_gb` (at most `max_num_blocks` blocks)."""
+        config, mc = self.config, self.model_config
+        budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
+        self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
+        # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA).
+        self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
+                                                  self.model.num_kv_heads, mc.head_dim, self.device, self.dtype,
+                                                  decode_kernel=config.cpu_kernels,
+                                                  prompts_apart="amx_bf16" in cpu_flags())
+        self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
+                                          self.model.num_kv_heads, mc.head_dim, self.dtype, self.device,
+                                          self.attention.kv_layout)
+
+    def _log_loaded(self, started: float) -> None:
+        mc = self.model_config
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
                  c_decode_attention=getattr(self.attention, "native_decode", False) and self.dtype == torch.bfloat16,
@@ -228,6 +267,8 @@ class ModelRunner:
         self._suspended_kv = None
         log.info("kv cache resumed", mode=mode or "none")
 
+    # ------------------------------------------------------------------ one step
+
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         started = time.perf_counter()
@@ -235,29 +276,26 @@ class ModelRunner:
         result = worker_pb2.StepResult(step_id=plan.step_id)
         if not plan.scheduled:
             return result
+        step = self._prepare(plan)
+        logits = self._run_model(step, result)
+        for state, n in zip(step.states, step.qo_lens):  # their K/V is in the cache now
+            state.num_computed += n
+        if step.sample_idx:
+            sampled = self._sample(step, logits)
+            self._pack(plan, step, sampled, logits, result)
+        self.steps += 1
+        result.forward_seconds = time.perf_counter() - started
+        return result
+
+    def _prepare(self, plan: worker_pb2.StepPlan) -> StepInputs:
+        """The step's flattened inputs: each scheduled sequence's block table brought up to the plan, the
+        tokens it computes, the prompt positions it scores, and the page table over them all."""
         states: list[SequenceState] = []
         tables, qo_lens, kv_lens, inputs = [], [], [], []
         spans: list[PromptSpan] = []  # prompt positions whose logprobs are asked for
         row_offset = 0  # this sequence's first row in the step's flattened tokens (the sum of qo_lens so far)
         for s in plan.scheduled:
-            state = self.sequences.get(s.seq_id)
-            if state is None:
-                raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} is unknown to this worker")
-            if s.block_table_edits:  # copy-on-write: the copies were made in _apply_diffs
-                state.block_table = state.block_table.copy()
-                for edit in s.block_table_edits:
-                    state.block_table[edit.index] = edit.block_id
-            if s.new_block_ids:
-                state.block_table = np.concatenate([state.block_table, np.asarray(s.new_block_ids, dtype=np.int32)])
-            if state.num_computed < 0:  # new: the leading tokens came from the prefix cache
-                state.num_computed = s.num_cached_tokens
-            if s.num_cached_tokens != state.num_computed:
-                raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} has {state.num_computed} cached tokens, "
-                                     f"the plan says {s.num_cached_tokens}")
-            end = state.num_computed + s.num_tokens
-            if end > len(state.token_ids) or end > len(state.block_table) * self.block_size:
-                raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} cannot compute tokens up to {end} "
-                                     f"({len(state.token_ids)} known, {len(state.block_table)} blocks)")
+            state, end = self._update_sequence(plan, s)
             if state.prompt_logprobs is not None:
                 span = prompt_span(s.seq_id, state.prompt_logprobs, state.token_ids, state.num_generated,
                                    state.num_computed, s.num_tokens, row_offset)
@@ -276,40 +314,70 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample]
         logits_rows = table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1
         flat_inputs = np.fromiter((t for chunk in inputs for t in chunk), dtype=np.int64, count=table.num_tokens)
-        if self.graphs is not None and not spans and self.graphs.can_run(table):  # decode-only step: replay a CUDA graph
-            logits = self.graphs.run(table, flat_inputs, positions)[logits_rows.to(self.device)]
-        else:
-            self.attention.plan(table)
-            hidden = self.model.hidden_states(
-                torch.from_numpy(flat_inputs).to(self.device), torch.from_numpy(positions).to(self.device),
-                torch.from_numpy(slots).to(self.device), self.kv_cache, self.attention)
-            logits = self.model.logits(hidden[logits_rows.to(self.device)])
-            if spans and self.tp.rank == 0:  # only rank 0's result goes back
-                result.prompt_logprobs.extend(score(self.model, hidden, spans))
-        for state, n in zip(states, qo_lens):
-            state.num_computed += n
-        if sample_idx:
-            sampled = [states[i] for i in sample_idx]
-            batch = build_sampling_batch(sampled, logits.shape[-1], self.model_config.eos_token_ids, self.device,
-                                         self.vocabulary)
-            tokens, logprobs = sample(logits, batch)
-            tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
-            token_list = tokens.tolist()
-            for row, error in batch.record(token_list):  # a failed constraint: the scheduler fails that sample alone
-                result.failures.add(seq_id=plan.scheduled[sample_idx[row]].seq_id, error=error)
-            for st, tok in zip(sampled, token_list):
-                st.token_ids.append(tok)
-                st.num_generated += 1
-            result.seq_ids.extend(plan.scheduled[i].seq_id for i in sample_idx)
-            result.token_ids.extend(token_list)
-            if logprobs is not None:
-                result.logprobs.extend(logprobs.tolist())
-            num_top = max(st.sampling.logprobs or 0 for st in sampled)
-            if num_top:
-                top_ids, top_values = top_logprobs(logits, num_top)
-                result.num_top_logprobs = top_ids.shape[1]
-                result.top_token_ids.extend(top_ids.flatten().tolist())
-                result.top_logprobs.extend(top_values.flatten().tolist())
-        self.steps += 1
-        result.forward_seconds = time.perf_counter() - started
-        return result
+        return StepInputs(states, qo_lens, spans, table, positions, slots, flat_inputs, sample_idx, logits_rows)
+
+    def _update_sequence(self, plan: worker_pb2.StepPlan,
+                         s: worker_pb2.ScheduledSequence) -> tuple[SequenceState, int]:
+        """(the sequence's state, its computed length after this step), its block table updated from the plan
+        and the plan checked against what this worker knows of it."""
+        state = self._state(plan, s.seq_id)
+        if s.block_table_edits:  # copy-on-write: the copies were made in _apply_diffs
+            state.block_table = state.block_table.copy()
+            for edit in s.block_table_edits:
+                state.block_table[edit.index] = edit.block_id
+        if s.new_block_ids:
+            state.block_table = np.concatenate([state.block_table, np.asarray(s.new_block_ids, dtype=np.int32)])
+        if state.num_computed < 0:  # new: the leading tokens came from the prefix cache
+            state.num_computed = s.num_cached_tokens
+        if s.num_cached_tokens != state.num_computed:
+            raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} has {state.num_computed} cached tokens, "
+                                 f"the plan says {s.num_cached_tokens}")
+        end = state.num_computed + s.num_tokens
+        if end > len(state.token_ids) or end > len(state.block_table) * self.block_size:
+            raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} cannot compute tokens up to {end} "
+                                 f"({len(state.token_ids)} known, {len(state.block_table)} blocks)")
+        return state, end
+
+    def _run_model(self, step: StepInputs, result: worker_pb2.StepResult) -> torch.Tensor:
+        """The sampled rows' logits: a CUDA graph's replay for a decode-only step that one fits, else an eager
+        forward, which also scores the asked-for prompt positions (into `result`, on rank 0)."""
+        if self.graphs is not None and not step.spans and self.graphs.can_run(step.table):
+            return self.graphs.run(step.table, step.flat_inputs, step.positions)[step.logits_rows.to(self.device)]
+        self.attention.plan(step.table)
+        hidden = self.model.hidden_states(
+            torch.from_numpy(step.flat_inputs).to(self.device), torch.from_numpy(step.positions).to(self.device),
+            torch.from_numpy(step.slots).to(self.device), self.kv_cache, self.attention)
+        logits = self.model.logits(hidden[step.logits_rows.to(self.device)])
+        if step.spans and self.tp.rank == 0:  # only rank 0's result goes back
+            result.prompt_logprobs.extend(score(self.model, hidden, step.spans))
+        return logits
+
+    def _sample(self, step: StepInputs, logits: torch.Tensor) -> SampledTokens:
+        """The sampling sequences' next tokens (rank 0's on every rank), appended to them."""
+        sampled = [step.states[i] for i in step.sample_idx]
+        batch = build_sampling_batch(sampled, logits.shape[-1], self.model_config.eos_token_ids, self.device,
+                                     self.vocabulary)
+        tokens, logprobs = sample(logits, batch)
+        tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
+        token_list = tokens.tolist()
+        failures = batch.record(token_list)  # a failed constraint: the scheduler fails that sample alone
+        for st, tok in zip(sampled, token_list):
+            st.token_ids.append(tok)
+            st.num_generated += 1
+        return SampledTokens(sampled, token_list, logprobs, failures)
+
+    def _pack(self, plan: worker_pb2.StepPlan, step: StepInputs, sampled: SampledTokens, logits: torch.Tensor,
+              result: worker_pb2.StepResult) -> None:
+        """The sampled tokens into `result`: their sequences, failed constraints, logprobs and top alternatives."""
+        for row, error in sampled.failures:
+            result.failures.add(seq_id=plan.scheduled[step.sample_idx[row]].seq_id, error=error)
+        result.seq_ids.extend(plan.scheduled[i].seq_id for i in step.sample_idx)
+        result.token_ids.extend(sampled.token_ids)
+        if sampled.logprobs is not None:
+            result.logprobs.extend(sampled.logprobs.tolist())
+        num_top = max(st.sampling.logprobs or 0 for st in sampled.states)
+        if num_top:
+            top_ids, top_values = top_logprobs(logits, num_top)
+            result.num_top_logprobs = top_ids.shape[1]
+            result.top_token_ids.extend(top_ids.flatten().tolist())
+            result.top_logprobs.extend(top_values.flatten().tolist())

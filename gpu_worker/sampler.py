@@ -18,7 +18,7 @@ import torch
 from gpu_worker.constrained import ConstraintMasks, GuidanceVocabulary, build_constraint_masks
 from gpu_worker.logits_processors import (ControlledSequence, LogitsControls, apply_logits_controls, apply_min_p,
                                           build_logits_controls)
-from kernels.native_argmax import argmax_rows
+from kernels.native.argmax import argmax_rows
 
 
 @dataclass

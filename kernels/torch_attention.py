@@ -5,7 +5,7 @@ contiguous [block_size, head_dim] run. `plan()` once per step turns the page tab
 indices of those runs; `run()` once per layer gathers them with one `index_select` per K and V
 straight into [sequence, head, token, head_dim] order, which the matmuls read in place.
 For a bfloat16 cache on the CPU, decode rows go through the C kernel that reads the pages in place
-(kernels/native_decode.py, `cpu_kernels`), and so do prompt rows where its AVX512-BF16 path runs
+(kernels/native/decode_attention.py, `cpu_kernels`), and so do prompt rows where its AVX512-BF16 path runs
 (`native_decode.takes_prompts`): a prompt row at position p is a decode over the sequence's first
 p + 1 cached tokens, which also makes it causal. Otherwise decode sequences (one query token) are
 batched into one padded gather and two batched matmuls; sequences with several query tokens
@@ -21,8 +21,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import native_decode, native_lib, native_prompt_attention
 from kernels.cache_ops import hnd_rows, write_kv_hnd
+from kernels.native import decode_attention as native_decode
+from kernels.native import lib as native_lib
+from kernels.native import prompt_attention as native_prompt_attention
 from kernels.page_table import PageTable
 
 
@@ -101,11 +103,11 @@ class TorchPagedAttention:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                  decode_kernel: str = "torch", dtype: torch.dtype | None = None, prompts_apart: bool = False) -> None:
         """`decode_kernel` (config `cpu_kernels`): "c" runs a bfloat16 cache's attention on the CPU through
-        the C kernel (kernels/native_decode.py; raises if it cannot be built), "auto" does so where it can
+        the C kernel (kernels/native/decode_attention.py; raises if it cannot be built), "auto" does so where it can
         be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never).
         `prompts_apart` (AMX CPUs): where the C kernel takes prompt rows, prompt chunks are left out of its plan,
         which then covers every other row (`native_rows`, `apart_prompts`), and attend apart (`attend_apart_prompts`):
-        through the AMX tile kernel where it takes the head size (kernels/native_prompt_attention.py; chunks of at
+        through the AMX tile kernel where it takes the head size (kernels/native/prompt_attention.py; chunks of at
         least APART_MIN_ROWS rows over a cached prefix too), else only prompts with no cached prefix, through
         torch's SDPA (its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens there; the tile kernel
         1.5-2x SDPA, and about 9x the C rows over a prefix)."""
@@ -139,7 +141,7 @@ class TorchPagedAttention:
                              and native_prompt_attention.supported(head_dim, num_qo_heads, num_kv_heads))
 
     def native_rows(self) -> _NativePlan | None:
-        """The step's C plan when it covers every query row but the `apart_prompts` (gpu_worker/c_layers.py needs
+        """The step's C plan when it covers every query row but the `apart_prompts` (gpu_worker/cpu/c_layers.py needs
         that), else None."""
         return self._native if self._decode is None and (self._apart or not self._prefills) else None
 

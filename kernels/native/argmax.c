@@ -1,4 +1,4 @@
-/* Row-wise argmax (torch.argmax(x, dim=-1) semantics) for bfloat16 and float32 rows (kernels/native_argmax.py).
+/* Row-wise argmax (torch.argmax(x, dim=-1) semantics) for bfloat16 and float32 rows (kernels/native/argmax.py).
  *
  * torch's CPU argmax runs ~1.2 ms on 32 rows of a 49,152-token vocabulary (float32), 3 ms in bfloat16: a
  * few percent of a decode step, spent on every greedy token. Here each value becomes an unsigned key that

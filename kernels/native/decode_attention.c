@@ -16,7 +16,7 @@
  *
  * Two implementations of the same function:
  * - plain C loops written for the compiler to vectorize (-O3 -march=native -ffast-math, at compile
- *   only: kernels/native_lib.py), for any head size and block size;
+ *   only: kernels/native/lib.py), for any head size and block size;
  * - on CPUs with AVX512-BF16 (chosen at compile time by -march=native), head size 64 or 128 and
  *   block sizes that are multiples of 16: q.k with the bf16 dot-product instruction (float32
  *   accumulation, 16 keys at a time, their sums by one transpose-and-add tree), and each V row

@@ -1,4 +1,4 @@
-/* bfloat16 linear layers (x @ W^T + bias) on AMX tiles, for the row counts of decoding (gpu_worker/linear.py).
+/* bfloat16 linear layers (x @ W^T + bias) on AMX tiles, for the row counts of decoding (gpu_worker/cpu/packed_linear.py).
  *
  * oneDNN's AMX kernels stream a decode step's weights at about 15 GB/s on a 2-core Xeon, well under what
  * the memory gives one core's sequential reads. Here the weight is re-laid out once at load into blocks of

@@ -1,4 +1,4 @@
-/* bfloat16 linear layers (x @ W^T + bias) for CPUs with AVX512-BF16 and no AMX (gpu_worker/linear.py).
+/* bfloat16 linear layers (x @ W^T + bias) for CPUs with AVX512-BF16 and no AMX (gpu_worker/cpu/packed_linear.py).
  *
  * oneDNN's kernels for these CPUs leave much of the bf16 dot-product unit idle at the row counts of
  * decoding (1-64 rows). Here the weight is re-laid out once at load into panels of NR = 48 output

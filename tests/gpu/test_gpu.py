@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, convert_layout, write_kv
+from kernels.cache_ops import allocate_kv_cache, convert_layout, write_kv
+from kernels.page_table import PageTable
+from kernels.torch_attention import TorchPagedAttention
 from kernels.flashinfer_backend import flashinfer_unavailable_reason
 
 pytestmark = [

@@ -3,7 +3,9 @@ imported, so a module that needs CUDA or a missing extra is read like any other)
 
 Every import statement counts, wherever it is: at the top, inside a function, or under
 `if TYPE_CHECKING:` (a cycle through a type-only import is still a cycle in the design).
-`from pkg import name` is an edge to the submodule `pkg.name` when that is a module, else to `pkg`.
+`from pkg import name` is an edge to the submodule `pkg.name` when that is a module, else to `pkg`;
+an import of a submodule is an edge to each package above it too (`import a.b.c`: a, a.b and a.b.c),
+whose `__init__.py` runs first.
 Imports of anything outside the given packages (the standard library, torch, ...) are dropped.
 """
 
@@ -71,17 +73,28 @@ def _imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: 
     return [f"{base}.{alias.name}" for alias in node.names if alias.name != "*"] or [base]
 
 
+def _packages_above(module: str, modules: dict[str, Path]) -> list[str]:
+    """The project packages that contain `module`, outermost first."""
+    parts = module.split(".")
+    return [name for end in range(1, len(parts)) if (name := ".".join(parts[:end])) in modules]
+
+
 def imports_in(module: str, path: Path, modules: dict[str, Path]) -> list[Import]:
-    """Every edge from `module` (its file `path`) to another project module."""
+    """Every edge from `module` (its file `path`) to another project module: to the module an import
+    statement loads, and to each package above that module, since loading a.b.c runs a/__init__.py and
+    a/b/__init__.py first (`from kernels import native_decode` in a module that kernels/__init__.py
+    imports is a cycle through that __init__)."""
     is_package = path.name == "__init__.py"
     edges: list[Import] = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
+        targets: dict[str, None] = {}  # each once per statement, in order
         for name in _imported_names(node, module, is_package):
             target = _resolve(name, modules)
-            if target is not None and target != module:
-                edges.append(Import(module, target, path, node.lineno))
+            if target is not None:
+                targets.update(dict.fromkeys([target, *_packages_above(target, modules)]))
+        edges += [Import(module, target, path, node.lineno) for target in targets if target != module]
     return edges
 
 
@@ -180,6 +193,19 @@ def long_modules(root: Path, packages: Iterable[str], max_lines: int) -> list[tu
     return found
 
 
+def long_functions(root: Path, packages: Iterable[str], max_lines: int) -> list[tuple[Path, int, str, int]]:
+    """(file, line, name, lines) of every function over `max_lines` lines (`end_lineno - lineno + 1`): plain
+    and async, methods and nested functions too, each counted whole (a nested one also inside its outer's)."""
+    found = []
+    for path in module_files(root, packages).values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > max_lines:
+                    found.append((path, node.lineno, node.name, lines))
+    return sorted(found)
+
+
 def external_imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
     """(top-level name, line) of every absolute import in `path` that is not one of `modules`'
     packages: the standard library's and third parties', wherever the statement is (a function's
@@ -206,8 +232,6 @@ def reachable_modules(entry_points: Iterable[str], modules: dict[str, Path]) -> 
         if module in seen:
             continue
         seen.append(module)
-        # Importing a.b.c runs a/__init__.py and a/b/__init__.py first.
-        parents = [".".join(module.split(".")[:end]) for end in range(1, module.count(".") + 1)]
-        pending += [parent for parent in parents if parent in modules]
+        pending += _packages_above(module, modules)  # importing a.b.c runs a/__init__.py and a/b/__init__.py first
         pending += [edge.imported for edge in imports_in(module, modules[module], modules)]
     return sorted(seen)

@@ -1,6 +1,7 @@
 """The layering the design asks for, checked on the source: no two modules import each other
-(directly or round a longer loop), nothing imports upward (the base and the services never
-import the product), and no module is over 400 lines."""
+(directly or round a longer loop, a package's __init__ included), nothing imports upward (the base
+and the services never import the product), no module is over 400 lines, and no function of the
+scheduler or the worker is over 60."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.import_graph import describe_cycle, find_cycles, import_graph, imports_across_layers, long_modules
+from tests.helpers.import_graph import (describe_cycle, find_cycles, import_graph, imports_across_layers, long_functions,
+                                        long_modules)
 from hetero_infer.testing.stack import REPO_ROOT
 
 # Bottom to top: the generated stubs and the shared base, the services, the product.
 LAYERS = (("hetero", "hetero_common"), ("gateway", "scheduler_svc", "gpu_worker", "kernels"), ("hetero_infer",))
 PACKAGES = tuple(package for layer in LAYERS for package in layer)
 MAX_MODULE_LINES = 400
+# The services whose step logic reads as a few named steps; a longer function is split into them.
+SHORT_FUNCTION_PACKAGES = ("scheduler_svc", "gpu_worker")
+MAX_FUNCTION_LINES = 60
 
 
 def test_no_import_cycles() -> None:
@@ -35,6 +40,13 @@ def test_no_module_over_400_lines() -> None:
     if long:
         pytest.fail(f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(
             f"{path.relative_to(REPO_ROOT)}: {lines}" for path, lines in long))
+
+
+def test_no_function_over_60_lines_in_the_scheduler_and_the_worker() -> None:
+    long = long_functions(REPO_ROOT, SHORT_FUNCTION_PACKAGES, MAX_FUNCTION_LINES)
+    if long:
+        pytest.fail(f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(
+            f"{path.relative_to(REPO_ROOT)}:{line} {name}: {lines}" for path, line, name, lines in long))
 
 
 # --- the walker itself, on a tiny tree made for each case ---
@@ -61,6 +73,32 @@ def test_walker_finds_a_cycle_through_function_type_checking_and_relative_import
         "low.a -> low.b -> low.c -> low.a (low/a.py:2, low/b.py:3, low/c.py:3)"]
 
 
+def test_walker_adds_the_packages_an_import_runs(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {
+        "a/__init__.py": "",
+        "a/b/__init__.py": "",
+        "a/b/c.py": "",
+        "a/b/d.py": "from a.b import c\n",  # its own packages too (they ran before it; no edge to itself)
+        "app/__init__.py": "",
+        "app/user.py": "import a.b.c\n",
+        "app/other.py": "from a.b.c import thing\n",
+    })
+    graph = import_graph(root, ["a", "app"])
+    assert [e.imported for e in graph["app.user"]] == ["a.b.c", "a", "a.b"]
+    assert [e.imported for e in graph["app.other"]] == ["a.b.c", "a", "a.b"]
+    assert [e.imported for e in graph["a.b.d"]] == ["a.b.c", "a", "a.b"]
+
+
+def test_walker_finds_a_cycle_through_a_package_init(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {  # kernels/__init__ -> torch_attention -> `from kernels import native_decode`
+        "pkg/__init__.py": "from pkg.user import run\n",
+        "pkg/user.py": "from pkg import helper\n",
+        "pkg/helper.py": "X = 1\n",
+    })
+    cycles = find_cycles(import_graph(root, ["pkg"]))
+    assert [describe_cycle(c, root) for c in cycles] == ["pkg -> pkg.user -> pkg (pkg/__init__.py:1, pkg/user.py:1)"]
+
+
 def test_walker_reports_an_upward_import_with_its_line(tmp_path: Path) -> None:
     root = write_tree(tmp_path, {
         "base/__init__.py": "",
@@ -71,7 +109,7 @@ def test_walker_reports_an_upward_import_with_its_line(tmp_path: Path) -> None:
         "product/cli.py": "from svc import run\n",
     })
     upward = imports_across_layers(import_graph(root, ["base", "svc", "product"]), [["base"], ["svc"], ["product"]])
-    assert [(e.where(root), e.imported) for e in upward] == [("svc/run.py:5", "product.cli")]
+    assert [(e.where(root), e.imported) for e in upward] == [("svc/run.py:5", "product.cli"), ("svc/run.py:5", "product")]
     assert find_cycles(import_graph(root, ["base", "svc", "product"])) != []  # svc.run <-> product.cli
 
 
@@ -84,3 +122,16 @@ def test_walker_counts_lines_and_skips_generated_stubs(tmp_path: Path) -> None:
         "pkg/thing_pb2_grpc.py": "x = 1\n" * 1000,
     })
     assert long_modules(root, ["pkg"], 400) == [(root / "pkg/long.py", 401)]
+
+
+def test_walker_measures_every_function_whole(tmp_path: Path) -> None:
+    line, nested_line = "    x = 1\n", "        x = 1\n"
+    root = write_tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/mod.py": ("def short():\n" + line * 59  # 60 lines: the limit
+                       + "async def long():\n" + line * 60  # 61
+                       + "class C:\n    def method(self):\n" + nested_line * 60  # 61
+                       + "def outer():\n    def inner():\n" + nested_line * 60 + "    return inner\n"),  # 63, 61
+    })
+    assert [(at, name, lines) for _, at, name, lines in long_functions(root, ["pkg"], 60)] == [
+        (61, "long", 61), (123, "method", 61), (184, "outer", 63), (185, "inner", 61)]

@@ -1,4 +1,4 @@
-"""All decoder layers in one C call (gpu_worker/c_layers.py), and each layer's attention block in one C
+"""All decoder layers in one C call (gpu_worker/cpu/c_layers.py), and each layer's attention block in one C
 call (the loop's path where the linear layers are oneDNN's), against the per-layer loop of the same
 kernels: bitwise the same logits, on a prompt step and on a mixed step of decodes and a prompt chunk
 with a cached prefix. The paths need head size 64 or 128 (the C attention's vector path), so these
@@ -13,9 +13,13 @@ import pytest
 import torch
 
 from gpu_worker.checkpoint import load_checkpoint
-from gpu_worker.cpu_setup import cpu_flags
+from gpu_worker.cpu.worker_setup import cpu_flags
 from gpu_worker.model import LlamaModel
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_decode, native_linear
+from kernels.cache_ops import allocate_kv_cache
+from kernels.native import decode_attention as native_decode
+from kernels.native import linear as native_linear
+from kernels.page_table import PageTable
+from kernels.torch_attention import TorchPagedAttention
 from kernels.torch_attention import APART_MIN_ROWS
 from hetero_infer.testing.tiny_models import _save, make_tokenizer  # noqa: F401  (make_tokenizer: _save writes one)
 

@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker import cpu_setup
 from gpu_worker.checkpoint import load_checkpoint
+from gpu_worker.cpu import worker_setup
 from gpu_worker.model import LlamaModel
 from hetero_common import host_cores
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache
+from kernels.cache_ops import allocate_kv_cache
+from kernels.page_table import PageTable
+from kernels.torch_attention import TorchPagedAttention
 from tests.helpers.oracle import engine_greedy, make_prompts
 
 REL_TOL = 0.03  # ||logits_bf16 - logits_fp32|| / ||logits_fp32||, per sequence
@@ -83,43 +85,43 @@ def test_bfloat16_first_greedy_tokens_match_float32(model_fixture: str, request:
 
 
 def test_auto_dtype_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cpu_setup.resolve_cpu_dtype("float32", 64)[0] == torch.float32
-    assert cpu_setup.resolve_cpu_dtype("bfloat16", 64)[0] == torch.bfloat16
-    monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx2", "amx_bf16", "amx_tile"})
-    assert cpu_setup.resolve_cpu_dtype("auto", 64) == (torch.bfloat16, "cpu has amx_bf16")
-    monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx2", "fma"})
-    assert cpu_setup.resolve_cpu_dtype("auto", 64)[0] == torch.float32
-    monkeypatch.setattr(cpu_setup, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert worker_setup.resolve_cpu_dtype("float32", 64)[0] == torch.float32
+    assert worker_setup.resolve_cpu_dtype("bfloat16", 64)[0] == torch.bfloat16
+    monkeypatch.setattr(worker_setup, "cpu_flags", lambda: {"avx2", "amx_bf16", "amx_tile"})
+    assert worker_setup.resolve_cpu_dtype("auto", 64) == (torch.bfloat16, "cpu has amx_bf16")
+    monkeypatch.setattr(worker_setup, "cpu_flags", lambda: {"avx2", "fma"})
+    assert worker_setup.resolve_cpu_dtype("auto", 64)[0] == torch.float32
+    monkeypatch.setattr(worker_setup, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     # Without the C linear kernel (cpu_kernels torch) a measurement decides.
-    monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width, prepack=True: 4.0)
-    assert cpu_setup.resolve_cpu_dtype("auto", 64, cpu_kernels="torch")[0] == torch.bfloat16
-    monkeypatch.setattr(cpu_setup, "measure_bf16_speedup", lambda width, prepack=True: 1.1)
-    assert cpu_setup.resolve_cpu_dtype("auto", 64, cpu_kernels="torch")[0] == torch.float32
+    monkeypatch.setattr(worker_setup, "measure_bf16_speedup", lambda width, prepack=True: 4.0)
+    assert worker_setup.resolve_cpu_dtype("auto", 64, cpu_kernels="torch")[0] == torch.bfloat16
+    monkeypatch.setattr(worker_setup, "measure_bf16_speedup", lambda width, prepack=True: 1.1)
+    assert worker_setup.resolve_cpu_dtype("auto", 64, cpu_kernels="torch")[0] == torch.float32
     # With it (where this CPU can run it), bfloat16 whatever a measurement would say.
-    monkeypatch.setattr(cpu_setup.native_linear, "unavailable_reason", lambda flags: None)
-    assert cpu_setup.resolve_cpu_dtype("auto", 64) == (
+    monkeypatch.setattr(worker_setup.native_linear, "unavailable_reason", lambda flags: None)
+    assert worker_setup.resolve_cpu_dtype("auto", 64) == (
         torch.bfloat16, "cpu has avx512_bf16: bfloat16 linear layers through the C kernel")
-    assert cpu_setup.resolve_cpu_dtype("auto", 64, prepack=False)[0] == torch.float32
-    assert cpu_setup.measure_bf16_speedup(64) > 0
+    assert worker_setup.resolve_cpu_dtype("auto", 64, prepack=False)[0] == torch.float32
+    assert worker_setup.measure_bf16_speedup(64) > 0
 
 
 def test_worker_threads_share_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host_cores.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert cpu_setup.worker_threads(0, 1, 1) == 2
-    assert cpu_setup.worker_threads(0, 2, 1) == 1  # two replicas on two cores: one each
-    assert cpu_setup.worker_threads(0, 2, 2) == 1  # never below one
-    assert cpu_setup.worker_threads(3, 2, 1) == 3  # a set count is kept
-    assert cpu_setup.worker_threads(0, 1, 1, reserved_cpus=1) == 1
-    assert cpu_setup.worker_threads(0, 1, 1, reserved_cpus=5) == 1  # never below one
-    assert cpu_setup.worker_threads(0, 1, 1, reserved_cpus=-1) == 2  # auto outside serve: none reserved
+    assert worker_setup.worker_threads(0, 1, 1) == 2
+    assert worker_setup.worker_threads(0, 2, 1) == 1  # two replicas on two cores: one each
+    assert worker_setup.worker_threads(0, 2, 2) == 1  # never below one
+    assert worker_setup.worker_threads(3, 2, 1) == 3  # a set count is kept
+    assert worker_setup.worker_threads(0, 1, 1, reserved_cpus=1) == 1
+    assert worker_setup.worker_threads(0, 1, 1, reserved_cpus=5) == 1  # never below one
+    assert worker_setup.worker_threads(0, 1, 1, reserved_cpus=-1) == 2  # auto outside serve: none reserved
 
 
 def test_reserved_cpus_leave_the_services_cores_on_large_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [host_cores.default_reserved_cpus(n) for n in (1, 2, 4, 7, 8, 16, 64)] == [0, 0, 0, 0, 2, 2, 2]
     monkeypatch.setattr(host_cores.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    assert cpu_setup.worker_threads(0, 1, 1, reserved_cpus=2) == 14
-    assert cpu_setup.worker_threads(0, 2, 1, reserved_cpus=2) == 7  # two replicas share the rest
-    assert cpu_setup.worker_threads(6, 1, 1, reserved_cpus=2) == 6  # a set count is kept
+    assert worker_setup.worker_threads(0, 1, 1, reserved_cpus=2) == 14
+    assert worker_setup.worker_threads(0, 2, 1, reserved_cpus=2) == 7  # two replicas share the rest
+    assert worker_setup.worker_threads(6, 1, 1, reserved_cpus=2) == 6  # a set count is kept
 
 
 @pytest.mark.parametrize(("cores", "configured", "expected"), [(16, -1, 2), (2, -1, 0), (16, 0, 0), (2, 3, 3)])

@@ -20,7 +20,7 @@ import torch
 from gpu_worker import cuda_graphs, cuda_setup
 from gpu_worker.cuda_graphs import DecodeGraphs
 from hetero_common.config import Config
-from kernels import PageTable
+from kernels.page_table import PageTable
 
 VOCAB = 11
 

@@ -1,4 +1,4 @@
-"""The fused bfloat16 element-wise kernels (gpu_worker/fused_ops.py) against the eager ops they replace."""
+"""The fused bfloat16 element-wise kernels (gpu_worker/cpu/fused_ops.py) against the eager ops they replace."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker import fused_ops
-from kernels import native_lib
+from gpu_worker.cpu import fused_ops
+from kernels.native import lib as native_lib
 
 REASON = native_lib.unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None and os.environ.get("CI") != "true",

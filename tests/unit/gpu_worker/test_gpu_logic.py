@@ -15,7 +15,10 @@ from gpu_worker.cuda_graphs import graph_batch_sizes, pad_decode_table, padded_b
 from gpu_worker.cuda_setup import kv_blocks_for_memory
 from hetero_infer.config_sources import load_config
 from hetero_common.errors import ConfigError
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, select_attention_backend
+from kernels.attention_backend import select_attention_backend
+from kernels.cache_ops import allocate_kv_cache
+from kernels.page_table import PageTable
+from kernels.torch_attention import TorchPagedAttention
 from kernels.flashinfer_backend import append_indices, decode_uses_tensor_cores, flashinfer_unavailable_reason
 
 

@@ -1,4 +1,4 @@
-"""`weight_prepack`: linear weights held in oneDNN's blocked layout (gpu_worker/linear.py) give
+"""`weight_prepack`: linear weights held in oneDNN's blocked layout (gpu_worker/cpu/packed_linear.py) give
 the products of plain `F.linear` (bfloat16: to its rounding; float32: to the last bits) and,
 on the tiny models, the same greedy tokens as unpacked float32 — the oracle mode's answer."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.linear import linear, pack_weight, prepack_supported
+from gpu_worker.cpu.packed_linear import linear, pack_weight, prepack_supported
 from tests.helpers.oracle import engine_greedy, make_prompts
 from tests.unit.gpu_worker.test_cpu_dtype import prefill_logits
 

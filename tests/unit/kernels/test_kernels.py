@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, convert_layout, copy_blocks, write_kv
+from kernels.cache_ops import allocate_kv_cache, convert_layout, copy_blocks, write_kv
+from kernels.page_table import PageTable
+from kernels.torch_attention import TorchPagedAttention
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The C argmax (kernels/native_argmax.py) against torch.argmax: the first maximum of each row, a NaN
+"""The C argmax (kernels/native/argmax.py) against torch.argmax: the first maximum of each row, a NaN
 counting as the maximum, -0 equal to +0, in bfloat16 and float32, on contiguous and strided rows."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import native_lib
-from kernels.native_argmax import argmax_rows
+from kernels.native import lib as native_lib
+from kernels.native.argmax import argmax_rows
 
 pytestmark = pytest.mark.skipif(native_lib.load() is None, reason="no C kernels here (torch's argmax serves)")
 

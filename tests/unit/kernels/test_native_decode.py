@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (kernels/native_decode.py) against dense float32 attention, its
+"""The C decode-attention kernel (kernels/native/decode_attention.py) against dense float32 attention, its
 batch invariance, and the fallback when it cannot be built."""
 
 from __future__ import annotations
@@ -11,7 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import PageTable, TorchPagedAttention, allocate_kv_cache, native_decode, native_lib, write_kv
+from kernels.cache_ops import allocate_kv_cache, write_kv
+from kernels.native import decode_attention as native_decode
+from kernels.native import lib as native_lib
+from kernels.page_table import PageTable
+from kernels.torch_attention import TorchPagedAttention
 from kernels.torch_attention import APART_MIN_ROWS
 from tests.unit.kernels.test_kernels import dense_attention
 
@@ -166,7 +170,7 @@ def test_a_float32_cache_never_takes_the_c_kernel() -> None:
 def test_without_a_compiler_auto_falls_back_and_c_refuses(tmp_path) -> None:
     script = (
         "import torch\n"
-        "from kernels import TorchPagedAttention\n"
+        "from kernels.torch_attention import TorchPagedAttention\n"
         "assert TorchPagedAttention(4, 2, 8, decode_kernel='auto').native_decode is False\n"
         "try:\n"
         "    TorchPagedAttention(4, 2, 8, decode_kernel='c')\n"

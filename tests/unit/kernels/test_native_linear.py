@@ -1,4 +1,4 @@
-"""The C bfloat16 linear kernel (kernels/native_linear.py) against float32 products of the same
+"""The C bfloat16 linear kernel (kernels/native/linear.py) against float32 products of the same
 bfloat16 inputs, its batch invariance, its padding of odd sizes, and the tiny models' logits through
 it against float32; the AMX tile kernel (kernels/native/linear_amx.c) likewise where the CPU has AMX; and the
 dual packing of AMX CPUs (a C kernel up to a few rows, oneDNN above). Where the CPU has no AVX512-BF16 the
@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.cpu_setup import cpu_flags
-from gpu_worker.linear import DualPackedWeight, linear, pack_weight, prepack_supported
-from kernels import native_lib, native_linear
-from kernels.native_linear import NativePackedWeight
+from gpu_worker.cpu.packed_linear import DualPackedWeight, linear, pack_weight, prepack_supported
+from gpu_worker.cpu.worker_setup import cpu_flags
+from kernels.native import lib as native_lib
+from kernels.native import linear as native_linear
+from kernels.native.linear import NativePackedWeight
 from tests.helpers.oracle import make_prompts
 from tests.unit.gpu_worker.test_cpu_dtype import REL_TOL, prefill_logits
 

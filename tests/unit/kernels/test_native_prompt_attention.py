@@ -1,4 +1,4 @@
-"""The AMX prompt-attention kernel (kernels/native_prompt_attention.py) against float32 attention on the same
+"""The AMX prompt-attention kernel (kernels/native/prompt_attention.py) against float32 attention on the same
 bfloat16 inputs: within the error of torch's own bfloat16 SDPA, for fresh prompts and chunks over a cached
 prefix, K/V read from shuffled pages, on strided query rows, grouped KV heads, head sizes 64 and 128, lengths
 around the kernel's 16-row and 32-key blocks, and large scores."""
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import allocate_kv_cache, native_prompt_attention, write_kv
+from kernels.cache_ops import allocate_kv_cache, write_kv
+from kernels.native import prompt_attention as native_prompt_attention
 
 pytestmark = pytest.mark.skipif(not native_prompt_attention.supported(64, 1, 1),
                                 reason="no AMX here (or its tiles were not granted): SDPA serves")

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import PageTable, TorchPagedAttention, native_decode
+from kernels.native import decode_attention as native_decode
+from kernels.page_table import PageTable
+from kernels.torch_attention import TorchPagedAttention
 from tests.unit.kernels.test_kernels import dense_attention
 from tests.unit.kernels.test_native_decode import decode_case, needs_kernel
 

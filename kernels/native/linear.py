@@ -1,5 +1,5 @@
 """bfloat16 linear layers through the C kernels: linear_bf16.c's AVX512-BF16 panels, and on AMX CPUs
-linear_amx.c's tiles (gpu_worker/linear.py). Without AMX the panels beat oneDNN at every row count measured
+linear_amx.c's tiles (gpu_worker/cpu/packed_linear.py). Without AMX the panels beat oneDNN at every row count measured
 (most at decoding's 1-64 rows). With AMX, oneDNN's tile kernels win on large products, and the C
 kernels only at decoding's row counts, where a product streams the weights from memory (`plan`).
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import native_lib
+from kernels.native import lib
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,9 @@ PANELS_ON_AMX_MAX_ROWS = 8
 
 def unavailable_reason(cpu_flags: set[str]) -> str | None:
     """None when the kernels can run here, else why not (the caller then keeps oneDNN)."""
-    library = native_lib.load()
+    library = lib.load()
     if library is None:
-        return native_lib.unavailable_reason()
+        return lib.unavailable_reason()
     if not library.linear_bf16_supported():
         return "the CPU has no AVX512-BF16"
     return None
@@ -53,7 +53,7 @@ def plan(cpu_flags: set[str], shapes: list[tuple[int, int]]) -> tuple[bool, int 
     PANELS_ON_AMX_MAX_ROWS."""
     if "amx_bf16" not in cpu_flags:
         return False, None
-    library = native_lib.load()
+    library = lib.load()
     if library is not None and library.linear_amx_supported() and all(amx_fits(*shape) for shape in shapes):
         return True, AMX_MAX_ROWS
     return False, PANELS_ON_AMX_MAX_ROWS
@@ -62,7 +62,7 @@ def plan(cpu_flags: set[str], shapes: list[tuple[int, int]]) -> tuple[bool, int 
 def pack(weight: torch.Tensor, amx: bool = False) -> NativePackedWeight:
     """The [out, in] bfloat16 weight in the panels' layout, or the tile kernel's (`amx`: the caller checked
     `plan`)."""
-    library = native_lib.load()
+    library = lib.load()
     assert library is not None, "pack without the C library"
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise ValueError(f"the C linear kernel takes a 2-D bfloat16 weight, not {weight.dtype} {tuple(weight.shape)}")
@@ -111,7 +111,7 @@ _kernels: dict[tuple[bool, bool], object] = {}
 def _kernel(amx: bool, f32_out: bool):  # the library's function (it exists: the weight was packed with it)
     fn = _kernels.get((amx, f32_out))
     if fn is None:
-        library = native_lib.load()
+        library = lib.load()
         assert library is not None, "linear without the C library"
         name = "linear_amx" if amx else "linear_bf16_f32" if f32_out else "linear_bf16"
         fn = _kernels[(amx, f32_out)] = getattr(library, name)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.linear import DualPackedWeight
-from kernels import native_lib
-from kernels.native_linear import NativePackedWeight
+from gpu_worker.cpu.packed_linear import DualPackedWeight
+from kernels.native import lib as native_lib
+from kernels.native.linear import NativePackedWeight
 
 
 def _addresses(tensors: list[torch.Tensor | None]) -> torch.Tensor:

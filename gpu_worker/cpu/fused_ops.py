@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native_lib
+from kernels.native import lib as native_lib
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:

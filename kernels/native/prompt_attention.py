@@ -10,14 +10,14 @@ import functools
 
 import torch
 
-from kernels import native_lib
+from kernels.native import lib
 
 MAX_HEAD_DIM = 1024  # the K re-layout's row buffer
 
 
 @functools.cache
 def _amx_granted() -> bool:
-    library = native_lib.load()
+    library = lib.load()
     return library is not None and bool(library.linear_amx_supported())  # also asks the kernel for the tile state
 
 
@@ -61,7 +61,7 @@ def prompt_attention(q: torch.Tensor, cache: torch.Tensor, pages: torch.Tensor, 
         max_page = -1 if int(used.min()) < 0 else int(used.max())
     if not 0 <= max_page < cache.shape[0]:  # the kernel reads its pages unchecked
         raise IndexError(f"prompt_attention: a page is outside the cache's {cache.shape[0]} blocks")
-    rc = native_lib.load().prompt_attention_amx(  # type: ignore[union-attr]
+    rc = lib.load().prompt_attention_amx(  # type: ignore[union-attr]
         q.data_ptr(), strides[0], cache.data_ptr(), pages.data_ptr(), block_size, kv_len, n, hq, hkv, d, scale,
         out.data_ptr(), strides[1])
     return rc == 0

@@ -2,7 +2,7 @@
 
 `auto` on a CPU runs bfloat16 only where bfloat16 matrix products are clearly faster than
 float32: AMX (`amx_bf16`) always is, and so is AVX512-BF16 where the C linear kernel runs
-(kernels/native_linear.py); elsewhere a ~0.1 s measurement of a matrix product of the model's
+(kernels/native/linear.py); elsewhere a ~0.1 s measurement of a matrix product of the model's
 own width decides (plain AVX2 CPUs are slower in bfloat16). A measurement is only the fallback:
 on a busy 2-core box it swung from 2.2x to under 1.5x between runs. The choice and its reason
 are logged. float32 is the exact mode the oracle tests pin.
@@ -21,11 +21,13 @@ from pathlib import Path
 import structlog
 import torch
 
-from gpu_worker.linear import linear, pack_weight, prepack_supported
+from gpu_worker.cpu.packed_linear import linear, pack_weight, prepack_supported
+from gpu_worker.tensor_parallel import TensorParallel
+from hetero_common.config import Config
 from hetero_common.host_cores import host_cores
-from kernels import native_linear
+from kernels.native import linear as native_linear
 
-log = structlog.get_logger("gpu_worker.cpu_setup")
+log = structlog.get_logger("gpu_worker.cpu.worker_setup")
 
 # bfloat16 must beat float32 by this factor: the element-wise passes gain little or lose
 # (no native bf16 arithmetic), so a marginal matmul win does not pay for them.
@@ -84,6 +86,33 @@ def resolve_cpu_dtype(name: str, hidden_size: int, prepack: bool = True,
     if speedup >= BF16_MIN_SPEEDUP:
         return torch.bfloat16, f"bfloat16 matmul measured {speedup:.1f}x float32"
     return torch.float32, f"bfloat16 matmul measured only {speedup:.1f}x float32 (needs {BF16_MIN_SPEEDUP}x)"
+
+
+def choose_cpu_dtype(config: Config, hidden_size: int, tp: TensorParallel, threads: int) -> torch.dtype:
+    """The CPU worker's dtype (`resolve_cpu_dtype`), rank 0's on every rank, logged with the thread count."""
+    dtype, why = tp.rank0_choice(resolve_cpu_dtype(config.dtype, hidden_size, config.weight_prepack,
+                                                   config.cpu_kernels))  # type: ignore[misc]
+    log.info("cpu dtype and threads", dtype=str(dtype).removeprefix("torch."), requested=config.dtype,
+             reason=why, threads=threads, reserved_cpus=max(0, config.reserved_cpus),
+             weight_prepack=config.weight_prepack)
+    return dtype
+
+
+def plan_c_linear(dtype: torch.dtype, prepack: bool, cpu_kernels: str,
+                  shapes: list[tuple[int, int]]) -> tuple[bool, bool, int | None]:
+    """(linear layers through the C kernel, through its AMX tile kernel, the most rows a product takes it, None:
+    every product). The C kernel takes packed bfloat16 weights where it builds, unless `cpu_kernels` is torch;
+    `shapes`: the [out, in] shapes of the model's weights on this rank (native_linear.plan)."""
+    c_linear = prepack and dtype == torch.bfloat16 and cpu_kernels != "torch"
+    if c_linear and (why_not := native_linear.unavailable_reason(cpu_flags())):
+        c_linear = False
+        log.info("linear layers through oneDNN, not the C kernel", reason=why_not)
+    amx, max_rows = native_linear.plan(cpu_flags(), shapes) if c_linear else (False, None)
+    if max_rows is not None:
+        log.info("linear layers through a C kernel up to a few rows, oneDNN above (weights packed for both)",
+                 kernel="AMX tiles" if amx else "AVX512-BF16 panels", max_rows=max_rows,
+                 reason="the CPU has AMX, where oneDNN wins on larger products")
+    return c_linear, amx, max_rows
 
 
 def worker_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int, reserved_cpus: int = 0) -> int:

@@ -12,7 +12,7 @@ results differ from MKL's in the last bits (another kernel). The float32 oracle 
 token-exact against `transformers` with it; `weight_prepack: false` gives MKL's own products.
 
 On CPUs with AVX512-BF16 and no AMX, bfloat16 weights are packed for the C kernel of
-kernels/native_linear.py instead (`native=True`), which is faster than oneDNN there. With AMX they are
+kernels/native/linear.py instead (`native=True`), which is faster than oneDNN there. With AMX they are
 packed both ways (`DualPackedWeight`): the C tile kernel takes decoding's products (up to
 `native_linear.AMX_MAX_ROWS` rows, 1.4x oneDNN), oneDNN the larger ones; the weights' memory doubles.
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import native_linear
-from kernels.native_linear import NativePackedWeight
+from kernels.native import linear as native_linear
+from kernels.native.linear import NativePackedWeight
 
 
 @dataclass(frozen=True)

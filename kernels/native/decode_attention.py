@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native_lib
+from kernels.native import lib
 
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # the kernel's limits (decode_attention.c)
 
 
 def supports(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
-    """Shapes and dtypes the kernel takes (the library itself may still be unavailable: `native_lib.load()`)."""
+    """Shapes and dtypes the kernel takes (the library itself may still be unavailable: `lib.load()`)."""
     return (dtype == torch.bfloat16 and head_dim <= MAX_HEAD_DIM and num_qo_heads % num_kv_heads == 0
             and num_qo_heads // num_kv_heads <= MAX_GROUP)
 
@@ -24,7 +24,7 @@ def takes_prompts(head_dim: int, block_size: int) -> bool:
     """Whether prompt rows go through the kernel too: where its AVX512-BF16 path runs (1.4-4x the torch
     prompt path there as rows; chunks of 8+ rows now run in 16-row tiles, kernels/native/prompt_row_tiles.c,
     2.3x those rows); its plain loops are no faster than torch's matmuls on prompts."""
-    library = native_lib.load()
+    library = lib.load()
     return library is not None and bool(library.decode_attention_bf16_vectorized(head_dim, block_size))
 
 
@@ -34,10 +34,10 @@ def decode_attention(q: torch.Tensor, q_rows: torch.Tensor, layer_cache: torch.T
 
     q, out [T, Hq, D] bfloat16 (rows may be strided, heads contiguous); q_rows int64 [B];
     layer_cache [blocks, 2, Hkv, bs, D] bfloat16 contiguous; pages int32 [B, P]; kv_lens int32 [B].
-    The caller checks `supports` and that `native_lib.load()` succeeded. `tiles=False`: prompt chunks on the
+    The caller checks `supports` and that `lib.load()` succeeded. `tiles=False`: prompt chunks on the
     per-row path too (for comparisons; decode_attention_bf16_rows).
     """
-    library = native_lib.load()
+    library = lib.load()
     assert library is not None, "decode_attention without the C library"
     num_seqs, num_qo_heads, head_dim = q_rows.shape[0], q.shape[1], q.shape[2]
     num_kv_heads, block_size = layer_cache.shape[2], layer_cache.shape[3]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import native_lib
+from kernels.native import lib
 
 _KERNELS = {torch.bfloat16: "argmax_rows_bf16", torch.float32: "argmax_rows_f32"}
 
@@ -14,7 +14,7 @@ _KERNELS = {torch.bfloat16: "argmax_rows_bf16", torch.float32: "argmax_rows_f32"
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """int64 [rows]: each row's argmax of x [rows, n] (n > 0)."""
     name = _KERNELS.get(x.dtype)
-    library = native_lib.load() if name is not None and x.device.type == "cpu" else None
+    library = lib.load() if name is not None and x.device.type == "cpu" else None
     if library is None or x.dim() != 2 or x.shape[1] == 0 or x.stride(1) != 1 or x.requires_grad:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)

@@ -1,4 +1,5 @@
-"""The CPU C kernels of kernels/native/, built into one library on first use and loaded with ctypes.
+"""The CPU C kernels of kernels/native/ (the .c and .h files beside this module), built into one
+library on first use and loaded with ctypes.
 
 Built with the host's C compiler (`cc`, or `$CC`) into a per-user cache (`$HETERO_CACHE_DIR`,
 else `$XDG_CACHE_HOME` or `~/.cache`, then `hetero-infer/native/`) keyed by the sources, the
@@ -23,9 +24,9 @@ from pathlib import Path
 import structlog
 import torch  # noqa: F401  (loaded first: see the module doc)
 
-log = structlog.get_logger("kernels.native_lib")
+log = structlog.get_logger("kernels.native.lib")
 
-NATIVE_DIR = Path(__file__).resolve().parent / "native"
+NATIVE_DIR = Path(__file__).resolve().parent  # the C sources sit beside this module
 SOURCES = sorted(NATIVE_DIR.glob("*.c"))
 HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 # -ffast-math for the compile only (the kernels' vectorized reductions, glibc's vector expf):
