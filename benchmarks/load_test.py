@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
+from hetero_infer.bench.stats import percentile  # noqa: E402
 from hetero_infer.testing.stack import run_stack  # noqa: E402
 from hetero_infer.testing.stack_requests import wait_for_idle  # noqa: E402
 
@@ -101,9 +102,8 @@ def main() -> int:
             pool = wait_for_idle(stack, timeout_s=30.0)
             rss.append(gateway.memory_info().rss / 2**20)
             failed = sum(n for k, n in outcomes.items() if k not in ("ok", "RESOURCE_EXHAUSTED"))
-            latencies.sort()
-            p50 = latencies[len(latencies) // 2] if latencies else 0.0
-            p99 = latencies[int(len(latencies) * 0.99)] if latencies else 0.0
+            p50 = percentile(latencies, 50) if latencies else 0.0
+            p99 = percentile(latencies, 99) if latencies else 0.0
             print(f"run {run}: {elapsed:.1f} s, completed {outcomes['ok']}, shed (RESOURCE_EXHAUSTED) "
                   f"{outcomes['RESOURCE_EXHAUSTED']}, failed {failed} {dict(outcomes)}, {tokens} tokens "
                   f"({tokens / elapsed:.0f} tok/s), latency p50 {p50:.2f} s p99 {p99:.2f} s; afterwards used_blocks "
