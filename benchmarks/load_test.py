@@ -1,4 +1,6 @@
-"""Load test: N concurrent streams for a fixed time against the stack on loopback, run twice.
+"""Load test under overload, pass or fail: N concurrent streams for a fixed time against the stack on loopback,
+run twice, checking that it holds up (`hetero-infer bench` measures latencies against any running gateway;
+this starts its own stack, overloads it on purpose and checks for leaks).
 
     python benchmarks/load_test.py [--streams 200] [--seconds 60] [--runs 2] [--model PATH]
                                    [--max-num-seqs 64] [--max-queued-requests 96]
@@ -10,7 +12,7 @@ load shedding (the client backs off 50 ms and tries again); every other failure 
 a failed request. After each run: the pool must hold zero used blocks, and the gateway's
 resident memory is printed; it must not grow from the first run to the second by more
 than --rss-slack-mib. Exit status 1 when any check fails. Without --model a tiny seeded
-Llama is built in a temporary directory.
+Llama is built in a temporary directory. Latency percentiles: hetero_infer/bench/stats.py.
 """
 
 from __future__ import annotations
