@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import cpu_line, linear_shapes  # noqa: E402
 from gpu_worker.checkpoint import load_checkpoint  # noqa: E402

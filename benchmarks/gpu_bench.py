@@ -1,6 +1,7 @@
 """GPU benchmark: bandwidth, decode tokens/s with and without CUDA graphs, TTFT, roofline, attention kernels.
 
-    python benchmarks/gpu_bench.py [--batch-sizes 1,16,64,256] [--context 1000] [--json out.json]
+    python benchmarks/gpu_bench.py [--batch-sizes 1,16,64,256] [--context 1000] [--steps 30] [--breakdown]
+                                   [--json out.json]
 
 Builds a Llama-shaped model of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden
 2048, 32 query / 8 KV heads of 64, MLP 8192, vocabulary 128256, tied embeddings) with random
@@ -14,7 +15,12 @@ bf16 weights on the device (nothing is downloaded), and measures, on the worker'
 - the fraction of the bandwidth roofline: (weight bytes + KV bytes read) per step / step time /
   measured bandwidth;
 - time to first token of a 2,000-token prompt (one prefill step + argmax);
-- FlashInfer decode attention (one layer) against the torch reference at batch 64, same context.
+- FlashInfer decode attention (one layer) against the torch reference at batch 64, same context;
+- with `--breakdown`, where a graph decode step's time goes, per batch size (medians of `--steps`): the
+  whole step; `DecodeGraphs.run()` on the host, from an idle GPU to its return (the replay is only
+  launched by then: padding the page table, FlashInfer's `plan()`, the input copies); `plan()` alone (the
+  page table already padded); the replay alone, between CUDA events; the read-back alone (argmax and
+  `.tolist()` of logits already computed). The step minus the replay is what the GPU waits for the host.
 
 On a machine without a CUDA device it says so and exits 0.
 """
@@ -28,8 +34,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -39,6 +47,9 @@ from kernels.cache_ops import allocate_kv_cache, convert_layout  # noqa: E402
 from kernels.page_table import PageTable  # noqa: E402
 from kernels.torch_attention import TorchPagedAttention  # noqa: E402
 from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
+
+if TYPE_CHECKING:  # imported where a GPU is there (main), as the worker's CUDA modules are
+    from gpu_worker.cuda_graphs import DecodeGraphs
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
@@ -129,12 +140,67 @@ def decode_table(batch: int, context: int, first_block: int) -> PageTable:
     return PageTable.build(tables, np.ones(batch), np.full(batch, context + 1), BLOCK_SIZE)
 
 
+def median_ms(fn: Callable[[], object], steps: int) -> float:
+    """Median host time of `fn()` in ms, the GPU idle before each call."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, steps: int) -> float:
+    """Median GPU time of one replay in ms, between CUDA events."""
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_step_breakdown(graphs: DecodeGraphs, table: PageTable, ids: np.ndarray, positions: np.ndarray,
+                         steps: int) -> dict[str, float]:
+    """`--breakdown`: a graph decode step of `table`'s batch, whole and in its parts (the module docstring), ms."""
+    from gpu_worker.cuda_graphs import pad_decode_table, padded_batch_size
+
+    g = graphs.graphs[padded_batch_size(table.batch_size, graphs.sizes)]
+    padded = pad_decode_table(table, g.attention.batch_size, graphs.pad_block)
+    for _ in range(3):
+        graphs.run(table, ids, positions).argmax(-1).tolist()
+    step = median_ms(lambda: graphs.run(table, ids, positions).argmax(-1).tolist(), steps)
+    host = median_ms(lambda: graphs.run(table, ids, positions), steps)
+    plan = median_ms(lambda: g.attention.plan(padded), steps)
+    replay = replay_ms(g.graph, steps)
+    logits = graphs.run(table, ids, positions)
+    read_back = median_ms(lambda: logits.argmax(-1).tolist(), steps)
+    return {"step_ms": step, "run_host_ms": host, "plan_ms": plan, "replay_ms": replay, "read_back_ms": read_back,
+            "gpu_waits_ms": step - replay}
+
+
+def print_breakdown(rows: list[dict], steps: int) -> None:
+    print(f"\nwhere a graph decode step's time goes (ms, medians of {steps} steps; the GPU waits = step - replay)")
+    print(f"{'batch':>6} {'step ms':>8} {'run() host':>11} {'plan()':>8} {'replay':>8} {'read-back':>10} "
+          f"{'GPU waits':>10}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['step_ms']:>8.2f} {r['run_host_ms']:>11.2f} {r['plan_ms']:>8.2f} "
+              f"{r['replay_ms']:>8.2f} {r['read_back_ms']:>10.2f} {r['gpu_waits_ms']:>10.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", default="1,16,64,256")
     parser.add_argument("--context", type=int, default=1000, help="cached tokens per sequence in decode steps")
     parser.add_argument("--prompt", type=int, default=2000, help="prompt tokens for time to first token")
     parser.add_argument("--steps", type=int, default=30, help="measured decode steps per configuration")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the parts of a graph decode step at each batch size (host, plan, replay, read-back)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     if (code := gpu_unavailable("gpu_bench")) is not None:
@@ -186,6 +252,7 @@ def main() -> int:
         print(f"first FlashInfer decode step (JIT compile or cache load): {time.perf_counter() - started:.1f} s")
 
         rows: list[dict] = []
+        breakdown: list[dict] = []
         print(f"\ndecode, {args.context} cached tokens per sequence (each step: plan + forward + argmax to host)")
         print(f"{'batch':>6} {'graphs':>7} {'step ms':>9} {'tok/s':>10} {'GB/step':>8} {'roofline':>9}")
         for b in batch_sizes:
@@ -220,7 +287,12 @@ def main() -> int:
                 print(f"{b:>6} {'on' if use_graphs else 'off':>7} {row['step_ms']:>9.2f} {row['tokens_per_s']:>10.0f} "
                       f"{step_bytes / 1e9:>8.2f} {row['roofline_fraction']:>8.0%}")
             print(f"{'':>6} graph capture {graphs.capture_seconds:.2f} s")
+            if args.breakdown:
+                breakdown.append({"batch": b, **graph_step_breakdown(graphs, table, ids, positions, args.steps)})
         results["decode"] = rows
+        if args.breakdown:
+            print_breakdown(breakdown, args.steps)
+            results["graph_step_breakdown"] = breakdown
 
         # Time to first token: one prefill step of the whole prompt, then the argmax on the host.
         prompt_table = PageTable.build([np.arange(-(-args.prompt // BLOCK_SIZE), dtype=np.int32)],

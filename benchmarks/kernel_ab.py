@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import cpu_description, cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts  # noqa: E402

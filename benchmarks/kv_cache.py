@@ -28,20 +28,19 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, worker_pb2  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
+from hetero_infer.bench.stats import percentile  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from scheduler_svc.scheduler import Scheduler  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return percentile(values, q) if values else float("nan")
 
 
 VOCAB = 40000

@@ -1,4 +1,6 @@
-"""Load test: N concurrent streams for a fixed time against the stack on loopback, run twice.
+"""Load test under overload, pass or fail: N concurrent streams for a fixed time against the stack on loopback,
+run twice, checking that it holds up (`hetero-infer bench` measures latencies against any running gateway;
+this starts its own stack, overloads it on purpose and checks for leaks).
 
     python benchmarks/load_test.py [--streams 200] [--seconds 60] [--runs 2] [--model PATH]
                                    [--max-num-seqs 64] [--max-queued-requests 96]
@@ -10,7 +12,7 @@ load shedding (the client backs off 50 ms and tries again); every other failure 
 a failed request. After each run: the pool must hold zero used blocks, and the gateway's
 resident memory is printed; it must not grow from the first run to the second by more
 than --rss-slack-mib. Exit status 1 when any check fails. Without --model a tiny seeded
-Llama is built in a temporary directory.
+Llama is built in a temporary directory. Latency percentiles: hetero_infer/bench/stats.py.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from collections import Counter
 from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
+from hetero_infer.bench.stats import percentile  # noqa: E402
 from hetero_infer.testing.stack import run_stack  # noqa: E402
 from hetero_infer.testing.stack_requests import wait_for_idle  # noqa: E402
 
@@ -101,9 +105,8 @@ def main() -> int:
             pool = wait_for_idle(stack, timeout_s=30.0)
             rss.append(gateway.memory_info().rss / 2**20)
             failed = sum(n for k, n in outcomes.items() if k not in ("ok", "RESOURCE_EXHAUSTED"))
-            latencies.sort()
-            p50 = latencies[len(latencies) // 2] if latencies else 0.0
-            p99 = latencies[int(len(latencies) * 0.99)] if latencies else 0.0
+            p50 = percentile(latencies, 50) if latencies else 0.0
+            p99 = percentile(latencies, 99) if latencies else 0.0
             print(f"run {run}: {elapsed:.1f} s, completed {outcomes['ok']}, shed (RESOURCE_EXHAUSTED) "
                   f"{outcomes['RESOURCE_EXHAUSTED']}, failed {failed} {dict(outcomes)}, {tokens} tokens "
                   f"({tokens / elapsed:.0f} tok/s), latency p50 {p50:.2f} s p99 {p99:.2f} s; afterwards used_blocks "

@@ -59,7 +59,8 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, worker_pb2  # noqa: E402
 from hetero_common.config import Config  # noqa: E402

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import systems  # noqa: E402
 from benchmarks.roofline import cpu_line  # noqa: E402

@@ -47,7 +47,8 @@ from typing import Any
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.systems import timed_request  # noqa: E402
 from benchmarks.workload import RequestTiming, make_prompts  # noqa: E402

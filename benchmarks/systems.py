@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.workload import RequestTiming, Result, summarize
+from benchmarks.workload import RequestTiming, Result, from_latencies, summarize
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.model_files import resolve_model_path
@@ -194,5 +194,6 @@ def bench_vllm(dtype: str, prompts: list[list[int]], new_tokens: int, batch: boo
             tail = log_file.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"vLLM ({dtype}) failed with exit code {proc.returncode}:\n{tail}")
         report = json.loads(out_file.read_text())
-    results = {mode: Result.from_dict(report.pop(mode)) for mode in ("batch", "single") if mode in report}
+    # The driver hands back each request's figures; their mean and median are computed here, as for the others.
+    results = {mode: from_latencies(**report.pop(mode)) for mode in ("batch", "single") if mode in report}
     return results, report

@@ -36,7 +36,8 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import systems  # noqa: E402
 from benchmarks.roofline import (  # noqa: E402

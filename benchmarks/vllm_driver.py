@@ -15,6 +15,10 @@ are excluded, as they are for our systems):
 - TTFT and TPOT per request come from vLLM's own `RequestOutput.metrics` (RequestStateStats,
   kept when `disable_log_stats=False`): TTFT is `first_token_latency` (the front end's arrival to
   first token), TPOT is `(last_token_ts - first_token_ts) / (tokens - 1)` on the engine core's clock.
+
+`--out` gets, per mode, the seconds, the output tokens and every request's TTFT and TPOT: their mean and
+percentiles are computed on the project's side (benchmarks/systems.py, with benchmarks/workload.py), as
+for the other systems. This script imports nothing of the project's.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workload import Result  # benchmarks/workload.py: the standard library only
+NOTE = "TTFT/TPOT from RequestOutput.metrics"
 
 
-def timed_generate(llm: Any, prompts: list[list[int]], params: Any) -> Result:
-    """One `LLM.generate` call; the figures from its wall time and its outputs' metrics."""
+def timed_generate(llm: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    """One `LLM.generate` call: its wall time, its output tokens and each request's TTFT and TPOT (seconds)."""
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -45,14 +49,7 @@ def timed_generate(llm: Any, prompts: list[list[int]], params: Any) -> Result:
         n = len(o.outputs[0].token_ids)
         if n > 1 and m.last_token_ts > m.first_token_ts:
             tpots.append((m.last_token_ts - m.first_token_ts) / (n - 1))
-    result = Result(seconds=seconds, output_tokens=tokens, note="TTFT/TPOT from RequestOutput.metrics")
-    if ttfts:
-        ttfts.sort()
-        result.ttft_mean, result.ttft_p50 = sum(ttfts) / len(ttfts), ttfts[len(ttfts) // 2]
-    if tpots:
-        tpots.sort()
-        result.tpot_mean, result.tpot_p50 = sum(tpots) / len(tpots), tpots[len(tpots) // 2]
-    return result
+    return {"seconds": seconds, "output_tokens": tokens, "ttfts": ttfts, "tpots": tpots, "note": NOTE}
 
 
 def main() -> int:
@@ -100,17 +97,13 @@ def main() -> int:
                               "reserved_cpus": int(os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"]),
                               "kv_cache_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"])}
     if not args.skip_batch:
-        report["batch"] = timed_generate(llm, prompts, params).to_dict()
+        report["batch"] = timed_generate(llm, prompts, params)
     if args.single:
         runs = [timed_generate(llm, [p], params) for p in prompts[:args.single]]
-        single = Result(seconds=sum(r.seconds for r in runs), output_tokens=sum(r.output_tokens for r in runs),
-                        note="TTFT/TPOT from RequestOutput.metrics")
-        for name in ("ttft", "tpot"):
-            values = sorted(v for v in (getattr(r, f"{name}_mean") for r in runs) if v is not None)
-            if values:
-                setattr(single, f"{name}_mean", sum(values) / len(values))
-                setattr(single, f"{name}_p50", values[len(values) // 2])
-        report["single"] = single.to_dict()
+        report["single"] = {"seconds": sum(r["seconds"] for r in runs),
+                            "output_tokens": sum(r["output_tokens"] for r in runs),
+                            "ttfts": [v for r in runs for v in r["ttfts"]],
+                            "tpots": [v for r in runs for v in r["tpots"]], "note": NOTE}
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k not in ("batch", "single")}), file=sys.stderr)
     return 0

@@ -1,15 +1,17 @@
-"""The workload that benchmarks/throughput.py runs on every system, and how its latencies are summed up.
+"""The workload that benchmarks/throughput.py runs on every system, and how its latencies are summed up:
+TPOT and percentiles as `hetero-infer bench` computes them (hetero_infer/bench/stats.py).
 
-Shared with benchmarks/vllm_driver.py, which runs in vLLM's own virtual environment: so this
-module imports nothing but the standard library (no torch, no project package).
+benchmarks/vllm_driver.py, which runs in vLLM's own virtual environment without the project's packages,
+does not import this module: it hands back each request's TTFT and TPOT, summed up by `from_latencies`.
 """
 
 from __future__ import annotations
 
 import random
-import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence, TypeVar
+
+from hetero_infer.bench.stats import summary, time_per_output_token
 
 SMOLLM2_VOCAB = 49152
 # Skip the low ids, where SmolLM2 keeps its special tokens: a random EOS would not stop us
@@ -38,10 +40,8 @@ class RequestTiming:
 
     @property
     def tpot(self) -> float | None:
-        # The vLLM/`vllm bench` definition: time after the first token over the tokens after it.
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+        times = self.token_times
+        return time_per_output_token(times[0], times[-1], len(times)) if times else None
 
 
 T = TypeVar("T")
@@ -51,11 +51,6 @@ def round_order(items: Sequence[T], round_index: int) -> list[T]:
     """The order of a round of an A/B: every other round reversed, so that the machine's drift over the run
     (this VM's speed wanders by ±15% within minutes) favours none of them."""
     return list(items) if round_index % 2 == 0 else list(reversed(items))
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 @dataclass
@@ -78,22 +73,17 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "output_tok_per_s": self.tok_per_s}
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Result:
-        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
+
+def from_latencies(seconds: float, output_tokens: int, ttfts: list[float], tpots: list[float],
+                   note: str = "") -> Result:
+    """Throughput over the whole run plus the mean and median of per-request TTFTs and TPOTs (seconds)."""
+    ttft, tpot = summary(ttfts), summary(tpots)
+    return Result(seconds=seconds, output_tokens=output_tokens, ttft_mean=ttft["mean"], ttft_p50=ttft["p50"],
+                  tpot_mean=tpot["mean"], tpot_p50=tpot["p50"], note=note)
 
 
 def summarize(seconds: float, timings: list[RequestTiming], note: str = "") -> Result:
-    """Throughput over the whole run plus per-request TTFT / TPOT (mean and median)."""
-    ttfts = [t.ttft for t in timings if t.token_times]
-    tpots = [p for p in (t.tpot for t in timings) if p is not None]
-    return Result(
-        seconds=seconds,
-        output_tokens=sum(len(t.token_times) for t in timings),
-        ttft_mean=statistics.fmean(ttfts) if ttfts else None,
-        ttft_p50=percentile(ttfts, 50) if ttfts else None,
-        tpot_mean=statistics.fmean(tpots) if tpots else None,
-        tpot_p50=percentile(tpots, 50) if tpots else None,
-        note=note,
-    )
+    """`from_latencies` of requests timed token by token."""
+    return from_latencies(seconds, sum(len(t.token_times) for t in timings),
+                          [t.ttft for t in timings if t.token_times],
+                          [p for p in (t.tpot for t in timings) if p is not None], note)

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_run.sh build    # install the carried wheels, JIT-compile FlashInfer's modules (minutes)
 #   bash scripts/gpu_run.sh tests    # the GPU tests (pytest -m gpu)
-#   bash scripts/gpu_run.sh bench [benchmark flags...]   # benchmarks/gpu_bench.py
+#   bash scripts/gpu_run.sh bench [benchmark flags...]   # benchmarks/gpu_bench.py (--breakdown: a graph step's parts)
 #   bash scripts/gpu_run.sh stepcost # benchmarks/step_cost.py: the stack's step against the engine's, on the GPU
 #                                    # with a 1B-shaped model, then on this host's CPU cores with the tiny one
 #   bash scripts/gpu_run.sh all      # build, tests and bench in one call, when one call has the time

@@ -15,6 +15,7 @@ import httpx
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_infer.bench.dataset import BenchRequest
+from hetero_infer.bench.stats import time_per_output_token
 
 
 @dataclass
@@ -40,9 +41,10 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
+        # Up to the end of the response (the message that finishes it), not the last text chunk's receipt.
         if self.output_tokens < 2:
             return None
-        return (self.end - self.chunk_times[0]) / (self.output_tokens - 1)
+        return time_per_output_token(self.chunk_times[0], self.end, self.output_tokens)
 
     @property
     def itls(self) -> list[float]:

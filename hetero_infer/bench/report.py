@@ -9,14 +9,11 @@ from typing import Any
 import numpy as np
 
 from hetero_infer.bench.clients import RequestRecord
+from hetero_infer.bench.stats import summary
 
 
 def _summary(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values) * 1000.0  # milliseconds
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99))}
+    return summary([v * 1000.0 for v in values])  # milliseconds
 
 
 def summarize(records: list[RequestRecord], duration_s: float, settings: dict[str, Any]) -> dict[str, Any]:

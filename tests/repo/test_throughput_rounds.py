@@ -1,4 +1,5 @@
-"""benchmarks/throughput.py --rounds: each system's median round, and the stack's ratios per round."""
+"""benchmarks/throughput.py --rounds: each system's median round, and the stack's ratios per round; the
+workload's latency summary, the same as `hetero-infer bench`'s."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def test_ratios_per_round_against_that_rounds_best_vllm() -> None:
     assert ratios["stack / best vLLM"] == pytest.approx([360 / 320])
     assert ratios["stack, unary / engine"] == pytest.approx([1.0])
     assert round_ratios("single", rounds) == {}
+
+
+def test_workload_and_hetero_infer_bench_agree_on_percentiles() -> None:
+    """benchmarks/ and `hetero-infer bench` sum up the same latencies the same way (hetero_infer/bench/stats.py)."""
+    from benchmarks.workload import RequestTiming, summarize
+    from hetero_infer.bench.report import _summary
+
+    timings = [RequestTiming([ttft, ttft + 0.1 * (i + 1)]) for i, ttft in enumerate((0.4, 0.1, 0.3, 0.2))]
+    result = summarize(2.0, timings)
+    bench_ms = _summary([t.ttft for t in timings])
+    assert result.ttft_p50 == pytest.approx(0.25) and bench_ms["p50"] == pytest.approx(250.0)
+    assert result.tpot_p50 == pytest.approx(0.25) and result.output_tokens == 8
