@@ -27,7 +27,7 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
-from scheduler_svc.overlap import assume_in_flight, can_plan_ahead, drop_placeholders
+from scheduler_svc.overlap import StepInFlight, drop_placeholders
 from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim, swap_in_ready
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
@@ -77,8 +77,7 @@ class Scheduler:
         # Every sequence in `running` was scheduled in the last step (so all hold the same last_scheduled_step and
         # `running` is already in the decode pass's order): set by schedule(), cleared when a fork joins running.
         self._running_in_order = False
-        self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed), fast decodes aside
-        self._assumed_step = 0  # the last step planned ahead of (overlap.py): its result's tokens are already counted
+        self._in_flight = StepInFlight()  # the last plan's entries, fast decodes aside, and the step planned ahead of
 
     @property
     def num_blocks(self) -> int:
@@ -246,18 +245,18 @@ class Scheduler:
             # A plan with nothing to compute or move is not sent: released ids wait for the next one.
             plan.released_seq_ids.extend(self._released)
             self._released.clear()
-        self._in_flight = scheduled
+        self._in_flight.record(scheduled)
         self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)  # one each, in running
         return plan
 
     def plan_ahead(self) -> worker_pb2.StepPlan | None:
         """The next step's plan while the last one is still in flight (overlap.py), assuming its outcome;
         None when it must wait for that step's result. The plan runs right after it (after_step_id)."""
-        if not can_plan_ahead(self):
+        if self.suspended or not self._in_flight.may_plan_ahead(self.step_id):
             return None
-        assume_in_flight(self)
+        self._in_flight.assume(self.step_id, self.running, self.kv_cache, self.max_model_len)
         plan = self.schedule()
-        plan.after_step_id = self._assumed_step
+        plan.after_step_id = self._in_flight.assumed_step
         self.num_planned_ahead += plan_needs_worker(plan)
         return plan
 
@@ -313,9 +312,8 @@ class Scheduler:
 
     def fail_all(self, error: str) -> StepOutputs:
         """A step failed beyond retries: every admitted request ends with an error."""
-        if self._assumed_step:  # a step planned ahead of offered its blocks to the prefix cache before it ran
+        if self._in_flight.forget_assumed():  # a step planned ahead of offered its blocks to the prefix cache before it ran
             self.kv_cache.reset_prefix_cache()
-            self._assumed_step = 0
         outputs = []
         for rid, seqs in list(self.samples.items()):
             for seq in list(seqs):
@@ -371,8 +369,7 @@ class Scheduler:
         for queue in (self.waiting, self.running, self.swapped, self.requests, self.samples, self.sequences,
                       self._released, self._swap_out, self._block_copies):
             queue.clear()
-        self._in_flight = []
-        self._assumed_step = 0
+        self._in_flight.clear()
         self.kv_cache.reset_prefix_cache()
         return seqs
 

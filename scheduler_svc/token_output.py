@@ -218,8 +218,8 @@ def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> StepOutputs:
     included)."""
     now = time.time()
     # A step planned ahead of (overlap.py) was counted then, and _in_flight is the next step's.
-    if result.step_id != s._assumed_step:
-        count_in_flight(s)
+    if not s._in_flight.counted(result.step_id):
+        s._in_flight.count(s.kv_cache)
     if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
         return process_rows(s, result, now)
     # The common step: tokens only. A decode's token that is no stop or EOS id, not its sequence's first
