@@ -17,7 +17,6 @@ never touches tensors or reference counts: it decides who runs and sends block i
 from __future__ import annotations
 
 import time
-from collections import deque
 from operator import attrgetter
 
 import structlog
@@ -28,10 +27,11 @@ from hetero_common.errors import DuplicateRequestError, ValidationError
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
 from scheduler_svc.overlap import StepInFlight, drop_placeholders
-from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim, swap_in_ready
+from scheduler_svc.preemption import preemption_victim
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
-from scheduler_svc.step_plan import SMALL_VARINTS, add_block_copies, plan_needs_worker, write_entry
+from scheduler_svc.step_plan import SMALL_VARINTS, PlanWriter, WorkerOutbox, plan_needs_worker
+from scheduler_svc.swapped_queue import SwappedQueue
 from scheduler_svc.token_output import StepOutputs, TokenOutput, apply_result
 from scheduler_svc.waiting_queue import WaitingQueue
 
@@ -61,13 +61,11 @@ class Scheduler:
         self.max_model_len = min(max_model_len, capacity)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # admitted, in admission order
-        self.swapped: deque[Sequence] = deque()  # preempted to host memory, oldest first
+        self.swapped = SwappedQueue()  # preempted to host memory, oldest first
         self.requests: dict[str, Sequence] = {}  # request id -> sample 0, while any sample is alive
         self.samples: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.sequences: dict[int, Sequence] = {}  # by seq_id: how worker results find their sequence
-        self._released: list[int] = []  # seq ids the worker should forget at the next step
-        self._swap_out: list[worker_pb2.SwapBlocks] = []
-        self._block_copies: list[worker_pb2.BlockCopy] = []
+        self._outbox = WorkerOutbox()  # block copies, swap-outs and released seq ids for the next plans
         self._next_seq_id = 0
         self.step_id = 0
         self.num_preemptions = 0
@@ -130,7 +128,7 @@ class Scheduler:
         self.suspended = True
         if mode == "recompute":
             for seq in reversed(list(self.running)):
-                preempt_recompute(self, seq)
+                self._preempt_recompute(seq)
             self.kv_cache.reset_prefix_cache()
         log.info("suspended", mode=mode, waiting=len(self.waiting), swapped=len(self.swapped))
 
@@ -140,28 +138,45 @@ class Scheduler:
     # ---------------------------------------------------------------- planning
 
     def schedule(self) -> worker_pb2.StepPlan:
-        """Decide this step's batch. Blocks for the scheduled tokens are allocated here."""
+        """Decide this step's batch, in four phases: the running decodes, the prompts partly computed,
+        swapped-out sequences back, new requests admitted. Blocks for the scheduled tokens are allocated
+        here (preempting others when they run out); the plan tells the worker what to compute with them."""
         if self.suspended:
             return worker_pb2.StepPlan(step_id=self.step_id)
-        self.step_id = step_id = self.step_id + 1
-        plan = worker_pb2.StepPlan(step_id=step_id)
-        token_budget, seq_budget = self.config.max_total_tokens, self.config.max_batch_size
-        # last_scheduled_step is set as soon as a sequence is scheduled: equal to step_id, it marks this
-        # step's batch, which no preemption may pick (O(1), where a list of the batch made it O(batch)).
+        self.step_id += 1
+        writer = PlanWriter(self.kv_cache)
+        # This step's entries but its fast decodes (`_schedule_decodes`): (sequence, tokens to compute). A
+        # scheduled sequence's last_scheduled_step is this step_id: that marks the batch, which no preemption
+        # may pick (O(1), where a look-up in this list made it O(batch)).
         scheduled: list[tuple[Sequence, int]] = []
+        seq_budget, token_budget, prompts_seen = self._schedule_decodes(writer, scheduled)
+        num_decodes = len(scheduled)  # their entries are written; the prompts' are written after them
+        if prompts_seen:
+            seq_budget, token_budget = self._schedule_prompt_chunks(scheduled, seq_budget, token_budget)
+        if self.swapped:
+            self._swap_in(writer)
+        seq_budget, token_budget = self._admit_waiting(scheduled, seq_budget, token_budget)
+        for seq, n in scheduled[num_decodes:]:
+            writer.entry(seq, n)
+        self._in_flight.record(scheduled)
+        # One each for all of `running`: it is in the next decode pass's order already.
+        self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)
+        return writer.plan(self.step_id, self._outbox)
 
-        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size); stable, about one pass
-        # (sorting `running` whole keeps the decodes' order: the others are skipped). A decode whose next token
-        # fits in blocks it holds alone and whose entry is the plain one (step_plan.write_entry: fast_until)
-        # takes the fast path: scheduled, and its entry written, with no call. `room`: decodes the budgets
-        # still allow, counted down by the fast path; the budgets themselves are brought up to date by the rest.
-        parts: list[bytes] = []  # the scheduled entries' wire bytes, in order
-        write, small = parts.extend, SMALL_VARINTS
-        append = scheduled.append
-        allocate_slots, kv_cache = self.kv_cache.allocate_slots, self.kv_cache
+    def _schedule_decodes(self, writer: PlanWriter, scheduled: list[tuple[Sequence, int]]) -> tuple[int, int, bool]:
+        """Phase 1: the running decodes, one token each, least recently scheduled first (fair when running >
+        max_batch_size). Returns the sequence and token budgets left, and whether a prompt still computing was
+        met (phase 2's work: this loop breaks only when the budgets are spent, and phase 2's with them).
+
+        `running` sorted by last_scheduled_step is stable and about one pass (the prompts are skipped); when
+        the last step scheduled all of it, it is in order already. A decode whose next token fits in blocks it
+        holds alone and whose entry is the plain one (step_plan.write_entry: fast_until) takes the fast path:
+        scheduled, and its entry written, with no call. `room`: the decodes the budgets still allow, counted
+        down by the fast path; the budgets themselves are brought up to date by the rest."""
+        step_id, write, small = self.step_id, writer.parts.extend, SMALL_VARINTS
+        seq_budget, token_budget = self.config.max_batch_size, self.config.max_total_tokens
+        allocate_slots = self.kv_cache.allocate_slots
         room = room_at_sync = min(seq_budget, token_budget)
-        # prompts_seen: a prompt still computing was met, so stage 2 has work (the loop breaks only when the
-        # budgets are spent, and stage 2 with them). When the last step scheduled all of running, it is in order.
         prompts_seen = False
         for seq in list(self.running) if self._running_in_order else sorted(self.running, key=_last_scheduled):
             if room == 0:
@@ -172,7 +187,7 @@ class Scheduler:
             num = len(seq.token_ids)
             if num <= seq.fast_until and num - seq.num_computed == 1:  # not in `scheduled`: see process_result
                 seq.last_scheduled_step = step_id
-                write((seq.decode_head, small[num - 1]))
+                write((seq.decode_head, small[num - 1]))  # the entry write_entry armed (a call here would show)
                 room -= 1
                 continue
             seq_budget -= room_at_sync - room
@@ -184,35 +199,46 @@ class Scheduler:
                 copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
                 if copies is not None or self._reserve(seq, n):
                     if copies:
-                        add_block_copies(self._block_copies, seq, copies)
+                        self._outbox.copy_blocks(seq, copies)
                     seq.last_scheduled_step = step_id
-                    append((seq, n))
-                    write_entry(parts, seq, n, kv_cache)
+                    scheduled.append((seq, n))
+                    writer.entry(seq, n)
                     seq_budget -= 1
                     token_budget -= n
             room = room_at_sync = min(seq_budget, token_budget)
-        seq_budget -= room_at_sync - room
-        token_budget -= room_at_sync - room
-        num_written = len(scheduled)
+        return seq_budget - (room_at_sync - room), token_budget - (room_at_sync - room), prompts_seen
 
-        # 2. Prompts already admitted and partly computed (chunked prefill).
-        for seq in [s for s in self.running if s.status is PREFILL] if prompts_seen else ():
+    def _schedule_prompt_chunks(self, scheduled: list[tuple[Sequence, int]], seq_budget: int,
+                                token_budget: int) -> tuple[int, int]:
+        """Phase 2: prompts already admitted and partly computed (chunked prefill); returns the budgets left."""
+        for seq in [s for s in self.running if s.status is PREFILL]:
             if seq_budget == 0 or token_budget == 0:
                 break
-            if seq.status is not PREFILL:
+            if seq.status is not PREFILL:  # preempted by an earlier iteration
                 continue
             n = self._chunk(seq, token_budget)
             if n and self._reserve(seq, n):
-                seq.last_scheduled_step = step_id
+                seq.last_scheduled_step = self.step_id
                 scheduled.append((seq, n))
                 seq_budget -= 1
                 token_budget -= n
+        return seq_budget, token_budget
 
-        # 3. Swapped-out sequences come back before anything new is admitted (preemption.swap_in_ready).
-        if self.swapped:
-            swap_in_ready(self, plan)
+    def _swap_in(self, writer: PlanWriter) -> None:
+        """Phase 3: swapped-out sequences come back, oldest first, while their blocks fit, before anything
+        new is admitted. Not while a block copy is pending: a swap-in lands before the copies on the worker
+        and could overwrite a source."""
+        while self.swapped and not self._outbox.copies_pending and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped.pop_ready(self.kv_cache)
+            if seq is None:
+                break
+            writer.swap_in(seq)
+            self.running.append(seq)
 
-        # 4. Admit waiting requests (priority, then FIFO; the head waits if it does not fit, keeping order).
+    def _admit_waiting(self, scheduled: list[tuple[Sequence, int]], seq_budget: int,
+                       token_budget: int) -> tuple[int, int]:
+        """Phase 4: waiting requests admitted (priority, then FIFO; the head waits if it does not fit, keeping
+        order), while nothing is swapped out; returns the budgets left."""
         while (self.waiting and not self.swapped and seq_budget > 0 and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting.peek()
@@ -225,29 +251,11 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(seq, hits, n)
             self.running.append(seq)
-            seq.last_scheduled_step = step_id
+            seq.last_scheduled_step = self.step_id
             scheduled.append((seq, n))
             seq_budget -= 1
             token_budget -= n
-
-        # Each touch of a plan's repeated field costs ~0.1 µs: the empty ones are left alone.
-        if self._swap_out:
-            plan.swap_out.extend(self._swap_out)
-            self._swap_out = []
-        if self._block_copies:
-            plan.block_copies.extend(self._block_copies)
-            self._block_copies = []
-        for seq, n in scheduled[num_written:]:
-            write_entry(parts, seq, n, kv_cache)
-        if parts:
-            plan.MergeFromString(b"".join(parts))
-        if self._released and plan_needs_worker(plan):
-            # A plan with nothing to compute or move is not sent: released ids wait for the next one.
-            plan.released_seq_ids.extend(self._released)
-            self._released.clear()
-        self._in_flight.record(scheduled)
-        self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)  # one each, in running
-        return plan
+        return seq_budget, token_budget
 
     def plan_ahead(self) -> worker_pb2.StepPlan | None:
         """The next step's plan while the last one is still in flight (overlap.py), assuming its outcome;
@@ -290,7 +298,7 @@ class Scheduler:
         while True:
             copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
             if copies is not None:
-                add_block_copies(self._block_copies, seq, copies)
+                self._outbox.copy_blocks(seq, copies)
                 return True
             victim = preemption_victim(self.running, seq, self.step_id, self.waiting.any_priority)
             self._preempt(victim)
@@ -298,11 +306,31 @@ class Scheduler:
                 return False
 
     def _preempt(self, seq: Sequence) -> None:
+        """Take a running sequence off the batch (preemption.py), by swapping when it has K/V on the worker."""
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and seq.on_worker and seq.num_computed > 0:
-            preempt_swap(self, seq)
+            self._swap_out(seq)
         else:
-            preempt_recompute(self, seq)
+            self._preempt_recompute(seq)
+
+    def _preempt_recompute(self, seq: Sequence) -> None:
+        """Free the blocks, re-queue at the front of its priority class with all tokens so far."""
+        self.running.remove(seq)
+        self.kv_cache.free(seq)
+        self._outbox.release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        log.info("preempted", mode="recompute", request_id=seq.request_id, tokens=seq.num_tokens,
+                 free_blocks=self.kv_cache.num_free)
+
+    def _swap_out(self, seq: Sequence) -> None:
+        """The worker copies the blocks holding K/V to host memory; the device blocks are freed."""
+        self.running.remove(seq)
+        held = self.kv_cache.swap_out(seq)
+        self._outbox.swap_out(seq.seq_id, held)
+        self.swapped.add(seq, len(held))
+        self.num_swap_outs += 1
+        log.info("preempted", mode="swap", request_id=seq.request_id, blocks=len(held), free_blocks=self.kv_cache.num_free)
 
     # ---------------------------------------------------------------- results
 
@@ -324,8 +352,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-            # A swap-out not sent yet is moot, and the worker forgets released ids before swapping.
-            self._swap_out = [sw for sw in self._swap_out if sw.seq_id != seq.seq_id]
+            self._outbox.cancel_swap_out(seq.seq_id)
         elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -337,7 +364,7 @@ class Scheduler:
         seq.status = status
         seq.finish_reason = reason
         self.kv_cache.free(seq)
-        self._release_on_worker(seq)
+        self._outbox.release(seq)
         self.sequences.pop(seq.seq_id, None)
         live = self.samples.get(seq.request_id, [])
         if seq in live:
@@ -345,13 +372,6 @@ class Scheduler:
         if not live:
             self.samples.pop(seq.request_id, None)
             self.requests.pop(seq.request_id, None)
-
-    def _release_on_worker(self, seq: Sequence) -> None:
-        """The worker forgets the sequence with the next plan it is sent."""
-        if seq.on_worker:
-            self._released.append(seq.seq_id)
-            seq.on_worker = False
-            seq.fast_until = 0
 
     # ---------------------------------------------------------------- scale and resilience
     # Moving sequences off a worker that failed: they are recomputed from their prompt plus the
@@ -366,9 +386,9 @@ class Scheduler:
         for seq in seqs:
             self.kv_cache.free(seq)
             seq.reset_for_recompute()
-        for queue in (self.waiting, self.running, self.swapped, self.requests, self.samples, self.sequences,
-                      self._released, self._swap_out, self._block_copies):
+        for queue in (self.waiting, self.running, self.swapped, self.requests, self.samples, self.sequences):
             queue.clear()
+        self._outbox.clear()
         self._in_flight.clear()
         self.kv_cache.reset_prefix_cache()
         return seqs
