@@ -1,17 +1,15 @@
-"""Continuous batching: one StepPlan per engine step, within a token and sequence budget.
+"""The core scheduler: continuous batching, one StepPlan per engine step within a token and sequence budget.
 
-Each step: running decodes first (one token each), then unfinished prompt chunks (at most
-`max_prefill_chunk_tokens` per request, so a long prompt cannot stall the decodes), then
-swapped-out sequences are brought back, then new requests are admitted from the waiting queue
-(lower priority value first, then arrival: `waiting_queue.py`) while blocks stay under
-`memory_threshold`; a new request computes only what the prefix cache does not hold (always at
-least its last token). When blocks run out mid-decode, the lowest-priority running sequence
-(the newest among equals) is preempted: `recompute` frees its blocks and re-queues it at the
-front of its class (prompt plus the tokens it produced), `swap` has the worker copy its blocks
-to host memory and brings them back later; either way its stream neither loses nor repeats a
-token. A request with n > 1 samples forks after its prompt. Which blocks a sequence holds
-(prefix hits, copy-on-write, sharing) is the `KVCacheManager`'s business; the scheduler
-never touches tensors or reference counts: it decides who runs and sends block ids and counts.
+`Scheduler.schedule` decides a step in four phases: the running decodes (one token each), the prompts
+partly computed (chunked prefill), swapped-out sequences back, new requests admitted (lower priority
+value first, then arrival) while blocks stay under `memory_threshold`. When blocks run out, a running
+sequence is preempted (preemption.py); its stream neither loses nor repeats a token. A request with
+n > 1 samples forks after its prompt. `process_result` applies the worker's sampled tokens.
+
+The Scheduler owns the queues and makes every decision; the collaborators own the rest: the blocks
+(`KVCacheManager`), the requests in flight (`RequestTable`), what the worker is to be told and the
+plan's wire bytes (step_plan.py), the step in flight (overlap.py), reading a result (`ResultReader`).
+It never touches tensors or reference counts: it decides who runs and sends block ids and counts.
 """
 
 from __future__ import annotations
@@ -23,16 +21,19 @@ import structlog
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
-from hetero_common.errors import DuplicateRequestError, ValidationError
+from hetero_common.errors import DuplicateRequestError
 from hetero_common.sampling import resolve
-from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
-from scheduler_svc.overlap import StepInFlight, drop_placeholders
+from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.overlap import StepInFlight
 from scheduler_svc.preemption import preemption_victim
+from scheduler_svc.request_limits import RequestLimits
+from scheduler_svc.request_table import RequestTable
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import SMALL_VARINTS, PlanWriter, WorkerOutbox, plan_needs_worker
 from scheduler_svc.swapped_queue import SwappedQueue
-from scheduler_svc.token_output import StepOutputs, TokenOutput, apply_result
+from scheduler_svc.result_reader import ResultReader
+from scheduler_svc.token_output import StepOutputs, TokenOutput
 from scheduler_svc.waiting_queue import WaitingQueue
 
 log = structlog.get_logger("scheduler_svc.scheduler")
@@ -49,23 +50,14 @@ class Scheduler:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
         self.eos_token_ids = frozenset(eos_token_ids)
-        # Every token id that may end a sequence: EOS and any request's stop ids (it only grows). A sampled
-        # token outside it ends a sequence by length alone, which process_result checks inline.
-        self._maybe_stop_ids = set(self.eos_token_ids)
-        capacity = num_blocks * self.block_size
-        if max_model_len > capacity:
-            # A sequence longer than the whole pool would preempt itself forever: it stops with finish
-            # reason length at the pool's capacity instead.
-            log.warning("max_model_len lowered to the KV pool's capacity", max_model_len=max_model_len,
-                        capacity=capacity, hint="raise max_num_blocks or the KV memory budget")
-        self.max_model_len = min(max_model_len, capacity)
+        self._limits = RequestLimits(max_model_len, num_blocks, self.block_size)
+        self.max_model_len = self._limits.max_model_len  # at most the KV pool's capacity
+        self._results = ResultReader(self.eos_token_ids, self.max_model_len)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.swapped = SwappedQueue()  # preempted to host memory, oldest first
-        self.requests: dict[str, Sequence] = {}  # request id -> sample 0, while any sample is alive
-        self.samples: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
-        self.sequences: dict[int, Sequence] = {}  # by seq_id: how worker results find their sequence
         self._outbox = WorkerOutbox()  # block copies, swap-outs and released seq ids for the next plans
+        self._table = RequestTable(self.kv_cache, self._outbox)  # in flight: `requests`, `samples`, `sequences`
         self._next_seq_id = 0
         self.step_id = 0
         self.num_preemptions = 0
@@ -82,36 +74,42 @@ class Scheduler:
         """The KV pool's size in blocks."""
         return self.kv_cache.num_blocks
 
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """Request id -> sample 0, for every request in flight (read only: request_table.py)."""
+        return self._table.requests
+
+    @property
+    def samples(self) -> dict[str, list[Sequence]]:
+        """Request id -> its unfinished samples (read only)."""
+        return self._table.samples
+
+    @property
+    def sequences(self) -> dict[int, Sequence]:
+        """Seq id -> unfinished sample (read only)."""
+        return self._table.sequences
+
     # ---------------------------------------------------------------- requests in and out
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: common_pb2.SamplingParams,
                     cache_salt: str = "", priority: int = 0) -> Sequence:
         if request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight; use a unique id per request")
-        if not prompt_token_ids:
-            raise ValidationError("prompt_token_ids must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValidationError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
-                                  "and at least one token must be generated: shorten the prompt")
+        self._limits.check_prompt(len(prompt_token_ids))
         sampling = resolve(params)
-        needed = blocks_for(len(prompt_token_ids) + 1, self.block_size) + (sampling.n - 1)
-        if needed > self.num_blocks:
-            raise ValidationError(f"prompt needs {needed} KV blocks but the pool has {self.num_blocks}; "
-                                  "shorten the prompt, lower n or raise max_num_blocks")
+        self._limits.check_blocks(len(prompt_token_ids), sampling.n)
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
                        cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority)
         self._next_seq_id += 1
-        self._maybe_stop_ids.update(sampling.stop_token_ids)
-        self.requests[request_id] = seq
-        self.samples[request_id] = [seq]
-        self.sequences[seq.seq_id] = seq
+        self._results.watch_stop_ids(sampling.stop_token_ids)
+        self._table.add(seq)
         self.waiting.append(seq)
         return seq
 
     def abort(self, request_id: str, reason: int = FR.FINISH_REASON_ABORT, index: int | None = None) -> list[int]:
         """End a request's samples (or only sample `index`); return the indices ended (empty: none in flight)."""
-        seqs = [s for s in self.samples.get(request_id, []) if index is None or s.index == index]
-        status = SequenceStatus.COMPLETED if reason != FR.FINISH_REASON_ERROR else SequenceStatus.FAILED
+        seqs = self._table.of(request_id, index)
+        status = COMPLETED if reason != FR.FINISH_REASON_ERROR else FAILED
         for seq in seqs:
             seq.pending_forks = 0
             self._finish(seq, reason, status)
@@ -145,9 +143,8 @@ class Scheduler:
             return worker_pb2.StepPlan(step_id=self.step_id)
         self.step_id += 1
         writer = PlanWriter(self.kv_cache)
-        # This step's entries but its fast decodes (`_schedule_decodes`): (sequence, tokens to compute). A
-        # scheduled sequence's last_scheduled_step is this step_id: that marks the batch, which no preemption
-        # may pick (O(1), where a look-up in this list made it O(batch)).
+        # This step's entries but its fast decodes: (sequence, tokens to compute). A scheduled sequence's
+        # last_scheduled_step is this step_id: that marks the batch, which no preemption may pick (O(1)).
         scheduled: list[tuple[Sequence, int]] = []
         seq_budget, token_budget, prompts_seen = self._schedule_decodes(writer, scheduled)
         num_decodes = len(scheduled)  # their entries are written; the prompts' are written after them
@@ -165,14 +162,12 @@ class Scheduler:
 
     def _schedule_decodes(self, writer: PlanWriter, scheduled: list[tuple[Sequence, int]]) -> tuple[int, int, bool]:
         """Phase 1: the running decodes, one token each, least recently scheduled first (fair when running >
-        max_batch_size). Returns the sequence and token budgets left, and whether a prompt still computing was
-        met (phase 2's work: this loop breaks only when the budgets are spent, and phase 2's with them).
-
-        `running` sorted by last_scheduled_step is stable and about one pass (the prompts are skipped); when
-        the last step scheduled all of it, it is in order already. A decode whose next token fits in blocks it
-        holds alone and whose entry is the plain one (step_plan.write_entry: fast_until) takes the fast path:
-        scheduled, and its entry written, with no call. `room`: the decodes the budgets still allow, counted
-        down by the fast path; the budgets themselves are brought up to date by the rest."""
+        max_batch_size: a stable sort, about one pass; none when the last step scheduled all of `running`).
+        Returns the budgets left, and whether a prompt still computing was met (phase 2's work: this loop
+        breaks only when the budgets are spent, and phase 2's with them). A decode whose next token fits in
+        blocks it holds alone and whose entry is the plain one (step_plan.write_entry: fast_until) takes the
+        fast path: scheduled, and its entry written, with no call. `room`: the decodes the budgets still
+        allow, counted down by the fast path; the budgets themselves are brought up to date by the rest."""
         step_id, write, small = self.step_id, writer.parts.extend, SMALL_VARINTS
         seq_budget, token_budget = self.config.max_batch_size, self.config.max_total_tokens
         allocate_slots = self.kv_cache.allocate_slots
@@ -246,10 +241,15 @@ class Scheduler:
                 break  # preempted while its token was in flight: admitted once it is back (overlap.py)
             hits = self.kv_cache.match_prefix(seq)
             n = self._chunk(seq, token_budget, num_computed=len(hits) * self.block_size)
-            if n == 0 or not self._admissible(seq, hits, n):
+            # The memory threshold never starves an idle engine: with nothing running, every block may be used.
+            max_used = self.config.memory_threshold * self.num_blocks if self.running else self.num_blocks
+            if n == 0 or not self.kv_cache.can_admit(seq, hits, n, max_used):
                 break
             self.waiting.popleft()
-            self._admit(seq, hits, n)
+            self.kv_cache.admit(seq, hits, n)
+            seq.status = PREFILL
+            if seq.queue_seconds is None:  # arrival to first admission (metrics)
+                seq.queue_seconds = time.monotonic() - seq.arrival_time
             self.running.append(seq)
             seq.last_scheduled_step = self.step_id
             scheduled.append((seq, n))
@@ -275,22 +275,6 @@ class Scheduler:
             return remaining if remaining <= token_budget else 0
         cap = self.config.max_prefill_chunk_tokens or token_budget
         return min(remaining, token_budget, cap)
-
-    def _admissible(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        needed = self.kv_cache.num_blocks_to_admit(seq, hits, num_new_tokens)
-        if not self.kv_cache.can_allocate(needed):
-            return False
-        if not self.running:
-            return True  # never let the threshold starve an idle engine
-        return self.kv_cache.num_used + needed <= self.config.memory_threshold * self.num_blocks
-
-    def _admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
-        self.kv_cache.admit(seq, hits)
-        copies = self.kv_cache.allocate_slots(seq, num_new_tokens)  # counted by _admissible; past the cached blocks
-        assert not copies, "admission: blocks short or shared"
-        seq.status = SequenceStatus.PREFILL
-        if seq.queue_seconds is None:  # arrival to first admission (metrics)
-            seq.queue_seconds = time.monotonic() - seq.arrival_time
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Allocate (and copy-on-write) blocks for the next tokens, preempting others not in this step's batch
@@ -336,7 +320,38 @@ class Scheduler:
 
     def process_result(self, result: worker_pb2.StepResult) -> StepOutputs:
         """Apply one step's sampled tokens; return per-sample outputs (finished ones included)."""
-        return apply_result(self, result)
+        if not self._in_flight.counted(result.step_id):  # a step planned ahead of was counted then
+            self._in_flight.count(self.kv_cache)  # before any row frees blocks
+        read = self._results.read(result, self._table.sequences)
+        for parent in read.forks:  # before any sample ends: the forks take their blocks from the parent's
+            self._fork_samples(parent)
+        if read.ends:
+            self._end_samples(read.ends)
+        return read.outputs
+
+    def _fork_samples(self, parent: Sequence) -> None:
+        """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
+        for index in range(1, parent.pending_forks + 1):
+            self.running.append(self._table.fork(parent, index, self._next_seq_id))
+            self._next_seq_id += 1
+        self._running_in_order = False  # the children were never scheduled
+        parent.pending_forks = 0
+
+    def _end_samples(self, ends: list[tuple[Sequence, int, SequenceStatus, bool]]) -> None:
+        """End the samples a result ended (result_reader.StepRead.ends), in row order. Those that ran leave
+        `running` together afterwards: a few one by one (a search in C each), many in one pass."""
+        ran = []
+        for seq, reason, status, in_running in ends:
+            if in_running:
+                self._table.end(seq, reason, status)
+                ran.append(seq)
+            else:
+                self._finish(seq, reason, status)
+        if len(ran) <= 8:
+            for seq in ran:
+                self.running.remove(seq)
+        else:
+            self.running = [q for q in self.running if q.status is not COMPLETED]
 
     def fail_all(self, error: str) -> StepOutputs:
         """A step failed beyond retries: every admitted request ends with an error."""
@@ -345,7 +360,7 @@ class Scheduler:
         outputs = []
         for rid, seqs in list(self.samples.items()):
             for seq in list(seqs):
-                self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
+                self._finish(seq, FR.FINISH_REASON_ERROR, FAILED)
                 outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error, index=seq.index))
         return StepOutputs.of(outputs)
 
@@ -357,38 +372,17 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._end(seq, reason, status)
-
-    def _end(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
-        """A sample is done: blocks freed, the worker told; the caller takes it off its queue."""
-        seq.status = status
-        seq.finish_reason = reason
-        self.kv_cache.free(seq)
-        self._outbox.release(seq)
-        self.sequences.pop(seq.seq_id, None)
-        live = self.samples.get(seq.request_id, [])
-        if seq in live:
-            live.remove(seq)
-        if not live:
-            self.samples.pop(seq.request_id, None)
-            self.requests.pop(seq.request_id, None)
+        self._table.end(seq, reason, status)
 
     # ---------------------------------------------------------------- scale and resilience
-    # Moving sequences off a worker that failed: they are recomputed from their prompt plus the
-    # tokens already produced (as after a recompute preemption), here or on another replica.
 
     def take_all_for_recompute(self) -> list[Sequence]:
-        """Remove every unfinished sample, blocks freed, in arrival order; the worker's state is void.
-
-        The prefix cache is forgotten too: a step that failed half-way may have written into blocks."""
-        seqs = sorted((s for samples in self.samples.values() for s in samples), key=lambda s: (s.arrival_time, s.index))
-        drop_placeholders(seqs)
-        for seq in seqs:
-            self.kv_cache.free(seq)
-            seq.reset_for_recompute()
-        for queue in (self.waiting, self.running, self.swapped, self.requests, self.samples, self.sequences):
+        """Remove every unfinished sample, blocks freed, in arrival order; the worker's state is void (it
+        failed): they are recomputed from their tokens so far, here or on another replica (`adopt`). The
+        prefix cache is forgotten too: a step that failed half-way may have written into blocks."""
+        seqs = self._table.take_all()
+        for queue in (self.waiting, self.running, self.swapped, self._outbox):
             queue.clear()
-        self._outbox.clear()
         self._in_flight.clear()
         self.kv_cache.reset_prefix_cache()
         return seqs
@@ -397,14 +391,9 @@ class Scheduler:
         """Queue a sample taken from a replica (possibly this one) for recompute, under a new seq id."""
         seq.seq_id = self._next_seq_id
         self._next_seq_id += 1
-        self._maybe_stop_ids.update(seq.sampling.stop_token_ids)
-        self.samples.setdefault(seq.request_id, []).append(seq)
-        if seq.index == 0 or seq.request_id not in self.requests:
-            self.requests[seq.request_id] = seq
-        self.sequences[seq.seq_id] = seq
+        self._results.watch_stop_ids(seq.sampling.stop_token_ids)
+        self._table.add_sample(seq)
         self.waiting.append(seq)
-
-    # ---------------------------------------------------------------- stats
 
     def pool_stats(self) -> common_pb2.PoolStats:
         return pool_stats(self)

@@ -84,7 +84,7 @@ def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KV
     kept on the sequence) and needs no block: no new block, no copy-on-write (blocks it holds alone),
     num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
     (`decode_head` + num_cached_tokens' varint) without coming here; anything that changes the sequence's
-    blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `_release_on_worker`)."""
+    blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `WorkerOutbox.release`)."""
     token_ids = seq.token_ids
     if not seq.on_worker:
         parts += new_sequence_bytes(seq)
