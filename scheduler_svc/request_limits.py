@@ -8,7 +8,7 @@ import structlog
 from hetero_common.errors import ValidationError
 from scheduler_svc.block_pool import blocks_for
 
-log = structlog.get_logger("scheduler_svc.scheduler")
+log = structlog.get_logger("scheduler_svc.scheduler")  # the scheduler's warning, under its name
 
 
 class RequestLimits:

@@ -180,9 +180,9 @@ class Scheduler:
                 prompts_seen = prompts_seen or seq.status is PREFILL
                 continue
             num = len(seq.token_ids)
-            if num <= seq.fast_until and num - seq.num_computed == 1:  # not in `scheduled`: see process_result
+            if num <= seq.fast_until and num - seq.num_computed == 1:  # not in `scheduled`: ResultReader counts it
                 seq.last_scheduled_step = step_id
-                write((seq.decode_head, small[num - 1]))  # the entry write_entry armed (a call here would show)
+                write((seq.decode_head, small[num - 1]))  # the entry write_entry armed (inlined: a call costs)
                 room -= 1
                 continue
             seq_budget -= room_at_sync - room

@@ -9,7 +9,6 @@ status it had (a prompt still computing, or a decode).
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator
 
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
@@ -26,9 +25,6 @@ class SwappedQueue:
 
     def __bool__(self) -> bool:
         return bool(self._queue)
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._queue)
 
     def add(self, seq: Sequence, num_held_blocks: int) -> None:
         """`seq` was swapped out: the worker holds its first `num_held_blocks` blocks in host memory."""
