@@ -101,8 +101,15 @@ class KVCacheManager:
         revived = sum(1 for b in hits if ref_counts[b] == 0) if hits else 0  # cached-free blocks leave the free list
         return revived + self._blocks_needed(seq, num_new_tokens, len(hits) * self.block_size, len(hits))
 
-    def admit(self, seq: Sequence, hits: list[int]) -> None:
-        """The hits become the head of the sequence's table, already computed."""
+    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int, max_used_blocks: float) -> bool:
+        """Whether admitting `seq` with these hits and its first tokens finds the blocks free, and leaves at
+        most `max_used_blocks` in use (the scheduler's memory threshold)."""
+        needed = self.num_blocks_to_admit(seq, hits, num_new_tokens)
+        return self.can_allocate(needed) and self.pool.num_used + needed <= max_used_blocks
+
+    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
+        """The hits become the head of the sequence's table, already computed, and blocks for its first
+        `num_new_tokens` tokens follow them (`can_admit` found them)."""
         for b in hits:
             self.pool.touch(b)
         seq.block_table = list(hits)
@@ -113,6 +120,8 @@ class KVCacheManager:
             if self.enable_prefix_caching and not seq.needs_prompt_logits:  # only prompts looked up count
                 self.prefix_cache_queries += seq.prompt_len
                 self.prefix_cache_hits += seq.cached_prompt_tokens
+        copies = self.allocate_slots(seq, num_new_tokens)  # past the cached blocks: none shared
+        assert not copies, "admission: blocks short or shared"
 
     # ---------------------------------------------------------------- growing a table
 

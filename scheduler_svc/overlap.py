@@ -5,10 +5,10 @@ The replica sends step N, then plans step N+1 before N's result is back and send
 next without waiting for a round trip through the scheduler, and the scheduler's own work (applying
 results, publishing tokens, planning) happens while the model computes.
 
-Planning ahead assumes step N's outcome (`assume_in_flight`): every token N computes counts as
+Planning ahead assumes step N's outcome (`StepInFlight.assume`): every token N computes counts as
 computed (its full blocks go to the prefix cache), and every sequence N samples for gets a
 placeholder token at the end of `token_ids`, which N+1 decodes: the worker appended the real token
-itself when it sampled it. When N's result arrives, `process_result` puts each token in its
+itself when it sampled it. When N's result arrives, `Scheduler.process_result` puts each token in its
 placeholder's place (`Sequence.awaiting_token`) and checks it as usual. A sequence that N ends by
 its length is known beforehand and is not planned again; one that N ends with EOS or a stop id had
 one token computed in vain by N+1, dropped with the sequence (its blocks freed, the worker told in
@@ -22,58 +22,85 @@ completes a prompt that forks into several samples (n > 1): the forks take their
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
-from scheduler_svc.token_output import count_in_flight
 
-DECODE = SequenceStatus.DECODE
+PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
 PLACEHOLDER = -1  # a token id no vocabulary has: never sent to a worker (admission waits for the real one)
 
 
-class Scheduler(Protocol):
-    """What planning ahead touches of the Scheduler (scheduler.py; not imported: it imports this module)."""
+class StepInFlight:
+    """The last plan's entries until they count as computed, and the step planned ahead of (if any).
 
-    running: list[Sequence]
-    kv_cache: KVCacheManager
-    block_size: int
-    max_model_len: int
-    step_id: int
-    suspended: bool
-    _in_flight: list[tuple[Sequence, int]]
-    _assumed_step: int
+    The fast decodes are not among `entries` (`Scheduler.schedule`): a decode's count is brought up
+    to date when its token comes back (`ResultReader`), and it fills no block."""
 
+    __slots__ = ("entries", "assumed_step")
 
-def can_plan_ahead(s: Scheduler) -> bool:
-    """Whether the next step may be planned before the result of the one in flight (`s.step_id`)."""
-    return (not s.suspended and s._assumed_step != s.step_id
-            and not any(seq.pending_forks for seq, _ in s._in_flight))
+    def __init__(self) -> None:
+        self.entries: list[tuple[Sequence, int]] = []  # (sequence, tokens it computes), in plan order
+        self.assumed_step = 0  # the last step planned ahead of: its result's tokens are already counted
 
+    def record(self, entries: list[tuple[Sequence, int]]) -> None:
+        """The plan just made is the step in flight."""
+        self.entries = entries
 
-def assume_in_flight(s: Scheduler) -> None:
-    """Take the step in flight as done: tokens computed, a placeholder for each token it samples."""
-    step = s.step_id
-    count_in_flight(s)  # its entries but the fast decodes, as process_result counts them
-    s._assumed_step = step
-    last_model_len = s.max_model_len - 1
-    for seq in s.running:
-        if seq.last_scheduled_step != step:
-            continue
-        token_ids = seq.token_ids
-        num = len(token_ids)
-        if seq.num_computed == num - 1 and seq.status is DECODE:  # a fast decode (not in _in_flight)
-            seq.num_computed = num
-        elif seq.num_computed != num:
-            continue  # a prompt chunk that is not the last: nothing sampled
-        token_ids.append(PLACEHOLDER)
-        seq.awaiting_token = True
-        seq.status = DECODE
-        if num >= seq.last_len or num >= last_model_len:
-            # The token N samples ends the sequence by length: nothing more to plan for it
-            # (schedule() skips a decode with nothing left to compute).
-            seq.num_computed = num + 1
-            seq.fast_until = 0
+    def counted(self, step_id: int) -> bool:
+        """Whether step `step_id`'s tokens were counted when the next step was planned ahead of it."""
+        return step_id == self.assumed_step
+
+    def may_plan_ahead(self, step_id: int) -> bool:
+        """Whether the step after `step_id` (the one in flight) may be planned before its result: not
+        when it was itself planned ahead of already, nor when a prompt in it forks (the forks take
+        their blocks from the prompt's once its token is back)."""
+        return self.assumed_step != step_id and not any(seq.pending_forks for seq, _ in self.entries)
+
+    def count(self, kv_cache: KVCacheManager) -> None:
+        """The entries as computed, full blocks offered to the prefix cache, in plan order: when the step's
+        result arrives, before any row frees blocks, or when the next step is planned ahead of it."""
+        caching, bs = kv_cache.enable_prefix_caching, kv_cache.block_size
+        register_full_blocks = kv_cache.register_full_blocks
+        for seq, n in self.entries:
+            status = seq.status
+            if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
+                computed = seq.num_computed = seq.num_computed + n
+                if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
+                    register_full_blocks(seq)
+        self.entries = []
+
+    def assume(self, step_id: int, running: list[Sequence], kv_cache: KVCacheManager, max_model_len: int) -> None:
+        """Take step `step_id` (in flight) as done: tokens computed, a placeholder for each token it samples."""
+        self.count(kv_cache)  # its entries but the fast decodes, as a result counts them
+        self.assumed_step = step_id
+        last_model_len = max_model_len - 1
+        for seq in running:
+            if seq.last_scheduled_step != step_id:
+                continue
+            token_ids = seq.token_ids
+            num = len(token_ids)
+            if seq.num_computed == num - 1 and seq.status is DECODE:  # a fast decode (not in `entries`)
+                seq.num_computed = num
+            elif seq.num_computed != num:
+                continue  # a prompt chunk that is not the last: nothing sampled
+            token_ids.append(PLACEHOLDER)
+            seq.awaiting_token = True
+            seq.status = DECODE
+            if num >= seq.last_len or num >= last_model_len:
+                # The token N samples ends the sequence by length: nothing more to plan for it
+                # (schedule() skips a decode with nothing left to compute).
+                seq.num_computed = num + 1
+                seq.fast_until = 0
+
+    def forget_assumed(self) -> bool:
+        """The step planned ahead of will not be answered (a failed step): whether there was one, whose
+        blocks were offered to the prefix cache before it ran."""
+        assumed, self.assumed_step = self.assumed_step, 0
+        return bool(assumed)
+
+    def clear(self) -> None:
+        """The worker's state is void: nothing in flight, nothing assumed."""
+        self.entries = []
+        self.assumed_step = 0
 
 
 def drop_placeholders(seqs: list[Sequence]) -> None:

@@ -1,38 +1,39 @@
-"""Continuous batching: one StepPlan per engine step, within a token and sequence budget.
+"""The core scheduler: continuous batching, one StepPlan per engine step within a token and sequence budget.
 
-Each step: running decodes first (one token each), then unfinished prompt chunks (at most
-`max_prefill_chunk_tokens` per request, so a long prompt cannot stall the decodes), then
-swapped-out sequences are brought back, then new requests are admitted from the waiting queue
-(lower priority value first, then arrival: `waiting_queue.py`) while blocks stay under
-`memory_threshold`; a new request computes only what the prefix cache does not hold (always at
-least its last token). When blocks run out mid-decode, the lowest-priority running sequence
-(the newest among equals) is preempted: `recompute` frees its blocks and re-queues it at the
-front of its class (prompt plus the tokens it produced), `swap` has the worker copy its blocks
-to host memory and brings them back later; either way its stream neither loses nor repeats a
-token. A request with n > 1 samples forks after its prompt. Which blocks a sequence holds
-(prefix hits, copy-on-write, sharing) is the `KVCacheManager`'s business; the scheduler
-never touches tensors or reference counts: it decides who runs and sends block ids and counts.
+`Scheduler.schedule` decides a step in four phases: the running decodes (one token each), the prompts
+partly computed (chunked prefill), swapped-out sequences back, new requests admitted (lower priority
+value first, then arrival) while blocks stay under `memory_threshold`. When blocks run out, a running
+sequence is preempted (preemption.py); its stream neither loses nor repeats a token. A request with
+n > 1 samples forks after its prompt. `process_result` applies the worker's sampled tokens.
+
+The Scheduler owns the queues and makes every decision; the collaborators own the rest: the blocks
+(`KVCacheManager`), the requests in flight (`RequestTable`), what the worker is to be told and the
+plan's wire bytes (step_plan.py), the step in flight (overlap.py), reading a result (`ResultReader`).
+It never touches tensors or reference counts: it decides who runs and sends block ids and counts.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from operator import attrgetter
 
 import structlog
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
-from hetero_common.errors import DuplicateRequestError, ValidationError
+from hetero_common.errors import DuplicateRequestError
 from hetero_common.sampling import resolve
-from scheduler_svc.kv_cache_manager import KVCacheManager, blocks_for
-from scheduler_svc.overlap import assume_in_flight, can_plan_ahead, drop_placeholders
-from scheduler_svc.preemption import preempt_recompute, preempt_swap, preemption_victim, swap_in_ready
+from scheduler_svc.kv_cache_manager import KVCacheManager
+from scheduler_svc.overlap import StepInFlight
+from scheduler_svc.preemption import preemption_victim
+from scheduler_svc.request_limits import RequestLimits
+from scheduler_svc.request_table import RequestTable
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.stats import pool_stats
-from scheduler_svc.step_plan import SMALL_VARINTS, add_block_copies, plan_needs_worker, write_entry
-from scheduler_svc.token_output import StepOutputs, TokenOutput, apply_result
+from scheduler_svc.step_plan import SMALL_VARINTS, PlanWriter, WorkerOutbox, plan_needs_worker
+from scheduler_svc.swapped_queue import SwappedQueue
+from scheduler_svc.result_reader import ResultReader
+from scheduler_svc.token_output import StepOutputs, TokenOutput
 from scheduler_svc.waiting_queue import WaitingQueue
 
 log = structlog.get_logger("scheduler_svc.scheduler")
@@ -49,25 +50,14 @@ class Scheduler:
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
         self.eos_token_ids = frozenset(eos_token_ids)
-        # Every token id that may end a sequence: EOS and any request's stop ids (it only grows). A sampled
-        # token outside it ends a sequence by length alone, which process_result checks inline.
-        self._maybe_stop_ids = set(self.eos_token_ids)
-        capacity = num_blocks * self.block_size
-        if max_model_len > capacity:
-            # A sequence longer than the whole pool would preempt itself forever: it stops with finish
-            # reason length at the pool's capacity instead.
-            log.warning("max_model_len lowered to the KV pool's capacity", max_model_len=max_model_len,
-                        capacity=capacity, hint="raise max_num_blocks or the KV memory budget")
-        self.max_model_len = min(max_model_len, capacity)
+        self._limits = RequestLimits(max_model_len, num_blocks, self.block_size)
+        self.max_model_len = self._limits.max_model_len  # at most the KV pool's capacity
+        self._results = ResultReader(self.eos_token_ids, self.max_model_len)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # admitted, in admission order
-        self.swapped: deque[Sequence] = deque()  # preempted to host memory, oldest first
-        self.requests: dict[str, Sequence] = {}  # request id -> sample 0, while any sample is alive
-        self.samples: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
-        self.sequences: dict[int, Sequence] = {}  # by seq_id: how worker results find their sequence
-        self._released: list[int] = []  # seq ids the worker should forget at the next step
-        self._swap_out: list[worker_pb2.SwapBlocks] = []
-        self._block_copies: list[worker_pb2.BlockCopy] = []
+        self.swapped = SwappedQueue()  # preempted to host memory, oldest first
+        self._outbox = WorkerOutbox()  # block copies, swap-outs and released seq ids for the next plans
+        self._table = RequestTable(self.kv_cache, self._outbox)  # in flight: `requests`, `samples`, `sequences`
         self._next_seq_id = 0
         self.step_id = 0
         self.num_preemptions = 0
@@ -77,13 +67,27 @@ class Scheduler:
         # Every sequence in `running` was scheduled in the last step (so all hold the same last_scheduled_step and
         # `running` is already in the decode pass's order): set by schedule(), cleared when a fork joins running.
         self._running_in_order = False
-        self._in_flight: list[tuple[Sequence, int]] = []  # the last plan's (sequence, tokens computed), fast decodes aside
-        self._assumed_step = 0  # the last step planned ahead of (overlap.py): its result's tokens are already counted
+        self._in_flight = StepInFlight()  # the last plan's entries, fast decodes aside, and the step planned ahead of
 
     @property
     def num_blocks(self) -> int:
         """The KV pool's size in blocks."""
         return self.kv_cache.num_blocks
+
+    @property
+    def requests(self) -> dict[str, Sequence]:
+        """Request id -> sample 0, for every request in flight (read only: request_table.py)."""
+        return self._table.requests
+
+    @property
+    def samples(self) -> dict[str, list[Sequence]]:
+        """Request id -> its unfinished samples (read only)."""
+        return self._table.samples
+
+    @property
+    def sequences(self) -> dict[int, Sequence]:
+        """Seq id -> unfinished sample (read only)."""
+        return self._table.sequences
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -91,30 +95,21 @@ class Scheduler:
                     cache_salt: str = "", priority: int = 0) -> Sequence:
         if request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight; use a unique id per request")
-        if not prompt_token_ids:
-            raise ValidationError("prompt_token_ids must not be empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValidationError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
-                                  "and at least one token must be generated: shorten the prompt")
+        self._limits.check_prompt(len(prompt_token_ids))
         sampling = resolve(params)
-        needed = blocks_for(len(prompt_token_ids) + 1, self.block_size) + (sampling.n - 1)
-        if needed > self.num_blocks:
-            raise ValidationError(f"prompt needs {needed} KV blocks but the pool has {self.num_blocks}; "
-                                  "shorten the prompt, lower n or raise max_num_blocks")
+        self._limits.check_blocks(len(prompt_token_ids), sampling.n)
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
                        cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority)
         self._next_seq_id += 1
-        self._maybe_stop_ids.update(sampling.stop_token_ids)
-        self.requests[request_id] = seq
-        self.samples[request_id] = [seq]
-        self.sequences[seq.seq_id] = seq
+        self._results.watch_stop_ids(sampling.stop_token_ids)
+        self._table.add(seq)
         self.waiting.append(seq)
         return seq
 
     def abort(self, request_id: str, reason: int = FR.FINISH_REASON_ABORT, index: int | None = None) -> list[int]:
         """End a request's samples (or only sample `index`); return the indices ended (empty: none in flight)."""
-        seqs = [s for s in self.samples.get(request_id, []) if index is None or s.index == index]
-        status = SequenceStatus.COMPLETED if reason != FR.FINISH_REASON_ERROR else SequenceStatus.FAILED
+        seqs = self._table.of(request_id, index)
+        status = COMPLETED if reason != FR.FINISH_REASON_ERROR else FAILED
         for seq in seqs:
             seq.pending_forks = 0
             self._finish(seq, reason, status)
@@ -131,7 +126,7 @@ class Scheduler:
         self.suspended = True
         if mode == "recompute":
             for seq in reversed(list(self.running)):
-                preempt_recompute(self, seq)
+                self._preempt_recompute(seq)
             self.kv_cache.reset_prefix_cache()
         log.info("suspended", mode=mode, waiting=len(self.waiting), swapped=len(self.swapped))
 
@@ -141,28 +136,42 @@ class Scheduler:
     # ---------------------------------------------------------------- planning
 
     def schedule(self) -> worker_pb2.StepPlan:
-        """Decide this step's batch. Blocks for the scheduled tokens are allocated here."""
+        """Decide this step's batch, in four phases: the running decodes, the prompts partly computed,
+        swapped-out sequences back, new requests admitted. Blocks for the scheduled tokens are allocated
+        here (preempting others when they run out); the plan tells the worker what to compute with them."""
         if self.suspended:
             return worker_pb2.StepPlan(step_id=self.step_id)
-        self.step_id = step_id = self.step_id + 1
-        plan = worker_pb2.StepPlan(step_id=step_id)
-        token_budget, seq_budget = self.config.max_total_tokens, self.config.max_batch_size
-        # last_scheduled_step is set as soon as a sequence is scheduled: equal to step_id, it marks this
-        # step's batch, which no preemption may pick (O(1), where a list of the batch made it O(batch)).
+        self.step_id += 1
+        writer = PlanWriter(self.kv_cache)
+        # This step's entries but its fast decodes: (sequence, tokens to compute). A scheduled sequence's
+        # last_scheduled_step is this step_id: that marks the batch, which no preemption may pick (O(1)).
         scheduled: list[tuple[Sequence, int]] = []
+        seq_budget, token_budget, prompts_seen = self._schedule_decodes(writer, scheduled)
+        num_decodes = len(scheduled)  # their entries are written; the prompts' are written after them
+        if prompts_seen:
+            seq_budget, token_budget = self._schedule_prompt_chunks(scheduled, seq_budget, token_budget)
+        if self.swapped:
+            self._swap_in(writer)
+        seq_budget, token_budget = self._admit_waiting(scheduled, seq_budget, token_budget)
+        for seq, n in scheduled[num_decodes:]:
+            writer.entry(seq, n)
+        self._in_flight.record(scheduled)
+        # One each for all of `running`: it is in the next decode pass's order already.
+        self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)
+        return writer.plan(self.step_id, self._outbox)
 
-        # 1. Decodes, least recently scheduled first (fair when running > max_batch_size); stable, about one pass
-        # (sorting `running` whole keeps the decodes' order: the others are skipped). A decode whose next token
-        # fits in blocks it holds alone and whose entry is the plain one (step_plan.write_entry: fast_until)
-        # takes the fast path: scheduled, and its entry written, with no call. `room`: decodes the budgets
-        # still allow, counted down by the fast path; the budgets themselves are brought up to date by the rest.
-        parts: list[bytes] = []  # the scheduled entries' wire bytes, in order
-        write, small = parts.extend, SMALL_VARINTS
-        append = scheduled.append
-        allocate_slots, kv_cache = self.kv_cache.allocate_slots, self.kv_cache
+    def _schedule_decodes(self, writer: PlanWriter, scheduled: list[tuple[Sequence, int]]) -> tuple[int, int, bool]:
+        """Phase 1: the running decodes, one token each, least recently scheduled first (fair when running >
+        max_batch_size: a stable sort, about one pass; none when the last step scheduled all of `running`).
+        Returns the budgets left, and whether a prompt still computing was met (phase 2's work: this loop
+        breaks only when the budgets are spent, and phase 2's with them). A decode whose next token fits in
+        blocks it holds alone and whose entry is the plain one (step_plan.write_entry: fast_until) takes the
+        fast path: scheduled, and its entry written, with no call. `room`: the decodes the budgets still
+        allow, counted down by the fast path; the budgets themselves are brought up to date by the rest."""
+        step_id, write, small = self.step_id, writer.parts.extend, SMALL_VARINTS
+        seq_budget, token_budget = self.config.max_batch_size, self.config.max_total_tokens
+        allocate_slots = self.kv_cache.allocate_slots
         room = room_at_sync = min(seq_budget, token_budget)
-        # prompts_seen: a prompt still computing was met, so stage 2 has work (the loop breaks only when the
-        # budgets are spent, and stage 2 with them). When the last step scheduled all of running, it is in order.
         prompts_seen = False
         for seq in list(self.running) if self._running_in_order else sorted(self.running, key=_last_scheduled):
             if room == 0:
@@ -171,9 +180,9 @@ class Scheduler:
                 prompts_seen = prompts_seen or seq.status is PREFILL
                 continue
             num = len(seq.token_ids)
-            if num <= seq.fast_until and num - seq.num_computed == 1:  # not in `scheduled`: see process_result
+            if num <= seq.fast_until and num - seq.num_computed == 1:  # not in `scheduled`: ResultReader counts it
                 seq.last_scheduled_step = step_id
-                write((seq.decode_head, small[num - 1]))
+                write((seq.decode_head, small[num - 1]))  # the entry write_entry armed (inlined: a call costs)
                 room -= 1
                 continue
             seq_budget -= room_at_sync - room
@@ -185,35 +194,46 @@ class Scheduler:
                 copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
                 if copies is not None or self._reserve(seq, n):
                     if copies:
-                        add_block_copies(self._block_copies, seq, copies)
+                        self._outbox.copy_blocks(seq, copies)
                     seq.last_scheduled_step = step_id
-                    append((seq, n))
-                    write_entry(parts, seq, n, kv_cache)
+                    scheduled.append((seq, n))
+                    writer.entry(seq, n)
                     seq_budget -= 1
                     token_budget -= n
             room = room_at_sync = min(seq_budget, token_budget)
-        seq_budget -= room_at_sync - room
-        token_budget -= room_at_sync - room
-        num_written = len(scheduled)
+        return seq_budget - (room_at_sync - room), token_budget - (room_at_sync - room), prompts_seen
 
-        # 2. Prompts already admitted and partly computed (chunked prefill).
-        for seq in [s for s in self.running if s.status is PREFILL] if prompts_seen else ():
+    def _schedule_prompt_chunks(self, scheduled: list[tuple[Sequence, int]], seq_budget: int,
+                                token_budget: int) -> tuple[int, int]:
+        """Phase 2: prompts already admitted and partly computed (chunked prefill); returns the budgets left."""
+        for seq in [s for s in self.running if s.status is PREFILL]:
             if seq_budget == 0 or token_budget == 0:
                 break
-            if seq.status is not PREFILL:
+            if seq.status is not PREFILL:  # preempted by an earlier iteration
                 continue
             n = self._chunk(seq, token_budget)
             if n and self._reserve(seq, n):
-                seq.last_scheduled_step = step_id
+                seq.last_scheduled_step = self.step_id
                 scheduled.append((seq, n))
                 seq_budget -= 1
                 token_budget -= n
+        return seq_budget, token_budget
 
-        # 3. Swapped-out sequences come back before anything new is admitted (preemption.swap_in_ready).
-        if self.swapped:
-            swap_in_ready(self, plan)
+    def _swap_in(self, writer: PlanWriter) -> None:
+        """Phase 3: swapped-out sequences come back, oldest first, while their blocks fit, before anything
+        new is admitted. Not while a block copy is pending: a swap-in lands before the copies on the worker
+        and could overwrite a source."""
+        while self.swapped and not self._outbox.copies_pending and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped.pop_ready(self.kv_cache)
+            if seq is None:
+                break
+            writer.swap_in(seq)
+            self.running.append(seq)
 
-        # 4. Admit waiting requests (priority, then FIFO; the head waits if it does not fit, keeping order).
+    def _admit_waiting(self, scheduled: list[tuple[Sequence, int]], seq_budget: int,
+                       token_budget: int) -> tuple[int, int]:
+        """Phase 4: waiting requests admitted (priority, then FIFO; the head waits if it does not fit, keeping
+        order), while nothing is swapped out; returns the budgets left."""
         while (self.waiting and not self.swapped and seq_budget > 0 and token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting.peek()
@@ -221,43 +241,30 @@ class Scheduler:
                 break  # preempted while its token was in flight: admitted once it is back (overlap.py)
             hits = self.kv_cache.match_prefix(seq)
             n = self._chunk(seq, token_budget, num_computed=len(hits) * self.block_size)
-            if n == 0 or not self._admissible(seq, hits, n):
+            # The memory threshold never starves an idle engine: with nothing running, every block may be used.
+            max_used = self.config.memory_threshold * self.num_blocks if self.running else self.num_blocks
+            if n == 0 or not self.kv_cache.can_admit(seq, hits, n, max_used):
                 break
             self.waiting.popleft()
-            self._admit(seq, hits, n)
+            self.kv_cache.admit(seq, hits, n)
+            seq.status = PREFILL
+            if seq.queue_seconds is None:  # arrival to first admission (metrics)
+                seq.queue_seconds = time.monotonic() - seq.arrival_time
             self.running.append(seq)
-            seq.last_scheduled_step = step_id
+            seq.last_scheduled_step = self.step_id
             scheduled.append((seq, n))
             seq_budget -= 1
             token_budget -= n
-
-        # Each touch of a plan's repeated field costs ~0.1 µs: the empty ones are left alone.
-        if self._swap_out:
-            plan.swap_out.extend(self._swap_out)
-            self._swap_out = []
-        if self._block_copies:
-            plan.block_copies.extend(self._block_copies)
-            self._block_copies = []
-        for seq, n in scheduled[num_written:]:
-            write_entry(parts, seq, n, kv_cache)
-        if parts:
-            plan.MergeFromString(b"".join(parts))
-        if self._released and plan_needs_worker(plan):
-            # A plan with nothing to compute or move is not sent: released ids wait for the next one.
-            plan.released_seq_ids.extend(self._released)
-            self._released.clear()
-        self._in_flight = scheduled
-        self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)  # one each, in running
-        return plan
+        return seq_budget, token_budget
 
     def plan_ahead(self) -> worker_pb2.StepPlan | None:
         """The next step's plan while the last one is still in flight (overlap.py), assuming its outcome;
         None when it must wait for that step's result. The plan runs right after it (after_step_id)."""
-        if not can_plan_ahead(self):
+        if self.suspended or not self._in_flight.may_plan_ahead(self.step_id):
             return None
-        assume_in_flight(self)
+        self._in_flight.assume(self.step_id, self.running, self.kv_cache, self.max_model_len)
         plan = self.schedule()
-        plan.after_step_id = self._assumed_step
+        plan.after_step_id = self._in_flight.assumed_step
         self.num_planned_ahead += plan_needs_worker(plan)
         return plan
 
@@ -269,29 +276,13 @@ class Scheduler:
         cap = self.config.max_prefill_chunk_tokens or token_budget
         return min(remaining, token_budget, cap)
 
-    def _admissible(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
-        needed = self.kv_cache.num_blocks_to_admit(seq, hits, num_new_tokens)
-        if not self.kv_cache.can_allocate(needed):
-            return False
-        if not self.running:
-            return True  # never let the threshold starve an idle engine
-        return self.kv_cache.num_used + needed <= self.config.memory_threshold * self.num_blocks
-
-    def _admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
-        self.kv_cache.admit(seq, hits)
-        copies = self.kv_cache.allocate_slots(seq, num_new_tokens)  # counted by _admissible; past the cached blocks
-        assert not copies, "admission: blocks short or shared"
-        seq.status = SequenceStatus.PREFILL
-        if seq.queue_seconds is None:  # arrival to first admission (metrics)
-            seq.queue_seconds = time.monotonic() - seq.arrival_time
-
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Allocate (and copy-on-write) blocks for the next tokens, preempting others not in this step's batch
         (lowest priority, then newest) if needed. Returns False when `seq` itself had to be preempted."""
         while True:
             copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
             if copies is not None:
-                add_block_copies(self._block_copies, seq, copies)
+                self._outbox.copy_blocks(seq, copies)
                 return True
             victim = preemption_victim(self.running, seq, self.step_id, self.waiting.any_priority)
             self._preempt(victim)
@@ -299,80 +290,100 @@ class Scheduler:
                 return False
 
     def _preempt(self, seq: Sequence) -> None:
+        """Take a running sequence off the batch (preemption.py), by swapping when it has K/V on the worker."""
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap" and seq.on_worker and seq.num_computed > 0:
-            preempt_swap(self, seq)
+            self._swap_out(seq)
         else:
-            preempt_recompute(self, seq)
+            self._preempt_recompute(seq)
+
+    def _preempt_recompute(self, seq: Sequence) -> None:
+        """Free the blocks, re-queue at the front of its priority class with all tokens so far."""
+        self.running.remove(seq)
+        self.kv_cache.free(seq)
+        self._outbox.release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        log.info("preempted", mode="recompute", request_id=seq.request_id, tokens=seq.num_tokens,
+                 free_blocks=self.kv_cache.num_free)
+
+    def _swap_out(self, seq: Sequence) -> None:
+        """The worker copies the blocks holding K/V to host memory; the device blocks are freed."""
+        self.running.remove(seq)
+        held = self.kv_cache.swap_out(seq)
+        self._outbox.swap_out(seq.seq_id, held)
+        self.swapped.add(seq, len(held))
+        self.num_swap_outs += 1
+        log.info("preempted", mode="swap", request_id=seq.request_id, blocks=len(held), free_blocks=self.kv_cache.num_free)
 
     # ---------------------------------------------------------------- results
 
     def process_result(self, result: worker_pb2.StepResult) -> StepOutputs:
         """Apply one step's sampled tokens; return per-sample outputs (finished ones included)."""
-        return apply_result(self, result)
+        if not self._in_flight.counted(result.step_id):  # a step planned ahead of was counted then
+            self._in_flight.count(self.kv_cache)  # before any row frees blocks
+        read = self._results.read(result, self._table.sequences)
+        for parent in read.forks:  # before any sample ends: the forks take their blocks from the parent's
+            self._fork_samples(parent)
+        if read.ends:
+            self._end_samples(read.ends)
+        return read.outputs
+
+    def _fork_samples(self, parent: Sequence) -> None:
+        """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
+        for index in range(1, parent.pending_forks + 1):
+            self.running.append(self._table.fork(parent, index, self._next_seq_id))
+            self._next_seq_id += 1
+        self._running_in_order = False  # the children were never scheduled
+        parent.pending_forks = 0
+
+    def _end_samples(self, ends: list[tuple[Sequence, int, SequenceStatus, bool]]) -> None:
+        """End the samples a result ended (result_reader.StepRead.ends), in row order. Those that ran leave
+        `running` together afterwards: a few one by one (a search in C each), many in one pass."""
+        ran = []
+        for seq, reason, status, in_running in ends:
+            if in_running:
+                self._table.end(seq, reason, status)
+                ran.append(seq)
+            else:
+                self._finish(seq, reason, status)
+        if len(ran) <= 8:
+            for seq in ran:
+                self.running.remove(seq)
+        else:
+            self.running = [q for q in self.running if q.status is not COMPLETED]
 
     def fail_all(self, error: str) -> StepOutputs:
         """A step failed beyond retries: every admitted request ends with an error."""
-        if self._assumed_step:  # a step planned ahead of offered its blocks to the prefix cache before it ran
+        if self._in_flight.forget_assumed():  # a step planned ahead of offered its blocks to the prefix cache before it ran
             self.kv_cache.reset_prefix_cache()
-            self._assumed_step = 0
         outputs = []
         for rid, seqs in list(self.samples.items()):
             for seq in list(seqs):
-                self._finish(seq, FR.FINISH_REASON_ERROR, SequenceStatus.FAILED)
+                self._finish(seq, FR.FINISH_REASON_ERROR, FAILED)
                 outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error, index=seq.index))
         return StepOutputs.of(outputs)
 
     def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-            # A swap-out not sent yet is moot, and the worker forgets released ids before swapping.
-            self._swap_out = [sw for sw in self._swap_out if sw.seq_id != seq.seq_id]
+            self._outbox.cancel_swap_out(seq.seq_id)
         elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._end(seq, reason, status)
-
-    def _end(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
-        """A sample is done: blocks freed, the worker told; the caller takes it off its queue."""
-        seq.status = status
-        seq.finish_reason = reason
-        self.kv_cache.free(seq)
-        self._release_on_worker(seq)
-        self.sequences.pop(seq.seq_id, None)
-        live = self.samples.get(seq.request_id, [])
-        if seq in live:
-            live.remove(seq)
-        if not live:
-            self.samples.pop(seq.request_id, None)
-            self.requests.pop(seq.request_id, None)
-
-    def _release_on_worker(self, seq: Sequence) -> None:
-        """The worker forgets the sequence with the next plan it is sent."""
-        if seq.on_worker:
-            self._released.append(seq.seq_id)
-            seq.on_worker = False
-            seq.fast_until = 0
+        self._table.end(seq, reason, status)
 
     # ---------------------------------------------------------------- scale and resilience
-    # Moving sequences off a worker that failed: they are recomputed from their prompt plus the
-    # tokens already produced (as after a recompute preemption), here or on another replica.
 
     def take_all_for_recompute(self) -> list[Sequence]:
-        """Remove every unfinished sample, blocks freed, in arrival order; the worker's state is void.
-
-        The prefix cache is forgotten too: a step that failed half-way may have written into blocks."""
-        seqs = sorted((s for samples in self.samples.values() for s in samples), key=lambda s: (s.arrival_time, s.index))
-        drop_placeholders(seqs)
-        for seq in seqs:
-            self.kv_cache.free(seq)
-            seq.reset_for_recompute()
-        for queue in (self.waiting, self.running, self.swapped, self.requests, self.samples, self.sequences,
-                      self._released, self._swap_out, self._block_copies):
+        """Remove every unfinished sample, blocks freed, in arrival order; the worker's state is void (it
+        failed): they are recomputed from their tokens so far, here or on another replica (`adopt`). The
+        prefix cache is forgotten too: a step that failed half-way may have written into blocks."""
+        seqs = self._table.take_all()
+        for queue in (self.waiting, self.running, self.swapped, self._outbox):
             queue.clear()
-        self._in_flight = []
-        self._assumed_step = 0
+        self._in_flight.clear()
         self.kv_cache.reset_prefix_cache()
         return seqs
 
@@ -380,14 +391,9 @@ class Scheduler:
         """Queue a sample taken from a replica (possibly this one) for recompute, under a new seq id."""
         seq.seq_id = self._next_seq_id
         self._next_seq_id += 1
-        self._maybe_stop_ids.update(seq.sampling.stop_token_ids)
-        self.samples.setdefault(seq.request_id, []).append(seq)
-        if seq.index == 0 or seq.request_id not in self.requests:
-            self.requests[seq.request_id] = seq
-        self.sequences[seq.seq_id] = seq
+        self._results.watch_stop_ids(seq.sampling.stop_token_ids)
+        self._table.add_sample(seq)
         self.waiting.append(seq)
-
-    # ---------------------------------------------------------------- stats
 
     def pool_stats(self) -> common_pb2.PoolStats:
         return pool_stats(self)

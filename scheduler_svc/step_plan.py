@@ -1,5 +1,10 @@
 """Writing a step's decisions into its StepPlan as diffs against what the worker already holds:
-a sequence is sent whole once, afterwards only its appended blocks and table edits."""
+a sequence is sent whole once, afterwards only its appended blocks and table edits.
+
+The scheduler decides; this module writes: `PlanWriter` holds one step's entries as protobuf wire
+bytes (`write_entry`) and its swap-ins, `WorkerOutbox` what the worker is to be told with a later
+plan (block copies, swap-outs, sequences to forget), and `PlanWriter.plan` puts them together.
+"""
 
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KV
     kept on the sequence) and needs no block: no new block, no copy-on-write (blocks it holds alone),
     num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
     (`decode_head` + num_cached_tokens' varint) without coming here; anything that changes the sequence's
-    blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `_release_on_worker`)."""
+    blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `WorkerOutbox.release`)."""
     token_ids = seq.token_ids
     if not seq.on_worker:
         parts += new_sequence_bytes(seq)
@@ -150,10 +155,96 @@ def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool) -> bytes:
     return b"".join(parts)
 
 
-def add_block_copies(block_copies: list[worker_pb2.BlockCopy], seq: Sequence, copies: list[CopiedBlock]) -> None:
-    """The worker copies each shared block before the step writes into it; where the worker
-    already holds the old block id in the sequence's table, the table is edited too."""
-    for c in copies:
-        block_copies.append(worker_pb2.BlockCopy(src=c.src, dst=c.dst))
-        if c.index < seq.num_blocks_sent:
-            seq.pending_edits.append((c.index, c.dst))
+class WorkerOutbox:
+    """What the worker is to be told besides a step's entries, kept until a plan carries it: swap-outs
+    (blocks to copy to host memory) and block copies (copy-on-write) go with the next plan; the seq ids
+    it should forget wait for a plan that must reach the worker anyway (`plan_needs_worker`)."""
+
+    __slots__ = ("swap_outs", "block_copies", "released")
+
+    def __init__(self) -> None:
+        self.swap_outs: list[worker_pb2.SwapBlocks] = []
+        self.block_copies: list[worker_pb2.BlockCopy] = []
+        self.released: list[int] = []
+
+    def release(self, seq: Sequence) -> None:
+        """The worker forgets the sequence with the next plan it is sent."""
+        if seq.on_worker:
+            self.released.append(seq.seq_id)
+            seq.on_worker = False
+            seq.fast_until = 0
+
+    def swap_out(self, seq_id: int, block_ids: list[int]) -> None:
+        """The worker copies these blocks of the sequence to host memory before the next step."""
+        self.swap_outs.append(worker_pb2.SwapBlocks(seq_id=seq_id, block_ids=block_ids))
+
+    def cancel_swap_out(self, seq_id: int) -> None:
+        """A swap-out not sent yet is moot (the sequence ended), and the worker forgets released ids
+        before swapping."""
+        self.swap_outs = [sw for sw in self.swap_outs if sw.seq_id != seq_id]
+
+    def copy_blocks(self, seq: Sequence, copies: list[CopiedBlock]) -> None:
+        """The worker copies each shared block before the step writes into it; where the worker
+        already holds the old block id in the sequence's table, the table is edited too."""
+        for c in copies:
+            self.block_copies.append(worker_pb2.BlockCopy(src=c.src, dst=c.dst))
+            if c.index < seq.num_blocks_sent:
+                seq.pending_edits.append((c.index, c.dst))
+
+    def send_moves(self, plan: worker_pb2.StepPlan) -> None:
+        """The swap-outs and block copies go with this plan (the worker does them before its step)."""
+        if self.swap_outs:  # each touch of a plan's repeated field costs: the empty ones are left alone
+            plan.swap_out.extend(self.swap_outs)
+            self.swap_outs = []
+        if self.block_copies:
+            plan.block_copies.extend(self.block_copies)
+            self.block_copies = []
+
+    def send_released(self, plan: worker_pb2.StepPlan) -> None:
+        """The released ids go with this plan if it goes to the worker (`plan_needs_worker`, its other
+        fields written): a plan with nothing to compute or move is not sent, and they wait for the next."""
+        if self.released and plan_needs_worker(plan):
+            plan.released_seq_ids.extend(self.released)
+            self.released.clear()
+
+    @property
+    def copies_pending(self) -> bool:
+        return bool(self.block_copies)
+
+    def clear(self) -> None:
+        """The worker's state is void: nothing to tell it."""
+        for pending in (self.swap_outs, self.block_copies, self.released):
+            pending.clear()
+
+
+class PlanWriter:
+    """One step's plan while the scheduler decides it: the scheduled entries as wire bytes in plan order
+    (`write_entry`, into `parts`), and the swap-ins. `plan` parses them into the StepPlan."""
+
+    __slots__ = ("kv_cache", "parts", "swap_ins")
+
+    def __init__(self, kv_cache: KVCacheManager) -> None:
+        self.kv_cache = kv_cache
+        # The entries' bytes. A decode on its fast path (`write_entry`: `Sequence.fast_until`) is written
+        # into it by the scheduler itself, as its `decode_head` and num_cached_tokens' varint (SMALL_VARINTS).
+        self.parts: list[bytes] = []
+        self.swap_ins: list[worker_pb2.SwapBlocks] = []
+
+    def entry(self, seq: Sequence, num_tokens: int) -> None:
+        """Schedule the sequence's next `num_tokens` tokens (their blocks allocated), arming its fast path."""
+        write_entry(self.parts, seq, num_tokens, self.kv_cache)
+
+    def swap_in(self, seq: Sequence) -> None:
+        """The sequence's K/V comes back from host memory into its new block table."""
+        self.swap_ins.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=seq.block_table))
+
+    def plan(self, step_id: int, outbox: WorkerOutbox) -> worker_pb2.StepPlan:
+        """The step's plan, with what the outbox has for the worker."""
+        plan = worker_pb2.StepPlan(step_id=step_id)
+        if self.swap_ins:  # (each touch of a plan's repeated field costs: the empty ones are left alone)
+            plan.swap_in.extend(self.swap_ins)
+        outbox.send_moves(plan)
+        if self.parts:
+            plan.MergeFromString(b"".join(self.parts))
+        outbox.send_released(plan)
+        return plan

@@ -1,22 +1,18 @@
-"""A step's result applied to its sequences (`apply_result`, the body of `Scheduler.process_result`), what one
-step produced for one sample (`TokenOutput`: its token, logprobs, finish reason, first-output metrics), and a
-step's outputs together (`StepOutputs`)."""
+"""What one step produced for one sample (`TokenOutput`: its token, logprobs, finish reason, first-output
+metrics), a step's outputs together (`StepOutputs`), a result's rows made into outputs (`SampledRows`), and
+why a sequence ends with the token it sampled (`finish_reason`). The result is read into its sequences by
+result_reader.py."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as ListLike
-from typing import Protocol
 
 from hetero.v1 import common_pb2, worker_pb2
-from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.prompt_logprobs import PromptLogprobs
-from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.sequence import Sequence
 
-PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
-COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`
-UNSPECIFIED, LENGTH = common_pb2.FINISH_REASON_UNSPECIFIED, common_pb2.FINISH_REASON_LENGTH
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class TokenOutput:
@@ -69,7 +65,7 @@ class StepOutputs:
 
     Most rows of a step are a running decode's next token and nothing else. Those are kept as two
     columns, `seqs` and `tokens`, stamped with the step's one `timestamp`, instead of a TokenOutput
-    each: building one cost more than all the rest of applying the row (`apply_result`), and the
+    each: building one cost more than all the rest of applying the row (`ResultReader.read`), and the
     service publishes a column entry straight from the sequence (`RequestStreams.dispatch`). Any
     other output (a first token, a finish, logprobs, an error) is a TokenOutput in `others`, with
     the number of column entries before it, so that iterating gives every output in row order.
@@ -175,163 +171,3 @@ def finish_reason(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_
     if num_tokens - seq.prompt_len >= s.max_tokens or num_tokens >= max_model_len:
         return common_pb2.FINISH_REASON_LENGTH
     return common_pb2.FINISH_REASON_UNSPECIFIED
-
-
-class Scheduler(Protocol):
-    """What applying a result touches of the Scheduler (scheduler.py; not imported: it imports this module)."""
-
-    sequences: dict[int, Sequence]
-    running: list[Sequence]
-    block_size: int
-    _in_flight: list[tuple[Sequence, int]]
-    _assumed_step: int
-    _maybe_stop_ids: set[int]
-    _running_in_order: bool
-    eos_token_ids: frozenset[int]
-    max_model_len: int
-
-    samples: dict[str, list[Sequence]]
-    kv_cache: KVCacheManager
-    _next_seq_id: int
-
-    def _end(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
-    def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None: ...
-
-
-def count_in_flight(s: Scheduler) -> None:
-    """The last plan's entries but its fast decodes (schedule(): those are not in _in_flight) as computed, full
-    blocks offered to the prefix cache, in plan order: when its result arrives, before any row frees blocks,
-    or when the next step is planned ahead of it (overlap.py)."""
-    caching, bs = s.kv_cache.enable_prefix_caching, s.block_size
-    register_full_blocks = s.kv_cache.register_full_blocks
-    for seq, n in s._in_flight:
-        status = seq.status
-        if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
-            computed = seq.num_computed = seq.num_computed + n
-            if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
-                register_full_blocks(seq)
-    s._in_flight = []
-
-
-def apply_result(s: Scheduler, result: worker_pb2.StepResult) -> StepOutputs:
-    """`Scheduler.process_result`: apply one step's sampled tokens; return per-sample outputs (finished ones
-    included)."""
-    now = time.time()
-    # A step planned ahead of (overlap.py) was counted then, and _in_flight is the next step's.
-    if result.step_id != s._assumed_step:
-        count_in_flight(s)
-    if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
-        return process_rows(s, result, now)
-    # The common step: tokens only. A decode's token that is no stop or EOS id, not its sequence's first
-    # output, is appended here: under its length limits it goes into the outputs' columns, at them it ends
-    # the sequence by length (what process_row would find); any other row takes the general path
-    # (process_row). A fast decode's computed count is brought up to date here: every token before the
-    # sampled one is computed, which for a row already counted above is no change; it fills no block
-    # (KVCacheManager.decode_room), so nothing was to register for it above.
-    outputs = StepOutputs(now)
-    add_seq, add_token = outputs.seqs.append, outputs.tokens.append
-    get = s.sequences.get
-    maybe_stop, last_model_len = s._maybe_stop_ids, s.max_model_len - 1
-    rows = None
-    ended: list[Sequence] = []
-    for seq, token in zip(map(get, result.seq_ids), result.token_ids):
-        if seq is None:
-            continue  # aborted while the step ran
-        if seq.status is DECODE and seq.first_output_sent and token not in maybe_stop:
-            token_ids = seq.token_ids
-            if seq.awaiting_token:  # planned ahead (overlap.py): the token takes its placeholder's place
-                num = len(token_ids) - 1
-                token_ids[num] = token
-                seq.awaiting_token = False
-            else:
-                seq.num_computed = num = len(token_ids)
-                token_ids.append(token)
-            if num < seq.last_len and num < last_model_len:
-                add_seq(seq)
-                add_token(token)
-            else:
-                outputs.add(TokenOutput(seq.request_id, [token], LENGTH, timestamp=now, index=seq.index))
-                s._end(seq, LENGTH, COMPLETED)
-                ended.append(seq)
-            continue
-        if rows is None:
-            rows = SampledRows(result)
-        process_row(s, seq, token, 0, rows, now, outputs, ended)  # the row index: for logprobs, none here
-    if ended:
-        drop_ended(s, ended)
-    return outputs
-
-
-def process_rows(s: Scheduler, result: worker_pb2.StepResult, now: float) -> StepOutputs:
-    """Every row of a result through `process_row`: a step with logprobs, prompt logprobs or failed samples
-    (`Scheduler.process_result` takes the common step, tokens only, on its own fast path)."""
-    outputs = StepOutputs(now)
-    rows = SampledRows(result, s.sequences)  # files the step's prompt logprobs first
-    sequences = s.sequences
-    ended: list[Sequence] = []
-    failures = {f.seq_id: f.error for f in result.failures}
-    for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-        seq = sequences.get(seq_id)
-        if seq is None:
-            continue  # aborted while the step ran
-        if failures and seq_id in failures:  # e.g. the worker could not apply this sample's constraint
-            if seq.status is not COMPLETED and seq.status is not FAILED:
-                s._finish(seq, common_pb2.FINISH_REASON_ERROR, SequenceStatus.FAILED)
-                outputs.add(TokenOutput(seq.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR,
-                                        error=f"this sample failed on the worker: {failures[seq_id]}", index=seq.index))
-            continue
-        process_row(s, seq, token, i, rows, now, outputs, ended)
-    if ended:
-        drop_ended(s, ended)
-    return outputs
-
-
-def drop_ended(s: Scheduler, ended: list[Sequence]) -> None:
-    """Take the sequences that ended in `running` this step off it, in one pass when there are many (a few
-    are removed one by one: a search in C each, where a pass rebuilt the whole list in Python)."""
-    if len(ended) <= 8:
-        for seq in ended:
-            s.running.remove(seq)
-    else:
-        s.running = [q for q in s.running if q.status is not COMPLETED]
-
-
-def process_row(s: Scheduler, seq: Sequence, token: int, row: int, rows: SampledRows, now: float,
-                outputs: StepOutputs, ended: list[Sequence]) -> None:
-    """Apply one sampled token to its sequence and append its output. A sequence this ends that is still in
-    `running` is added to `ended` and left there until the caller's loop ends (`drop_ended`)."""
-    status = seq.status
-    if status is COMPLETED or status is FAILED:
-        return  # aborted while the step ran
-    if seq.pending_forks:
-        fork_samples(s, seq)
-    was_running = status is PREFILL or status is DECODE  # the statuses in `running`
-    if seq.awaiting_token:  # planned ahead (overlap.py): counted then; preempted since, it stays where it is
-        seq.token_ids[-1] = token
-        seq.awaiting_token = False
-    else:
-        if was_running:  # every token before the sampled one is computed (a fast decode's count: process_result)
-            seq.num_computed = len(seq.token_ids)
-        seq.token_ids.append(token)
-        seq.status = DECODE
-    reason = finish_reason(seq, token, s.eos_token_ids, s.max_model_len)
-    outputs.add(rows.output(seq, token, row, now, reason))
-    if not reason:
-        return
-    if was_running:
-        s._end(seq, reason, SequenceStatus.COMPLETED)
-        ended.append(seq)
-    else:
-        s._finish(seq, reason, SequenceStatus.COMPLETED)
-
-
-def fork_samples(s: Scheduler, parent: Sequence) -> None:
-    """Samples 1..n-1 of a request whose prompt is computed, sharing its prompt blocks by reference."""
-    for index in range(1, parent.pending_forks + 1):
-        child = s.kv_cache.fork(parent, index, s._next_seq_id)
-        s._next_seq_id += 1
-        s.sequences[child.seq_id] = child
-        s.samples[parent.request_id].append(child)
-        s.running.append(child)
-        s._running_in_order = False  # the child was never scheduled
-    parent.pending_forks = 0

@@ -135,7 +135,7 @@ def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode,
         elif op[0] == "abort" and s.samples:
             rid = sorted(s.samples)[op[1] % len(s.samples)]
             s.abort(rid, index=None if op[2] < 0 else op[2])
-        elif op[0] == "preempt" and s.running and not s._in_flight:
+        elif op[0] == "preempt" and s.running and not s._in_flight.entries:
             s._preempt(s.running[op[1] % len(s.running)])
             # In the service a preemption happens inside schedule(), and a swap-out leaves with
             # that step's plan: nothing can come between them.
