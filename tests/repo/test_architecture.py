@@ -12,6 +12,7 @@ import pytest
 from tests.helpers.import_graph import (describe_cycle, find_cycles, import_graph, imports_across_layers, long_functions,
                                         long_modules)
 from hetero_infer.testing.stack import REPO_ROOT
+from tests.helpers.file_tree import write_tree
 
 # Bottom to top: the generated stubs and the shared base, the services, the product.
 LAYERS = (("hetero", "hetero_common"), ("gateway", "scheduler_svc", "gpu_worker", "kernels"), ("hetero_infer",))
@@ -50,14 +51,6 @@ def test_no_function_over_60_lines_in_the_scheduler_and_the_worker() -> None:
 
 
 # --- the walker itself, on a tiny tree made for each case ---
-
-
-def write_tree(root: Path, files: dict[str, str]) -> Path:
-    for name, source in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(source)
-    return root
 
 
 def test_walker_finds_a_cycle_through_function_type_checking_and_relative_imports(tmp_path: Path) -> None:

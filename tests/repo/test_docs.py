@@ -9,6 +9,7 @@ import pytest
 
 from hetero_infer.testing.stack import REPO_ROOT
 from tests.helpers.doc_links import broken_links, link_targets, markdown_files
+from tests.helpers.file_tree import write_tree
 
 MAX_README_LINES = 400
 
@@ -25,14 +26,6 @@ def test_readme_is_at_most_400_lines() -> None:
 
 
 # --- the link reader itself, on a tiny tree made for each case ---
-
-
-def write_tree(root: Path, files: dict[str, str]) -> Path:
-    for name, text in files.items():
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
 
 
 def test_reader_reports_missing_paths_and_paths_outside_the_clone(tmp_path: Path) -> None:
