@@ -10,85 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetero_common.config_sections import (  # noqa: F401 (the sections are part of this module's interface)
+    BackendConfig, CommandConfig, ServingConfig, TLSConfig, TokenizerConfig, doc)
 from hetero_common.errors import ConfigError
-
-
-def doc(meaning: str, group: str = "") -> dict[str, str]:
-    """A field's documentation: its one-line meaning and, on the first key of a group of
-    top-level keys, the group's title (nested sections are titled by their own field's doc)."""
-    return {"doc": meaning, "group": group} if group else {"doc": meaning}
-
-
-@dataclass
-class CommandConfig:
-    """An external program for the command bridge backend; the prompt goes in HETERO_PROMPT."""
-
-    program: str = ""
-    args: list[str] = field(default_factory=list)
-
-
-@dataclass
-class BackendConfig:
-    kind: str = field(default="scheduler", metadata=doc(
-        "`scheduler` (alias `local_engine`, the seed's name): the paged engine behind the scheduler service; "
-        "`command_bridge`: every request answered by `command`"))
-    command: CommandConfig | None = field(default=None, metadata=doc(
-        "the command bridge's program, run per request as an argv list (never a shell string) with the prompt in "
-        '`HETERO_PROMPT`: `{"program": ..., "args": [...]}`, JSON in env and flags'))
-    fallback: str = field(default="none", metadata=doc(
-        "`command_bridge`: answer with `command` when the scheduler stays unreachable after retries; `none`: fail"))
-    command_timeout_s: float = field(default=60.0, metadata=doc(
-        "the bridge program is killed after this many seconds; the client gets `DEADLINE_EXCEEDED`"))
-    command_max_output_bytes: int = field(default=1_000_000, metadata=doc(
-        "stdout beyond this is cut (finish reason `LENGTH`) and the program killed"))
-
-
-@dataclass
-class TLSConfig:
-    """PEM files. Public ports: cert_file + key_file (ca_file: what `serve` trusts for its
-    readiness check). Internal links: all three, for mutual TLS (each side presents a
-    certificate signed by ca_file and requires one from the other)."""
-
-    cert_file: str | None = field(default=None, metadata=doc("the PEM certificate this side presents"))
-    key_file: str | None = field(default=None, metadata=doc("its PEM private key"))
-    ca_file: str | None = field(default=None, metadata=doc(
-        "a PEM CA certificate: on the public ports, the one `serve` trusts for its readiness check (default: the "
-        "certificate itself); on the internal links, the CA that both sides' certificates must be signed by"))
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.cert_file)
-
-
-@dataclass
-class ServingConfig:
-    """The gateway's public surface: its ports, the model name it answers to, its backend, who may call it."""
-
-    host: str = field(default="127.0.0.1", metadata=doc("the gateway's bind address"))
-    port: int = field(default=50051, metadata=doc("the gateway's public gRPC port"))
-    model_name: str = field(default="SmolLM2-135M-Instruct", metadata=doc("the model name clients send as `model`"))
-    backend: BackendConfig = field(default_factory=BackendConfig, metadata=doc("what answers the gateway's requests"))
-    http_port: int = field(default=8000, metadata=doc("the OpenAI-compatible HTTP API on the gateway; 0 disables it"))
-    api_keys: list[str] = field(default_factory=list, metadata=doc(
-        "accepted `Authorization: Bearer` keys (a JSON list, or comma-separated); empty = no authentication"))
-    api_keys_file: str | None = field(default=None, metadata=doc(
-        "a file of keys, one per line (`#` starts a comment), added to `serving.api_keys`"))
-    tls: TLSConfig = field(default_factory=TLSConfig, metadata=doc("TLS on the public gRPC and HTTP ports"))
-    max_concurrent_requests: int = field(default=0, metadata=doc(
-        "generations in flight at the gateway (gRPC and HTTP); more are refused with `RESOURCE_EXHAUSTED` / "
-        "HTTP 429; 0 = no limit"))
-    stream_interval: int = field(default=1, metadata=doc(
-        "streaming from the scheduler backend: a sample's first token goes out at once, later ones in messages of "
-        "at least this many tokens; 1 = each token as it comes (vLLM's and SGLang's `stream_interval`)"))
-
-
-@dataclass
-class TokenizerConfig:
-    kind: str = field(default="auto", metadata=doc(
-        "`auto`: the model's own (tokenizer.json next to the weights, or the GGUF's); `huggingface`; `gguf`; "
-        "`simple`: the built-in byte-level tokenizer (the seed's SimpleTokenizer)"))
-    path: str | None = field(default=None, metadata=doc(
-        "a tokenizer.json, a directory holding one, or a .gguf file; null = the model's (and always with `simple`)"))
 
 
 @dataclass
