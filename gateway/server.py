@@ -17,14 +17,15 @@ from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.fallback import FallbackBackend
 from gateway.generation import Generation
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
-from gateway.openai.app import HttpApi
+from gateway.http_protocol import limited_protocol
+from gateway.openai.app import HttpApi, error_body
 from gateway.scheduler_backend import SchedulerBackend
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import inference_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import UnavailableError
 from hetero_common.gc_tuning import tune_gc
-from hetero_common.grpc_server import (CHANNEL_OPTIONS, add_health_and_reflection, bind, server_credentials,
+from hetero_common.grpc_server import (add_health_and_reflection, bind, public_server_options, server_credentials,
                                       set_serving_aio, termination_signal)
 from hetero_common.model_files import resolve_model_path
 
@@ -55,7 +56,7 @@ async def serve_gateway(config: Config) -> None:
     scheduler = SchedulerBackend(config, tokenizer)  # also the source of /readyz and pool metrics
     generation = Generation(config, tokenizer, generation_backend(config, tokenizer, scheduler))
     keys = ApiKeys.from_config(config)
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
+    server = grpc.aio.server(options=public_server_options(config.serving), interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generation), server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
     await set_serving_aio(health, [SERVICE_NAME], serving=False)  # grpc's default for "" is SERVING
@@ -64,7 +65,7 @@ async def serve_gateway(config: Config) -> None:
         raise SystemExit(f"gateway: cannot bind {address}; is another process using it?")
     await server.start()
     await generation.start()
-    http = await start_http_server(config, HttpApi(generation, keys, scheduler.stats)) if config.serving.http_port else None
+    http = await start_http_server(config, HttpApi(generation, keys, scheduler.stats, config.serving)) if config.serving.http_port else None
     await set_serving_aio(health, [SERVICE_NAME])
     tune_gc()
     log.info("gateway serving", address=address, http_port=config.serving.http_port or None, model=config.serving.model_name,
@@ -110,9 +111,14 @@ async def start_http_server(config: Config, api: HttpApi) -> RunningHttpServer:
         sock.bind((host, port))
     except OSError as exc:
         raise SystemExit(f"gateway: cannot bind HTTP {host}:{port} ({exc}); set serving.http_port (0 disables HTTP)")
+    limits = config.serving  # the body cap and body timeout are the app's (openai/body_limit.py)
+    protocol = limited_protocol(limits.http_header_timeout_s, limits.max_connections,
+                                lambda cap: error_body(429, f"the gateway has {cap} connections open "
+                                                            "(serving.max_connections); retry later"))
     server = _EmbeddedServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
                                             ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
-                                            timeout_graceful_shutdown=5))
+                                            timeout_graceful_shutdown=5, http=protocol, ws="none",
+                                            timeout_keep_alive=limits.http_keep_alive_timeout_s))  # type: ignore[arg-type]
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

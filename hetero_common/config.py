@@ -230,6 +230,14 @@ class Config:
                self.serving.max_concurrent_requests, "must be >= 0 (0 = no limit)")
         _check(self.serving.stream_interval >= 1, "serving.stream_interval", self.serving.stream_interval,
                "must be >= 1 (tokens per streamed message; 1 = every token at once)")
+        serving = self.serving
+        _check(1024 <= serving.max_request_bytes <= 1 << 30, "serving.max_request_bytes", serving.max_request_bytes,
+               "must be in 1024..1073741824 (1 KiB..1 GiB)")
+        _check(serving.max_connections >= 0, "serving.max_connections", serving.max_connections, "must be >= 0 (0 = no limit)")
+        _check(serving.grpc_max_concurrent_streams >= 1, "serving.grpc_max_concurrent_streams",
+               serving.grpc_max_concurrent_streams, "must be >= 1")
+        for key in ("http_keep_alive_timeout_s", "http_header_timeout_s", "http_body_timeout_s", "grpc_idle_timeout_s"):
+            _check(getattr(serving, key) > 0, f"serving.{key}", getattr(serving, key), "must be positive (seconds)")
         _check(all(k.strip() == k and k for k in self.serving.api_keys), "serving.api_keys", "<redacted>",
                "must not hold empty keys or keys with surrounding spaces")
         _check(not self.serving.api_keys_file or Path(self.serving.api_keys_file).is_file(), "serving.api_keys_file",

@@ -74,6 +74,31 @@ class ServingConfig:
     stream_interval: int = field(default=1, metadata=doc(
         "streaming from the scheduler backend: a sample's first token goes out at once, later ones in messages of "
         "at least this many tokens; 1 = each token as it comes (vLLM's and SGLang's `stream_interval`)"))
+    # Limits on what one client may send or hold (docs/api.md, "Limits").
+    max_request_bytes: int = field(default=4 * 1024 * 1024, metadata=doc(
+        "largest request body (HTTP) or message (gRPC) in bytes; HTTP answers 413 (checked on `Content-Length` before "
+        "reading, and as a chunked body arrives), gRPC `RESOURCE_EXHAUSTED`. 4 MiB: a max_model_len prompt at a "
+        "generous 8 bytes per token, JSON-escaped, fits many times over (nginx caps at 1 MiB, most gateways 1-10 MiB)"))
+    max_connections: int = field(default=1000, metadata=doc(
+        "open connections on each public port (HTTP, gRPC); HTTP answers a connection beyond it 429 with "
+        "`Retry-After` and closes it, gRPC closes it at accept; 0 = no limit"))
+    http_keep_alive_timeout_s: float = field(default=15.0, metadata=doc(
+        "an idle HTTP keep-alive connection is closed after this long; behind a load balancer, set it above the "
+        "balancer's idle timeout"))
+    http_header_timeout_s: float = field(default=10.0, metadata=doc(
+        "a request's line and headers must arrive within this long of the connection opening (or of the request's "
+        "first byte on a kept-alive one), else the connection is closed (slow-header clients); also gRPC's "
+        "connection handshake timeout"))
+    http_body_timeout_s: float = field(default=60.0, metadata=doc(
+        "a request's whole body must arrive within this long of its headers, else 408 and the connection is closed "
+        "(slow-body clients)"))
+    grpc_idle_timeout_s: float = field(default=300.0, metadata=doc(
+        "a gRPC connection with no call open this long is closed (GOAWAY; a client reconnects on its next call)"))
+    grpc_max_concurrent_streams: int = field(default=100, metadata=doc(
+        "calls open at once on one gRPC connection (HTTP/2 `MAX_CONCURRENT_STREAMS`); a client queues more itself"))
+    metrics_require_key: bool = field(default=False, metadata=doc(
+        "`/metrics` needs an API key (401 without one) when `serving.api_keys` are set; false keeps it open for "
+        "Prometheus (keep the port private then). `/healthz` and `/readyz` stay open"))
 
 
 @dataclass

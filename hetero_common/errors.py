@@ -59,6 +59,20 @@ class OverloadedError(HeteroError):
     http_status = 429
 
 
+class RequestTooLargeError(HeteroError):
+    """A request body or message over `serving.max_request_bytes`: refused before it is read on."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 413
+
+
+class RequestTimeoutError(HeteroError):
+    """A request's body did not arrive within `serving.http_body_timeout_s` (a slow or stalled client)."""
+
+    grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 408
+
+
 class UnavailableError(HeteroError):
     """A downstream service (scheduler, worker) cannot be reached."""
 

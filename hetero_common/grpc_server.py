@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hetero_common.config import Config, TLSConfig
+from hetero_common.config import Config, ServingConfig, TLSConfig
 from hetero_common.errors import HeteroError, grpc_status_for
 
 # Large enough for a step plan with thousands of prompt tokens; protobuf's own limit is 2 GiB.
@@ -56,6 +56,25 @@ def internal_server_options(config: Config) -> list[tuple[str, int]]:
                                    "grpc.http2.min_recv_ping_interval_without_data_ms": max(1, ms // 2),
                                    "grpc.http2.min_ping_interval_without_data_ms": max(1, ms // 2),
                                    "grpc.http2.max_ping_strikes": 0})
+
+
+def public_server_options(serving: ServingConfig) -> list[tuple[str, int]]:
+    """The gateway's public gRPC server: a message over `serving.max_request_bytes` is refused by
+    gRPC itself with RESOURCE_EXHAUSTED ("Received message larger than max (N vs. CAP)") before
+    it is read on (internal links keep MESSAGE_LIMIT_BYTES); a connection beyond
+    `serving.max_connections` is closed at accept; one with no call open for
+    `serving.grpc_idle_timeout_s` gets GOAWAY; one that has not finished its (TLS and HTTP/2)
+    handshake within `serving.http_header_timeout_s` is closed; one connection carries at most
+    `serving.grpc_max_concurrent_streams` calls at once. gRPC's own defaults bound the rest:
+    metadata (headers) at 8 KiB, and pings without data (a client pinging more often than every
+    5 minutes with no call open is sent GOAWAY)."""
+    overrides = {"grpc.max_receive_message_length": serving.max_request_bytes,
+                 "grpc.max_connection_idle_ms": max(1, int(serving.grpc_idle_timeout_s * 1000)),
+                 "grpc.server_handshake_timeout_ms": max(1, int(serving.http_header_timeout_s * 1000)),
+                 "grpc.max_concurrent_streams": serving.grpc_max_concurrent_streams}
+    if serving.max_connections:
+        overrides["grpc.max_allowed_incoming_connections"] = serving.max_connections
+    return _with(CHANNEL_OPTIONS, overrides)
 
 
 def add_health_and_reflection(server: grpc.Server | grpc.aio.Server, service_names: Iterable[str],

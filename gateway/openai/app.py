@@ -5,7 +5,9 @@ APIs validate, tokenize, stop and meter identically. Routes:
 POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 `stream: true`, ending `data: [DONE]`), GET /v1/models, POST /tokenize, POST /detokenize,
 GET /tokenizer_info (need an API key when keys are on); GET /healthz, /readyz, /metrics,
-/openapi.json (open, for probes, scrapers and API tools).
+/openapi.json (open, for probes, scrapers and API tools; /metrics needs a key with
+serving.metrics_require_key). Bodies over serving.max_request_bytes get 413 before they are
+read (`body_limit.py`).
 
 Every request field is honoured or refused with a 400 naming it (`error.param`): the bodies
 are `bodies`, and pydantic's errors are reported here in OpenAI's error shape.
@@ -28,6 +30,7 @@ from gateway.auth import ApiKeys
 from gateway.generation import Generation
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.openai import schema as oa
+from gateway.openai.body_limit import BodyLimitMiddleware
 from gateway.openai.prompt_echo import PromptShaping
 from gateway.openai.request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
 from gateway.openai.streams import merged, unless_client_gone
@@ -35,10 +38,12 @@ from gateway.openai.structured import renamed_errors
 from gateway.openai.tokenizer_routes import TokenizerRoutes
 from gateway.openai.tools import call_deltas, chat_message
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
+from hetero_common.config import ServingConfig
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               409: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+               408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable"}
 ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "overloaded", 503: "not_ready"}
 
 
@@ -110,13 +115,17 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 
 class HttpApi:
     def __init__(self, generation: Generation, keys: ApiKeys,
-                 scheduler_stats: Callable[[], Awaitable[scheduler_pb2.SchedulerStats]]) -> None:
+                 scheduler_stats: Callable[[], Awaitable[scheduler_pb2.SchedulerStats]],
+                 serving: ServingConfig | None = None) -> None:
         self.generation = generation
         self.keys = keys
         self.scheduler_stats = scheduler_stats  # readiness and pool metrics are the scheduler's
+        self.serving = serving or ServingConfig()  # the limits (max_request_bytes, ...) and metrics_require_key
         self.tokenizer_routes = TokenizerRoutes(generation)
         self.fastapi = self._build()
-        self.app = RequestIdMiddleware(self.fastapi, error_body)  # what uvicorn serves
+        limited = BodyLimitMiddleware(self.fastapi, self.serving.max_request_bytes, self.serving.http_body_timeout_s,
+                                      error_body)
+        self.app = RequestIdMiddleware(limited, error_body)  # what uvicorn serves
 
     def _build(self) -> FastAPI:
         # /openapi.json is open (API tools and fuzzers read it); /docs and /redoc stay off.
@@ -147,7 +156,8 @@ class HttpApi:
             app.add_api_route(path, handler, methods=[method], dependencies=guarded, openapi_extra=documented)
         app.add_api_route("/healthz", self.healthz, methods=["GET"])
         app.add_api_route("/readyz", self.readyz, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"],
+                          dependencies=guarded if self.serving.metrics_require_key else [])
         return app
 
     # ------------------------------------------------------------------ probes and metrics

@@ -121,3 +121,23 @@ def test_offload_is_the_seed_name_of_swap_preemption() -> None:
     assert Config(preemption_mode="offload").validate().preemption_mode == "swap"
     assert load_config(None, {"HETERO_PREFIX_CACHING_EVICTION_POLICY": "ref_zero"}, {}).prefix_caching_eviction_policy == "ref_zero"
 
+
+
+def test_request_limit_keys_come_from_env_and_flags_and_are_validated() -> None:
+    c = load_config(env={"HETERO_SERVING_MAX_REQUEST_BYTES": "2048", "HETERO_SERVING_METRICS_REQUIRE_KEY": "true"},
+                    cli_overrides={"serving.http_header_timeout_s": "2.5", "serving.max_connections": "7"})
+    assert (c.serving.max_request_bytes, c.serving.metrics_require_key) == (2048, True)
+    assert (c.serving.http_header_timeout_s, c.serving.max_connections) == (2.5, 7)
+    assert Config().serving.max_request_bytes == 4 * 1024 * 1024 and Config().serving.metrics_require_key is False
+    flags = {k.flag for k in config_keys()}
+    assert {"--serving-max-request-bytes", "--serving-http-body-timeout-s", "--serving-grpc-idle-timeout-s"} <= flags
+    for overrides, key in (({"serving.max_request_bytes": 100}, "serving.max_request_bytes"),
+                           ({"serving.max_request_bytes": 2 << 30}, "serving.max_request_bytes"),
+                           ({"serving.max_connections": -1}, "serving.max_connections"),
+                           ({"serving.grpc_max_concurrent_streams": 0}, "serving.grpc_max_concurrent_streams"),
+                           ({"serving.http_keep_alive_timeout_s": 0}, "serving.http_keep_alive_timeout_s"),
+                           ({"serving.http_header_timeout_s": -1}, "serving.http_header_timeout_s"),
+                           ({"serving.http_body_timeout_s": 0}, "serving.http_body_timeout_s"),
+                           ({"serving.grpc_idle_timeout_s": 0}, "serving.grpc_idle_timeout_s")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(env={}, cli_overrides=overrides)

@@ -1,0 +1,202 @@
+"""The request limits on a real `serve` (issue 43, items 1, 5, 6): the body cap on HTTP (declared
+and chunked) and gRPC, the header, body and keep-alive timeouts, the connection cap, and
+`/metrics` behind the API key. The timeouts are set small so each case takes about a second;
+nothing may answer 5xx. Raw sockets where the timing of what the client sends is the point."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import httpx
+import pytest
+
+from hetero.v1 import common_pb2, inference_pb2
+from hetero_infer.testing.stack import Stack, run_stack
+
+pytestmark = pytest.mark.slow
+KEY = "sk-limits-1"
+AUTH = {"authorization": f"Bearer {KEY}"}
+CAP = 65536
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, KEEP_ALIVE_S, MAX_CONNECTIONS = 1.5, 1.5, 1.0, 6
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
+    with run_stack(tiny_llama_dir, "--serving-max-request-bytes", str(CAP),
+                   "--serving-http-header-timeout-s", str(HEADER_TIMEOUT_S),
+                   "--serving-http-body-timeout-s", str(BODY_TIMEOUT_S),
+                   "--serving-http-keep-alive-timeout-s", str(KEEP_ALIVE_S),
+                   "--serving-max-connections", str(MAX_CONNECTIONS), "--serving-api-keys", KEY,
+                   "--serving-metrics-require-key", "true", "--log-level", "warning") as s:
+        yield s
+
+
+def connect(stack: Stack) -> socket.socket:
+    sock = socket.create_connection((stack.host, stack.http_port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_response(sock: socket.socket, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length body (what the limits answer)."""
+    sock.settimeout(timeout_s)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", 0)):
+        body += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, body
+
+
+def closed_after(sock: socket.socket, timeout_s: float) -> float:
+    """Seconds until the server closes `sock` (reading and dropping anything it sends)."""
+    start = time.monotonic()
+    sock.settimeout(timeout_s)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - start
+
+
+def completion_head(length: int | None, chunked: bool = False) -> bytes:
+    framing = "transfer-encoding: chunked\r\n" if chunked else f"content-length: {length}\r\n"
+    return (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"authorization: Bearer {KEY}\r\n{framing}\r\n").encode()
+
+
+def assert_openai_error(body: bytes, kind: str, mentions: str) -> None:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == kind
+    assert mentions in error["message"], error["message"]
+
+
+def test_a_declared_64_mib_body_gets_413_before_it_is_sent(stack: Stack) -> None:
+    with connect(stack) as sock:
+        sent = time.monotonic()
+        sock.sendall(completion_head(64 * 1024 * 1024) + b'{"prompt": "' + b"x" * 1000)  # and nothing more
+        status, headers, body = read_response(sock, timeout_s=1.0)
+        assert time.monotonic() - sent < 1.0
+        assert status == 413 and headers["connection"] == "close"
+        assert_openai_error(body, "invalid_request_error", "serving.max_request_bytes")
+        sock.sendall(b"x" * 100_000)  # the client still sending: dropped, not reset under it
+        assert closed_after(sock, 10) < 10
+
+
+def test_a_chunked_body_past_the_cap_gets_413_without_its_end(stack: Stack) -> None:
+    with connect(stack) as sock:
+        sock.sendall(completion_head(None, chunked=True))
+        piece = b"y" * 16384
+        sent = time.monotonic()
+        for _ in range(CAP // len(piece) + 1):
+            sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        status, _, body = read_response(sock, timeout_s=1.0)  # no last chunk was sent
+        assert time.monotonic() - sent < 1.0 and status == 413
+        assert_openai_error(body, "invalid_request_error", "serving.max_request_bytes")
+
+
+def test_a_body_within_the_cap_is_served(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.http_url, headers=AUTH, timeout=30) as client:
+        prompt = "hello " * (CAP // 12)  # about half the cap: refused for its length in tokens, not its size
+        response = client.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt})
+        assert response.status_code == 400 and "tokens" in response.json()["error"]["message"]
+        ok = client.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_a_grpc_message_over_the_cap_is_resource_exhausted(stack: Stack) -> None:
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    big = inference_pb2.GenerateRequest(prompt="z" * (CAP + 10), params=common_pb2.SamplingParams(max_tokens=1))
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stack.inference.Generate(big, metadata=metadata, timeout=10))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"vs. {CAP}" in refused.value.details()  # gRPC's "Received message larger than max (N vs. CAP)"
+    small = inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=2))
+    assert list(stack.inference.Generate(small, metadata=metadata, timeout=30))  # the channel is still good
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(stack: Stack) -> None:
+    with connect(stack) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, _, _ = read_response(sock, timeout_s=5)
+        assert status == 200
+        assert 0.5 * KEEP_ALIVE_S < closed_after(sock, 10) < KEEP_ALIVE_S + 1.5
+
+
+def test_a_client_sending_its_headers_slowly_is_cut_off(stack: Stack) -> None:
+    request = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-padding: " + b"p" * 40 + b"\r\n\r\n"
+    closed_at = None
+    with connect(stack) as sock:
+        start = time.monotonic()
+        for byte in request:  # a byte each 0.25 s: 64 bytes would take 16 s
+            try:
+                sock.sendall(bytes([byte]))
+                sock.settimeout(0.25)
+                answer = sock.recv(1)
+            except socket.timeout:
+                continue
+            except OSError:  # reset, or a broken pipe
+                answer = b""
+            assert answer == b"", "the server answered a request whose headers never completed"
+            closed_at = time.monotonic() - start
+            break
+    assert closed_at is not None and HEADER_TIMEOUT_S - 0.1 < closed_at < HEADER_TIMEOUT_S + 1.0
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(stack: Stack) -> None:
+    with connect(stack) as sock:
+        assert HEADER_TIMEOUT_S - 0.1 < closed_after(sock, 10) < HEADER_TIMEOUT_S + 1.5
+
+
+def test_a_stalled_body_gets_408_after_the_body_timeout(stack: Stack) -> None:
+    with connect(stack) as sock:
+        sock.sendall(completion_head(1000) + b'{"prompt": "')
+        start = time.monotonic()
+        status, headers, body = read_response(sock, timeout_s=BODY_TIMEOUT_S + 3)
+        assert BODY_TIMEOUT_S - 0.1 < time.monotonic() - start < BODY_TIMEOUT_S + 1.5
+        assert status == 408 and headers["connection"] == "close"
+        assert_openai_error(body, "invalid_request_error", "serving.http_body_timeout_s")
+        assert closed_after(sock, 10) < 10
+
+
+def test_connections_beyond_the_cap_get_429_and_later_ones_are_served(stack: Stack) -> None:
+    held = [connect(stack) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.3)  # accepted by the server
+        with connect(stack) as extra:
+            extra.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            status, headers, body = read_response(extra, timeout_s=5)
+            assert status == 429 and headers["retry-after"] == "1" and headers["connection"] == "close"
+            assert_openai_error(body, "rate_limit_error", "serving.max_connections")
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 3
+    while True:  # the server notices the closes on its next loop turn
+        response = httpx.get(f"{stack.http_url}/healthz", timeout=5)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert response.status_code == 200
+
+
+def test_metrics_needs_the_key_and_the_probes_stay_open(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.http_url, timeout=10) as client:
+        refused = client.get("/metrics")
+        assert refused.status_code == 401
+        assert_openai_error(refused.content, "authentication_error", "API key")
+        assert client.get("/metrics", headers={"authorization": "Bearer wrong"}).status_code == 401
+        metrics = client.get("/metrics", headers=AUTH)
+        assert metrics.status_code == 200 and "hetero_" in metrics.text
+        assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
