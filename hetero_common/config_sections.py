@@ -77,8 +77,9 @@ class ServingConfig:
     # Limits on what one client may send or hold (docs/api.md, "Limits").
     max_request_bytes: int = field(default=4 * 1024 * 1024, metadata=doc(
         "largest request body (HTTP) or message (gRPC) in bytes; HTTP answers 413 (checked on `Content-Length` before "
-        "reading, and as a chunked body arrives), gRPC `RESOURCE_EXHAUSTED`. 4 MiB: a max_model_len prompt at a "
-        "generous 8 bytes per token, JSON-escaped, fits many times over (nginx caps at 1 MiB, most gateways 1-10 MiB)"))
+        "reading, and as a chunked body arrives), gRPC `RESOURCE_EXHAUSTED`. 4 MiB holds a 128k-token prompt of text "
+        "(about 4 bytes a token, more when JSON escapes it) or of token ids (about 7 bytes each in JSON); nginx caps "
+        "bodies at 1 MiB, most API gateways at 1-10 MiB"))
     max_connections: int = field(default=1000, metadata=doc(
         "open connections on each public port (HTTP, gRPC); HTTP answers a connection beyond it 429 with "
         "`Retry-After` and closes it, gRPC closes it at accept; 0 = no limit"))

@@ -51,6 +51,7 @@ class BodyLimitMiddleware:
         if first is None:  # the client left before its body arrived: nobody to answer
             return
         pending: list[Message] = [first]
+        del first
 
         async def replay() -> Message:
             if pending:
@@ -67,8 +68,9 @@ class BodyLimitMiddleware:
         size = 0
         while True:
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout_at(deadline):  # no task per read, unlike wait_for
+                    message = await receive()
+            except TimeoutError:
                 raise RequestTimeoutError(
                     f"the request body did not arrive within {self.body_timeout_s:g} s of its headers "
                     f"(serving.http_body_timeout_s; {size} bytes came)") from None

@@ -14,6 +14,7 @@ from typing import Iterator
 import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.testing.stack import Stack, run_stack
@@ -94,6 +95,15 @@ def test_a_declared_64_mib_body_gets_413_before_it_is_sent(stack: Stack) -> None
         assert closed_after(sock, 10) < 10
 
 
+def test_a_client_that_sends_all_64_mib_reads_the_413_not_a_reset(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.http_url, headers=AUTH, timeout=30) as client:
+        sent = time.monotonic()
+        response = client.post("/v1/completions", content=b'{"prompt": "' + b"x" * (64 * 1024 * 1024) + b'"}',
+                               headers={"content-type": "application/json"})
+        assert response.status_code == 413 and time.monotonic() - sent < 2.0
+        assert_openai_error(response.content, "invalid_request_error", "serving.max_request_bytes")
+
+
 def test_a_chunked_body_past_the_cap_gets_413_without_its_end(stack: Stack) -> None:
     with connect(stack) as sock:
         sock.sendall(completion_head(None, chunked=True))
@@ -124,6 +134,28 @@ def test_a_grpc_message_over_the_cap_is_resource_exhausted(stack: Stack) -> None
     assert f"vs. {CAP}" in refused.value.details()  # gRPC's "Received message larger than max (N vs. CAP)"
     small = inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(max_tokens=2))
     assert list(stack.inference.Generate(small, metadata=metadata, timeout=30))  # the channel is still good
+
+
+def test_grpc_connections_beyond_the_cap_are_closed_and_later_ones_served(stack: Stack) -> None:
+    def check(channel: grpc.Channel) -> grpc.StatusCode:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            return exc.code()
+
+    own = [("grpc.use_local_subchannel_pool", 1)]  # one connection per channel, not one shared
+    channels = [grpc.insecure_channel(stack.address, options=own) for _ in range(MAX_CONNECTIONS + 2)]
+    try:
+        codes = [check(channel) for channel in channels]
+    finally:
+        for channel in channels:
+            channel.close()
+    assert codes.count(grpc.StatusCode.OK) <= MAX_CONNECTIONS - 1  # the stack's own channel holds one
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
+    time.sleep(0.3)
+    with grpc.insecure_channel(stack.address, options=own) as channel:
+        assert check(channel) == grpc.StatusCode.OK
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(stack: Stack) -> None:
