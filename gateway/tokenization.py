@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.validation import chat_chars, render_chat
+from hetero.v1 import inference_pb2
 from hetero_common.tokenizer import TextTokenizer
 from hetero_common.errors import ValidationError
 
@@ -16,6 +18,26 @@ _NOT_INFO = ("vocab_file", "merges_file", "tokenizer_file", "added_tokens_decode
 
 def tokenize_text(tokenizer: TextTokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def tokenize_request(tokenizer: TextTokenizer, request: inference_pb2.TokenizeRequest,
+                     max_model_len: int) -> inference_pb2.TokenizeResponse:
+    """gRPC Tokenize's answer (on a tokenizer thread when the input is large: `TokenizerPool`)."""
+    kind = request.WhichOneof("input")
+    if kind == "chat":
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else False
+        ids = tokenizer.encode(render_chat(tokenizer, request.chat), add_special_tokens=add)
+    elif kind == "text":
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = tokenize_text(tokenizer, request.text, add)
+    else:
+        raise ValidationError("one of text or chat is required")
+    return inference_pb2.TokenizeResponse(token_ids=ids, tokens=token_strings(tokenizer, ids), count=len(ids),
+                                          max_model_len=max_model_len)
+
+
+def tokenize_request_chars(request: inference_pb2.TokenizeRequest) -> int:
+    return chat_chars(request.chat) if request.WhichOneof("input") == "chat" else len(request.text)
 
 
 def token_strings(tokenizer: TextTokenizer, ids: list[int]) -> list[str]:

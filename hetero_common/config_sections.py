@@ -74,6 +74,12 @@ class ServingConfig:
     stream_interval: int = field(default=1, metadata=doc(
         "streaming from the scheduler backend: a sample's first token goes out at once, later ones in messages of "
         "at least this many tokens; 1 = each token as it comes (vLLM's and SGLang's `stream_interval`)"))
+    tokenizer_workers: int = field(default=2, metadata=doc(
+        "threads that tokenize and render chats of large inputs (over 8192 characters; smaller ones are done "
+        "inline), off the event loop, so that a large request delays only itself"))
+    tokenizer_queue: int = field(default=16, metadata=doc(
+        "large inputs that may wait for a tokenizer thread; more are refused with `RESOURCE_EXHAUSTED` / HTTP 429 "
+        "(bounds the text held waiting)"))
 
 
 @dataclass
