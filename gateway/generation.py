@@ -88,9 +88,11 @@ class Generation:
         # second for a large grammar), run off the event loop (tokenizer_pool.py); a prompt that cannot fit is
         # refused before either.
         constrained = request.params.WhichOneof("constraint") is not None
+        chars = input_chars(request)
+        self.tokenizer_pool.release_later(chars)  # refused or not, a large body leaves memory to give back
         refuse_unfitting(request, self.tokenizer, self.max_model_len)
         prepared = await self.tokenizer_pool.run(prepare, request, self.tokenizer, self.model_name, self.max_model_len,
-                                                 request_id, chars=INLINE_CHARS if constrained else input_chars(request))
+                                                 request_id, chars=max(chars, INLINE_CHARS) if constrained else chars)
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
         n = prepared.sampling.n
         finish, backend = NOT_FINISHED, ""

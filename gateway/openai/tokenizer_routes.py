@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi.responses import Response
 from pydantic import Field, model_validator
 
 from gateway import tokenization
@@ -76,6 +77,7 @@ class TokenizerRoutes:
         self.generation = generation
 
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
+        """The answer's JSON is rendered with it, off the loop when large: a Response, which FastAPI sends as is."""
         g = self.generation
         check_model(body.model or "", g.model_name)
         if body.messages is None:
@@ -97,7 +99,7 @@ class TokenizerRoutes:
 
 
 def _tokenize(tokenizer: TextTokenizer, body: TokenizeBody, chat: inference_pb2.Chat | None,
-              max_model_len: int) -> dict[str, Any]:
+              max_model_len: int) -> Any:
     """/tokenize's answer (on a tokenizer thread when the input is large: `TokenizerPool`)."""
     if chat is not None:
         ids = tokenizer.encode(render_chat(tokenizer, chat, body.add_generation_prompt),
@@ -105,5 +107,6 @@ def _tokenize(tokenizer: TextTokenizer, body: TokenizeBody, chat: inference_pb2.
     else:
         add = True if body.add_special_tokens is None else body.add_special_tokens
         ids = tokenization.tokenize_text(tokenizer, body.prompt or "", add)
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
-            "token_strs": tokenization.token_strings(tokenizer, ids) if body.return_token_strs else None}
+    answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+              "token_strs": tokenization.token_strings(tokenizer, ids) if body.return_token_strs else None}
+    return Response(tokenization.json_bytes(answer), media_type="application/json")
