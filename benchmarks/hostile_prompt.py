@@ -5,7 +5,8 @@ While a prompt of `--mib` MiB of short words is sent to /v1/completions (it cann
 so the answer is a 400), a second client asks GET /v1/models every 10 ms: its slowest answer bounds
 the event loop's stall from outside. Reports that, the hostile request's status and time, the
 gateway's RSS before and a few seconds after, and the gateway's own
-`hetero_gateway_event_loop_max_lag_seconds` where it has it.
+`hetero_gateway_event_loop_lag_seconds` where it has it (the histogram bucket that holds the
+largest lag during the attack).
 
     python -m benchmarks.hostile_prompt --mib 18 4            # the default model (SmolLM2-135M)
     python -m benchmarks.hostile_prompt --model DIR --mib 4
@@ -32,11 +33,19 @@ def hostile_text(mib: float, seed: int = 0) -> str:
     return " ".join(words)
 
 
-def loop_lag_max(url: str) -> float | None:
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("hetero_gateway_event_loop_max_lag_seconds "):
-            return float(line.split()[1])
-    return None
+def loop_lag_buckets(url: str) -> dict[float, float]:
+    """The gateway's event-loop lag histogram: observations at or under each bound (empty before the metric)."""
+    prefix = 'hetero_gateway_event_loop_lag_seconds_bucket{le="'
+    return {float(line[len(prefix):].split('"')[0]): float(line.split()[-1])
+            for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines() if line.startswith(prefix)}
+
+
+def lag_bound(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The smallest bucket bound that holds every lag observed between the two scrapes."""
+    if not after:
+        return None
+    total = after[float("inf")] - before.get(float("inf"), 0)
+    return min(le for le in after if after[le] - before.get(le, 0) >= total)
 
 
 def attack(url: str, text: str, rss: "callable[[], int]") -> dict[str, float | int | None]:
@@ -52,7 +61,7 @@ def attack(url: str, text: str, rss: "callable[[], int]") -> dict[str, float | i
                 latencies.append(time.perf_counter() - start)
                 time.sleep(0.01)
 
-    before = rss()
+    before, lags = rss(), loop_lag_buckets(url)
     pinger = threading.Thread(target=ping)
     pinger.start()
     time.sleep(0.3)
@@ -67,7 +76,7 @@ def attack(url: str, text: str, rss: "callable[[], int]") -> dict[str, float | i
     time.sleep(2.0)
     return {"status": answer.status_code, "seconds": round(seconds, 3), "pings": len(latencies),
             "ping_max_s": round(max(latencies), 4), "rss_before_mib": before >> 20, "rss_after_mib": rss() >> 20,
-            "loop_lag_max_s": loop_lag_max(url)}
+            "loop_lag_at_most_s": lag_bound(lags, loop_lag_buckets(url))}
 
 
 def main() -> None:
