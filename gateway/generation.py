@@ -22,7 +22,8 @@ from gateway.backend import Backend
 from gateway.metrics import GatewayMetrics, RequestTimer
 from hetero_common.tokenizer import TextTokenizer
 from gateway.tool_stream import ToolCallStream, tool_request
-from gateway.validation import PreparedRequest, prepare
+from gateway.tokenizer_pool import INLINE_CHARS, TokenizerPool
+from gateway.validation import PreparedRequest, input_chars, prepare, refuse_unfitting
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError
@@ -41,8 +42,11 @@ class Generation:
         self.metrics = GatewayMetrics()
         self.in_flight = 0  # generations streaming now (gRPC and HTTP), for serving.max_concurrent_requests
         self.active = ActiveRequests()
+        self.tokenizer_pool = TokenizerPool(config.serving.tokenizer_workers, config.serving.tokenizer_queue)
+        self._loop_watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        self._loop_watch = asyncio.create_task(self.metrics.watch_loop())  # hetero_gateway_event_loop_lag_seconds
         max_model_len = await self.backend.max_model_len()
         if max_model_len is not None:
             self.max_model_len = max_model_len
@@ -80,11 +84,15 @@ class Generation:
         structlog.contextvars.bind_contextvars(request_id=request_id)
         started = time.perf_counter()
         request, tools = tool_request(request)  # tool_choice required / named: the call's schema as the constraint
-        args = (request, self.tokenizer, self.model_name, self.max_model_len, request_id)
-        # Compiling a constraint (and, once, llguidance's tokenizer) can take milliseconds to a second for a
-        # large grammar; llguidance releases the GIL meanwhile, so it runs off the event loop.
+        # Tokenizing a large input, and compiling a constraint (and, once, llguidance's tokenizer: milliseconds to a
+        # second for a large grammar), run off the event loop (tokenizer_pool.py); a prompt that cannot fit is
+        # refused before either.
         constrained = request.params.WhichOneof("constraint") is not None
-        prepared = await asyncio.to_thread(prepare, *args) if constrained else prepare(*args)
+        chars = input_chars(request)
+        self.tokenizer_pool.release_later(chars)  # refused or not, a large body leaves memory to give back
+        refuse_unfitting(request, self.tokenizer, self.max_model_len)
+        prepared = await self.tokenizer_pool.run(prepare, request, self.tokenizer, self.model_name, self.max_model_len,
+                                                 request_id, chars=max(chars, INLINE_CHARS) if constrained else chars)
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
         n = prepared.sampling.n
         finish, backend = NOT_FINISHED, ""

@@ -10,7 +10,7 @@ import structlog
 
 from gateway import tokenization
 from gateway.generation import Generation
-from gateway.validation import MAX_REQUEST_ID_LEN, check_model, render_chat
+from gateway.validation import MAX_REQUEST_ID_LEN, check_model
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common import __version__
 from hetero_common.errors import HeteroError, ValidationError
@@ -72,22 +72,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return result
 
     async def Tokenize(self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> inference_pb2.TokenizeResponse:
-        tokenizer = self.generation.tokenizer
+        g = self.generation
         try:
-            check_model(request.model, self.generation.model_name)
-            kind = request.WhichOneof("input")
-            if kind == "chat":
-                add = request.add_special_tokens if request.HasField("add_special_tokens") else False
-                ids = tokenizer.encode(render_chat(tokenizer, request.chat), add_special_tokens=add)
-            elif kind == "text":
-                add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-                ids = tokenization.tokenize_text(tokenizer, request.text, add)
-            else:
-                raise ValidationError("one of text or chat is required")
+            check_model(request.model, g.model_name)
+            return await g.tokenizer_pool.run(tokenization.tokenize_request, g.tokenizer, request, g.max_model_len,
+                                              chars=tokenization.tokenize_request_chars(request))
         except HeteroError as exc:
             await context.abort(*error_status(exc))
-        return inference_pb2.TokenizeResponse(token_ids=ids, tokens=tokenization.token_strings(tokenizer, ids),
-                                              count=len(ids), max_model_len=self.generation.max_model_len)
+            raise  # not reached: abort raises
 
     async def Detokenize(self, request: inference_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> inference_pb2.DetokenizeResponse:

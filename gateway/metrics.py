@@ -8,6 +8,7 @@ read from its GetStats at scrape time, so they are never stale.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,8 @@ from hetero_common.finish_reasons import finish_reason_name
 NAMESPACE = "hetero"
 # Seconds; from a fast GPU decode step to a long CPU generation.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+LOOP_LAG_INTERVAL = 0.01  # seconds between the lag monitor's wake-ups
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 
@@ -63,6 +66,11 @@ class GatewayMetrics:
                            namespace=ns, registry=r)
         self.steps_ahead = Gauge("engine_steps_planned_ahead", "Of those, steps planned while the step before was "
                                  "in flight (async_scheduling; summed over replicas, monotonic)", namespace=ns, registry=r)
+        self.loop_lag = Histogram("gateway_event_loop_lag_seconds", "How late the gateway's event loop ran a timer due "
+                                  f"every {LOOP_LAG_INTERVAL * 1000:g} ms: how long any request waited for the loop",
+                                  namespace=ns, registry=r, buckets=LOOP_LAG_BUCKETS)
+        self.loop_lag_max = Gauge("gateway_event_loop_max_lag_seconds", "The largest such lag since the gateway started",
+                                  namespace=ns, registry=r)
         self.workers_up = Gauge("workers_up", "Workers answering the scheduler", namespace=ns, registry=r)
         self.scheduler_up = Gauge("scheduler_up", "1 when the last GetStats succeeded", namespace=ns, registry=r)
 
@@ -82,6 +90,18 @@ class GatewayMetrics:
         self.steps.set(pool.steps)
         self.steps_ahead.set(pool.steps_planned_ahead)
         self.workers_up.set(service.num_workers_up)
+
+    async def watch_loop(self) -> None:
+        """Measure the event loop's lag (work that holds it, e.g. tokenizing on it) until cancelled."""
+        worst = 0.0
+        while True:
+            asleep = time.perf_counter()
+            await asyncio.sleep(LOOP_LAG_INTERVAL)
+            lag = max(0.0, time.perf_counter() - asleep - LOOP_LAG_INTERVAL)
+            self.loop_lag.observe(lag)
+            if lag > worst:
+                worst = lag
+                self.loop_lag_max.set(lag)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

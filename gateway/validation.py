@@ -36,7 +36,54 @@ def render_chat(tokenizer: TextTokenizer, chat: inference_pb2.Chat, add_generati
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
 
-def prompt_token_ids(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer) -> list[int]:
+def too_long(tokens: str, max_model_len: int) -> ValidationError:
+    return ValidationError(f"prompt is {tokens} tokens; max_model_len is {max_model_len} (prompt plus at least one "
+                           "generated token): shorten the prompt")
+
+
+def input_chars(request: inference_pb2.GenerateRequest) -> int:
+    """What tokenizing the request's input costs: the characters of its prompt or chat messages
+    (token ids: one each). Read without copying the text."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return len(request.prompt)
+    if kind == "chat":
+        return chat_chars(request.chat)
+    return len(request.prompt_token_ids.ids) if kind == "prompt_token_ids" else 0
+
+
+def chat_chars(chat: inference_pb2.Chat) -> int:
+    """The characters of a chat's messages, calls and tools: what rendering and tokenizing it costs."""
+    return (sum(len(m.content) + len(m.name) + sum(len(c.arguments) for c in m.tool_calls) for m in chat.messages)
+            + sum(len(t.parameters_json) + len(t.description) for t in chat.tools))
+
+
+def refuse_unfitting(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, max_model_len: int) -> None:
+    """Refuse, before tokenizing it, a prompt or chat too long to fit `max_model_len`: its counted
+    characters need at least one token per `tokenizer.bound.max_chars` (hetero_common/token_bound.py).
+    A chat's messages count their contents only, trimmed, as a template writes each of them."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        refuse_unfitting_text([request.prompt], tokenizer, max_model_len)
+    elif kind == "chat":
+        refuse_unfitting_text([m.content.strip() for m in request.chat.messages], tokenizer, max_model_len)
+
+
+def refuse_unfitting_text(texts: list[str], tokenizer: TextTokenizer, max_model_len: int) -> None:
+    """Refuse texts that, together, cannot make fewer than `max_model_len` tokens (`refuse_unfitting`)."""
+    bound = tokenizer.bound
+    if bound is None or bound.min_tokens(sum(map(len, texts))) < max_model_len:
+        return  # the common case: fits, whatever the text holds
+    tokens = bound.min_tokens(sum(map(bound.chars, texts)))
+    if tokens >= max_model_len:
+        raise too_long(f"at least {tokens}", max_model_len)
+
+
+def prompt_token_ids(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer,
+                     max_model_len: int | None = None) -> list[int]:
+    """The request's prompt as token ids; with `max_model_len`, refused first if it cannot fit it."""
+    if max_model_len is not None:
+        refuse_unfitting(request, tokenizer, max_model_len)
     kind = request.WhichOneof("input")
     if kind is None:
         raise ValidationError("one of prompt, prompt_token_ids or chat is required")
@@ -69,8 +116,9 @@ def prepare(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, se
     sampling = validate(request.params, tokenizer.vocab_size)
     if sampling.constraint is not None:  # compiled against the served vocabulary, once more in the worker
         validate_constraint(request.params, tokenizer.guidance)
-    ids = prompt_token_ids(request, tokenizer)
+    ids = prompt_token_ids(request, tokenizer, max_model_len)
     if len(ids) >= max_model_len:
-        raise ValidationError(f"prompt is {len(ids)} tokens; max_model_len is {max_model_len} (prompt plus at least "
-                              "one generated token): shorten the prompt")
+        count = len(ids)
+        del ids  # not kept alive by the traceback of the refusal
+        raise too_long(str(count), max_model_len)
     return PreparedRequest(request_id, ids, sampling)

@@ -228,6 +228,9 @@ class Config:
                f"must differ from serving.port ({self.serving.port})")
         _check(self.serving.max_concurrent_requests >= 0, "serving.max_concurrent_requests",
                self.serving.max_concurrent_requests, "must be >= 0 (0 = no limit)")
+        _check(self.serving.tokenizer_workers >= 1, "serving.tokenizer_workers", self.serving.tokenizer_workers,
+               "must be >= 1")
+        _check(self.serving.tokenizer_queue >= 0, "serving.tokenizer_queue", self.serving.tokenizer_queue, "must be >= 0")
         _check(self.serving.stream_interval >= 1, "serving.stream_interval", self.serving.stream_interval,
                "must be >= 1 (tokens per streamed message; 1 = every token at once)")
         serving = self.serving

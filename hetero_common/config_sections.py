@@ -100,6 +100,12 @@ class ServingConfig:
     metrics_require_key: bool = field(default=False, metadata=doc(
         "`/metrics` needs an API key (401 without one) when `serving.api_keys` are set; false keeps it open for "
         "Prometheus (keep the port private then). `/healthz` and `/readyz` stay open"))
+    tokenizer_workers: int = field(default=2, metadata=doc(
+        "threads that tokenize and render chats of large inputs (over 8192 characters; smaller ones are done "
+        "inline), off the event loop, so that a large request delays only itself"))
+    tokenizer_queue: int = field(default=16, metadata=doc(
+        "large inputs that may wait for a tokenizer thread; more are refused with `RESOURCE_EXHAUSTED` / HTTP 429 "
+        "(bounds the text held waiting)"))
 
 
 @dataclass

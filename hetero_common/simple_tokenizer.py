@@ -28,7 +28,7 @@ SPECIAL_TOKENS = {PAD_TOKEN_ID: "<|simple_pad|>", BOS_TOKEN_ID: "<|simple_bos|>"
 VOCAB_SIZE = NUM_BYTES + len(SPECIAL_TOKENS)
 
 
-def _byte_symbols() -> list[str]:
+def byte_symbols() -> list[str]:
     """GPT-2's printable stand-in for each byte value (what the byte-level pre-tokenizer emits)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     symbols, extra = {}, 0
@@ -43,7 +43,7 @@ def _byte_symbols() -> list[str]:
 
 @lru_cache(maxsize=1)
 def simple_tokenizer_model() -> tokenizers.Tokenizer:
-    vocab = {symbol: b for b, symbol in enumerate(_byte_symbols())}
+    vocab = {symbol: b for b, symbol in enumerate(byte_symbols())}
     tokenizer = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -21,6 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from hetero_common.simple_tokenizer import BOS_TOKEN_ID, EOS_TOKEN_ID, check_model_vocabulary, simple_tokenizer_model
 from hetero_common.errors import ValidationError
+from hetero_common.token_bound import TokenBound, token_bound
 from hetero_common.model_files import ModelFileError, read_gguf_metadata, read_json, token_ids
 
 
@@ -43,7 +44,10 @@ class TextTokenizer:
     config: dict[str, Any] = field(default_factory=dict)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call releases the GIL while it tokenizes (`encode` holds it throughout), so a
+        # large text tokenized on a worker thread leaves the gateway's event loop running; `_fast`
+        # skips the character offsets, which nothing here reads.
+        ids = self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
         # A tokenizer.json post-processor (or a chat template rendering the BOS text) may already
         # have put BOS first; never add a second one.
         bos = self.bos_token_id
@@ -89,6 +93,11 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def bound(self) -> TokenBound | None:
+        """How many characters one token stands for at most (`token_bound.py`); None: no such bound."""
+        return token_bound(self.tokenizer)
 
     @cached_property
     def guidance(self) -> Any:

@@ -37,6 +37,7 @@ from gateway.openai.streams import merged, unless_client_gone
 from gateway.openai.structured import renamed_errors
 from gateway.openai.tokenizer_routes import TokenizerRoutes
 from gateway.openai.tools import call_deltas, chat_message
+from gateway.validation import chat_chars
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 from hetero_common.config import ServingConfig
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
@@ -193,9 +194,13 @@ class HttpApi:
 
     async def completions(self, body: oa.CompletionBody, request: Request) -> Response:
         rid = request_id(request.scope)
-        requests = oa.completion_requests(body, rid, self.generation.tokenizer)
-        shaping = PromptShaping.build(self.generation.tokenizer, requests, body.n, body.echo, body.logprobs,
-                                      body.prompt_logprobs)
+        g = self.generation  # tokenizing a large prompt: off the loop (gateway/tokenizer_pool.py)
+        chars = oa.prompt_chars(body)
+        requests = await g.tokenizer_pool.run(oa.completion_requests, body, rid, g.tokenizer, g.max_model_len,
+                                              chars=chars if body.add_special_tokens is False else 0)
+        shaping = await g.tokenizer_pool.run(PromptShaping.build, g.tokenizer, requests, body.n, body.echo, body.logprobs,
+                                             body.prompt_logprobs, g.max_model_len,
+                                             chars=chars if body.echo or body.prompt_logprobs is not None else 0)
         renames = oa.error_renames(body)
         if body.stream:
             return await self._stream(requests, body.n, rid, "text_completion", body.include_usage_in_stream, shaping,
@@ -217,8 +222,11 @@ class HttpApi:
 
     async def chat_completions(self, body: oa.ChatBody, request: Request) -> Response:
         rid = request_id(request.scope)
-        requests = [oa.chat_request(body, rid, self.generation.tokenizer)]
-        shaping = PromptShaping.build(self.generation.tokenizer, requests, body.n, False, None, body.prompt_logprobs)
+        g = self.generation
+        requests = [oa.chat_request(body, rid, g.tokenizer)]
+        shaping = await g.tokenizer_pool.run(PromptShaping.build, g.tokenizer, requests, body.n, False, None,
+                                             body.prompt_logprobs, g.max_model_len,
+                                             chars=chat_chars(requests[0].chat) if body.prompt_logprobs is not None else 0)
         renames = oa.error_renames(body)
         if body.stream:
             return await self._stream(requests, body.n, rid, "chat.completion.chunk", body.include_usage_in_stream,

@@ -56,13 +56,15 @@ class PromptShaping:
 
     @classmethod
     def build(cls, tokenizer: TextTokenizer, requests: list[inference_pb2.GenerateRequest], n: int, echo: bool,
-              logprobs: int | None, prompt_logprobs: int | None) -> "PromptShaping | None":
-        """None when the call asks for nothing of its prompt."""
+              logprobs: int | None, prompt_logprobs: int | None,
+              max_model_len: int | None = None) -> "PromptShaping | None":
+        """None when the call asks for nothing of its prompt. A prompt that cannot fit `max_model_len`
+        is refused before it is tokenized."""
         if not echo and prompt_logprobs is None:
             return None
         shaping = cls(tokenizer, n, echo, logprobs if echo else None, prompt_logprobs)
         for request in requests:
-            ids = prompt_token_ids(request, tokenizer)
+            ids = prompt_token_ids(request, tokenizer, max_model_len)
             kind = request.WhichOneof("input")
             text = request.prompt if kind == "prompt" else tokenizer.decode(ids, skip_special_tokens=False)
             shaping.prompts.append(_Prompt(text, ids))

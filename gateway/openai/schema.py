@@ -19,6 +19,7 @@ from gateway.openai.bodies import ChatBody, ChatMessageBody, CompletionBody, Str
 from gateway.openai.prompt_echo import engine_prompt_logprobs
 from gateway.openai.structured import apply_constraint
 from gateway.openai.tools import chat_proto
+from gateway.validation import refuse_unfitting_text
 from hetero_common.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
@@ -90,10 +91,11 @@ def _request(body: _Body, request_id: str, params: common_pb2.SamplingParams) ->
                                          priority=body.priority, cache_salt=body.cache_salt or "")
 
 
-def completion_requests(body: CompletionBody, request_id: str,
-                        tokenizer: TextTokenizer) -> list[inference_pb2.GenerateRequest]:
+def completion_requests(body: CompletionBody, request_id: str, tokenizer: TextTokenizer,
+                        max_model_len: int | None = None) -> list[inference_pb2.GenerateRequest]:
     """One GenerateRequest per prompt, each asking for n samples; choice index = prompt index * n + sample.
-    Request ids are `{request_id}-{prompt index}`."""
+    Request ids are `{request_id}-{prompt index}`. A prompt tokenized here (add_special_tokens false)
+    is refused first if it cannot fit `max_model_len` (`refuse_unfitting_text`)."""
     # echo: the HTTP layer prepends the prompt (gateway/openai/prompt_echo.py); with logprobs it needs the prompt's.
     prompt_logprobs = engine_prompt_logprobs(body.echo, body.logprobs, body.prompt_logprobs, body.max_tokens)
     prompts: list[str | list[int]]
@@ -111,6 +113,8 @@ def completion_requests(body: CompletionBody, request_id: str,
         if isinstance(prompt, str) and body.add_special_tokens:
             r.prompt = prompt  # tokenized downstream, with the model's special tokens, as gRPC's prompt
         else:
+            if isinstance(prompt, str) and max_model_len is not None:
+                refuse_unfitting_text([prompt], tokenizer, max_model_len)
             ids = prompt if not isinstance(prompt, str) else tokenizer.encode(prompt, add_special_tokens=False)
             if not ids:
                 raise ValidationError(f"{where} must not be empty", where)
@@ -118,6 +122,12 @@ def completion_requests(body: CompletionBody, request_id: str,
             r.prompt_token_ids.ids.extend(ids)
         requests.append(r)
     return requests
+
+
+def prompt_chars(body: CompletionBody) -> int:
+    """The characters (or token ids) of a completion's prompts: what tokenizing them costs."""
+    prompt = body.prompt
+    return len(prompt) if isinstance(prompt, str) else sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)
 
 
 def chat_request(body: ChatBody, request_id: str, tokenizer: TextTokenizer) -> inference_pb2.GenerateRequest:

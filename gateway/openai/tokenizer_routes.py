@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastapi.responses import Response
 from pydantic import Field, model_validator
 
 from gateway import tokenization
@@ -14,8 +15,10 @@ from gateway.generation import Generation
 from gateway.openai.bodies import UINT32_MAX, ChatMessageBody, StrictBody
 from gateway.openai.fields import MESSAGE, Unserved, refuse_unserved
 from gateway.openai.tools import chat_of
-from gateway.validation import check_model, render_chat
+from gateway.validation import chat_chars, check_model, render_chat
+from hetero.v1 import inference_pb2
 from hetero_common.errors import ValidationError
+from hetero_common.tokenizer import TextTokenizer
 
 _CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
               "tools", "mm_processor_kwargs")
@@ -74,19 +77,17 @@ class TokenizerRoutes:
         self.generation = generation
 
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
+        """The answer's JSON is rendered with it, off the loop when large: a Response, which FastAPI sends as is."""
         g = self.generation
         check_model(body.model or "", g.model_name)
-        if body.messages is not None:
-            if not g.tokenizer.chat_template:
-                raise ValidationError("this model has no chat template; tokenize a plain `prompt` instead", "messages")
-            # The chat as generation renders it: tools, calls and tool results (gateway/tool_calls.py).
-            text = render_chat(g.tokenizer, chat_of(body.messages, body.tools, None), body.add_generation_prompt)
-            ids = g.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
-        else:
-            add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = tokenization.tokenize_text(g.tokenizer, body.prompt or "", add)
-        return {"count": len(ids), "max_model_len": g.max_model_len, "tokens": ids,
-                "token_strs": tokenization.token_strings(g.tokenizer, ids) if body.return_token_strs else None}
+        if body.messages is None:
+            return await g.tokenizer_pool.run(_tokenize, g.tokenizer, body, None, g.max_model_len,
+                                              chars=len(body.prompt or ""))
+        if not g.tokenizer.chat_template:
+            raise ValidationError("this model has no chat template; tokenize a plain `prompt` instead", "messages")
+        # The chat as generation renders it: tools, calls and tool results (gateway/tool_calls.py).
+        chat = chat_of(body.messages, body.tools, None)
+        return await g.tokenizer_pool.run(_tokenize, g.tokenizer, body, chat, g.max_model_len, chars=chat_chars(chat))
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, str]:
         g = self.generation
@@ -95,3 +96,17 @@ class TokenizerRoutes:
 
     async def tokenizer_info(self) -> dict[str, Any]:
         return tokenization.tokenizer_info(self.generation.tokenizer, self.generation.max_model_len)
+
+
+def _tokenize(tokenizer: TextTokenizer, body: TokenizeBody, chat: inference_pb2.Chat | None,
+              max_model_len: int) -> Any:
+    """/tokenize's answer (on a tokenizer thread when the input is large: `TokenizerPool`)."""
+    if chat is not None:
+        ids = tokenizer.encode(render_chat(tokenizer, chat, body.add_generation_prompt),
+                               add_special_tokens=bool(body.add_special_tokens))
+    else:
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = tokenization.tokenize_text(tokenizer, body.prompt or "", add)
+    answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+              "token_strs": tokenization.token_strings(tokenizer, ids) if body.return_token_strs else None}
+    return Response(tokenization.json_bytes(answer), media_type="application/json")

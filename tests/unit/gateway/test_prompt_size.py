@@ -1,0 +1,136 @@
+"""A prompt that cannot fit is refused before it is tokenized (gateway/validation.py), and large
+inputs are tokenized on the bounded tokenizer pool (gateway/tokenizer_pool.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+
+from gateway.tokenizer_pool import INLINE_CHARS, TokenizerPool
+from gateway.validation import prepare, refuse_unfitting
+from hetero.v1 import common_pb2, inference_pb2
+from hetero_common.errors import OverloadedError, ValidationError
+from hetero_common.model_files import default_model_path
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
+
+MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> TextTokenizer:
+    return load_tokenizer(default_model_path())
+
+
+def request(prompt: str) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(prompt=prompt, params=common_pb2.SamplingParams(max_tokens=1))
+
+
+def chat(*contents: str) -> inference_pb2.GenerateRequest:
+    messages = [inference_pb2.ChatMessage(role="user" if i % 2 == 0 else "assistant", content=c)
+                for i, c in enumerate(contents)]
+    return inference_pb2.GenerateRequest(chat=inference_pb2.Chat(messages=messages),
+                                         params=common_pb2.SamplingParams(max_tokens=1))
+
+
+def test_a_prompt_that_cannot_fit_is_refused_at_once_with_a_lower_bound(smollm2: TextTokenizer) -> None:
+    text = "hello " * 3_000_000  # 18 MB: seconds to tokenize
+    start = time.perf_counter()
+    with pytest.raises(ValidationError) as refused:
+        prepare(request(text), smollm2, "", MAX_MODEL_LEN, "r")
+    assert time.perf_counter() - start < 0.5
+    at_least = -(-len(text) // 81)  # SmolLM2's longest token: 81 characters
+    assert refused.value.message == (f"prompt is at least {at_least} tokens; max_model_len is {MAX_MODEL_LEN} (prompt "
+                                     "plus at least one generated token): shorten the prompt")
+    assert at_least <= len(smollm2.encode(text[:810_000])) * (len(text) // 810_000)  # a true lower bound
+
+
+def test_the_exact_message_where_the_text_might_fit(smollm2: TextTokenizer) -> None:
+    text = "hello " * 5000  # under 2048 * 81 characters, but 5001 tokens: counted, and the count said
+    assert len(smollm2.encode(text)) == 5001
+    with pytest.raises(ValidationError, match=r"^prompt is 5001 tokens; max_model_len is 2048 \(prompt plus"):
+        prepare(request(text), smollm2, "", MAX_MODEL_LEN, "r")
+
+
+def test_a_prompt_that_fits_is_never_refused_by_the_check(smollm2: TextTokenizer) -> None:
+    rng = random.Random(3)
+    vocab = list(smollm2.tokenizer.get_vocab())
+    longest = smollm2.decode([smollm2.tokenizer.token_to_id(max(vocab, key=len))], skip_special_tokens=False)
+    pieces = [longest, "\x1d" * 200, "a", " ", "😀", "=" * 64]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 4000)))
+        tokens = len(smollm2.encode(text))
+        if tokens < MAX_MODEL_LEN:
+            refuse_unfitting(request(text), smollm2, MAX_MODEL_LEN)  # must not raise
+            assert len(prepare(request(text), smollm2, "", MAX_MODEL_LEN, "r").prompt_token_ids) == tokens
+    exact = longest * (MAX_MODEL_LEN - 2)  # BOS-free: MAX_MODEL_LEN - 2 tokens of 81 characters each
+    refuse_unfitting(request(exact), smollm2, MAX_MODEL_LEN)
+
+
+def test_chat_messages_are_summed(smollm2: TextTokenizer) -> None:
+    half = "x" * (MAX_MODEL_LEN * 81 // 2 + 81)
+    refuse_unfitting(chat(half), smollm2, MAX_MODEL_LEN)  # one half fits the check
+    with pytest.raises(ValidationError, match="^prompt is at least"):
+        refuse_unfitting(chat(half, "ok", half), smollm2, MAX_MODEL_LEN)
+    refuse_unfitting(chat(" " * 10 * MAX_MODEL_LEN * 81), smollm2, MAX_MODEL_LEN)  # trimmed, as templates do
+
+
+def test_small_inputs_run_inline_and_large_ones_on_a_worker() -> None:
+    async def main() -> tuple[str, str]:
+        pool = TokenizerPool(workers=1, queue=0)
+        try:
+            return (await pool.run(lambda: threading.current_thread().name, chars=10),
+                    await pool.run(lambda: threading.current_thread().name, chars=INLINE_CHARS))
+        finally:
+            pool.close()
+
+    inline, worker = asyncio.run(main())
+    assert inline == threading.main_thread().name and worker.startswith("tokenizer")
+
+
+def test_the_pool_refuses_when_full_and_recovers() -> None:
+    release = threading.Event()
+
+    async def main() -> None:
+        pool = TokenizerPool(workers=1, queue=1)
+        try:
+            running = [asyncio.ensure_future(pool.run(release.wait, chars=INLINE_CHARS)) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            with pytest.raises(OverloadedError, match="serving.tokenizer_workers"):
+                await pool.run(release.wait, chars=INLINE_CHARS)
+            assert await pool.run(lambda: 7, chars=1) == 7  # small inputs are not queued: still served
+            release.set()
+            assert await asyncio.gather(*running) == [True, True]
+            await asyncio.sleep(0.05)
+            assert pool.pending == 0
+            assert await pool.run(lambda: 8, chars=INLINE_CHARS) == 8
+        finally:
+            release.set()
+            pool.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_wait_still_counts_its_running_job() -> None:
+    release = threading.Event()
+
+    async def main() -> None:
+        pool = TokenizerPool(workers=1, queue=0)
+        try:
+            waiter = asyncio.ensure_future(pool.run(release.wait, chars=INLINE_CHARS))
+            await asyncio.sleep(0.05)
+            waiter.cancel()  # the client went away; the tokenization runs on
+            await asyncio.sleep(0.05)
+            with pytest.raises(OverloadedError):
+                await pool.run(release.wait, chars=INLINE_CHARS)
+            release.set()
+            await asyncio.sleep(0.1)
+            assert pool.pending == 0
+        finally:
+            release.set()
+            pool.close()
+
+    asyncio.run(main())
