@@ -22,7 +22,7 @@ from tests.helpers.raw_http import settled_rss
 
 pytestmark = pytest.mark.slow
 _rng = random.Random(0)
-MIB4 = " ".join(_rng.choice(["alpha", "bravo", "delta", "echo", "golf", "kilo"]) for _ in range(4 * 2**20 // 5))  # about what the default body cap lets through
+MIB4 = " ".join(_rng.choice(["alpha", "bravo", "delta", "echo", "golf", "kilo"]) for _ in range(4 * 2**20 // 6))  # 3.7 MiB: under the default body cap (4 MiB)
 # The slowest answer a small request may get while the large one runs. The loop's own work on a
 # 4 MiB body (JSON parsing) takes tens of milliseconds; a tokenization on the loop took seconds.
 PING_MAX_S = 0.25
