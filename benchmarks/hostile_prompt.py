@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from hetero_infer.testing.loop_lag import lag_bound, loop_lag_buckets
 from hetero_infer.testing.stack import run_stack
 
 WORDS = ["alpha", "bravo", "delta", "echo", "golf", "hotel", "india", "kilo", "lima", "mike"]
@@ -31,21 +32,6 @@ def hostile_text(mib: float, seed: int = 0) -> str:
     rng = random.Random(seed)
     words = [rng.choice(WORDS) for _ in range(int(mib * 2**20 / 5.5))]
     return " ".join(words)
-
-
-def loop_lag_buckets(url: str) -> dict[float, float]:
-    """The gateway's event-loop lag histogram: observations at or under each bound (empty before the metric)."""
-    prefix = 'hetero_gateway_event_loop_lag_seconds_bucket{le="'
-    return {float(line[len(prefix):].split('"')[0]): float(line.split()[-1])
-            for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines() if line.startswith(prefix)}
-
-
-def lag_bound(before: dict[float, float], after: dict[float, float]) -> float | None:
-    """The smallest bucket bound that holds every lag observed between the two scrapes."""
-    if not after:
-        return None
-    total = after[float("inf")] - before.get(float("inf"), 0)
-    return min(le for le in after if after[le] - before.get(le, 0) >= total)
 
 
 def attack(url: str, text: str, rss: "callable[[], int]") -> dict[str, float | int | None]:

@@ -89,7 +89,8 @@ class Generation:
         # refused before either.
         constrained = request.params.WhichOneof("constraint") is not None
         chars = input_chars(request)
-        self.tokenizer_pool.release_later(chars)  # refused or not, a large body leaves memory to give back
+        # Refused or not, a large message (a long prompt, a large logit_bias map) leaves memory to give back.
+        self.tokenizer_pool.release_later(max(chars, request.ByteSize()))
         refuse_unfitting(request, self.tokenizer, self.max_model_len)
         prepared = await self.tokenizer_pool.run(prepare, request, self.tokenizer, self.model_name, self.max_model_len,
                                                  request_id, chars=max(chars, INLINE_CHARS) if constrained else chars)

@@ -57,7 +57,8 @@ class TokenizerPool:
         self.queue = queue
         self.pending = 0  # jobs submitted and not finished (running or waiting); touched on the loop only
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenizer")
-        self._trim: asyncio.TimerHandle | None = None
+        self._trim: asyncio.TimerHandle | None = None  # a trim due or running
+        self._again = False  # a large input came while one was: trim once more after it
         self.trims = 0  # heap trims done (tests)
 
     async def run(self, fn: Callable[..., T], *args: Any, chars: int = INLINE_CHARS, **kwargs: Any) -> T:
@@ -78,20 +79,29 @@ class TokenizerPool:
         return await asyncio.wrap_future(future)
 
     def release_later(self, chars: int) -> None:
-        """After an input of `chars` characters: trim the heap in TRIM_DELAY_S, unless a trim is due already."""
-        if chars < TRIM_CHARS or MALLOC_TRIM is None or self._trim is not None:
+        """After an input of `chars` characters: trim the heap in TRIM_DELAY_S. When a trim is due
+        already, once more after it: what this input leaves may be freed only after that one ran."""
+        if chars < TRIM_CHARS or MALLOC_TRIM is None:
+            return
+        if self._trim is not None:
+            self._again = True
             return
         self._trim = asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._start_trim)
 
     def _start_trim(self) -> None:
         # Off the loop (a large heap takes milliseconds to walk), and outside the bounded pool.
-        asyncio.get_running_loop().run_in_executor(None, self._trim_now)
+        asyncio.get_running_loop().run_in_executor(None, self._trim_now).add_done_callback(self._trimmed)
 
     def _trim_now(self) -> None:
         if MALLOC_TRIM is not None:
             MALLOC_TRIM()
         self.trims += 1
-        self._trim = None  # a plain store: the next release_later on the loop may schedule another
+
+    def _trimmed(self, _: object) -> None:  # on the loop
+        self._trim = None
+        if self._again:
+            self._again = False
+            self.release_later(TRIM_CHARS)
 
     def _finished(self, loop: asyncio.AbstractEventLoop, chars: int) -> None:
         try:

@@ -94,6 +94,8 @@ def resolve(params: common_pb2.SamplingParams) -> Sampling:
 
 def validate(params: common_pb2.SamplingParams, vocab_size: int | None = None) -> Sampling:
     """Raise ValidationError naming the field; return the resolved parameters."""
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:  # before copying the map: 200k entries took the gateway 0.1 s and 50 MiB
+        raise ValidationError(f"params.logit_bias has {len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     s = resolve(params)
     # max_tokens 0 scores the prompt only (echo): the engine is asked for one token, which the gateway drops.
     if params.HasField("max_tokens") and s.max_tokens < 1 and not params.HasField("prompt_logprobs"):
@@ -151,8 +153,6 @@ def _validate_controls(s: Sampling, vocab_size: int | None) -> None:
     _in_range("min_p", s.min_p, 0.0, 1.0)
     if s.min_tokens > s.max_tokens:
         raise ValidationError(f"params.min_tokens must be <= max_tokens ({s.max_tokens}) (got {s.min_tokens})")
-    if len(s.logit_bias) > MAX_LOGIT_BIAS:
-        raise ValidationError(f"params.logit_bias has {len(s.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
     for token, bias in s.logit_bias.items():
         if vocab_size is not None and token >= vocab_size:
             raise ValidationError(f"params.logit_bias key {token} must be < the vocabulary size {vocab_size}")

@@ -31,6 +31,7 @@ from gateway.generation import Generation
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.openai import schema as oa
 from gateway.openai.body_limit import BodyLimitMiddleware
+from gateway.openai.json_body import OffLoopJsonRoute
 from gateway.openai.prompt_echo import PromptShaping
 from gateway.openai.request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
 from gateway.openai.streams import merged, unless_client_gone
@@ -125,12 +126,13 @@ class HttpApi:
         self.tokenizer_routes = TokenizerRoutes(generation)
         self.fastapi = self._build()
         limited = BodyLimitMiddleware(self.fastapi, self.serving.max_request_bytes, self.serving.http_body_timeout_s,
-                                      error_body)
+                                      error_body, generation.tokenizer_pool.release_later)  # a large body: trim after
         self.app = RequestIdMiddleware(limited, error_body)  # what uvicorn serves
 
     def _build(self) -> FastAPI:
         # /openapi.json is open (API tools and fuzzers read it); /docs and /redoc stay off.
         app = FastAPI(title="hetero-infer", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+        app.router.route_class = OffLoopJsonRoute  # bodies of many small values parsed off the loop (json_body.py)
 
         @app.exception_handler(HeteroError)
         async def on_hetero(_: Request, exc: HeteroError) -> JSONResponse:

@@ -32,8 +32,11 @@ def too_large(max_bytes: int, size: str) -> RequestTooLargeError:
 
 class BodyLimitMiddleware:
     def __init__(self, app: App, max_bytes: int, body_timeout_s: float,
-                 error_body: Callable[[int, str, str | None], dict[str, Any]]) -> None:
+                 error_body: Callable[[int, str, str | None], dict[str, Any]],
+                 after_body: Callable[[int], None] = lambda size: None) -> None:
+        """`after_body(size)`: called once a body has been answered (the heap trim after a large one)."""
         self.app, self.max_bytes, self.body_timeout_s, self.error_body = app, max_bytes, body_timeout_s, error_body
+        self.after_body = after_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,6 +53,7 @@ class BodyLimitMiddleware:
             return
         if first is None:  # the client left before its body arrived: nobody to answer
             return
+        size = len(first["body"])
         pending: list[Message] = [first]
         del first
 
@@ -58,7 +62,10 @@ class BodyLimitMiddleware:
                 return pending.pop()  # handed over once: the body is not kept here after the route took it
             return await receive()
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.after_body(size)
 
     async def _read_body(self, receive: Receive) -> Message | None:
         """The whole body as one `http.request` message; None when the client disconnected."""

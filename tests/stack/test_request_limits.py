@@ -5,7 +5,6 @@ nothing may answer 5xx. Raw sockets where the timing of what the client sends is
 
 from __future__ import annotations
 
-import json
 import socket
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.testing.stack import Stack, run_stack
+from tests.helpers.raw_http import assert_openai_error, closed_after, completion_head, connect, read_response
 
 pytestmark = pytest.mark.slow
 KEY = "sk-limits-1"
@@ -37,56 +37,10 @@ def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
         yield s
 
 
-def connect(stack: Stack) -> socket.socket:
-    sock = socket.create_connection((stack.host, stack.http_port), timeout=10)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def read_response(sock: socket.socket, timeout_s: float) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP/1.1 response with a Content-Length body (what the limits answer)."""
-    sock.settimeout(timeout_s)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed before a response: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
-    while len(body) < int(headers.get("content-length", 0)):
-        body += sock.recv(65536)
-    return int(lines[0].split()[1]), headers, body
-
-
-def closed_after(sock: socket.socket, timeout_s: float) -> float:
-    """Seconds until the server closes `sock` (reading and dropping anything it sends)."""
-    start = time.monotonic()
-    sock.settimeout(timeout_s)
-    try:
-        while sock.recv(65536):
-            pass
-    except ConnectionResetError:
-        pass
-    return time.monotonic() - start
-
-
-def completion_head(length: int | None, chunked: bool = False) -> bytes:
-    framing = "transfer-encoding: chunked\r\n" if chunked else f"content-length: {length}\r\n"
-    return (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            f"authorization: Bearer {KEY}\r\n{framing}\r\n").encode()
-
-
-def assert_openai_error(body: bytes, kind: str, mentions: str) -> None:
-    error = json.loads(body)["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == kind
-    assert mentions in error["message"], error["message"]
-
-
 def test_a_declared_64_mib_body_gets_413_before_it_is_sent(stack: Stack) -> None:
     with connect(stack) as sock:
         sent = time.monotonic()
-        sock.sendall(completion_head(64 * 1024 * 1024) + b'{"prompt": "' + b"x" * 1000)  # and nothing more
+        sock.sendall(completion_head(64 * 1024 * 1024, KEY) + b'{"prompt": "' + b"x" * 1000)  # and nothing more
         status, headers, body = read_response(sock, timeout_s=1.0)
         assert time.monotonic() - sent < 1.0
         assert status == 413 and headers["connection"] == "close"
@@ -106,7 +60,7 @@ def test_a_client_that_sends_all_64_mib_reads_the_413_not_a_reset(stack: Stack) 
 
 def test_a_chunked_body_past_the_cap_gets_413_without_its_end(stack: Stack) -> None:
     with connect(stack) as sock:
-        sock.sendall(completion_head(None, chunked=True))
+        sock.sendall(completion_head(None, KEY, chunked=True))
         piece = b"y" * 16384
         sent = time.monotonic()
         for _ in range(CAP // len(piece) + 1):
@@ -193,7 +147,7 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_header_timeout(stac
 
 def test_a_stalled_body_gets_408_after_the_body_timeout(stack: Stack) -> None:
     with connect(stack) as sock:
-        sock.sendall(completion_head(1000) + b'{"prompt": "')
+        sock.sendall(completion_head(1000, KEY) + b'{"prompt": "')
         start = time.monotonic()
         status, headers, body = read_response(sock, timeout_s=BODY_TIMEOUT_S + 3)
         assert BODY_TIMEOUT_S - 0.1 < time.monotonic() - start < BODY_TIMEOUT_S + 1.5

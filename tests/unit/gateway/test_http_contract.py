@@ -100,6 +100,7 @@ HOSTILE = [  # (route, body, the field the 400 must name); the first six were HT
     ("/v1/completions", {"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1000": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias[5]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),  # MAX_LOGIT_BIAS
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [1000]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "priority": 2**31}, "priority"),

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from gateway import tokenizer_pool
 from gateway.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from gateway.validation import prepare, refuse_unfitting
 from hetero.v1 import common_pb2, inference_pb2
@@ -134,3 +135,23 @@ def test_a_cancelled_wait_still_counts_its_running_job() -> None:
             pool.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(tokenizer_pool.MALLOC_TRIM is None, reason="glibc's malloc_trim only")
+def test_a_large_input_during_a_pending_trim_gets_a_trim_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory a request frees after the trim that was due when it came is trimmed too."""
+    monkeypatch.setattr(tokenizer_pool, "TRIM_DELAY_S", 0.05)
+
+    async def main() -> tuple[int, int]:
+        pool = TokenizerPool(1, 0)
+        pool.release_later(tokenizer_pool.TRIM_CHARS)
+        pool.release_later(tokenizer_pool.TRIM_CHARS)  # while the first trim is due
+        pool.release_later(tokenizer_pool.TRIM_CHARS - 1)  # small: no trim of its own
+        await asyncio.sleep(0.5)
+        first = pool.trims
+        pool.release_later(tokenizer_pool.TRIM_CHARS)
+        await asyncio.sleep(0.5)
+        pool.close()
+        return first, pool.trims
+
+    assert asyncio.run(main()) == (2, 3)
