@@ -31,7 +31,7 @@ from gateway.generation import Generation
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.openai import schema as oa
 from gateway.openai.body_limit import BodyLimitMiddleware
-from gateway.openai.json_body import OffLoopJsonRoute
+from gateway.openai.json_body import OTHER_VALUES, CountedJsonRoute
 from gateway.openai.prompt_echo import PromptShaping
 from gateway.openai.request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
 from gateway.openai.streams import merged, unless_client_gone
@@ -132,7 +132,8 @@ class HttpApi:
     def _build(self) -> FastAPI:
         # /openapi.json is open (API tools and fuzzers read it); /docs and /redoc stay off.
         app = FastAPI(title="hetero-infer", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-        app.router.route_class = OffLoopJsonRoute  # bodies of many small values parsed off the loop (json_body.py)
+        app.router.route_class = CountedJsonRoute  # bodies of too many small values refused unparsed (json_body.py)
+        app.state.json_value_cap = lambda: self.generation.max_model_len + OTHER_VALUES
 
         @app.exception_handler(HeteroError)
         async def on_hetero(_: Request, exc: HeteroError) -> JSONResponse:

@@ -1,60 +1,62 @@
-"""JSON request bodies parsed without holding the gateway's event loop.
+"""JSON request bodies counted before they are parsed, so that no body holds the event loop long.
 
 json.loads is C and holds the GIL until it is done: a body of up to `serving.max_request_bytes`
 made of many small values (200k `logit_bias` entries, a list of a million numbers) took it 0.1 s
 on an idle core and 0.4 s on a busy one, during which every other client of the gateway waited.
-A body with few values (a long prompt is one string) parses in milliseconds and is parsed on the
-loop. One that may hold more than `OFF_LOOP_VALUES` values (counted from above by its commas and
-opening brackets, which costs a millisecond for 4 MiB) is parsed on a thread by json's pure-Python
-scanner, which yields the GIL to the loop every switch interval (5 ms): that request waits longer
-(0.4 s for the 200k entries), the others do not. The result, and the errors (JSONDecodeError,
-RecursionError for deep nesting), are json.loads's.
+Parsing it on a thread does not help (the GIL is held all the same), and json's pure-Python
+scanner, which yields the GIL, took over a second for such a body.
 
-FastAPI reads the body through `Request.json()`; `OffLoopJsonRoute` hands its routes a request
-whose `json()` is this."""
+So a body is counted first, by its commas and opening brackets (a bound from above on its values;
+a millisecond for 4 MiB), and, when that count is over the cap, once more with its strings taken
+out (their commas and brackets are text, not values). No request the gateway serves holds more than `max_model_len` token ids
+plus `OTHER_VALUES` others (logit_bias is at most 1,024 entries, stop lists and tools are small),
+so a body counted over that is refused with 413 before it is parsed. What is left parses in C in
+tens of milliseconds at most; a long prompt is one string, whatever it holds.
+
+FastAPI reads the body through `Request.json()`; `CountedJsonRoute` hands its routes a request whose
+`json()` is this. The cap is read per request from `app.state.json_value_cap` (a callable: the
+served `max_model_len` is known only once the backend answers)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import json.scanner
+import re
 from typing import Any, Callable, Coroutine
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
-OFF_LOOP_VALUES = 16384  # json.loads takes about 3 ms for this many values
+OTHER_VALUES = 65536  # a request's values besides its prompt token ids, at most
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, its escapes included
 
 
-def might_hold_many_values(body: bytes) -> bool:
-    return body.count(b",") + body.count(b"[") + body.count(b"{") > OFF_LOOP_VALUES
+def counted_values(body: bytes) -> int:
+    """Commas plus opening brackets: at least the number of values the body holds, less one."""
+    return body.count(b",") + body.count(b"[") + body.count(b"{")
 
 
-def loads_yielding(body: bytes) -> Any:
-    """json.loads(body), by the pure-Python scanner (strings are still scanned in C)."""
-    decoder = json.JSONDecoder()
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
-    return decoder.decode(body.decode(json.detect_encoding(body), "surrogatepass"))  # as json.loads decodes bytes
+def parse(body: bytes, cap: int) -> Any:
+    values = counted_values(body)
+    if values > cap:  # strings may hold commas and brackets: count again without them (tens of ms, rare)
+        values = counted_values(JSON_STRING.sub(b'""', body))
+    if values > cap:
+        raise HTTPException(413, f"the request body holds up to {values} JSON values (commas and opening brackets); "
+                                 f"at most {cap} are accepted (max_model_len token ids plus {OTHER_VALUES}): send fewer")
+    return json.loads(body)
 
 
-async def parse(body: bytes) -> Any:
-    if not might_hold_many_values(body):
-        return json.loads(body)
-    return await asyncio.to_thread(loads_yielding, body)
-
-
-class OffLoopJsonRequest(Request):
+class CountedJsonRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = await parse(await self.body())
+            self._json = parse(await self.body(), self.app.state.json_value_cap())
         return self._json
 
 
-class OffLoopJsonRoute(APIRoute):
+class CountedJsonRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
-        async def with_off_loop_json(request: Request) -> Response:
-            return await handler(OffLoopJsonRequest(request.scope, request.receive))
+        async def with_counted_json(request: Request) -> Response:
+            return await handler(CountedJsonRequest(request.scope, request.receive))
 
-        return with_off_loop_json
+        return with_counted_json

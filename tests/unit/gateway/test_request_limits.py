@@ -18,6 +18,7 @@ from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
 from gateway.openai.app import HttpApi, error_body
 from gateway.openai.body_limit import BodyLimitMiddleware
+from gateway.openai.json_body import OTHER_VALUES
 from hetero.v1 import scheduler_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config, ServingConfig
 from hetero_common.errors import UnavailableError
@@ -196,3 +197,22 @@ def test_the_public_grpc_server_follows_the_limits_and_the_internal_ones_keep_th
     assert "grpc.max_allowed_incoming_connections" not in dict(public_server_options(ServingConfig(max_connections=0)))
     internal = dict(internal_server_options(Config(serving=serving)))
     assert internal["grpc.max_receive_message_length"] == dict(CHANNEL_OPTIONS)["grpc.max_receive_message_length"]
+
+
+def test_a_body_of_more_values_than_a_request_can_hold_is_refused_413_unparsed(tokenizer_dir: Path) -> None:
+    """Counted by commas and brackets before json.loads runs (json_body.py): max_model_len token ids
+    plus OTHER_VALUES is the most a served request holds; a long prompt string is one value."""
+    api = http_api(tokenizer_dir, [], ServingConfig())
+    cap = api.generation.max_model_len + OTHER_VALUES
+    bias = {str(i): 1 for i in range(cap)}  # cap entries: cap - 1 commas, over the cap with the body's own
+    with TestClient(api.app) as client:
+        refused = client.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "x",
+                                                       "logit_bias": bias})
+        deep = client.post("/v1/completions", content=b"[" * (cap + 1) + b"]" * (cap + 1),
+                           headers={"content-type": "application/json"})
+        commas = client.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "a, " * 600,
+                                                      "max_tokens": 1})
+    for answer in (refused, deep):
+        assert answer.status_code == 413, answer.text
+        assert answer.json()["error"]["type"] == "invalid_request_error" and f"at most {cap}" in answer.json()["error"]["message"]
+    assert commas.status_code == 200, commas.text  # well under the cap: parsed and served (by the bridge)
