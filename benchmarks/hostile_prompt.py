@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from hetero_infer.testing.loop_lag import lag_bound, loop_lag_buckets
+from hetero_infer.testing.loop_lag import lag_bound, loop_lag_buckets, while_pinging
 from hetero_infer.testing.stack import run_stack
 
 WORDS = ["alpha", "bravo", "delta", "echo", "golf", "hotel", "india", "kilo", "lima", "mike"]
@@ -36,29 +35,10 @@ def hostile_text(mib: float, seed: int = 0) -> str:
 
 def attack(url: str, text: str, rss: "callable[[], int]") -> dict[str, float | int | None]:
     """Send one hostile prompt while pinging; the figures."""
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def ping() -> None:
-        with httpx.Client(timeout=60) as client:
-            while not stop.is_set():
-                start = time.perf_counter()
-                client.get(f"{url}/v1/models")
-                latencies.append(time.perf_counter() - start)
-                time.sleep(0.01)
-
     before, lags = rss(), loop_lag_buckets(url)
-    pinger = threading.Thread(target=ping)
-    pinger.start()
-    time.sleep(0.3)
     body = {"prompt": text, "max_tokens": 1}
-    start = time.perf_counter()
-    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-    seconds = time.perf_counter() - start
-    del body
-    time.sleep(0.5)
-    stop.set()
-    pinger.join()
+    answer, seconds, latencies = while_pinging(
+        url, lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=300), settle_s=0.3, after_s=0.5)
     time.sleep(2.0)
     return {"status": answer.status_code, "seconds": round(seconds, 3), "pings": len(latencies),
             "ping_max_s": round(max(latencies), 4), "rss_before_mib": before >> 20, "rss_after_mib": rss() >> 20,

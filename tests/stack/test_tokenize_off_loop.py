@@ -6,10 +6,9 @@ every 10 ms meanwhile, and its answers stay fast."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Iterator
 
 import grpc
 import httpx
@@ -17,6 +16,7 @@ import psutil
 import pytest
 
 from hetero.v1 import inference_pb2, inference_pb2_grpc
+from hetero_infer.testing.loop_lag import while_pinging
 from hetero_infer.testing.stack import Stack, run_stack
 from tests.helpers.raw_http import settled_rss
 
@@ -33,33 +33,6 @@ def stack(tiny_llama_dir: Path) -> Iterator[Stack]:
     with run_stack(tiny_llama_dir) as s:
         httpx.post(f"{s.http_url}/v1/completions", json={"prompt": "hello", "max_tokens": 1}, timeout=60)
         yield s
-
-
-def while_pinging(url: str, action: Callable[[], Any]) -> tuple[Any, float, list[float]]:
-    """action()'s result and seconds, and the latencies of GET /v1/models sent every 10 ms meanwhile."""
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def ping() -> None:
-        with httpx.Client(timeout=60) as client:
-            while not stop.is_set():
-                start = time.perf_counter()
-                assert client.get(f"{url}/v1/models").status_code == 200
-                latencies.append(time.perf_counter() - start)
-                time.sleep(0.01)
-
-    pinger = threading.Thread(target=ping)
-    pinger.start()
-    time.sleep(0.2)
-    try:
-        start = time.perf_counter()
-        result = action()
-        seconds = time.perf_counter() - start
-        time.sleep(0.1)
-    finally:
-        stop.set()
-        pinger.join()
-    return result, seconds, latencies
 
 
 def assert_memory_returns(process: psutil.Process, before: int) -> None:
