@@ -34,7 +34,7 @@ target=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp31
 "$PY" -m pip download --no-deps "${target[@]}" -d "$work/wheels" \
     "grpcio>=1.85,<1.86" "grpcio-health-checking>=1.85,<1.86" "grpcio-reflection>=1.85,<1.86" \
     "grpcio-tools>=1.85,<1.86" "protobuf>=7.35.1,<8" "structlog>=24.1" "tenacity>=8.2" "gguf>=0.10" \
-    "tokenizers>=0.19" "llguidance==1.9.1" "safetensors>=0.4" "jinja2>=3.1" markupsafe "typing-extensions>=4.12" \
+    "tokenizers>=0.20.1" "llguidance==1.9.1" "safetensors>=0.4" "jinja2>=3.1" markupsafe "typing-extensions>=4.12" \
     "pytest>=8" pluggy iniconfig pygments "pytest-timeout>=2.3"
 # The OpenAI HTTP API's stack. pydantic pins pydantic-core exactly: fetched together with their
 # dependencies resolved for the target (pip picks the matching pydantic-core), then nothing else.
