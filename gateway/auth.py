@@ -17,6 +17,7 @@ import grpc
 
 from hetero_common.config import Config
 from hetero_common.errors import AuthenticationError
+from hetero_common.grpc_server import end_call
 
 # gRPC methods that never need a key.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -83,11 +84,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED."""
 
+    # The status set and no exception raised: an exception would keep the request (up to
+    # serving.max_request_bytes) alive in a reference cycle of grpc's frames (grpc_server.end_call).
     async def deny(request_or_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        end_call(context, AuthenticationError(message))
 
     async def deny_stream(request_or_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        end_call(context, AuthenticationError(message))
+        return
         yield  # pragma: no cover  (makes this an async generator, as streaming handlers are)
 
     codec = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)

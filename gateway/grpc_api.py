@@ -1,6 +1,7 @@
 """The public `hetero.v1.Inference` gRPC API: thin adapters over the generation path.
 
-Errors become gRPC statuses here (`error_status`); everything else is `Generation`'s.
+Errors become gRPC statuses here (`end_call`: the status is set and the handler returns, never
+raises, so that nothing keeps a refused request alive); everything else is `Generation`'s.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common import __version__
 from hetero_common.errors import HeteroError, ValidationError
 from hetero_common.finish_reasons import is_finished
-from hetero_common.grpc_server import error_status
+from hetero_common.grpc_server import end_call, error_status
 
 log = structlog.get_logger("gateway.grpc_api")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -32,7 +33,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 yield response
         except HeteroError as exc:
             log.info("request failed", error=exc.message, code=error_status(exc)[0].name)
-            await context.abort(*error_status(exc))
+            end_call(context, exc)
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
 
@@ -59,7 +60,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     usage.CopyFrom(part.usage)
         except HeteroError as exc:
             log.info("request failed", error=exc.message)
-            await context.abort(*error_status(exc))
+            end_call(context, exc)
+            return inference_pb2.GenerateResponse()
         finally:
             structlog.contextvars.unbind_contextvars("request_id")
         result = inference_pb2.GenerateResponse()
@@ -78,8 +80,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return await g.tokenizer_pool.run(tokenization.tokenize_request, g.tokenizer, request, g.max_model_len,
                                               chars=tokenization.tokenize_request_chars(request))
         except HeteroError as exc:
-            await context.abort(*error_status(exc))
-            raise  # not reached: abort raises
+            end_call(context, exc)
+            return inference_pb2.TokenizeResponse()
 
     async def Detokenize(self, request: inference_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> inference_pb2.DetokenizeResponse:
@@ -88,7 +90,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             text = tokenization.detokenize(self.generation.tokenizer, list(request.token_ids),
                                            request.include_special_tokens, param="token_ids")
         except HeteroError as exc:
-            await context.abort(*error_status(exc))
+            end_call(context, exc)
+            return inference_pb2.DetokenizeResponse()
         return inference_pb2.DetokenizeResponse(text=text)
 
     async def Abort(self, request: inference_pb2.AbortGenerationRequest,
@@ -101,7 +104,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             valid = [i for i in ids if i and len(i) <= MAX_REQUEST_ID_LEN]
             aborted, not_found = await self.generation.abort(valid)
         except HeteroError as exc:
-            await context.abort(*error_status(exc))
+            end_call(context, exc)
+            return inference_pb2.AbortGenerationResponse()
         invalid = [i for i in dict.fromkeys(ids) if i not in valid]  # an empty or over-long id names no request
         return inference_pb2.AbortGenerationResponse(aborted=aborted, not_found=not_found + invalid)
 
@@ -118,6 +122,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             info = await self.generation.backend.server_info()
         except HeteroError as exc:
-            await context.abort(*error_status(exc))
+            end_call(context, exc)
+            return inference_pb2.ServerInfo()
         info.version, info.model = __version__, self.generation.model_name
         return info

@@ -106,6 +106,23 @@ def error_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
 
 
+def end_call(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    """End a grpc.aio call with `error`'s status without raising; the handler then returns.
+
+    `context.abort` raises, and an exception leaving a grpc.aio handler stays, with the request
+    message, in a reference cycle through grpc's own frames until the garbage collector's next
+    full pass: a client sending refused 4 MiB prompts grew the gateway by 8 MiB a request. A
+    status set and a plain return leave nothing behind (with a non-OK status grpc discards what a
+    unary handler returns)."""
+    set_status(context, *error_status(error))
+
+
+def set_status(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """`end_call` for a status already known (a request that failed downstream)."""
+    context.set_code(code)
+    context.set_details(details)
+
+
 # --- TLS: public ports with TLS, internal links with mutual TLS ---------------------------
 
 def _read(path: str | None) -> bytes | None:

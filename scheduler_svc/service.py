@@ -21,9 +21,9 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, HeteroError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from hetero_common.gc_tuning import tune_gc
-from hetero_common.grpc_server import (add_health_and_reflection, bind, error_status,
+from hetero_common.grpc_server import (add_health_and_reflection, bind, end_call,
                                       internal_listen_address, server_credentials, set_serving_aio,
-                                      internal_server_options, termination_signal)
+                                      internal_server_options, set_status, termination_signal)
 from scheduler_svc.followers import Followers, Forwarder
 from scheduler_svc.replica_set import ReplicaSet
 from scheduler_svc.request_streams import Listener, RequestStream, RequestStreams
@@ -65,13 +65,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if stream is None:
                 try:
                     seq = self.replica_set.submit(request, deadline)
-                except HeteroError as exc:
-                    await context.abort(*error_status(exc))
+                except HeteroError as exc:  # the status set, not raised: nothing keeps the request (end_call)
+                    end_call(context, exc)
+                    return
                 stream = self.streams.open(rid, fingerprint, seq.sampling.n)
                 log.debug("submitted", prompt_tokens=len(request.prompt_token_ids))
             elif stream.fingerprint != fingerprint:
-                await context.abort(*error_status(DuplicateRequestError(
-                    f"request_id {rid!r} is in flight with a different prompt or parameters; use a unique id per request")))
+                end_call(context, DuplicateRequestError(
+                    f"request_id {rid!r} is in flight with a different prompt or parameters; use a unique id per request"))
+                return
             else:
                 log.info("submit for a request in flight: re-attached to its stream")
             if follower_id:  # the events go out on that Follow stream; this call only ends with the request
@@ -87,7 +89,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         open_samples.discard(event.index)
                     done = not open_samples
                     if done and stream.status is not None:
-                        await context.abort(stream.status, event.error or finish_reason_name(event.finish_reason))
+                        set_status(context, stream.status, event.error or finish_reason_name(event.finish_reason))
+                        return
                     yield event
             finally:
                 self._detach(stream, queue, deadline)
@@ -102,7 +105,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await forwarder.done.wait()
             last = forwarder.last
             if stream.status is not None and last is not None:
-                await context.abort(stream.status, last.error or finish_reason_name(last.finish_reason))
+                set_status(context, stream.status, last.error or finish_reason_name(last.finish_reason))
         finally:
             follower.submits -= 1
             self.followers.release(follower)
