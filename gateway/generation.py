@@ -22,6 +22,7 @@ from gateway.backend import Backend
 from gateway.metrics import GatewayMetrics, RequestTimer
 from hetero_common.tokenizer import TextTokenizer
 from gateway.tool_stream import ToolCallStream, tool_request
+from gateway.heap_trim import HeapTrimmer
 from gateway.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from gateway.validation import PreparedRequest, input_chars, prepare, refuse_unfitting
 from hetero.v1 import common_pb2, inference_pb2
@@ -42,11 +43,14 @@ class Generation:
         self.metrics = GatewayMetrics()
         self.in_flight = 0  # generations streaming now (gRPC and HTTP), for serving.max_concurrent_requests
         self.active = ActiveRequests()
-        self.tokenizer_pool = TokenizerPool(config.serving.tokenizer_workers, config.serving.tokenizer_queue)
-        self._loop_watch: asyncio.Task[None] | None = None
+        self.heap_trimmer = HeapTrimmer()  # gives back what large inputs leave in malloc's arenas (heap_trim.py)
+        self.tokenizer_pool = TokenizerPool(config.serving.tokenizer_workers, config.serving.tokenizer_queue,
+                                            self.heap_trimmer)
+        self._watches: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._loop_watch = asyncio.create_task(self.metrics.watch_loop())  # hetero_gateway_event_loop_lag_seconds
+        self._watches = [asyncio.create_task(self.metrics.watch_loop()),  # hetero_gateway_event_loop_lag_seconds
+                         asyncio.create_task(self.heap_trimmer.watch())]
         max_model_len = await self.backend.max_model_len()
         if max_model_len is not None:
             self.max_model_len = max_model_len
@@ -90,7 +94,7 @@ class Generation:
         constrained = request.params.WhichOneof("constraint") is not None
         chars = input_chars(request)
         # Refused or not, a large message (a long prompt, a large logit_bias map) leaves memory to give back.
-        self.tokenizer_pool.release_later(max(chars, request.ByteSize()))
+        self.heap_trimmer.release_later(max(chars, request.ByteSize()))
         refuse_unfitting(request, self.tokenizer, self.max_model_len)
         prepared = await self.tokenizer_pool.run(prepare, request, self.tokenizer, self.model_name, self.max_model_len,
                                                  request_id, chars=max(chars, INLINE_CHARS) if constrained else chars)

@@ -7,10 +7,8 @@ thread hand-off would cost more than it saves, and they never wait behind large 
 tokenizer releases the GIL while it tokenizes (`TextTokenizer.encode`); Jinja rendering and the
 Python around it hold it, but a worker thread yields it to the loop every switch interval (5 ms).
 
-Memory: tokenizing megabytes allocates hundreds of megabytes (the tokenizer's encoding, the id
-list) that glibc's malloc keeps in its arenas after they are freed, one arena per thread. A
-moment after a large input is done with (`release_later`), the gateway hands free heap memory back
-to the system (`malloc_trim`), at most once per `TRIM_DELAY_S`.
+Memory: a large input leaves freed memory behind; the pool tells the gateway's `HeapTrimmer`
+(`heap_trim.py`) when one is done with, and the trimmer gives it back to the system.
 
 Bounded: at most `workers` jobs run and `queue` more wait; past that a request is refused with
 OverloadedError (gRPC RESOURCE_EXHAUSTED, HTTP 429) instead of queueing ever more text in memory.
@@ -20,51 +18,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
-import ctypes.util
 import functools
-import sys
 from typing import Any, Callable, TypeVar
 
+from gateway.heap_trim import HeapTrimmer
 from hetero_common.errors import OverloadedError
 
 T = TypeVar("T")
 
 # Inputs shorter than this many characters are tokenized on the loop: ~5 ms for SmolLM2's tokenizer.
 INLINE_CHARS = 8192
-TRIM_CHARS = 2**20  # inputs this large leave enough freed memory behind to trim the heap after them
-TRIM_DELAY_S = 1.0  # after the request is answered and its body dropped
-
-
-def _malloc_trim() -> Callable[[], None] | None:
-    """glibc's malloc_trim(0), or None elsewhere (macOS, musl)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return lambda: trim(0)
-
-
-MALLOC_TRIM = _malloc_trim()
 
 
 class TokenizerPool:
-    def __init__(self, workers: int, queue: int) -> None:
+    def __init__(self, workers: int, queue: int, trimmer: HeapTrimmer) -> None:
         self.workers = workers
+        self.trimmer = trimmer
         self.queue = queue
         self.pending = 0  # jobs submitted and not finished (running or waiting); touched on the loop only
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenizer")
-        self._trim: asyncio.TimerHandle | None = None  # a trim due or running
-        self._again = False  # a large input came while one was: trim once more after it
-        self.trims = 0  # heap trims done (tests)
 
     async def run(self, fn: Callable[..., T], *args: Any, chars: int = INLINE_CHARS, **kwargs: Any) -> T:
         """fn(*args, **kwargs): inline when `chars` (the size of the input it tokenizes) is under
         INLINE_CHARS, else on a worker thread; refused when `workers + queue` jobs are pending."""
-        self.release_later(chars)
+        self.trimmer.release_later(chars)
         if chars < INLINE_CHARS:
             return fn(*args, **kwargs)
         if self.pending >= self.workers + self.queue:
@@ -78,31 +55,6 @@ class TokenizerPool:
         future.add_done_callback(lambda _: self._finished(loop, chars))
         return await asyncio.wrap_future(future)
 
-    def release_later(self, chars: int) -> None:
-        """After an input of `chars` characters: trim the heap in TRIM_DELAY_S. When a trim is due
-        already, once more after it: what this input leaves may be freed only after that one ran."""
-        if chars < TRIM_CHARS or MALLOC_TRIM is None:
-            return
-        if self._trim is not None:
-            self._again = True
-            return
-        self._trim = asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._start_trim)
-
-    def _start_trim(self) -> None:
-        # Off the loop (a large heap takes milliseconds to walk), and outside the bounded pool.
-        asyncio.get_running_loop().run_in_executor(None, self._trim_now).add_done_callback(self._trimmed)
-
-    def _trim_now(self) -> None:
-        if MALLOC_TRIM is not None:
-            MALLOC_TRIM()
-        self.trims += 1
-
-    def _trimmed(self, _: object) -> None:  # on the loop
-        self._trim = None
-        if self._again:
-            self._again = False
-            self.release_later(TRIM_CHARS)
-
     def _finished(self, loop: asyncio.AbstractEventLoop, chars: int) -> None:
         try:
             loop.call_soon_threadsafe(self._count_down, chars)
@@ -111,7 +63,7 @@ class TokenizerPool:
 
     def _count_down(self, chars: int) -> None:
         self.pending -= 1
-        self.release_later(chars)  # what the job allocated is freed now
+        self.trimmer.release_later(chars)  # what the job allocated is freed now
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

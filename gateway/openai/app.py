@@ -126,7 +126,7 @@ class HttpApi:
         self.tokenizer_routes = TokenizerRoutes(generation)
         self.fastapi = self._build()
         limited = BodyLimitMiddleware(self.fastapi, self.serving.max_request_bytes, self.serving.http_body_timeout_s,
-                                      error_body, generation.tokenizer_pool.release_later)  # a large body: trim after
+                                      error_body, generation.heap_trimmer.release_later)  # a large body: trim after
         self.app = RequestIdMiddleware(limited, error_body)  # what uvicorn serves
 
     def _build(self) -> FastAPI:

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from gateway import tokenizer_pool
+from gateway import heap_trim
+from gateway.heap_trim import HeapTrimmer
 from gateway.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from gateway.validation import prepare, refuse_unfitting
 from hetero.v1 import common_pb2, inference_pb2
@@ -81,7 +82,7 @@ def test_chat_messages_are_summed(smollm2: TextTokenizer) -> None:
 
 def test_small_inputs_run_inline_and_large_ones_on_a_worker() -> None:
     async def main() -> tuple[str, str]:
-        pool = TokenizerPool(workers=1, queue=0)
+        pool = TokenizerPool(workers=1, queue=0, trimmer=HeapTrimmer())
         try:
             return (await pool.run(lambda: threading.current_thread().name, chars=10),
                     await pool.run(lambda: threading.current_thread().name, chars=INLINE_CHARS))
@@ -96,7 +97,7 @@ def test_the_pool_refuses_when_full_and_recovers() -> None:
     release = threading.Event()
 
     async def main() -> None:
-        pool = TokenizerPool(workers=1, queue=1)
+        pool = TokenizerPool(workers=1, queue=1, trimmer=HeapTrimmer())
         try:
             running = [asyncio.ensure_future(pool.run(release.wait, chars=INLINE_CHARS)) for _ in range(2)]
             await asyncio.sleep(0.05)
@@ -119,7 +120,7 @@ def test_a_cancelled_wait_still_counts_its_running_job() -> None:
     release = threading.Event()
 
     async def main() -> None:
-        pool = TokenizerPool(workers=1, queue=0)
+        pool = TokenizerPool(workers=1, queue=0, trimmer=HeapTrimmer())
         try:
             waiter = asyncio.ensure_future(pool.run(release.wait, chars=INLINE_CHARS))
             await asyncio.sleep(0.05)
@@ -137,21 +138,49 @@ def test_a_cancelled_wait_still_counts_its_running_job() -> None:
     asyncio.run(main())
 
 
-@pytest.mark.skipif(tokenizer_pool.MALLOC_TRIM is None, reason="glibc's malloc_trim only")
+@pytest.mark.skipif(heap_trim.MALLOC_TRIM is None, reason="glibc's malloc_trim only")
 def test_a_large_input_during_a_pending_trim_gets_a_trim_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Memory a request frees after the trim that was due when it came is trimmed too."""
-    monkeypatch.setattr(tokenizer_pool, "TRIM_DELAY_S", 0.05)
+    monkeypatch.setattr(heap_trim, "TRIM_DELAY_S", 0.05)
 
     async def main() -> tuple[int, int]:
-        pool = TokenizerPool(1, 0)
-        pool.release_later(tokenizer_pool.TRIM_CHARS)
-        pool.release_later(tokenizer_pool.TRIM_CHARS)  # while the first trim is due
-        pool.release_later(tokenizer_pool.TRIM_CHARS - 1)  # small: no trim of its own
+        trimmer = HeapTrimmer()
+        trimmer.release_later(heap_trim.TRIM_BYTES)
+        trimmer.release_later(heap_trim.TRIM_BYTES)  # while the first trim is due
+        trimmer.release_later(heap_trim.TRIM_BYTES - 1)  # small: no trim of its own
         await asyncio.sleep(0.5)
-        first = pool.trims
-        pool.release_later(tokenizer_pool.TRIM_CHARS)
+        first = trimmer.trims
+        trimmer.release_later(heap_trim.TRIM_BYTES)
         await asyncio.sleep(0.5)
-        pool.close()
-        return first, pool.trims
+        return first, trimmer.trims
 
     assert asyncio.run(main()) == (2, 3)
+
+
+@pytest.mark.skipif(heap_trim.MALLOC_TRIM is None, reason="glibc's malloc_trim only")
+def test_memory_no_request_path_reports_is_given_back_once_the_heap_grew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch trims when the resident size grew TRIM_GROWTH_BYTES past the last trim's, whoever
+    allocated it (here: 64 MiB of small buffers, freed but for every 64th, which pins the heap)."""
+    monkeypatch.setattr(heap_trim, "WATCH_INTERVAL_S", 0.05)
+
+    async def main() -> tuple[int, int, int]:
+        trimmer = HeapTrimmer()
+        watch = asyncio.create_task(trimmer.watch())
+        await asyncio.sleep(0.2)
+        quiet = trimmer.trims  # no growth, no trim
+        buffers = [bytearray(64 * 1024) for _ in range(1024)]
+        pinned = buffers[::64]
+        del buffers
+        grown = heap_trim.resident_bytes() or 0
+        for _ in range(40):
+            await asyncio.sleep(0.05)
+            if trimmer.trims > quiet:
+                break
+        await asyncio.sleep(0.1)
+        watch.cancel()
+        assert pinned
+        return quiet, trimmer.trims, grown - (heap_trim.resident_bytes() or 0)
+
+    quiet, trims, given_back = asyncio.run(main())
+    assert quiet == 0 and trims >= 1
+    assert given_back > 32 * 2**20, given_back
