@@ -93,8 +93,9 @@ class Generation:
         # refused before either.
         constrained = request.params.WhichOneof("constraint") is not None
         chars = input_chars(request)
-        # Refused or not, a large message (a long prompt, a large logit_bias map) leaves memory to give back.
-        self.heap_trimmer.release_later(max(chars, request.ByteSize()))
+        # Refused or not, a long input leaves memory to give back (the trimmer's watch finds the rest, such
+        # as a large logit_bias map, without a ByteSize walk of every request on the loop).
+        self.heap_trimmer.release_later(chars)
         refuse_unfitting(request, self.tokenizer, self.max_model_len)
         prepared = await self.tokenizer_pool.run(prepare, request, self.tokenizer, self.model_name, self.max_model_len,
                                                  request_id, chars=max(chars, INLINE_CHARS) if constrained else chars)

@@ -8,13 +8,15 @@ RSS must come back within 50 MiB of its level before, and nothing may answer 5xx
 The attack runs once (a module fixture) and each test checks one of these; `pytest -s` prints the
 figures (docs/performance.md, "Hostile clients").
 
-The status codes, the 5xx and the streams' endings are checked everywhere. The three measured
-targets (a second to each answer, the p99 gap, the RSS) are asserted only where the client does not
-share the stack's cores, `HETERO_HOSTILE_TARGETS=1`: on a 2-core box the hostile client, the eight
-streaming clients and the three services take turns on the same two cores, and repeated runs at one
-commit passed and failed each target by turns (the client's own copy of 64 MiB, niced or not, is
-what moves them; docs/performance.md has the figures). Elsewhere they are printed, not asserted,
-as the project checks speed: by figures, not by timed tests on noisy machines."""
+The status codes, the 5xx, the streams' endings, the second to each answer and the RSS are
+asserted in every run. The p99 gap is asserted only where the client does not share the stack's
+cores, `HETERO_HOSTILE_TARGETS=1`: on a 2-core box the hostile client, the eight streaming clients
+and the three services take turns on the same two cores, the hostile phase lasts 2-3 s, and a
+handful of 20-45 ms event-loop callbacks (a 4 MiB body parsed, a 200k-entry map deserialized, a
+burst of accepted connections, each stretched by the other processes on the cores) is 1% of its
+gaps: repeated runs at one commit passed and failed it by turns (docs/performance.md has the
+figures). There it is printed, not asserted, as the project checks speed: by figures, not by
+timed tests on noisy machines."""
 
 from __future__ import annotations
 
@@ -76,8 +78,8 @@ class Attack:
         """Send, and record the status and the seconds until it came."""
         self.sent_at.append((time.time(), case))
         start = time.perf_counter()
-        status = send()
-        seconds = time.perf_counter() - start
+        answer = send()  # a status, or (status, seconds to it) where the call goes on after it
+        status, seconds = answer if isinstance(answer, tuple) else (answer, time.perf_counter() - start)
         shown = status.name if isinstance(status, grpc.StatusCode) else str(status)
         self.answers.append((case, shown, seconds))
         if status not in expected:
@@ -125,22 +127,26 @@ def http_cases(stack: Stack, client: httpx.Client) -> list[Case]:
             ("a wrong API key", post(b'{"prompt": "hi", "max_tokens": 1}', headers={"authorization": "Bearer no"}), {401})]
 
 
-def sent_whole(stack: Stack, body: bytes) -> Callable[[], int]:
-    """The whole body sent (on a thread) while the answer is read: its status as soon as it comes,
-    however long sending the rest takes the client."""
-    def send() -> int:
+def sent_whole(stack: Stack, body: bytes) -> Callable[[], tuple[int, float]]:
+    """The whole body sent (on a thread) while the answer is read: its status and the seconds to
+    it, however long sending the rest takes the client (the gateway reads and drops the rest,
+    `http_protocol.py`'s lingering close)."""
+    def send() -> tuple[int, float]:
         with connect(stack) as sock:
-            writer = threading.Thread(target=push, args=(sock, completion_head(len(body), KEY) + body))
+            start = time.perf_counter()
+            writer = threading.Thread(target=push, args=(sock, completion_head(len(body), KEY), body))
             writer.start()
             status = read_response(sock, timeout_s=10)[0]
+            seconds = time.perf_counter() - start
             writer.join()
-        return status
+        return status, seconds
     return send
 
 
-def push(sock: socket.socket, data: bytes) -> None:
+def push(sock: socket.socket, *parts: bytes) -> None:
     try:
-        sock.sendall(data)
+        for part in parts:
+            sock.sendall(part)
     except OSError:  # the gateway closed after its 413 and the drain: what is left is not wanted
         pass
 
@@ -306,7 +312,6 @@ def test_every_hostile_request_gets_its_status(attack: Attack) -> None:
     assert not attack.unexpected, attack.unexpected
 
 
-@measured_target
 def test_every_hostile_request_is_answered_within_a_second(attack: Attack) -> None:
     slow = [(case, status, round(seconds, 3)) for case, status, seconds in attack.answers if seconds >= ANSWER_WITHIN_S]
     assert not slow, slow
@@ -329,7 +334,6 @@ def test_the_streams_p99_inter_token_gap_stays_within_twice_the_baseline(attack:
     assert p99(hostile) <= 2 * p99(baseline), (p99(baseline), p99(hostile), hostile[-10:])
 
 
-@measured_target
 def test_the_gateway_memory_comes_back_within_50_mib(attack: Attack) -> None:
     rss = attack.rss_mib
     assert rss["after"] - rss["before"] < 50, rss
