@@ -11,6 +11,9 @@
   connection gets its first request answered 429 with `Retry-After` in OpenAI's error shape and
   is closed, and its header timeout is at most `OVER_CAP_HEADER_TIMEOUT_S`, so it cannot hold
   its place waiting.
+- A request that is not HTTP/1.1 h11 can parse (a malformed request line, headers over h11's
+  16 KiB) is answered 400 in OpenAI's error shape, as every other error, instead of uvicorn's
+  plain-text one.
 - Lingering close: when a response closes the connection while the client is still sending its
   body (a 413 or 408), closing at once would make the kernel reset the connection, and the
   client could lose the answer. Instead the write side is shut, the rest of the body is read and
@@ -66,6 +69,7 @@ class LimitedH11Protocol(H11Protocol):
     header_timeout_s: float = 10.0
     max_connections: int = 0  # 0 = no cap
     over_cap_body: Callable[[int], dict[str, Any]]
+    bad_request_body: Callable[[str], dict[str, Any]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -114,6 +118,17 @@ class LimitedH11Protocol(H11Protocol):
             log.debug("http header timeout: connection closed", client=self.client, timeout_s=self._header_limit_s)
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:  # uvicorn's, when h11 cannot parse the request
+        body = json.dumps(self.bad_request_body(
+            "the request is not HTTP/1.1 that the gateway can parse (a malformed request line or header, or a request "
+            "line and headers over 16 KiB); send a well-formed request with smaller headers")).encode()
+        for event in (h11.Response(status_code=400, headers=[(b"content-type", b"application/json"),
+                                                             (b"content-length", str(len(body)).encode()),
+                                                             (b"connection", b"close")]),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
     async def _too_many_connections(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         body = json.dumps(self.over_cap_body(self.max_connections)).encode()
         await send({"type": "http.response.start", "status": 429,
@@ -122,9 +137,10 @@ class LimitedH11Protocol(H11Protocol):
         await send({"type": "http.response.body", "body": body})
 
 
-def limited_protocol(header_timeout_s: float, max_connections: int,
-                     over_cap_body: Callable[[int], dict[str, Any]]) -> type[LimitedH11Protocol]:
-    """The protocol class uvicorn is given (`uvicorn.Config(http=...)`), with the gateway's limits."""
+def limited_protocol(header_timeout_s: float, max_connections: int, over_cap_body: Callable[[int], dict[str, Any]],
+                     bad_request_body: Callable[[str], dict[str, Any]]) -> type[LimitedH11Protocol]:
+    """The protocol class uvicorn is given (`uvicorn.Config(http=...)`), with the gateway's limits
+    and its error bodies (a 429 over the connection cap, a 400 for what h11 cannot parse)."""
     return type("GatewayH11Protocol", (LimitedH11Protocol,), {
         "header_timeout_s": header_timeout_s, "max_connections": max_connections,
-        "over_cap_body": staticmethod(over_cap_body)})
+        "over_cap_body": staticmethod(over_cap_body), "bad_request_body": staticmethod(bad_request_body)})

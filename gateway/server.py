@@ -114,7 +114,8 @@ async def start_http_server(config: Config, api: HttpApi) -> RunningHttpServer:
     limits = config.serving  # the body cap and body timeout are the app's (openai/body_limit.py)
     protocol = limited_protocol(limits.http_header_timeout_s, limits.max_connections,
                                 lambda cap: error_body(429, f"the gateway has {cap} connections open "
-                                                            "(serving.max_connections); retry later"))
+                                                            "(serving.max_connections); retry later"),
+                                lambda message: error_body(400, message))
     server = _EmbeddedServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
                                             ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
                                             timeout_graceful_shutdown=5, http=protocol, ws="none",

@@ -120,6 +120,17 @@ def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(stack: Stack)
         assert 0.5 * KEEP_ALIVE_S < closed_after(sock, 10) < KEEP_ALIVE_S + 1.5
 
 
+@pytest.mark.parametrize("request_head", [
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 2**20 + b"\r\n\r\n",  # headers of 1 MiB
+    b"NOT HTTP AT ALL\r\n\r\n"])
+def test_a_request_h11_cannot_parse_gets_400_in_the_api_error_shape(stack: Stack, request_head: bytes) -> None:
+    with connect(stack) as sock:
+        sock.sendall(request_head)
+        status, headers, body = read_response(sock, timeout_s=5.0)
+    assert status == 400 and headers["content-type"] == "application/json" and headers["connection"] == "close"
+    assert_openai_error(body, "invalid_request_error", "not HTTP/1.1 that the gateway can parse")
+
+
 def test_a_client_sending_its_headers_slowly_is_cut_off(stack: Stack) -> None:
     request = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-padding: " + b"p" * 40 + b"\r\n\r\n"
     closed_at = None
