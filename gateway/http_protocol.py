@@ -55,6 +55,13 @@ class _LingeringTransport:
         if self._protocol.conn.their_state is not h11.SEND_BODY:
             self._transport.close()
             return
+        self.linger()
+
+    def linger(self) -> None:
+        """Shut the write side once the answer is out, read and drop what the client still sends,
+        and close when it closes or after LINGER_S."""
+        if self._lingering or self._transport.is_closing():
+            return
         self._lingering = True
         self._protocol.lingering = True
         self._transport.resume_reading()
@@ -127,7 +134,9 @@ class LimitedH11Protocol(H11Protocol):
                                                              (b"connection", b"close")]),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
-        self.transport.close()
+        # The client may still be sending (headers of a megabyte): closing now would reset the
+        # connection under it and lose this answer, so linger as for a refused body.
+        self.transport.linger()  # type: ignore[attr-defined]
 
     async def _too_many_connections(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         body = json.dumps(self.over_cap_body(self.max_connections)).encode()

@@ -6,6 +6,7 @@ nothing may answer 5xx. Raw sockets where the timing of what the client sends is
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -124,9 +125,11 @@ def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(stack: Stack)
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 2**20 + b"\r\n\r\n",  # headers of 1 MiB
     b"NOT HTTP AT ALL\r\n\r\n"])
 def test_a_request_h11_cannot_parse_gets_400_in_the_api_error_shape(stack: Stack, request_head: bytes) -> None:
-    with connect(stack) as sock:
-        sock.sendall(request_head)
+    with connect(stack) as sock:  # sent on a thread while the answer is read: it comes before the rest is sent
+        writer = threading.Thread(target=sock.sendall, args=(request_head,))
+        writer.start()
         status, headers, body = read_response(sock, timeout_s=5.0)
+        writer.join()  # the gateway reads and drops the rest (a lingering close), so the send completes
     assert status == 400 and headers["content-type"] == "application/json" and headers["connection"] == "close"
     assert_openai_error(body, "invalid_request_error", "not HTTP/1.1 that the gateway can parse")
 
