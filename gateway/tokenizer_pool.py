@@ -41,7 +41,6 @@ class TokenizerPool:
     async def run(self, fn: Callable[..., T], *args: Any, chars: int = INLINE_CHARS, **kwargs: Any) -> T:
         """fn(*args, **kwargs): inline when `chars` (the size of the input it tokenizes) is under
         INLINE_CHARS, else on a worker thread; refused when `workers + queue` jobs are pending."""
-        self.trimmer.release_later(chars)
         if chars < INLINE_CHARS:
             return fn(*args, **kwargs)
         if self.pending >= self.workers + self.queue:
