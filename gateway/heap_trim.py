@@ -11,7 +11,11 @@ Two triggers trim the heap, always off the event loop (a large heap takes millis
   what it was after the last trim. This catches what no request path sees: a message the gRPC
   core refused by its size, the rest of a refused HTTP body drained by the lingering close.
   Memory still in use is not freed by a trim; the floor then moves up to it, so a gateway that
-  legitimately grows trims once per `TRIM_GROWTH_BYTES`, not every interval."""
+  legitimately grows trims once per `TRIM_GROWTH_BYTES`, not every interval.
+
+Each trim is followed by one more `FOLLOW_UP_S` later: what was still in use while it ran (the
+slices of a message the gRPC core has just refused, freed a moment after the refusal) would
+otherwise stay, and raise the floor the watch measures growth from."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ TRIM_BYTES = 2**20  # inputs this large leave enough freed memory behind to trim
 TRIM_DELAY_S = 1.0  # after the request is answered and its body dropped
 WATCH_INTERVAL_S = 1.0
 TRIM_GROWTH_BYTES = 16 * 2**20
+FOLLOW_UP_S = 3.0
 
 
 def _malloc_trim() -> Callable[[], None] | None:
@@ -57,6 +62,7 @@ class HeapTrimmer:
     def __init__(self) -> None:
         self._trim: asyncio.TimerHandle | asyncio.Future[None] | None = None  # a trim due or running
         self._again = False  # a large input came while one was: trim once more after it
+        self._follow_up: asyncio.TimerHandle | None = None  # the trim due after the last one
         self._floor = resident_bytes()  # the resident size after the last trim
         self.trims = 0  # heap trims done (tests)
 
@@ -81,10 +87,13 @@ class HeapTrimmer:
             if self._trim is None and rss is not None and self._floor is not None and rss > self._floor + TRIM_GROWTH_BYTES:
                 self._start_trim()
 
-    def _start_trim(self) -> None:
+    def _start_trim(self, follow_up: bool = False) -> None:
+        if self._follow_up is not None:  # this trim will have its own
+            self._follow_up.cancel()
+            self._follow_up = None
         # Off the loop, and outside the tokenizer pool (its workers are bounded and may be busy).
         self._trim = asyncio.get_running_loop().run_in_executor(None, self._trim_now)
-        self._trim.add_done_callback(self._trimmed)
+        self._trim.add_done_callback(lambda _: self._trimmed(follow_up))
 
     def _trim_now(self) -> None:
         if MALLOC_TRIM is not None:
@@ -92,8 +101,10 @@ class HeapTrimmer:
         self.trims += 1
         self._floor = resident_bytes()
 
-    def _trimmed(self, _: object) -> None:  # on the loop
+    def _trimmed(self, follow_up: bool) -> None:  # on the loop
         self._trim = None
         if self._again:
             self._again = False
             self.release_later(TRIM_BYTES)
+        elif not follow_up:
+            self._follow_up = asyncio.get_running_loop().call_later(FOLLOW_UP_S, self._start_trim, True)

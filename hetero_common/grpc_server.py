@@ -67,8 +67,13 @@ def public_server_options(serving: ServingConfig) -> list[tuple[str, int]]:
     handshake within `serving.http_header_timeout_s` is closed; one connection carries at most
     `serving.grpc_max_concurrent_streams` calls at once. gRPC's own defaults bound the rest:
     metadata (headers) at 8 KiB, and pings without data (a client pinging more often than every
-    5 minutes with no call open is sent GOAWAY)."""
-    overrides = {"grpc.max_receive_message_length": serving.max_request_bytes,
+    5 minutes with no call open is sent GOAWAY).
+
+    gRPC's "tarpit" is off: by default the core holds back its answer to a stream it refused (a
+    message over the receive limit) for a random 0.1-1 s, while the client goes on sending the
+    rest of the message. Answered at once, the client stops sending (the refusal costs the
+    gateway less) and learns what to fix, as the HTTP surface's 413 does."""
+    overrides = {"grpc.max_receive_message_length": serving.max_request_bytes, "grpc.http.tarpit": 0,
                  "grpc.max_connection_idle_ms": max(1, int(serving.grpc_idle_timeout_s * 1000)),
                  "grpc.server_handshake_timeout_ms": max(1, int(serving.http_header_timeout_s * 1000)),
                  "grpc.max_concurrent_streams": serving.grpc_max_concurrent_streams}

@@ -8,17 +8,16 @@ RSS must come back within 50 MiB of its level before, and nothing may answer 5xx
 The attack runs once (a module fixture) and each test checks one of these; `pytest -s` prints the
 figures (docs/performance.md, "Hostile clients").
 
-The status codes, the 5xx, the streams' endings, the second to each answer and the RSS are
-asserted in every run, but for two: the p99 gap, and the second to the answer for the two gRPC
-messages over the cap (the gRPC core refuses those once it has received all of them: 0.2-1.0 s for
-64 MiB here). Those are asserted only where the client does not share the stack's cores,
-`HETERO_HOSTILE_TARGETS=1`: on a 2-core box the hostile client, the eight streaming clients and the
-three services take turns on the same two cores, the hostile phase lasts 2-3 s, and a handful of
-event-loop callbacks of 10-25 ms (a 200k-entry map deserialized, a burst of accepted connections,
-each stretched by the other processes on the cores) or a slow transfer is 1% of its gaps: repeated
-runs at one commit passed and failed by turns (docs/performance.md has the figures). Elsewhere
-they are printed, not asserted, as the project checks speed: by figures, not by timed tests on
-noisy machines."""
+How the gaps are compared: baseline and hostile phases alternate, ROUNDS of each, and the p99 of
+all hostile gaps is compared with the p99 of all baseline gaps. One hostile pass lasts 1.5-2.5 s,
+so a single pass left its p99 to a dozen slow steps (every stream's gap grows at once when a step
+is late) and the ratio varied from run to run; alternating also puts the box's drift on both sides.
+
+The worker computes with one thread (`--num-threads 1`), leaving the other of this box's two
+cores to the gateway, the scheduler and the clients, as `serve` does by itself on hosts of 8
+cores or more (`reserved_cpus`). With both cores computing, the box is busy 90% of the time
+before any attack, and what the hostile client and the gateway's refusals spend comes out of the
+worker's step: that measures two shared cores, not whether one client stalls the others."""
 
 from __future__ import annotations
 
@@ -47,7 +46,8 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 METADATA = (("authorization", f"Bearer {KEY}"),)
 MIB = 2**20
 CAP = 4 * MIB  # serving.max_request_bytes's default: the stack runs with the default limits
-BASELINE_S = 8.0
+ROUNDS = 6  # baseline and hostile phases, alternating
+BASELINE_S = 3.0  # each baseline phase
 ANSWER_WITHIN_S = 1.0
 HALF_OPEN = 300
 
@@ -88,7 +88,9 @@ class Attack:
             self.unexpected.append(f"{case}: {shown}, expected one of {sorted(map(str, expected))}")
 
     def gaps(self, phase: str) -> list[float]:
-        return sorted(self.streams["gaps"].get(phase, []))
+        """The gaps of a phase ("baseline 2"), or of all its rounds ("baseline"), sorted."""
+        return sorted(gap for name, gaps in self.streams["gaps"].items() if name.split()[0] == phase or name == phase
+                      for gap in gaps)
 
 
 def p99(gaps: list[float]) -> float:
@@ -109,7 +111,8 @@ def http_cases(stack: Stack, client: httpx.Client) -> list[Case]:
     piece = words(MIB, seed=4)
 
     def post(body: Any, path: str = "/v1/completions", **kw: Any) -> Callable[[], int]:
-        return lambda: client.post(path, content=body, **kw).status_code
+        """A callable body is called for each send (a generator is spent by one)."""
+        return lambda: client.post(path, content=body() if callable(body) else body, **kw).status_code
 
     def declared() -> int:  # a Content-Length of 64 MiB, and a few bytes of the body
         with connect(stack) as sock:
@@ -119,7 +122,7 @@ def http_cases(stack: Stack, client: httpx.Client) -> list[Case]:
     return [("18 MiB prompt (3M words)", sent_whole(stack, completion(words(18 * MIB, seed=1))), {413}),
             ("64 MiB prompt, sent whole", sent_whole(stack, completion(b"x" * (64 * MIB))), {413}),
             ("64 MiB prompt, declared, 1 KB sent", declared, {413}),
-            ("64 MiB prompt, chunked", post(piece for _ in range(64)), {413}),  # no Content-Length: counted as it comes
+            ("64 MiB prompt, chunked", post(lambda: (piece for _ in range(64))), {413}),  # no Content-Length: counted as it comes
             ("64 MiB of short words (22M words)", sent_whole(stack, completion(words(64 * MIB, seed=2, longest=2))), {413}),
             ("3.9 MiB prompt over max_model_len", post(completion(under_cap)), {400}),
             ("3.9 MiB chat over max_model_len", post(chat, "/v1/chat/completions"), {400}),
@@ -251,37 +254,41 @@ def sample_peak(process: Any, stop: threading.Event, peak: list[int]) -> None:
         peak[0] = max(peak[0], process.memory_info().rss)
 
 
+def hostile_round(stack: Stack, cases: list[Case], result: Attack) -> None:
+    """Every hostile case once, one after another."""
+    niced(lambda: [result.run(*case) for case in cases if case[0].startswith("HTTP")])
+    # gRPC's sends run on the gRPC core's own threads, which a niced caller's priority does not reach.
+    for case in cases:
+        if case[0].startswith("gRPC"):
+            result.run(*case)
+    niced(lambda: half_open_cases(stack, result))
+
+
 @pytest.fixture(scope="module")
 def attack(long_context_llama_dir: Path) -> Iterator[Attack]:
     result = Attack()
-    with run_stack(long_context_llama_dir, "--serving-api-keys", KEY, "--log-level", "warning") as stack:
+    with run_stack(long_context_llama_dir, "--serving-api-keys", KEY, "--log-level", "warning", "--num-threads", "1") as stack:
         gateway = stack.service_process("gateway")
         client = httpx.Client(base_url=stack.http_url, headers={**AUTH, "content-type": "application/json"}, timeout=30)
         cases = [(f"HTTP {case}", *rest) for case, *rest in http_cases(stack, client)]
         cases += [(f"gRPC {case}", *rest) for case, *rest in grpc_cases(stack)]
         with client, SteadyStreams(stack, KEY, max_tokens=120) as streams:
             time.sleep(1.0)  # every stream past its first tokens
-            streams.phase("baseline")
-            time.sleep(BASELINE_S)
             lags, before = loop_lag_buckets(stack.http_url), gateway.memory_info().rss
             stop, peak = threading.Event(), [before]
             sampler = threading.Thread(target=sample_peak, args=(gateway, stop, peak))
             sampler.start()
-            streams.phase("hostile")
             try:
-                niced(lambda: [result.run(*case) for case in cases if case[0].startswith("HTTP")])
-                # gRPC's sends run on its own threads, which a niced caller slows without sparing the
-                # stack anything: a 64 MiB message then took over a second to leave a client whose
-                # copy, at full priority, takes a fifth of that.
-                for case in cases:
-                    if case[0].startswith("gRPC"):
-                        result.run(*case)
-                niced(lambda: half_open_cases(stack, result))
+                for round_ in range(1, ROUNDS + 1):  # alternating, so that drift on the box falls on both alike
+                    streams.phase(f"baseline {round_}")
+                    time.sleep(BASELINE_S)
+                    streams.phase(f"hostile {round_}")
+                    hostile_round(stack, cases, result)
             finally:
                 streams.phase("after")
                 stop.set()
                 sampler.join()
-            result.loop_lag_s["hostile phase, at most"] = lag_bound(lags, loop_lag_buckets(stack.http_url))
+            result.loop_lag_s["hostile rounds, at most"] = lag_bound(lags, loop_lag_buckets(stack.http_url))
             after = settled_rss(gateway, before, timeout_s=5.0)
             result.rss_mib = {"before": before / MIB, "peak": peak[0] / MIB, "after": after / MIB}
         result.streams = streams.result
@@ -290,10 +297,15 @@ def attack(long_context_llama_dir: Path) -> Iterator[Attack]:
 
 
 def report(attack: Attack) -> None:
-    print("\nhostile case | answer | seconds to it")
+    print(f"\nhostile case | answer | seconds to it, rounds 1-{ROUNDS}")
+    by_case: dict[str, list[tuple[str, float]]] = {}
     for case, status, seconds in attack.answers:
-        print(f"{case} | {status} | {seconds:.3f}")
-    for phase in ("baseline", "hostile"):
+        by_case.setdefault(case, []).append((status, seconds))
+    for case, answers in by_case.items():
+        statuses = sorted({status for status, _ in answers})
+        print(f"{case} | {', '.join(statuses)} | {' / '.join(f'{seconds:.3f}' for _, seconds in answers)}")
+    for phase in [f"{phase} {round_}" for round_ in range(1, ROUNDS + 1) for phase in ("baseline", "hostile")] + [
+            "baseline", "hostile"]:
         gaps = attack.gaps(phase)
         if gaps:
             print(f"{phase}: {len(gaps)} inter-token gaps, p50 {gaps[len(gaps) // 2] * 1000:.1f} ms, "
@@ -305,30 +317,12 @@ def report(attack: Attack) -> None:
     print("gateway RSS MiB:", {k: round(v, 1) for k, v in attack.rss_mib.items()}, "event-loop lag s:", attack.loop_lag_s)
 
 
-MEASURED_TARGETS = os.environ.get("HETERO_HOSTILE_TARGETS") == "1"
-measured_target = pytest.mark.skipif(not MEASURED_TARGETS, reason="a measured target: asserted with "
-                                     "HETERO_HOSTILE_TARGETS=1 on a machine whose client has cores of its own")
-
-
 def test_every_hostile_request_gets_its_status(attack: Attack) -> None:
     assert not attack.unexpected, attack.unexpected
 
 
-# Answered by the gRPC core, which refuses a message over its receive limit only once it has all of
-# it: the time is the transfer of 18 or 64 MiB over a loopback whose two cores the stack shares.
-RECEIVED_WHOLE = {"gRPC 18 MiB prompt", "gRPC 64 MiB prompt"}
-
-
 def test_every_hostile_request_is_answered_within_a_second(attack: Attack) -> None:
-    slow = [(case, status, round(seconds, 3)) for case, status, seconds in attack.answers
-            if seconds >= ANSWER_WITHIN_S and case not in RECEIVED_WHOLE]
-    assert not slow, slow
-
-
-@measured_target
-def test_a_grpc_message_over_the_cap_is_answered_within_a_second(attack: Attack) -> None:
-    slow = [(case, status, round(seconds, 3)) for case, status, seconds in attack.answers
-            if seconds >= ANSWER_WITHIN_S and case in RECEIVED_WHOLE]
+    slow = [(case, status, round(seconds, 3)) for case, status, seconds in attack.answers if seconds >= ANSWER_WITHIN_S]
     assert not slow, slow
 
 
@@ -342,10 +336,9 @@ def test_nothing_answers_5xx_and_every_stream_finishes_normally(attack: Attack) 
     assert set(streams["ends"]) == {"grpc:FINISH_REASON_LENGTH", "http:length"}, streams["ends"]
 
 
-@measured_target
 def test_the_streams_p99_inter_token_gap_stays_within_twice_the_baseline(attack: Attack) -> None:
     baseline, hostile = attack.gaps("baseline"), attack.gaps("hostile")
-    assert len(baseline) >= 200 and len(hostile) >= 100, (len(baseline), len(hostile))
+    assert len(baseline) >= 2000 and len(hostile) >= 1000, (len(baseline), len(hostile))  # a p99 of enough steps
     assert p99(hostile) <= 2 * p99(baseline), (p99(baseline), p99(hostile), hostile[-10:])
 
 

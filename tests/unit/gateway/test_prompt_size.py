@@ -158,6 +158,22 @@ def test_a_large_input_during_a_pending_trim_gets_a_trim_after_it(monkeypatch: p
 
 
 @pytest.mark.skipif(heap_trim.MALLOC_TRIM is None, reason="glibc's malloc_trim only")
+def test_each_trim_is_followed_by_one_more_for_what_was_still_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(heap_trim, "TRIM_DELAY_S", 0.05)
+    monkeypatch.setattr(heap_trim, "FOLLOW_UP_S", 0.2)
+
+    async def main() -> tuple[int, int]:
+        trimmer = HeapTrimmer()
+        trimmer.release_later(heap_trim.TRIM_BYTES)
+        await asyncio.sleep(0.15)
+        first = trimmer.trims
+        await asyncio.sleep(0.6)  # the follow-up, and no third
+        return first, trimmer.trims
+
+    assert asyncio.run(main()) == (1, 2)
+
+
+@pytest.mark.skipif(heap_trim.MALLOC_TRIM is None, reason="glibc's malloc_trim only")
 def test_memory_no_request_path_reports_is_given_back_once_the_heap_grew(monkeypatch: pytest.MonkeyPatch) -> None:
     """The watch trims when the resident size grew TRIM_GROWTH_BYTES past the last trim's, whoever
     allocated it (here: 64 MiB of small buffers, freed but for every 64th, which pins the heap)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,38 @@ def test_the_public_grpc_server_follows_the_limits_and_the_internal_ones_keep_th
     assert "grpc.max_allowed_incoming_connections" not in dict(public_server_options(ServingConfig(max_connections=0)))
     internal = dict(internal_server_options(Config(serving=serving)))
     assert internal["grpc.max_receive_message_length"] == dict(CHANNEL_OPTIONS)["grpc.max_receive_message_length"]
+
+
+def test_a_grpc_message_over_the_cap_is_refused_at_once_not_after_grpcs_tarpit() -> None:
+    """gRPC's tarpit would hold each refusal back 0.1-1 s (public_server_options turns it off).
+    A 2 kB message against a 1 kB cap: no transfer to wait for, so the median refusal of five
+    takes milliseconds, and with the tarpit at least 0.1 s."""
+    async def main() -> list[float]:
+        server = grpc.aio.server(options=public_server_options(ServingConfig(max_request_bytes=1000)))
+
+        async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return request
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            "t.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(echo)})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        seconds = []
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                echo_call = channel.unary_unary("/t.Echo/Echo")
+                assert await echo_call(b"x" * 100, timeout=10) == b"x" * 100
+                for _ in range(5):
+                    start = time.perf_counter()
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await echo_call(b"x" * 2000, timeout=10)
+                    seconds.append(time.perf_counter() - start)
+                    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            await server.stop(None)
+        return sorted(seconds)
+
+    seconds = asyncio.run(main())
+    assert seconds[2] < 0.08, seconds
 
 
 def test_a_body_of_more_values_than_a_request_can_hold_is_refused_413_unparsed(tokenizer_dir: Path) -> None:
