@@ -13,11 +13,14 @@ all hostile gaps is compared with the p99 of all baseline gaps. One hostile pass
 so a single pass left its p99 to a dozen slow steps (every stream's gap grows at once when a step
 is late) and the ratio varied from run to run; alternating also puts the box's drift on both sides.
 
-The worker computes with one thread (`--num-threads 1`), leaving the other of this box's two
-cores to the gateway, the scheduler and the clients, as `serve` does by itself on hosts of 8
-cores or more (`reserved_cpus`). With both cores computing, the box is busy 90% of the time
-before any attack, and what the hostile client and the gateway's refusals spend comes out of the
-worker's step: that measures two shared cores, not whether one client stalls the others."""
+The stack serves a random Llama of 6 layers of 512 (float32; a step for the 8 streams takes about
+11 ms here) on one worker thread (`--num-threads 1`), leaving the other of this box's two cores
+to the gateway, the scheduler and the clients, as `serve` does by itself on hosts of 8 cores or
+more (`reserved_cpus`). With the 2-layer tiny model (3 ms steps) the stack's per-token work, not
+the model, was most of the box's load; with both cores computing, the box was busy 90% of the
+time before any attack. Either way what the hostile client and the gateway's refusals spend came
+out of the worker's steps: that measures two shared cores, not whether one client stalls the
+others."""
 
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import pytest
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_infer.testing.loop_lag import lag_bound, loop_lag_buckets
 from hetero_infer.testing.stack import Stack, run_stack
+from hetero_infer.testing.tiny_models import make_random_llama
 from tests.helpers.raw_http import completion_head, connect, read_response, settled_rss
 from tests.helpers.steady_streams import SteadyStreams
 
@@ -46,8 +50,8 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 METADATA = (("authorization", f"Bearer {KEY}"),)
 MIB = 2**20
 CAP = 4 * MIB  # serving.max_request_bytes's default: the stack runs with the default limits
-ROUNDS = 6  # baseline and hostile phases, alternating
-BASELINE_S = 3.0  # each baseline phase
+ROUNDS = 8  # baseline and hostile phases, alternating
+BASELINE_S = 2.5  # each baseline phase
 ANSWER_WITHIN_S = 1.0
 HALF_OPEN = 300
 
@@ -265,9 +269,11 @@ def hostile_round(stack: Stack, cases: list[Case], result: Attack) -> None:
 
 
 @pytest.fixture(scope="module")
-def attack(long_context_llama_dir: Path) -> Iterator[Attack]:
+def attack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Attack]:
     result = Attack()
-    with run_stack(long_context_llama_dir, "--serving-api-keys", KEY, "--log-level", "warning", "--num-threads", "1") as stack:
+    model = make_random_llama(tmp_path_factory.mktemp("llama-6x512"), hidden=512, intermediate=1536, layers=6, heads=8,
+                              kv_heads=2, max_position_embeddings=4096, seed=1)
+    with run_stack(model, "--serving-api-keys", KEY, "--log-level", "warning", "--num-threads", "1") as stack:
         gateway = stack.service_process("gateway")
         client = httpx.Client(base_url=stack.http_url, headers={**AUTH, "content-type": "application/json"}, timeout=30)
         cases = [(f"HTTP {case}", *rest) for case, *rest in http_cases(stack, client)]
