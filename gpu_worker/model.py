@@ -236,14 +236,15 @@ class LlamaModel:
             if (self.c_layers and not apart_prompts
                     and (self.c_layers_max_rows is None or t <= self.c_layers_max_rows)):  # from C
                 hidden.add_(self.c_layers.run(hidden, positions, kv_cache, k_rows, v_rows, plan.rows,
-                                              plan.pages, plan.kv_lens, attention.scale))
+                                              plan.pages, plan.kv_lens, attention.scale, attention.prompt_tiles))
                 return hidden
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             if plan is not None:
                 attn = attention_block(qkv, heads, kv_heads, dim, positions, self.cos, self.sin, kv_cache[i], k_rows,
-                                       v_rows, plan.rows, plan.pages, plan.kv_lens, attention.scale)
+                                       v_rows, plan.rows, plan.pages, plan.kv_lens, attention.scale,
+                                       attention.prompt_tiles)
                 if apart_prompts:
                     attention.attend_apart_prompts(qkv, kv_cache[i], attn)
             else:

@@ -20,7 +20,7 @@ from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
 from gpu_worker.cpu.packed_linear import prepack_supported
 from gpu_worker.cpu.worker_setup import (choose_cpu_dtype, configure_cpu_threads, cpu_flags, plan_c_linear,
-                                         resolve_cpu_dtype)
+                                         resolve_cpu_dtype, row_invariance_unavailable)
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker.model import LlamaModel, linear_shapes
@@ -141,7 +141,7 @@ class ModelRunner:
         config = self.config
         prepack = config.weight_prepack and prepack_supported(self.device, self.dtype)
         self.c_linear, c_linear_amx, c_linear_max_rows = plan_c_linear(
-            self.dtype, prepack, config.cpu_kernels, linear_shapes(self.model_config, self.tp))
+            self.dtype, prepack, config.cpu_kernels, linear_shapes(self.model_config, self.tp), config.deterministic)
         return LlamaModel(self.model_config, weights, self.device, self.dtype, self.max_positions, self.tp,
                           prepack=prepack, native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
                           native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch")
@@ -158,11 +158,13 @@ class ModelRunner:
         config, mc = self.config, self.model_config
         budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
         self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
-        # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA).
+        # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA), unless
+        # `deterministic` keeps every row on the C kernel's per-row path.
         self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                   self.model.num_kv_heads, mc.head_dim, self.device, self.dtype,
                                                   decode_kernel=config.cpu_kernels,
-                                                  prompts_apart="amx_bf16" in cpu_flags())
+                                                  prompts_apart="amx_bf16" in cpu_flags() and not config.deterministic,
+                                                  prompt_tiles=not config.deterministic)
         self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
                                           self.model.num_kv_heads, mc.head_dim, self.dtype, self.device,
                                           self.attention.kv_layout)
@@ -172,9 +174,20 @@ class ModelRunner:
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
                  c_decode_attention=getattr(self.attention, "native_decode", False) and self.dtype == torch.bfloat16,
-                 c_elementwise=self.model.fused, c_linear=self.c_linear,
+                 c_elementwise=self.model.fused, c_linear=self.c_linear, row_invariant=self._row_invariant(),
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
                  load_seconds=round(time.perf_counter() - started, 2))
+
+    def _row_invariant(self) -> bool:
+        """Whether a token's values are the same bits on every scheduling path (config `deterministic`): on the
+        CPU, float32's torch code, or bfloat16 where the C kernels take every row."""
+        if self.device.type != "cpu":
+            return False
+        if self.dtype == torch.float32:
+            return True
+        return (self.config.deterministic and self.dtype == torch.bfloat16 and self.c_linear
+                and getattr(self.attention, "native_decode", False)
+                and row_invariance_unavailable(self.model_config.head_dim, self.block_size) is None)
 
     def _tokenizer_json(self) -> str:
         """The served tokenizer as `tokenizers` JSON, loaded as the gateway loads it (the same config keys), so

@@ -91,6 +91,15 @@ NOTES = """\
   tile kernels where the CPU has AMX), AMX prompt attention, greedy sampling's argmax, and,
   where every kernel of a layer is C and there is no tensor parallelism, all decoder layers in
   one C call with the same results bit for bit. float32 always runs the torch code.
+- **`deterministic`** (default on): in bfloat16 on the C kernels (CPUs with AVX512-BF16), a
+  token's K/V and logits are the same bits whether it was computed alone, in a decode batch, in a
+  prompt chunk of any length at any offset, or as a decode: a recompute after preemption or after
+  a replica's failover continues every stream exactly (tests/unit/gpu_worker/test_row_invariance.py,
+  tests/model/test_bf16_invariance.py). The linear layers and the element-wise kernels compute
+  each row alone already; what it changes is attention, whose prompt chunks of 8+ rows then run
+  per row instead of in 16-row tiles, and on AMX CPUs the AMX prompt kernel and oneDNN's products
+  above a few rows (not verified on an AMX machine). Its cost: docs/performance.md, "Invariant
+  numerics". float32 runs the torch code, invariant already; on CUDA it does nothing yet.
 - **`weight_prepack`**: the linear layers' weights are re-laid out once at load instead of on
   every product (`gpu_worker/cpu/packed_linear.py`). In float32 the products move from MKL to
   oneDNN (last-bit differences; the oracle tests stay token-exact); in bfloat16 results are

@@ -51,9 +51,9 @@ def select_attention_backend(name: str, device: torch.device | str, head_dim: in
 def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                              device: torch.device | str, dtype: torch.dtype | None = None,
                              workspace: torch.Tensor | None = None, decode_kernel: str = "torch",
-                             prompts_apart: bool = False) -> AttentionBackend:
+                             prompts_apart: bool = False, prompt_tiles: bool = True) -> AttentionBackend:
     """`auto` picks FlashInfer on a CUDA device of sm75+ when it is importable, else torch.
-    `decode_kernel`, `prompts_apart`: the torch backend's CPU paths (TorchPagedAttention)."""
+    `decode_kernel`, `prompts_apart`, `prompt_tiles`: the torch backend's CPU paths (TorchPagedAttention)."""
     device = torch.device(device)
     chosen, reason = select_attention_backend(name, device, head_dim, dtype)
     if chosen == "flashinfer":
@@ -64,4 +64,4 @@ def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, he
     if device.type == "cuda":
         log.warning("attention on CUDA uses the torch reference (slow)", reason=reason)
     return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device, decode_kernel=decode_kernel, dtype=dtype,
-                               prompts_apart=prompts_apart)
+                               prompts_apart=prompts_apart, prompt_tiles=prompt_tiles)

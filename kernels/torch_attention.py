@@ -101,7 +101,8 @@ class TorchPagedAttention:
     kv_layout = "HND"
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
-                 decode_kernel: str = "torch", dtype: torch.dtype | None = None, prompts_apart: bool = False) -> None:
+                 decode_kernel: str = "torch", dtype: torch.dtype | None = None, prompts_apart: bool = False,
+                 prompt_tiles: bool = True) -> None:
         """`decode_kernel` (config `cpu_kernels`): "c" runs a bfloat16 cache's attention on the CPU through
         the C kernel (kernels/native/decode_attention.py; raises if it cannot be built), "auto" does so where it can
         be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never).
@@ -110,7 +111,10 @@ class TorchPagedAttention:
         through the AMX tile kernel where it takes the head size (kernels/native/prompt_attention.py; chunks of at
         least APART_MIN_ROWS rows over a cached prefix too), else only prompts with no cached prefix, through
         torch's SDPA (its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens there; the tile kernel
-        1.5-2x SDPA, and about 9x the C rows over a prefix)."""
+        1.5-2x SDPA, and about 9x the C rows over a prefix).
+        `prompt_tiles` (config `deterministic` false): the C kernel computes prompt chunks of 8 rows or more in
+        16-row tiles (kernels/native/prompt_row_tiles.c), faster than per row but not bitwise the same; false: every
+        row per row, so a token's attention is the same bits whether it is computed in a chunk or as a decode."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):
@@ -136,6 +140,7 @@ class TorchPagedAttention:
             self.native_decode = False  # float32 (the oracle mode) and float16 run the torch code
         self._native: _NativePlan | None = None
         self.prompts_apart = prompts_apart
+        self.prompt_tiles = prompt_tiles
         self._apart = False  # this step's prefills are exactly the prompt chunks that attend apart
         self._amx_prompts = (prompts_apart and self.native_decode
                              and native_prompt_attention.supported(head_dim, num_qo_heads, num_kv_heads))
@@ -268,7 +273,7 @@ class TorchPagedAttention:
                 raise ValueError(f"the C attention kernel takes a bfloat16 cache's queries, not {q.dtype}")
             if d.max_page >= kv_cache.shape[0]:
                 raise IndexError(f"page {d.max_page} is outside the cache's {kv_cache.shape[0]} blocks")
-            native_decode.decode_attention(q, d.rows, kv_cache, d.pages, d.kv_lens, out, self.scale)
+            native_decode.decode_attention(q, d.rows, kv_cache, d.pages, d.kv_lens, out, self.scale, self.prompt_tiles)
         runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)  # [blocks * 2 * Hkv, bs, D]
         if self._decode is not None:
             out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))

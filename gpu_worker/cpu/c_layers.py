@@ -55,11 +55,12 @@ class CLayers:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: list[torch.Tensor] | torch.Tensor,
             k_rows: torch.Tensor, v_rows: torch.Tensor, q_rows: torch.Tensor, pages: torch.Tensor,
-            kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+            kv_lens: torch.Tensor, scale: float, tiles: bool = True) -> torch.Tensor:
         """hidden [T, hidden] (the embeddings, updated in place) -> the last layer's output, not yet added.
         kv_cache: the HND layer caches (their addresses are read each call: a resumed cache is a new one);
         k_rows / v_rows: kernels.cache_ops.hnd_rows of the step's slots; q_rows, pages, kv_lens: the attention
-        backend's C plan for every row of the step."""
+        backend's C plan for every row of the step; `tiles`: prompt chunks through the attention kernel's 16-row
+        tiles, else every row per row (config `deterministic`)."""
         caches = [kv_cache[i] for i in range(self.num_layers)]
         if not all(c.is_contiguous() and c.dtype == torch.bfloat16 for c in caches):
             raise ValueError("the C layers take contiguous bfloat16 layer caches")
@@ -78,7 +79,7 @@ class CLayers:
             cache_addresses.data_ptr(), int(caches[0].shape[3]), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
             k_rows.data_ptr(), v_rows.data_ptr(), q_rows.data_ptr(), pages.data_ptr(), pages.shape[1],
             kv_lens.data_ptr(), scale, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-            act.data_ptr(), o_out.data_ptr(), delta.data_ptr(), self.amx)
+            act.data_ptr(), o_out.data_ptr(), delta.data_ptr(), self.amx, int(tiles))
         if rc != 0:
             raise RuntimeError(f"llama_layers_bf16 failed ({rc})")
         return delta
@@ -87,10 +88,11 @@ class CLayers:
 def attention_block(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, positions: torch.Tensor,
                     cos: torch.Tensor, sin: torch.Tensor, layer_cache: torch.Tensor, k_rows: torch.Tensor,
                     v_rows: torch.Tensor, q_rows: torch.Tensor, pages: torch.Tensor, kv_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, tiles: bool = True) -> torch.Tensor:
     """One layer's RoPE (in place on qkv [T, q + 2 kv]), K/V write into its HND cache at k_rows / v_rows, and
     attention over the backend's C plan (q_rows, pages, kv_lens: every row, or all but the fresh prompts that
-    the caller then runs through SDPA, whose rows are left unwritten): attention's output [T, q].
+    the caller then runs through SDPA, whose rows are left unwritten): attention's output [T, q]. `tiles`: prompt
+    chunks through the kernel's 16-row tiles, else every row per row (config `deterministic`).
     The kernels of `fused_ops.rope_`, `write_kv_hnd` and the C attention path, so bitwise their result; what
     goes is two calls and torch's index_copy_ per layer (~0.1 ms of a 32-sequence decode step)."""
     t = qkv.shape[0]
@@ -102,7 +104,7 @@ def attention_block(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
     rc = native_lib.load().attention_block_bf16(  # type: ignore[union-attr]
         qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         layer_cache.data_ptr(), int(layer_cache.shape[3]), k_rows.data_ptr(), v_rows.data_ptr(), q_rows.shape[0],
-        q_rows.data_ptr(), pages.data_ptr(), pages.shape[1], kv_lens.data_ptr(), scale, attn.data_ptr())
+        q_rows.data_ptr(), pages.data_ptr(), pages.shape[1], kv_lens.data_ptr(), scale, attn.data_ptr(), int(tiles))
     if rc != 0:
         raise RuntimeError(f"attention_block_bf16 failed ({rc})")
     return attn

@@ -25,6 +25,7 @@ from gpu_worker.cpu.packed_linear import linear, pack_weight, prepack_supported
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero_common.config import Config
 from hetero_common.host_cores import host_cores
+from kernels.native import decode_attention as native_decode
 from kernels.native import linear as native_linear
 
 log = structlog.get_logger("gpu_worker.cpu.worker_setup")
@@ -98,21 +99,37 @@ def choose_cpu_dtype(config: Config, hidden_size: int, tp: TensorParallel, threa
     return dtype
 
 
-def plan_c_linear(dtype: torch.dtype, prepack: bool, cpu_kernels: str,
-                  shapes: list[tuple[int, int]]) -> tuple[bool, bool, int | None]:
+def plan_c_linear(dtype: torch.dtype, prepack: bool, cpu_kernels: str, shapes: list[tuple[int, int]],
+                  deterministic: bool = False) -> tuple[bool, bool, int | None]:
     """(linear layers through the C kernel, through its AMX tile kernel, the most rows a product takes it, None:
     every product). The C kernel takes packed bfloat16 weights where it builds, unless `cpu_kernels` is torch;
-    `shapes`: the [out, in] shapes of the model's weights on this rank (native_linear.plan)."""
+    `shapes`: the [out, in] shapes of the model's weights on this rank (native_linear.plan). `deterministic`:
+    the C kernel takes every product (on AMX CPUs, oneDNN's above a few rows are faster but its blocking
+    follows the row count, so a row's bits would depend on its batch)."""
     c_linear = prepack and dtype == torch.bfloat16 and cpu_kernels != "torch"
     if c_linear and (why_not := native_linear.unavailable_reason(cpu_flags())):
         c_linear = False
         log.info("linear layers through oneDNN, not the C kernel", reason=why_not)
     amx, max_rows = native_linear.plan(cpu_flags(), shapes) if c_linear else (False, None)
+    if deterministic:
+        max_rows = None
     if max_rows is not None:
         log.info("linear layers through a C kernel up to a few rows, oneDNN above (weights packed for both)",
                  kernel="AMX tiles" if amx else "AVX512-BF16 panels", max_rows=max_rows,
                  reason="the CPU has AMX, where oneDNN wins on larger products")
     return c_linear, amx, max_rows
+
+
+def row_invariance_unavailable(head_dim: int, block_size: int) -> str | None:
+    """Why bfloat16 rows are not bitwise path-invariant here (config `deterministic`), or None where the C
+    kernels take every row: the C linear kernel every product, the C attention kernel's vector path every
+    query row (head size 64 or 128, blocks of a multiple of 16 slots, AVX512-BF16)."""
+    if why := native_linear.unavailable_reason(cpu_flags()):
+        return why
+    if not native_decode.takes_prompts(head_dim, block_size):
+        return (f"the C attention kernel does not take prompt rows of head size {head_dim} in blocks of {block_size} "
+                "here (its vector path: head size 64 or 128, blocks of a multiple of 16, AVX512-BF16)")
+    return None
 
 
 def worker_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int, reserved_cpus: int = 0) -> int:

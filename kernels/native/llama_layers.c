@@ -37,19 +37,24 @@ int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
                           const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                           uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
                           int num_kv_heads, int head_dim, int block_size, float scale);
+int decode_attention_bf16_rows(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
+                               const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
+                               uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
+                               int num_kv_heads, int head_dim, int block_size, float scale);
 
 /* A layer's attention block, from its q/k/v product to attention's output: RoPE on q and k in place in
  * qkv_buf [rows, q + 2 kv], the new K/V rows written into the layer's paged HND cache at k_rows / v_rows
  * [rows * kv_heads] (cache rows of head_dim), then attention for the attn_rows rows of the attention
  * backend's C plan (q_rows, pages [attn_rows, max_pages], kv_lens: every row, or all but fresh prompts
  * that the caller runs through SDPA) into attn [rows, q]. One call instead of three for the per-layer
- * loop where the linear layers are not C (oneDNN on AMX): the same kernels, so the same bits. Returns 0,
- * or decode_attention_bf16's error. */
+ * loop where the linear layers are not C (oneDNN on AMX): the same kernels, so the same bits. `tiles`: prompt
+ * chunks through decode_attention.c's 16-row tiles (faster, not bitwise the per-row path); 0: every row per
+ * row (config `deterministic`). Returns 0, or decode_attention_bf16's error. */
 int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_heads, int head_dim,
                          const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
                          uint16_t *layer_cache, int block_size, const int64_t *k_rows, const int64_t *v_rows,
                          int attn_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
-                         const int32_t *kv_lens, float scale, uint16_t *attn) {
+                         const int32_t *kv_lens, float scale, uint16_t *attn, int tiles) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     rope_bf16(qkv_buf, qkv_width, rows, num_heads + num_kv_heads, head_dim, positions, cos_table, sin_table);
@@ -61,8 +66,9 @@ int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_
             memcpy(layer_cache + k_rows[(int64_t)t * num_kv_heads + h] * head_dim, k, row_bytes);
             memcpy(layer_cache + v_rows[(int64_t)t * num_kv_heads + h] * head_dim, k + kv_size, row_bytes);
         }
-    return decode_attention_bf16(qkv_buf, qkv_width, q_rows, layer_cache, pages, max_pages, kv_lens, attn, q_size,
-                                 attn_rows, num_heads, num_kv_heads, head_dim, block_size, scale);
+    return (tiles ? decode_attention_bf16 : decode_attention_bf16_rows)(
+        qkv_buf, qkv_width, q_rows, layer_cache, pages, max_pages, kv_lens, attn, q_size, attn_rows, num_heads,
+        num_kv_heads, head_dim, block_size, scale);
 }
 
 /* The weights' kernel: linear_amx.c's tiles (`amx`) or linear_bf16.c's panels, as they were packed for;
@@ -110,7 +116,8 @@ static int32_t *step_pages(int rows, const int32_t *pages, int max_pages, const 
  * inter], delta and o_out [rows, hidden].
  * k_rows / v_rows [rows * kv_heads]: the cache rows (of a layer seen as [*, head_dim]) the new K/V go
  * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). amx: the weights
- * are packed for linear_amx (else for linear_bf16). Returns 0, or decode_attention_bf16's error. */
+ * are packed for linear_amx (else for linear_bf16). tiles: as attention_block_bf16's. Returns 0, or
+ * decode_attention_bf16's error. */
 int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads, int num_kv_heads, int head_dim,
                       int intermediate, float eps, int num_layers, const int64_t *input_norm, const int64_t *qkv,
                       const int64_t *qkv_bias, const int64_t *o, const int64_t *post_norm, const int64_t *gate_up,
@@ -118,7 +125,7 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
                       const uint16_t *cos_table, const uint16_t *sin_table, const int64_t *k_rows,
                       const int64_t *v_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
                       const int32_t *kv_lens, float scale, uint16_t *x, uint16_t *qkv_buf, uint16_t *attn,
-                      uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta, int amx) {
+                      uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta, int amx, int tiles) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     /* A layer's K/V pages are prefetched during the products before its attention, as late as their K pairs
@@ -145,7 +152,7 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
                      qkv_width, rows, qkv_width, hidden_size, &qkv_side);
         const int rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table,
                                             sin_table, (uint16_t *)cache[i], block_size, k_rows, v_rows, rows,
-                                            q_rows, pages, max_pages, kv_lens, scale, attn);
+                                            q_rows, pages, max_pages, kv_lens, scale, attn, tiles);
         if (rc != 0) {
             free(used);
             return rc;

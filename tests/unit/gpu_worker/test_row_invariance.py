@@ -1,0 +1,112 @@
+"""Row invariance in bfloat16 on the CPU's C kernels (config `deterministic`, issue 38): one token's
+K/V in every layer and its logits are the same bits whether it is computed alone as a decode, in a
+decode batch of 7, in a 16-row or a 100-row prompt chunk, or after a chunk boundary at 1, 15, 16, 17
+or 255 tokens, and also as a row in the middle of a chunk. With the attention kernel's 16-row tiles
+(`deterministic` false) a chunk's rows differ from the per-row path's in their last bits: checked
+too, so that these comparisons are known to see a difference when there is one.
+
+Where the C kernels do not take every row (no AVX512-BF16), bfloat16 is not the default dtype and
+nothing here applies: skipped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_worker.checkpoint import load_checkpoint
+from gpu_worker.cpu.worker_setup import row_invariance_unavailable
+from gpu_worker.model import LlamaModel
+from hetero_infer.testing.tiny_models import make_random_llama
+from kernels.attention_backend import create_attention_backend
+from kernels.cache_ops import allocate_kv_cache
+from kernels.page_table import PageTable
+
+BLOCK = 16
+TARGET = 255  # the position whose K/V and logits are compared
+OTHERS = 6  # decoding sequences beside it in "a batch of 7"
+
+pytestmark = pytest.mark.skipif(row_invariance_unavailable(64, BLOCK) is not None,
+                                reason=f"bfloat16 rows are not invariant here: {row_invariance_unavailable(64, BLOCK)}")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
+    """Head size 64 (the vectorized attention's), 3 layers: what the worker builds on such a CPU."""
+    directory = make_random_llama(tmp_path_factory.mktemp("llama-d64"), hidden=256, intermediate=512, layers=3,
+                                  heads=4, kv_heads=2, max_position_embeddings=1024, seed=3)
+    config, weights = load_checkpoint(directory)
+    built = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=1024, prepack=True,
+                       native_linear=True, fused=True)
+    assert built.c_layers is not None  # every layer in one C call, as the worker runs it here
+    return built
+
+
+def compute(model: LlamaModel, chunks: list[int], tiles: bool, others: int = 0,
+            row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed one sequence's tokens in steps of `chunks` rows (each step may carry `others` sequences decoding
+    beside it); the logits of position `row` (default TARGET, which the last chunk must hold) and every
+    layer's K/V at TARGET."""
+    row = TARGET if row is None else row
+    torch.manual_seed(0)
+    tokens = torch.randint(2, 500, (sum(chunks),)).tolist()
+    c = model.config
+    attention = create_attention_backend("torch", model.num_heads, model.num_kv_heads, c.head_dim, "cpu",
+                                         torch.bfloat16, decode_kernel="c", prompt_tiles=tiles)
+    cache = allocate_kv_cache(c.num_hidden_layers, 64 + 4 * others, BLOCK, model.num_kv_heads, c.head_dim,
+                              torch.bfloat16, "cpu", attention.kv_layout)
+    own = np.arange(0, 64, dtype=np.int32)
+    done, logits = 0, None
+    with torch.inference_mode():
+        for n in chunks:
+            tables, qo_lens, kv_lens, ids = [own], [n], [done + n], tokens[done:done + n]
+            for o in range(others):  # 40 tokens each, the last one decoding
+                tables.append(np.arange(64 + 4 * o, 68 + 4 * o, dtype=np.int32))
+                qo_lens.append(1), kv_lens.append(40), ids.append(7 + o)
+            table = PageTable.build(tables, np.array(qo_lens), np.array(kv_lens), BLOCK)
+            attention.plan(table)
+            positions, slots = table.token_positions()
+            if done <= row < done + n:
+                logits = model.forward(torch.tensor(ids), torch.from_numpy(positions), torch.from_numpy(slots),
+                                       cache, attention, torch.tensor([row - done]))[0].clone()
+            else:
+                model.forward(torch.tensor(ids), torch.from_numpy(positions), torch.from_numpy(slots), cache,
+                              attention, torch.tensor([n - 1]))
+            done += n
+    assert logits is not None
+    kv = cache[:, TARGET // BLOCK, :, :, TARGET % BLOCK].clone()  # [layers, 2, kv heads, head_dim]
+    return logits, kv
+
+
+def same_bits(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+WAYS = {
+    "alone, as a decode": [TARGET, 1],
+    "in a 16-row chunk": [TARGET + 1 - 16, 16],
+    "in a 100-row chunk": [TARGET + 1 - 100, 100],
+    "after a boundary at 1": [1, TARGET],
+    "after a boundary at 15": [15, TARGET + 1 - 15],
+    "after a boundary at 16": [16, TARGET + 1 - 16],
+    "after a boundary at 17": [17, TARGET + 1 - 17],
+    "in one chunk of the whole prompt": [TARGET + 1],
+}
+
+
+def test_a_tokens_kv_and_logits_do_not_depend_on_the_path_that_computed_it(model: LlamaModel) -> None:
+    reference = compute(model, WAYS["alone, as a decode"], tiles=False)
+    for way, chunks in WAYS.items():
+        assert same_bits(compute(model, chunks, tiles=False), reference), way
+    assert same_bits(compute(model, [TARGET, 1], tiles=False, others=OTHERS), reference), "in a decode batch of 7"
+    assert same_bits(compute(model, [TARGET + 45], tiles=False, row=TARGET), reference), "mid-chunk"
+    assert same_bits(compute(model, [100, 100, 100], tiles=False, row=TARGET), reference), "mid-chunk, 3rd chunk"
+
+
+def test_the_tile_path_differs_from_the_per_row_path(model: LlamaModel) -> None:
+    """Why `deterministic` turns the tiles off: a chunk of 8+ rows through them is not the decode's bits."""
+    decode = compute(model, WAYS["alone, as a decode"], tiles=True)
+    chunk = compute(model, WAYS["in a 100-row chunk"], tiles=True)
+    assert not same_bits(decode, chunk)
