@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import grpc

@@ -10,7 +10,6 @@ nothing here applies: skipped."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
