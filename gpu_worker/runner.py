@@ -159,12 +159,11 @@ class ModelRunner:
         budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
         self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
         # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA), unless
-        # `deterministic` keeps every row on the C kernel's per-row path.
+        # `deterministic` keeps every row on the C kernel (its per-row path and 16-row tiles: the same bits).
         self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                   self.model.num_kv_heads, mc.head_dim, self.device, self.dtype,
                                                   decode_kernel=config.cpu_kernels,
-                                                  prompts_apart="amx_bf16" in cpu_flags() and not config.deterministic,
-                                                  prompt_tiles=not config.deterministic)
+                                                  prompts_apart="amx_bf16" in cpu_flags() and not config.deterministic)
         self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
                                           self.model.num_kv_heads, mc.head_dim, self.dtype, self.device,
                                           self.attention.kv_layout)

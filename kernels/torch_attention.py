@@ -112,9 +112,9 @@ class TorchPagedAttention:
         least APART_MIN_ROWS rows over a cached prefix too), else only prompts with no cached prefix, through
         torch's SDPA (its bfloat16 flash kernel is 1.7-3.4x the C rows at 136-256 tokens there; the tile kernel
         1.5-2x SDPA, and about 9x the C rows over a prefix).
-        `prompt_tiles` (config `deterministic` false): the C kernel computes prompt chunks of 8 rows or more in
-        16-row tiles (kernels/native/prompt_row_tiles.c), faster than per row but not bitwise the same; false: every
-        row per row, so a token's attention is the same bits whether it is computed in a chunk or as a decode."""
+        `prompt_tiles`: the C kernel computes prompt chunks of 8 rows or more in 16-row tiles
+        (kernels/native/prompt_row_tiles.c), 2-4x faster than per row and the same bits (one arithmetic:
+        kernels/native/attention_order.h); false: every row per row, for comparisons."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):

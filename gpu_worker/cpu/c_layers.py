@@ -60,7 +60,7 @@ class CLayers:
         kv_cache: the HND layer caches (their addresses are read each call: a resumed cache is a new one);
         k_rows / v_rows: kernels.cache_ops.hnd_rows of the step's slots; q_rows, pages, kv_lens: the attention
         backend's C plan for every row of the step; `tiles`: prompt chunks through the attention kernel's 16-row
-        tiles, else every row per row (config `deterministic`)."""
+        tiles, else every row per row (the same bits, slower: for comparisons)."""
         caches = [kv_cache[i] for i in range(self.num_layers)]
         if not all(c.is_contiguous() and c.dtype == torch.bfloat16 for c in caches):
             raise ValueError("the C layers take contiguous bfloat16 layer caches")
@@ -92,7 +92,7 @@ def attention_block(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
     """One layer's RoPE (in place on qkv [T, q + 2 kv]), K/V write into its HND cache at k_rows / v_rows, and
     attention over the backend's C plan (q_rows, pages, kv_lens: every row, or all but the fresh prompts that
     the caller then runs through SDPA, whose rows are left unwritten): attention's output [T, q]. `tiles`: prompt
-    chunks through the kernel's 16-row tiles, else every row per row (config `deterministic`).
+    chunks through the kernel's 16-row tiles, else every row per row (the same bits, slower: for comparisons).
     The kernels of `fused_ops.rope_`, `write_kv_hnd` and the C attention path, so bitwise their result; what
     goes is two calls and torch's index_copy_ per layer (~0.1 ms of a 32-sequence decode step)."""
     t = qkv.shape[0]

@@ -35,6 +35,15 @@ HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 # operation of torch, numpy and Python code around it. So: compile, then link without it.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
+# The attention kernels that share attention_order.h's arithmetic: the compiler may not reassociate their
+# sums, approximate their divisions or fuse a product into a later addition, or the two paths could round
+# differently (a row's output would depend on which of them computed it).
+STRICT_SOURCES = {"attention_rows_bf16.c", "prompt_row_tiles.c"}
+STRICT_FLAGS = ["-fno-associative-math", "-fno-reciprocal-math", "-ffp-contract=off"]
+
+
+def compile_flags(source: Path) -> list[str]:
+    return COMPILE_FLAGS + (STRICT_FLAGS if source.name in STRICT_SOURCES else [])
 
 _p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, argtypes)
@@ -85,7 +94,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [p.read_text() for p in SOURCES + HEADERS] + [" ".join(COMPILE_FLAGS + LINK_FLAGS), version, _cpu_flags()]
+    parts = [p.read_text() for p in SOURCES + HEADERS] + [" ".join(COMPILE_FLAGS + STRICT_FLAGS + LINK_FLAGS), version, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_dir() / f"hetero_cpu_kernels-{key[:16]}.so"
     if not target.exists():
@@ -106,7 +115,7 @@ def build_library(compiler: str, sources: list[Path], target: Path) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         objects = [str(Path(tmp) / f"{source.stem}.o") for source in sources]
-        steps = [[compiler, *COMPILE_FLAGS, "-c", str(source), "-o", obj] for source, obj in zip(sources, objects)]
+        steps = [[compiler, *compile_flags(source), "-c", str(source), "-o", obj] for source, obj in zip(sources, objects)]
         steps.append([compiler, *LINK_FLAGS, *objects, "-o", str(built), "-lm"])
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True, timeout=300)

@@ -48,8 +48,8 @@ int decode_attention_bf16_rows(const uint16_t *q, int64_t q_row_stride, const in
  * backend's C plan (q_rows, pages [attn_rows, max_pages], kv_lens: every row, or all but fresh prompts
  * that the caller runs through SDPA) into attn [rows, q]. One call instead of three for the per-layer
  * loop where the linear layers are not C (oneDNN on AMX): the same kernels, so the same bits. `tiles`: prompt
- * chunks through decode_attention.c's 16-row tiles (faster, not bitwise the per-row path); 0: every row per
- * row (config `deterministic`). Returns 0, or decode_attention_bf16's error. */
+ * chunks through the attention kernel's 16-row tiles; 0: every row per row (the same bits, slower: for
+ * comparisons). Returns 0, or decode_attention_bf16's error. */
 int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_heads, int head_dim,
                          const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
                          uint16_t *layer_cache, int block_size, const int64_t *k_rows, const int64_t *v_rows,

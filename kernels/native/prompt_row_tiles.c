@@ -1,24 +1,20 @@
 /* Prompt rows of a decode_attention_bf16 plan in tiles of 16 query rows, on CPUs with AVX512-BF16
- * (decode_attention.c hands over its groups: consecutive plan rows, at least PROMPT_TILE_MIN_ROWS, that share one
- * page table, i.e. a prompt chunk; decode rows stay on its per-row path).
+ * (attention_rows_bf16.c hands over its groups: consecutive plan rows, at least PROMPT_TILE_MIN_ROWS, that share
+ * one page table, i.e. a prompt chunk; decode rows stay on its per-row path).
  *
- * The per-row path computes a prompt row as a decode: for every (row, key) it re-reads the key, sums each q.k
- * across lanes with a transpose tree and widens V to float32 again. Here the 16 lanes of a vector are 16 query
- * rows of one head instead (the tile):
+ * The per-row path puts 16 keys of one query row in the lanes of a vector; here the 16 lanes are 16 query rows
+ * of one head instead (the tile), so that each key and value is read once per tile, not once per row:
  * - q.k: the tile's q, transposed once into pairs of bfloat16 along the head dimension, times each key's pair
  *   broadcast from the cache page (the bf16 dot-product instruction, float32 accumulation): two instructions
  *   per (row, key) at head size 64, no cross-lane sums; K is read in place, never copied;
- * - softmax per lane over the keys each row sees (its own kv_len: causal, any cached prefix), float32, exp16;
- *   the numerators rounded to bfloat16 like SDPA's flash kernel and the AMX prompt kernel do, the sum kept in
- *   float32;
+ * - softmax per lane over the keys each row sees (its own kv_len: causal, any cached prefix);
  * - P . V with the same instruction: V re-laid once per (group, KV head) into pairs of consecutive keys;
  *   the output tile transposed back to rows once per 16 columns.
  * Two passes (all scores of a tile, then P . V): no online rescaling.
  *
- * A row's result depends on its own q, its sequence's K/V and kv_len only, never on the other rows of its
- * tile or of the step. It is not bitwise the per-row path's (P is rounded to bfloat16 here, the sums run in
- * another order): a prompt row computed in a chunk of fewer than PROMPT_TILE_MIN_ROWS rows (or as a decode)
- * differs from the same row computed in a larger chunk by a unit or two in the last place of bfloat16.
+ * Each lane runs attention_order.h's arithmetic, step for step, as the per-row path does: a row's result is
+ * the same bits in a tile, in a shorter chunk or as a decode, and never depends on the other rows of its tile
+ * or of the step.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +23,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+#include "attention_order.h"
 #include "vexp.h"
 
 #define TILE 16 /* query rows per tile: the lanes of a float32 vector */
@@ -41,9 +38,6 @@ typedef struct {
  * a missing odd key is 0 (the slot past the last written one may hold any bits, NaN included). */
 static void relayout_v(const uint16_t *cache, const int32_t *pages, int keys, int h, int num_kv_heads,
                        int block_size, int head_dim, uint32_t *vt) {
-    static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     const int64_t run = (int64_t)block_size * head_dim;
     for (int p = 0; p < (keys + 1) / 2; p++) {
         const int k0 = 2 * p, k1 = k0 + 1;
@@ -54,38 +48,11 @@ static void relayout_v(const uint16_t *cache, const int32_t *pages, int keys, in
                                       : NULL;
         uint32_t *dst = vt + (int64_t)p * head_dim;
         for (int d = 0; d < head_dim; d += 32) {
-            const __m512i ev = _mm512_loadu_si512(e + d);
-            const __m512i ov = o ? _mm512_loadu_si512(o + d) : _mm512_setzero_si512();
-            _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(ev, lo, ov));
-            _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(ev, hi, ov));
+            __m512i lo, hi;
+            pair_rows(_mm512_loadu_si512(e + d), o ? _mm512_loadu_si512(o + d) : _mm512_setzero_si512(), &lo, &hi);
+            _mm512_storeu_si512(dst + d, lo);
+            _mm512_storeu_si512(dst + d + 16, hi);
         }
-    }
-}
-
-/* r[i] lane j -> r[j] lane i: 16 x 16 float32 (or any 32-bit lanes), in 64 shuffles. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: u[4i + c] holds column 4 * lane + c of rows 4i .. 4i + 3 */
-        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-        u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-        u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-    }
-    for (int c = 0; c < 4; c++) {
-        t[c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
-        t[4 + c] = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xDD);
-        t[8 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
-        t[12 + c] = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xDD);
-    }
-    for (int c = 0; c < 4; c++) {
-        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
-        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
-        r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
-        r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
     }
 }
 
@@ -153,37 +120,32 @@ static inline __attribute__((always_inline)) void tile(
                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i interleave = _mm512_loadu_si512(pair_idx);
     __m512 inv[4];
-    int min_len = keys;  /* keys [0, min_len) are seen by every lane of a row: no masks there */
-    for (int l = 0; l < m; l++) min_len = lens_arr[l] < min_len ? lens_arr[l] : min_len;
     for (int g = 0; g < HP; g++) {
         const float *sg = s + g * key_slots * TILE;
         __m512 max = _mm512_set1_ps(-3.0e38f);
-        int k = 0;
-        for (; k < min_len; k++) max = _mm512_max_ps(max, _mm512_load_ps(sg + (int64_t)k * TILE));
-        for (; k < keys; k++) {
+        for (int k = 0; k < keys; k++) {
             const __mmask16 sees = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k));
             max = _mm512_mask_max_ps(max, sees, max, _mm512_load_ps(sg + (int64_t)k * TILE));
         }
-        __m512 sum = _mm512_setzero_ps();
-        int i = 0;
-        for (; 2 * i + 1 < min_len; i++) {
-            const __m512 e0 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (int64_t)(2 * i) * TILE), max));
-            const __m512 e1 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (int64_t)(2 * i + 1) * TILE), max));
-            sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-            _mm512_store_si512(p + (g * pairs + i) * TILE,
-                               _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
-        }
-        for (; i < pairs; i++) {
-            const int k0 = 2 * i;
-            const __mmask16 sees0 = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k0));
-            const __mmask16 sees1 = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k0 + 1));
-            const __m512 e0 = _mm512_maskz_mov_ps(sees0, exp16(_mm512_sub_ps(_mm512_maskz_load_ps(sees0, sg + (int64_t)k0 * TILE), max)));
-            const __m512 e1 = _mm512_maskz_mov_ps(sees1, exp16(_mm512_sub_ps(_mm512_maskz_load_ps(sees1, sg + (int64_t)(k0 + 1) * TILE), max)));
-            sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-            _mm512_store_si512(p + (g * pairs + i) * TILE,
-                               _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
-        }
-        inv[g] = _mm512_maskz_div_ps(_mm512_cmpgt_epi32_mask(lens, _mm512_setzero_si512()), _mm512_set1_ps(1.0f), sum);
+        /* attention_order.h's step 4: partial j of a lane sums its keys j, j + 16, ... */
+        __m512 partial[16];
+        for (int j = 0; j < 16; j++) partial[j] = _mm512_setzero_ps();
+        for (int k0 = 0; k0 < keys; k0 += 16)
+#pragma GCC unroll 8
+            for (int j = 0; j < 16; j += 2) {
+                const int k = k0 + j;
+                const __mmask16 sees0 = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k));
+                const __mmask16 sees1 = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k + 1));
+                const __m512 e0 = _mm512_maskz_mov_ps(sees0, exp16(_mm512_sub_ps(_mm512_maskz_load_ps(sees0, sg + (int64_t)k * TILE), max)));
+                const __m512 e1 = _mm512_maskz_mov_ps(sees1, exp16(_mm512_sub_ps(_mm512_maskz_load_ps(sees1, sg + (int64_t)(k + 1) * TILE), max)));
+                partial[j] = _mm512_add_ps(partial[j], e0);
+                partial[j + 1] = _mm512_add_ps(partial[j + 1], e1);
+                if (k < keys)
+                    _mm512_store_si512(p + (g * pairs + k / 2) * TILE,
+                                       _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+            }
+        inv[g] = _mm512_maskz_div_ps(_mm512_cmpgt_epi32_mask(lens, _mm512_setzero_si512()), _mm512_set1_ps(1.0f),
+                                     sum_tree16(partial));
     }
     /* P . V, KB output columns of every head at a time, into ot[head][column][lane]; then each lane's rows out. */
     for (int c0 = 0; c0 < DIM; c0 += KB) {

@@ -1,9 +1,8 @@
 """Row invariance in bfloat16 on the CPU's C kernels (config `deterministic`, issue 38): one token's
 K/V in every layer and its logits are the same bits whether it is computed alone as a decode, in a
 decode batch of 7, in a 16-row or a 100-row prompt chunk, or after a chunk boundary at 1, 15, 16, 17
-or 255 tokens, and also as a row in the middle of a chunk. With the attention kernel's 16-row tiles
-(`deterministic` false) a chunk's rows differ from the per-row path's in their last bits: checked
-too, so that these comparisons are known to see a difference when there is one.
+or 255 tokens, and also as a row in the middle of a chunk; with the attention kernel's 16-row tiles for
+chunks of 8+ rows (as the worker runs) and without them.
 
 Where the C kernels do not take every row (no AVX512-BF16), bfloat16 is not the default dtype and
 nothing here applies: skipped."""
@@ -44,13 +43,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
 
 
 def compute(model: LlamaModel, chunks: list[int], tiles: bool, others: int = 0,
-            row: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            row: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed one sequence's tokens in steps of `chunks` rows (each step may carry `others` sequences decoding
     beside it); the logits of position `row` (default TARGET, which the last chunk must hold) and every
     layer's K/V at TARGET."""
     row = TARGET if row is None else row
     torch.manual_seed(0)
     tokens = torch.randint(2, 500, (sum(chunks),)).tolist()
+    if seed:  # one token of the prompt changed, far from the target
+        tokens[seed] = tokens[seed] % 499 + 2
     c = model.config
     attention = create_attention_backend("torch", model.num_heads, model.num_kv_heads, c.head_dim, "cpu",
                                          torch.bfloat16, decode_kernel="c", prompt_tiles=tiles)
@@ -95,17 +96,20 @@ WAYS = {
 }
 
 
-def test_a_tokens_kv_and_logits_do_not_depend_on_the_path_that_computed_it(model: LlamaModel) -> None:
+@pytest.mark.parametrize("tiles", [True, False], ids=["tiles", "per-row"])
+def test_a_tokens_kv_and_logits_do_not_depend_on_the_path_that_computed_it(model: LlamaModel, tiles: bool) -> None:
+    """With the prompt tiles (as the worker runs) and with every row on the per-row path: the same bits as the
+    token computed alone as a decode."""
     reference = compute(model, WAYS["alone, as a decode"], tiles=False)
     for way, chunks in WAYS.items():
-        assert same_bits(compute(model, chunks, tiles=False), reference), way
-    assert same_bits(compute(model, [TARGET, 1], tiles=False, others=OTHERS), reference), "in a decode batch of 7"
-    assert same_bits(compute(model, [TARGET + 45], tiles=False, row=TARGET), reference), "mid-chunk"
-    assert same_bits(compute(model, [100, 100, 100], tiles=False, row=TARGET), reference), "mid-chunk, 3rd chunk"
+        assert same_bits(compute(model, chunks, tiles=tiles), reference), way
+    assert same_bits(compute(model, [TARGET, 1], tiles=tiles, others=OTHERS), reference), "in a decode batch of 7"
+    assert same_bits(compute(model, [TARGET + 45], tiles=tiles, row=TARGET), reference), "mid-chunk"
+    assert same_bits(compute(model, [100, 100, 100], tiles=tiles, row=TARGET), reference), "mid-chunk, 3rd chunk"
 
 
-def test_the_tile_path_differs_from_the_per_row_path(model: LlamaModel) -> None:
-    """Why `deterministic` turns the tiles off: a chunk of 8+ rows through them is not the decode's bits."""
-    decode = compute(model, WAYS["alone, as a decode"], tiles=True)
-    chunk = compute(model, WAYS["in a 100-row chunk"], tiles=True)
-    assert not same_bits(decode, chunk)
+def test_the_comparison_sees_a_changed_prompt(model: LlamaModel) -> None:
+    """So that the equalities above are known to compare what they should: one earlier token of the prompt
+    changed changes the target's K/V and logits."""
+    reference = compute(model, WAYS["alone, as a decode"], tiles=True)
+    assert not same_bits(compute(model, WAYS["alone, as a decode"], tiles=True, seed=1), reference)

@@ -29,10 +29,11 @@ def chunk_case(seqs: list[tuple[int, int]], hq: int, hkv: int, d: int, block_siz
     return cache, tables, q, keys, values
 
 
-def attend(cache, tables, seqs: list[tuple[int, int]], q: torch.Tensor) -> torch.Tensor:
-    """Every row of the step through the C kernel (one plan: decodes, short chunks and tiled chunks together)."""
+def attend(cache, tables, seqs: list[tuple[int, int]], q: torch.Tensor, tiles: bool = True) -> torch.Tensor:
+    """Every row of the step through the C kernel (one plan: decodes, short chunks and tiled chunks together;
+    `tiles` false: every row on the per-row path)."""
     hq, d, hkv = q.shape[1], q.shape[2], cache.shape[2]
-    backend = TorchPagedAttention(hq, hkv, d, decode_kernel="c")
+    backend = TorchPagedAttention(hq, hkv, d, decode_kernel="c", prompt_tiles=tiles)
     table = PageTable.build(tables, np.array([m for _, m in seqs]), np.array([n for n, _ in seqs]), cache.shape[3])
     backend.plan(table)
     assert backend.native_rows() is not None  # the C kernel takes every row
@@ -67,19 +68,24 @@ def test_prompt_chunks_in_tiles_match_dense_float32(block_size: int, heads: tupl
 
 
 @needs_kernel
-def test_tiled_rows_are_not_the_per_row_path() -> None:
-    """The chunks of at least 8 rows do take the tiles: their rows differ from the same rows computed one by one
-    as decodes (the per-row path: P kept in float32, other sums), by a unit or two of bfloat16."""
-    skip_without_tiles(64, 16)
-    seqs = [(40, 40)]
-    cache, tables, q, _, _ = chunk_case(seqs, 9, 3, 64, 16)
-    tiled = attend(cache, tables, seqs, q)
-    one_by_one = torch.cat([attend(cache, tables, [(i + 1, 1)], q[i:i + 1]) for i in range(40)])
-    assert not torch.equal(tiled, one_by_one)
-    torch.testing.assert_close(tiled.float(), one_by_one.float(), rtol=2e-2, atol=4e-3)
-    # Below the minimum a chunk's rows are the per-row path's, bit for bit.
-    short = attend(cache, tables, [(7, 7)], q[:7])
-    assert torch.equal(short, one_by_one[:7])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 2), (8, 2), (10, 2), (12, 2)])  # G = 1, 2, 3, 4, 5, 6
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_tiled_row_is_the_per_row_paths_bits(block_size: int, heads: tuple[int, int], head_dim: int) -> None:
+    """attention_order.h: the chunks of 8+ rows take the tiles, and each of their rows is bit for bit what the
+    per-row path computes for it, in the same step with the tiles off and one by one as decodes (every
+    grouping, both head sizes, odd and even lengths, NaN in every unwritten slot)."""
+    skip_without_tiles(head_dim, block_size)
+    cache, tables, q, _, _ = chunk_case(SEQS, *heads, head_dim, block_size, seed=11)
+    tiled = attend(cache, tables, SEQS, q)
+    rows_only = attend(cache, tables, SEQS, q, tiles=False)
+    assert torch.equal(tiled, rows_only)
+    start = 0
+    for (n, m), table in zip(SEQS, tables):
+        one_by_one = torch.cat([attend(cache, [table], [(n - m + i + 1, 1)], q[start + i:start + i + 1])
+                                for i in range(0, m, 7)])
+        assert torch.equal(tiled[start:start + m:7], one_by_one), (n, m)
+        start += m
 
 
 @needs_kernel
