@@ -1,5 +1,5 @@
 """Two builds of the CPU C kernels in one process: this checkout's and another git revision's, on the
-in-process engine's decode steps, interleaved, so that a virtual machine's drift between runs (±15% on the
+in-process engine's steps, interleaved, so that a virtual machine's drift between runs (±15% on the
 development box) does not decide an A/B of a few percent.
 
     python benchmarks/kernel_ab.py [--base HEAD~1] [--reps 8] [--batch 32] [--min-prompt 120]
@@ -11,8 +11,8 @@ runs `--reps` rounds; in each, both builds in turn (the order alternating) take 
 of `--min-prompt`-`--max-prompt` random tokens to `--new-tokens` greedy tokens each, with every decoder
 layer running through that build's `llama_layers_bf16` (the one-call layers, gpu_worker/cpu/c_layers.py:
 the linear products, attention and element-wise kernels of every layer; the LM head and sampling stay
-this checkout's). Printed: each round's median decode-step time per build, and this checkout's time over
-the base's per round and their median. Needs a CPU where the one-call layers run (AVX512-BF16, the
+this checkout's). Printed: each round's time of the prompts' steps (prefill) and median decode-step time per
+build, and this checkout's times over the base's per round and their medians. Needs a CPU where the one-call layers run (AVX512-BF16, the
 C kernels built), and the same `llama_layers_bf16` signature in both revisions.
 
 `--products 16,32,...` compares the two builds' `linear_bf16` instead: one forward's products of the model's
@@ -107,8 +107,9 @@ def compare_products(base: ctypes.CDLL, current: ctypes.CDLL, model: str | None,
               f"faster in {sum(r < 1 for r in ratios)} of {reps}")
 
 
-def decode_step_ms(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Median time of the steps in which every sequence decodes (after the prompts' steps)."""
+def step_times_ms(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(the prompts' steps' total time: every step until the first that decodes every sequence, the median time
+    of the steps in which every sequence decodes)."""
     params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.submit_request(p, params)
@@ -117,8 +118,15 @@ def decode_step_ms(engine: InferenceEngine, prompts: list[list[int]], new_tokens
         start = time.perf_counter()
         engine.step()
         times.append((len(engine.last_step_outputs), time.perf_counter() - start))
-    full = [t for n, t in times[len(times) - new_tokens + 1:] if n == len(prompts)]
-    return statistics.median(full) * 1e3
+    first_full = len(times) - new_tokens + 1
+    full = [t for n, t in times[first_full:] if n == len(prompts)]
+    return sum(t for _, t in times[:first_full]) * 1e3, statistics.median(full) * 1e3
+
+
+def ratio_line(what: str, times: dict[str, list[float]]) -> str:
+    ratios = [t / b for t, b in zip(times["this"], times["base"])]
+    return (f"this / base {what}: median {statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-"
+            f"{max(ratios):.3f}); faster in {sum(r < 1 for r in ratios)} of {len(ratios)} rounds")
 
 
 def main() -> int:
@@ -146,7 +154,9 @@ def main() -> int:
             compare_products(build_revision(args.base, Path(tmp)), current, args.model,
                              [int(r) for r in args.products.split(",")], args.reps)
         return 0
-    engine = InferenceEngine(Config(model=args.model, max_batch_size=max(args.batch, Config().max_batch_size)))
+    # No prefix cache: both builds compute every prompt of a round (the second would find the first's blocks).
+    engine = InferenceEngine(Config(model=args.model, max_batch_size=max(args.batch, Config().max_batch_size),
+                                    enable_prefix_caching=False))
     layers: CLayers | None = engine.runner.model.c_layers
     if layers is None:
         raise SystemExit("the engine does not run its layers in one C call here (needs AVX512-BF16 and dtype "
@@ -154,19 +164,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         builds = {"base": getattr(build_revision(args.base, Path(tmp)), LAYERS), "this": getattr(current, LAYERS)}
         vocab = engine.runner.model_config.vocab_size
-        print(f"decode steps of {args.batch} sequences, {args.min_prompt}-{args.max_prompt}-token prompts + "
-              f"{args.new_tokens} tokens; base = {args.base}, this = the checkout; median ms per step")
-        times: dict[str, list[float]] = {name: [] for name in builds}
+        print(f"{args.batch} sequences, {args.min_prompt}-{args.max_prompt}-token prompts + {args.new_tokens} "
+              f"tokens; base = {args.base}, this = the checkout; ms for the prompts' steps, median ms per decode step")
+        prompt_ms: dict[str, list[float]] = {name: [] for name in builds}
+        decode_ms: dict[str, list[float]] = {name: [] for name in builds}
         for rep in range(args.reps):
             prompts = make_prompts(args.batch, args.min_prompt, args.max_prompt, vocab=vocab, seed=rep)
             for name in (("base", "this") if rep % 2 == 0 else ("this", "base")):
                 layers._fn = builds[name]
-                times[name].append(decode_step_ms(engine, prompts, args.new_tokens))
-            print(f"  round {rep + 1}: base {times['base'][-1]:.2f}, this {times['this'][-1]:.2f} "
-                  f"({times['this'][-1] / times['base'][-1]:.3f}x)")
-        ratios = [t / b for t, b in zip(times["this"], times["base"])]
-        print(f"this / base step time: median {statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-"
-              f"{max(ratios):.3f}); faster in {sum(r < 1 for r in ratios)} of {len(ratios)} rounds")
+                prefill, decode = step_times_ms(engine, prompts, args.new_tokens)
+                prompt_ms[name].append(prefill), decode_ms[name].append(decode)
+            print(f"  round {rep + 1}: prompts base {prompt_ms['base'][-1]:.1f}, this {prompt_ms['this'][-1]:.1f}; "
+                  f"decode step base {decode_ms['base'][-1]:.2f}, this {decode_ms['this'][-1]:.2f}")
+        print(ratio_line("prompt steps", prompt_ms))
+        print(ratio_line("decode step", decode_ms))
         layers._fn = builds["this"]
     return 0
 

@@ -120,17 +120,32 @@ static inline __attribute__((always_inline)) void tile(
                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     const __m512i interleave = _mm512_loadu_si512(pair_idx);
     __m512 inv[4];
+    int min_len = keys; /* keys [0, min_len) are seen by every lane of the tile: no masks there */
+    for (int l = 0; l < m; l++) min_len = lens_arr[l] < min_len ? lens_arr[l] : min_len;
     for (int g = 0; g < HP; g++) {
         const float *sg = s + g * key_slots * TILE;
         __m512 max = _mm512_set1_ps(-3.0e38f);
-        for (int k = 0; k < keys; k++) {
+        int k = 0;
+        for (; k < min_len; k++) max = _mm512_max_ps(max, _mm512_load_ps(sg + (int64_t)k * TILE));
+        for (; k < keys; k++) {
             const __mmask16 sees = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k));
             max = _mm512_mask_max_ps(max, sees, max, _mm512_load_ps(sg + (int64_t)k * TILE));
         }
         /* attention_order.h's step 4: partial j of a lane sums its keys j, j + 16, ... */
         __m512 partial[16];
         for (int j = 0; j < 16; j++) partial[j] = _mm512_setzero_ps();
-        for (int k0 = 0; k0 < keys; k0 += 16)
+        int k0 = 0;
+        for (; k0 + 16 <= min_len; k0 += 16)
+#pragma GCC unroll 8
+            for (int j = 0; j < 16; j += 2) {
+                const __m512 e0 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (int64_t)(k0 + j) * TILE), max));
+                const __m512 e1 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (int64_t)(k0 + j + 1) * TILE), max));
+                partial[j] = _mm512_add_ps(partial[j], e0);
+                partial[j + 1] = _mm512_add_ps(partial[j + 1], e1);
+                _mm512_store_si512(p + (g * pairs + (k0 + j) / 2) * TILE,
+                                   _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+            }
+        for (; k0 < keys; k0 += 16)
 #pragma GCC unroll 8
             for (int j = 0; j < 16; j += 2) {
                 const int k = k0 + j;
