@@ -6,7 +6,7 @@ out token for token as the undisturbed run, and how many sequences moved (issue 
 `deterministic`).
 
     python benchmarks/failover_identity.py [--streams 24] [--tokens 48] [SERVE FLAGS ...]
-    python benchmarks/failover_identity.py --deterministic false     # the tile kernels: last bits differ
+    python benchmarks/failover_identity.py --deterministic false     # AMX CPUs: their faster prompt paths
 """
 
 from __future__ import annotations

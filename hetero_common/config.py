@@ -65,11 +65,11 @@ class Config:
         "CPU worker in bfloat16: `auto` = the C kernels of `kernels/native/` where they build (else torch, with a "
         "logged reason), `c` = those or a failed start-up, `torch` = never; float32 always runs the torch code"))
     deterministic: bool = field(default=True, metadata=doc(
-        "CPU worker in bfloat16 with the C kernels: one attention path and one linear kernel for every row, so a "
-        "token's values are the same bits alone, in a batch, in a prompt chunk of any length or as a decode (a "
-        "failover's or a preemption's recompute continues the same tokens); false = prompt chunks through the "
-        "faster tile kernels (the 16-row attention tiles; on AMX CPUs the AMX prompt kernel and oneDNN's products "
-        "above a few rows), whose last bits differ"))
+        "CPU worker in bfloat16 with the C kernels: every row through the C attention kernel and one linear "
+        "kernel, so a token's values are the same bits alone, in a batch, in a prompt chunk of any length or as a "
+        "decode (a failover's or a preemption's recompute continues the same tokens); false matters on AMX CPUs "
+        "only: prompt chunks through the AMX prompt kernel (or SDPA) and oneDNN's products above a few rows, "
+        "whose last bits differ"))
     weight_prepack: bool = field(default=True, metadata=doc(
         "CPU worker: lay the linear layers' weights out once at load (oneDNN's blocked format, or the C linear "
         "kernel's panels) instead of on every product; false = plain `F.linear`"))

@@ -96,10 +96,12 @@ NOTES = """\
   prompt chunk of any length at any offset, or as a decode: a recompute after preemption or after
   a replica's failover continues every stream exactly (tests/unit/gpu_worker/test_row_invariance.py,
   tests/model/test_bf16_invariance.py). The linear layers and the element-wise kernels compute
-  each row alone already; what it changes is attention, whose prompt chunks of 8+ rows then run
-  per row instead of in 16-row tiles, and on AMX CPUs the AMX prompt kernel and oneDNN's products
-  above a few rows (not verified on an AMX machine). Its cost: docs/performance.md, "Invariant
-  numerics". float32 runs the torch code, invariant already; on CUDA it does nothing yet.
+  each row alone, and the attention kernel's per-row path and its 16-row prompt tiles share one
+  arithmetic (`kernels/native/attention_order.h`), so on CPUs without AMX invariance costs nothing
+  and `false` changes nothing. On AMX CPUs `false` sends prompt chunks to the AMX prompt kernel
+  (or SDPA) and products of more than a few rows to oneDNN, whose last bits follow the row count;
+  how much faster that is there is not measured yet (docs/performance.md, "Invariant numerics").
+  float32 runs the torch code, invariant already; on CUDA it does nothing yet.
 - **`weight_prepack`**: the linear layers' weights are re-laid out once at load instead of on
   every product (`gpu_worker/cpu/packed_linear.py`). In float32 the products move from MKL to
   oneDNN (last-bit differences; the oracle tests stay token-exact); in bfloat16 results are
