@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace, config) -> int:
+    if config.serving.backend.kind == "command_bridge":
+        return _generate_through_bridge(args, config)
     from hetero_infer.engine import GenerationParams, InferenceEngine
 
     engine = InferenceEngine(config)
@@ -85,6 +87,27 @@ def _generate(args: argparse.Namespace, config) -> int:
     engine.submit_request(args.input, params, chat=use_chat)
     for result in engine.run():
         print(result.output_text)
+    return 0
+
+
+def _generate_through_bridge(args: argparse.Namespace, config) -> int:
+    """serving.backend.kind command_bridge: the program answers (the prompt in HETERO_PROMPT, as typed); no model
+    is loaded. Its output is printed as it streams."""
+    from gateway.command_bridge import CommandBridge
+    from hetero_common.sampling import Sampling
+
+    sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        seed=args.seed, stop=(), stop_token_ids=frozenset(), ignore_eos=False, n=1, logprobs=None,
+                        include_special_tokens=False)
+    bridge = CommandBridge(config.serving.backend)
+
+    async def answer() -> None:
+        async for chunk in bridge.stream("generate-1", args.input, sampling, config.serving.model_name):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+
+    asyncio.run(answer())
+    print()
     return 0
 
 

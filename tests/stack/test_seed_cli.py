@@ -99,6 +99,16 @@ def test_seed_serve_line_with_the_default_model_fails_naming_tokenizer_kind(tmp_
     assert result.returncode == 1 and "tokenizer.kind simple" in result.stderr and "49152" in result.stderr
 
 
+def test_seed_config_and_input_through_the_command_bridge(tmp_path: Path) -> None:
+    """`hetero-infer --config config.json --input Hello` with the seed's config and its bridge backend: the
+    program answers and no model is loaded (HETERO_MODEL names no file: loading one would fail)."""
+    write_config(tmp_path, {**SEED_CONFIG, "serving": {**SEED_CONFIG["serving"], **SEED_BRIDGE_CONFIG["serving"]}})
+    result = hetero_infer("--config", "config.json", "--input", "Hello", cwd=tmp_path,
+                          env=base_env(HETERO_MODEL=str(tmp_path / "no-such-model")))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == "bridge:Hello\n"
+
+
 def test_seed_command_bridge_with_the_simple_tokenizer_and_abort(tmp_path: Path) -> None:
     data = {**SEED_BRIDGE_CONFIG, "tokenizer": {"kind": "simple", "path": None}}
     write_config(tmp_path, data)
