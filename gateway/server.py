@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import Any
 
 import grpc
 import structlog
@@ -18,6 +19,7 @@ from gateway.fallback import FallbackBackend
 from gateway.generation import Generation
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
 from gateway.http_protocol import limited_protocol
+from gateway.metrics_listener import MetricsOnlyApp
 from gateway.openai.app import HttpApi, error_body
 from gateway.scheduler_backend import SchedulerBackend
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
@@ -65,7 +67,12 @@ async def serve_gateway(config: Config) -> None:
         raise SystemExit(f"gateway: cannot bind {address}; is another process using it?")
     await server.start()
     await generation.start()
-    http = await start_http_server(config, HttpApi(generation, keys, scheduler.stats, config.serving)) if config.serving.http_port else None
+    api = HttpApi(generation, keys, scheduler.stats, config.serving)
+    listeners = []  # the HTTP API, and `enable_metrics`' own /metrics
+    if config.serving.http_port:
+        listeners.append(await start_http_server(config, api.app, config.serving.http_port, "serving.http_port"))
+    if config.enable_metrics:
+        listeners.append(await start_http_server(config, MetricsOnlyApp(api), config.metrics_port, "metrics_port"))
     await set_serving_aio(health, [SERVICE_NAME])
     tune_gc()
     log.info("gateway serving", address=address, http_port=config.serving.http_port or None, model=config.serving.model_name,
@@ -76,8 +83,7 @@ async def serve_gateway(config: Config) -> None:
     # `serve` gone, the parent-death watchdog) allows a stopping service.
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
     log.info("draining", grace_s=config.drain_grace_s)
-    await asyncio.gather(server.stop(grace=config.drain_grace_s),
-                         *([http.stop(config.drain_grace_s)] if http is not None else []))
+    await asyncio.gather(server.stop(grace=config.drain_grace_s), *(http.stop(config.drain_grace_s) for http in listeners))
     log.info("gateway stopped")
 
 
@@ -101,22 +107,24 @@ class RunningHttpServer:
             await asyncio.wait_for(self.task, timeout=grace_s)
 
 
-async def start_http_server(config: Config, api: HttpApi) -> RunningHttpServer:
+async def start_http_server(config: Config, app: Any, port: int, port_key: str) -> RunningHttpServer:
+    """`app` (ASGI) served on serving.host:`port` (the config key `port_key`), with the serving TLS and limits."""
     tls = config.serving.tls
     # Bind here, so a taken port fails start-up with our message (uvicorn would sys.exit inside a task).
-    host, port = config.serving.host, config.serving.http_port
+    host = config.serving.host
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
-        raise SystemExit(f"gateway: cannot bind HTTP {host}:{port} ({exc}); set serving.http_port (0 disables HTTP)")
+        hint = " (0 disables HTTP)" if port_key == "serving.http_port" else ""
+        raise SystemExit(f"gateway: cannot bind HTTP {host}:{port} ({exc}); set {port_key}{hint}")
     limits = config.serving  # the body cap and body timeout are the app's (openai/body_limit.py)
     protocol = limited_protocol(limits.http_header_timeout_s, limits.max_connections,
                                 lambda cap: error_body(429, f"the gateway has {cap} connections open "
                                                             "(serving.max_connections); retry later"),
                                 lambda message: error_body(400, message))
-    server = _EmbeddedServer(uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
+    server = _EmbeddedServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                             ssl_certfile=tls.cert_file, ssl_keyfile=tls.key_file,
                                             timeout_graceful_shutdown=5, http=protocol, ws="none",
                                             timeout_keep_alive=limits.http_keep_alive_timeout_s))  # type: ignore[arg-type]
@@ -126,5 +134,5 @@ async def start_http_server(config: Config, api: HttpApi) -> RunningHttpServer:
             task.result()
             raise UnavailableError("HTTP server stopped during start-up")
         await asyncio.sleep(0.01)
-    log.info("http serving", address=f"{'https' if tls.enabled else 'http'}://{host}:{port}")
+    log.info("http serving", address=f"{'https' if tls.enabled else 'http'}://{host}:{port}", port_key=port_key)
     return RunningHttpServer(server, task)

@@ -222,7 +222,8 @@ class ModelRunner:
             self.swapped.pop(seq_id, None)
         for swap in plan.swap_out:
             state = self._state(plan, swap.seq_id)
-            self.swapped[swap.seq_id] = swap_out_blocks(self.kv_cache, torch.tensor(list(swap.block_ids), device=self.device))
+            self.swapped[swap.seq_id] = swap_out_blocks(self.kv_cache, torch.tensor(list(swap.block_ids), device=self.device),
+                                                        self.config.pin_memory)
             state.block_table = np.zeros(0, dtype=np.int32)
         for swap in plan.swap_in:
             state, host = self._state(plan, swap.seq_id), self.swapped.pop(swap.seq_id, None)

@@ -58,6 +58,12 @@ class Config:
     dtype: str = field(default="auto", metadata=doc(
         "the worker's compute type: `auto` = bfloat16 on GPUs and on CPUs where its products are faster (notes "
         "below), else float32; `float32` is exact (the oracle tests' mode)"))
+    fp16: bool = field(default=False, metadata=doc(
+        "the seed's switch for half precision: true = dtype float16 (beside a dtype other than auto or float16: "
+        "refused)"))
+    kv_cache_dtype: str = field(default="auto", metadata=doc(
+        "the KV cache's element type: `auto` = the model's dtype; `fp16` = float16, with dtype float16 (or `fp16: "
+        "true`) only in this version; int8 and fp8 caches are not built yet"))
     attention_backend: str = field(default="auto", metadata=doc(
         "`auto` (FlashInfer where it can run on the CUDA device, else torch), `torch` (the paged reference) or "
         "`flashinfer` (start-up fails, saying why, where it cannot run)"))
@@ -87,7 +93,11 @@ class Config:
     gpu_memory_utilization: float = field(default=0.9, metadata=doc(
         "CUDA worker: the fraction of device memory free after weights and warm-up that the KV cache may take"))
     enable_cuda_graphs: bool = field(default=True, metadata=doc(
-        "CUDA + FlashInfer: decode-only steps replay captured CUDA graphs; false = always eager"))
+        "CUDA + FlashInfer: decode-only steps replay captured CUDA graphs; false = always eager (alias "
+        "`cuda_graph`, the seed's name)"))
+    pin_memory: bool = field(default=True, metadata=doc(
+        "CUDA: swapped-out KV blocks in page-locked host memory (faster copies both ways, and copies back that "
+        "overlap the step); false = pageable memory. The CPU worker copies within host memory: no effect there"))
     num_cuda_graphs: int | None = field(default=None, metadata=doc(
         "Megatron's name: at most this many captured batch sizes, spread over the ladder 1, 2, 4, 8, 16, 24, … up "
         "to min(max_batch_size, max_num_seqs), the largest always kept; null = the whole ladder"))
@@ -151,6 +161,10 @@ class Config:
     drain_grace_s: float = field(default=10.0, metadata=doc("on SIGTERM, in-flight requests get this long to finish"))
     log_level: str = field(default="info", metadata=doc("the services' log level", group="Logging"))
     log_format: str = field(default="auto", metadata=doc("`auto` (console on a terminal, JSON otherwise), `json` or `console`"))
+    enable_metrics: bool = field(default=False, metadata=doc(
+        "the gateway also serves its Prometheus metrics (GET /metrics, as on the HTTP API's port) on "
+        "`metrics_port`, alone", group="Monitoring"))
+    metrics_port: int = field(default=9090, metadata=doc("the port of `enable_metrics`' own /metrics listener"))
 
     def validate(self) -> "Config":
         """Raise ConfigError naming the first bad key; return self for chaining."""
@@ -193,6 +207,14 @@ class Config:
                "must be auto, cpu, cuda or cuda:N")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
                "must be auto, float32, bfloat16 or float16")
+        _check(not self.fp16 or self.dtype in ("auto", "float16"), "fp16", self.fp16,
+               "must go with dtype auto or float16 (fp16 true means dtype float16); drop one of them")
+        if self.fp16:
+            self.dtype = "float16"
+        _check(self.kv_cache_dtype in ("auto", "fp16"), "kv_cache_dtype", self.kv_cache_dtype,
+               "must be auto (the model's dtype) or fp16; int8 and fp8 caches are not built yet")
+        _check(self.kv_cache_dtype != "fp16" or self.dtype == "float16", "kv_cache_dtype", self.kv_cache_dtype,
+               "fp16 needs dtype float16 (or fp16 true) in this version: the cache holds the model's dtype")
         _check(self.cpu_kernels in ("auto", "c", "torch"), "cpu_kernels", self.cpu_kernels,
                "must be auto, c or torch")
         _check(self.attention_backend in ("auto", "torch", "flashinfer"), "attention_backend", self.attention_backend,
@@ -306,6 +328,11 @@ class Config:
         _check(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", self.log_level,
                "must be debug, info, warning or error")
         _check(self.log_format in ("auto", "json", "console"), "log_format", self.log_format, "must be auto, json or console")
+        _check(1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "must be a TCP port (1-65535)")
+        taken = {"serving.port": self.serving.port, "serving.http_port": self.serving.http_port}
+        for key, port in taken.items():
+            _check(not self.enable_metrics or self.metrics_port != port, "metrics_port", self.metrics_port,
+                   f"must differ from {key} ({port}) when enable_metrics is true")
 
     def replica_addresses(self) -> list[str]:
         """The gRPC address of each static worker replica (its tensor-parallel rank 0); those found

@@ -24,7 +24,7 @@ from unittest import mock
 import hetero_common.config as config_module
 from hetero_common.config import PRESETS, CommandConfig, Config
 from hetero_infer import config_doc_text as text
-from hetero_infer.config_sources import ENV_ALIASES, ConfigKey, config_keys
+from hetero_infer.config_sources import ENV_ALIASES, KEY_ALIASES, ConfigKey, config_keys
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 REGENERATE = "python -m hetero_infer.config_doc --write"
@@ -134,7 +134,9 @@ def _row(row: KeyDoc) -> str:
     values = "; ".join((_type_words(row.key.type), *row.rules))
     env = f"`{row.key.env_name}`" + "".join(f" (or `{alias}`)" for alias, name in ENV_ALIASES.items()
                                             if name == row.key.dotted)
-    cells = (f"`{row.key.dotted}`", f"`{_shown(row.default)}`", values, env, f"`{row.key.flag}`", row.meaning)
+    flags = f"`{row.key.flag}`" + "".join(f" (or `--{alias.replace('_', '-')}`)" for alias, name in KEY_ALIASES.items()
+                                          if name == row.key.dotted)
+    cells = (f"`{row.key.dotted}`", f"`{_shown(row.default)}`", values, env, flags, row.meaning)
     return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 

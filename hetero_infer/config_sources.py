@@ -20,7 +20,9 @@ from hetero_common.config import PRESETS, CommandConfig, Config
 from hetero_common.errors import ConfigError
 
 # Short spellings users know from the seed docs.
-ENV_ALIASES = {"HETERO_MAX_BLOCKS": "max_num_blocks"}
+KEY_ALIASES = {"cuda_graph": "enable_cuda_graphs"}  # also in a file, as HETERO_CUDA_GRAPH and --cuda-graph
+ENV_ALIASES = {"HETERO_MAX_BLOCKS": "max_num_blocks",
+               **{"HETERO_" + alias.upper(): name for alias, name in KEY_ALIASES.items()}}
 KIND_ALIASES = {"local_engine": "scheduler"}
 
 
@@ -116,10 +118,16 @@ def _set(config: Config, key: ConfigKey, value: Any) -> None:
 
 def _flatten_file(data: Mapping[str, Any], keys: dict[tuple[str, ...], ConfigKey], prefix: tuple[str, ...] = ()) -> dict[ConfigKey, Any]:
     out: dict[ConfigKey, Any] = {}
+    spelled: dict[ConfigKey, str] = {}  # the name each key was set under (a key, or its alias)
     for name, value in data.items():
         path = prefix + (name,)
-        if path in keys:
-            out[keys[path]] = value
+        target = (KEY_ALIASES[name],) if not prefix and name in KEY_ALIASES else path
+        if target in keys:
+            key = keys[target]
+            if key in out and out[key] != value:
+                raise ConfigError(f"config keys '{spelled[key]}' and '{'.'.join(path)}' (one is the other's alias) "
+                                  f"disagree ({out[key]!r} and {value!r}); keep one")
+            out[key], spelled[key] = value, ".".join(path)
         elif isinstance(value, Mapping) and any(k[: len(path)] == path for k in keys):
             out.update(_flatten_file(value, keys, path))
         elif path != ("preset",):
@@ -182,7 +190,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", dest="config_file", help="JSON config file")
     group.add_argument("--preset", choices=sorted(PRESETS), help="named preset from the seed docs")
     for key in config_keys():
-        group.add_argument(key.flag, dest="cfg:" + key.dotted, default=None, metavar="VALUE",
+        aliases = ["--" + alias.replace("_", "-") for alias, name in KEY_ALIASES.items() if name == key.dotted]
+        group.add_argument(key.flag, *aliases, dest="cfg:" + key.dotted, default=None, metavar="VALUE",
                            help=f"{key.dotted} (env {key.env_name})")
 
 

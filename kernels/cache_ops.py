@@ -78,10 +78,16 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
         kv_cache[:, dst] = kv_cache[:, src]
 
 
-def swap_out_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """A copy of whole blocks (all layers) in host memory: [layers, len(block_ids), 2, block_size, heads, dim]."""
-    host = kv_cache[:, block_ids].to("cpu", copy=True)
-    return host.pin_memory() if kv_cache.is_cuda else host
+def swap_out_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, pin_memory: bool = True) -> torch.Tensor:
+    """A copy of whole blocks (all layers) in host memory: [layers, len(block_ids), 2, block_size, heads, dim].
+    From a CUDA cache into page-locked memory with `pin_memory` (config `pin_memory`: faster copies, and
+    `swap_in_blocks`' copy back does not block), else pageable; a CPU cache's blocks are copied as they are."""
+    blocks = kv_cache[:, block_ids]  # advanced indexing: already a copy
+    if not kv_cache.is_cuda:
+        return blocks
+    host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=pin_memory)
+    host.copy_(blocks)
+    return host
 
 
 def swap_in_blocks(kv_cache: torch.Tensor, host: torch.Tensor, block_ids: torch.Tensor) -> None:

@@ -109,6 +109,23 @@ def test_seed_config_and_input_through_the_command_bridge(tmp_path: Path) -> Non
     assert result.stdout == "bridge:Hello\n"
 
 
+def test_enable_metrics_serves_metrics_on_their_own_port(tmp_path: Path) -> None:
+    """The guide's monitoring keys: /metrics on metrics_port alone (the HTTP API's /metrics stays); other paths
+    404, other methods 405. A bridge-only gateway: no model needed."""
+    write_config(tmp_path, {**SEED_BRIDGE_CONFIG, "tokenizer": {"kind": "simple", "path": None}})
+    metrics_port = free_port()
+    with serving(["gateway", "--config", "config.json"], tmp_path, HETERO_ENABLE_METRICS="true",
+                 HETERO_METRICS_PORT=str(metrics_port)) as (channel, http_port):
+        inference_pb2_grpc.InferenceStub(channel).Complete(inference_pb2.GenerateRequest(prompt="hi"), timeout=30)
+        own = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        assert own.status_code == 200 and own.headers["content-type"].startswith("text/plain")
+        assert "hetero_prompt_tokens_total 3.0" in own.text  # BOS + "hi"
+        assert httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).status_code == 200
+        missing = httpx.get(f"http://127.0.0.1:{metrics_port}/v1/models", timeout=10)
+        assert missing.status_code == 404 and "metrics_port" in missing.json()["error"]["message"]
+        assert httpx.post(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).status_code == 405
+
+
 def test_seed_command_bridge_with_the_simple_tokenizer_and_abort(tmp_path: Path) -> None:
     data = {**SEED_BRIDGE_CONFIG, "tokenizer": {"kind": "simple", "path": None}}
     write_config(tmp_path, data)
