@@ -1,0 +1,246 @@
+/* Linear layers straight from GGUF's block formats on CPUs with AVX512-VNNI (issue 39): y = x @ W^T (+ bias), W
+ * [n, k] in Q4_0, Q4_1 or Q8_0 blocks of 32 weights along k, x bfloat16.
+ *
+ * Every format is held as w = d * u + m per block, u unsigned (4 bits: Q4_0's q with m = -8 d, Q4_1's q and m;
+ * 8 bits: Q8_0's q + 128 with m = -128 d), so one integer product serves all three:
+ * - each row of x is quantized per block of 32 to int8 (xq, dx = max|x| / 127, round to nearest even) with
+ *   sx = dx * sum(xq), as llama.cpp's Q8_1;
+ * - per block, sum(w * x) = d * dx * sum(u * xq) + m * sx, the integer sum by vpdpbusd (u8 x s8, four products
+ *   per 32-bit lane), exact in int32;
+ * - 16 output rows of W sit in the 16 lanes of a vector (linear_gguf_pack's tiles): a 4-byte run of xq is
+ *   broadcast and multiplied into 16 rows at once, no cross-lane sums; the float32 sum of a lane adds the
+ *   blocks in k order.
+ * A tile (16 rows, one block) keeps GGUF's bytes per weight: 16 x 16 bytes of nibbles (or 16 x 32 of bytes)
+ * then 16 fp16 d and 16 fp16 m: 320 bytes where GGUF has 16 x 20 (Q4_1), 16 x 18 (Q4_0: 1.11x, m is new) or
+ * 16 x 34 (Q8_0: 1.06x). Row tiles of W stream from memory once per call, rows of x up to MR at a time
+ * reuse each unpacked tile.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#endif
+
+#define GGML_Q4_0 2
+#define GGML_Q4_1 3
+#define GGML_Q8_0 8
+#define QK 32 /* weights per block */
+#define NR 16 /* output rows per tile: the lanes of a vector */
+#define MR 4  /* rows of x per pass over a row tile */
+
+static int weight_bits(int type) { return type == GGML_Q8_0 ? 8 : 4; }
+static int gguf_block_bytes(int type) { return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : 34; }
+
+/* Bytes of one tile (NR rows x one block): the unsigned weights, then NR fp16 d and NR fp16 m. */
+static int64_t tile_bytes(int type) { return (int64_t)NR * QK * weight_bits(type) / 8 + 4 * NR; }
+
+/* Whether these kernels run here (1) and take this type and shape: k a multiple of 32, n of 16. */
+int linear_gguf_supported(int type, int n, int k) {
+#ifdef HAVE_VNNI
+    return (type == GGML_Q4_0 || type == GGML_Q4_1 || type == GGML_Q8_0) && n > 0 && k > 0 && n % NR == 0
+           && k % QK == 0;
+#else
+    (void)type, (void)n, (void)k;
+    return 0;
+#endif
+}
+
+int64_t linear_gguf_packed_bytes(int type, int n, int k) { return (int64_t)(n / NR) * (k / QK) * tile_bytes(type); }
+
+#ifdef HAVE_VNNI
+static float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+static uint16_t float_to_half(float f) { return (uint16_t)_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
+
+/* One GGUF block -> its 32 unsigned weights and (d, m) as fp16 bits. */
+static void unpack_block(const uint8_t *block, int type, uint8_t u[QK], uint16_t *d, uint16_t *m) {
+    memcpy(d, block, 2);
+    const float df = half_to_float(*d);
+    if (type == GGML_Q8_0) {
+        for (int j = 0; j < QK; j++) u[j] = (uint8_t)((int)(int8_t)block[2 + j] + 128);
+        *m = float_to_half(-128.0f * df); /* a power-of-two multiple: exact unless it overflows fp16 */
+        return;
+    }
+    const uint8_t *qs = block + (type == GGML_Q4_1 ? 4 : 2);
+    for (int j = 0; j < QK / 2; j++) {
+        u[j] = qs[j] & 0x0F;
+        u[j + QK / 2] = qs[j] >> 4;
+    }
+    if (type == GGML_Q4_1)
+        memcpy(m, block + 2, 2);
+    else
+        *m = float_to_half(-8.0f * df);
+}
+#endif
+
+/* GGUF's [n][k / 32] blocks (rows in order) -> the tiles [n / 16][k / 32] the kernel reads. In a tile of 4-bit
+ * weights, vector v (64 bytes) holds in lane i (row i of the tile) bytes j = 0..3: u[4v + j] in the low nibble,
+ * u[16 + 4v + j] in the high one; of 8-bit weights, vector v lane i holds u[4v + j]. Returns 0, or -1 when the
+ * kernels do not take the type or shape (nothing written). */
+int linear_gguf_pack(const uint8_t *src, int type, int n, int k, uint8_t *dst) {
+#ifdef HAVE_VNNI
+    if (!linear_gguf_supported(type, n, k)) return -1;
+    const int nb = k / QK, bits = weight_bits(type);
+    const int64_t per = tile_bytes(type), weight_bytes = per - 4 * NR;
+#pragma omp parallel for schedule(static)
+    for (int g = 0; g < n / NR; g++)
+        for (int b = 0; b < nb; b++) {
+            uint8_t *tile = dst + ((int64_t)g * nb + b) * per;
+            uint16_t dm[2 * NR];
+            for (int i = 0; i < NR; i++) {
+                uint8_t u[QK];
+                unpack_block(src + ((int64_t)(g * NR + i) * nb + b) * gguf_block_bytes(type), type, u, &dm[i], &dm[NR + i]);
+                for (int v = 0; v < QK * bits / 8 / 4; v++) /* 4 bytes of a row per vector */
+                    for (int j = 0; j < 4; j++)
+                        tile[64 * v + 4 * i + j] = bits == 8 ? u[4 * v + j]
+                                                             : (uint8_t)(u[4 * v + j] | u[QK / 2 + 4 * v + j] << 4);
+            }
+            memcpy(tile + weight_bytes, dm, sizeof dm);
+        }
+    return 0;
+#else
+    (void)src, (void)type, (void)n, (void)k, (void)dst;
+    return -1;
+#endif
+}
+
+#ifdef HAVE_VNNI
+/* Row r of x (bfloat16, k values) -> xq[k] int8, dx[k / 32], sx[k / 32] (see the top of the file). */
+static void quantize_row(const uint16_t *x, int k, int8_t *xq, float *dx, float *sx) {
+    for (int b = 0; b < k / QK; b++) {
+        const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + QK * b))), 16));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + QK * b + 16))), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(xq + QK * b), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(xq + QK * b + 16), _mm512_cvtsepi32_epi8(qhi));
+        dx[b] = scale;
+        sx[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+}
+
+/* Rows [r0, r0 + R) of the output (R <= MR, a constant at each call) for row tile g: acc over the k blocks. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const int R, const int BITS, const uint8_t *tiles, int nb, int64_t per, const int8_t *xq, const float *dx,
+    const float *sx, int k, int r0, int g, const uint16_t *bias, void *c, int64_t ldc, int f32_out) {
+    __m512 acc[MR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int64_t weight_bytes = per - 4 * NR;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *tile = tiles + ((int64_t)g * nb + b) * per;
+        __m512i even[MR], odd[MR]; /* two chains per row */
+        for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_si512();
+        if (BITS == 4) {
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                const __m512i w = _mm512_loadu_si512(tile + 64 * v);
+                const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const int8_t *x = xq + (int64_t)(r0 + r) * k + QK * b;
+                    int32_t xl, xh;
+                    memcpy(&xl, x + 4 * v, 4), memcpy(&xh, x + QK / 2 + 4 * v, 4);
+                    even[r] = _mm512_dpbusd_epi32(even[r], lo, _mm512_set1_epi32(xl));
+                    odd[r] = _mm512_dpbusd_epi32(odd[r], hi, _mm512_set1_epi32(xh));
+                }
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int v = 0; v < 8; v++) {
+                const __m512i w = _mm512_loadu_si512(tile + 64 * v);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xq + (int64_t)(r0 + r) * k + QK * b + 4 * v, 4);
+                    if (v % 2 == 0)
+                        even[r] = _mm512_dpbusd_epi32(even[r], w, _mm512_set1_epi32(x4));
+                    else
+                        odd[r] = _mm512_dpbusd_epi32(odd[r], w, _mm512_set1_epi32(x4));
+                }
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + weight_bytes)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + weight_bytes + 2 * NR)));
+        for (int r = 0; r < R; r++) {
+            const int64_t row = (int64_t)(r0 + r) * (k / QK) + b;
+            const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
+            acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(dx[row])), acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[row]), acc[r]);
+        }
+    }
+    const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + NR * g))), 16))
+                           : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        const __m512 y = _mm512_add_ps(acc[r], bv);
+        if (f32_out)
+            _mm512_storeu_ps((float *)c + (int64_t)(r0 + r) * ldc + NR * g, y);
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)c + (int64_t)(r0 + r) * ldc + NR * g), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+
+static void row_tile(int type, const uint8_t *tiles, int nb, const int8_t *xq, const float *dx, const float *sx,
+                     int rows, int k, int g, const uint16_t *bias, void *c, int64_t ldc, int f32_out) {
+    const int64_t per = tile_bytes(type);
+    int r0 = 0;
+#define TILE_ROWS(R) \
+    (weight_bits(type) == 4 ? tile_rows(R, 4, tiles, nb, per, xq, dx, sx, k, r0, g, bias, c, ldc, f32_out) \
+                            : tile_rows(R, 8, tiles, nb, per, xq, dx, sx, k, r0, g, bias, c, ldc, f32_out))
+    for (; r0 + MR <= rows; r0 += MR) TILE_ROWS(MR);
+    switch (rows - r0) {
+        case 3: TILE_ROWS(3); break;
+        case 2: TILE_ROWS(2); break;
+        case 1: TILE_ROWS(1); break;
+        default: break;
+    }
+#undef TILE_ROWS
+}
+#endif
+
+/* c[rows, :n] = a[rows, :k] @ W^T (+ bias): a bfloat16 rows lda apart; wp: linear_gguf_pack's tiles of `type`;
+ * bias: [n] bfloat16 or NULL; c: rows ldc apart, bfloat16, or float32 with f32_out. Returns 0, -1 for a type or
+ * shape the kernels do not take, -2 when the quantized rows cannot be allocated. */
+int linear_gguf(const uint16_t *a, int64_t lda, const uint8_t *wp, int type, const uint16_t *bias, void *c,
+                int64_t ldc, int rows, int n, int k, int f32_out) {
+#ifdef HAVE_VNNI
+    if (!linear_gguf_supported(type, n, k)) return -1;
+    if (rows <= 0) return 0;
+    const int nb = k / QK;
+    /* The quantized rows: on the stack for a few rows (a decode step's product: no allocation, and quantized
+     * before the threads start, no barrier between), else allocated and quantized by the threads. */
+    enum { STACK_VALUES = 8192 };
+    int8_t xq_stack[STACK_VALUES];
+    float scales_stack[2 * STACK_VALUES / QK];
+    const int small = (int64_t)rows * k <= STACK_VALUES;
+    int8_t *xq = small ? xq_stack : malloc((size_t)rows * (size_t)k);
+    float *dx = small ? scales_stack : malloc(sizeof(float) * 2 * (size_t)rows * (size_t)nb);
+    if (!xq || !dx) {
+        if (!small) free(xq), free(dx);
+        return -2;
+    }
+    float *sx = dx + (size_t)rows * nb;
+    if (small)
+        for (int r = 0; r < rows; r++)
+            quantize_row(a + (int64_t)r * lda, k, xq + (int64_t)r * k, dx + (int64_t)r * nb, sx + (int64_t)r * nb);
+#pragma omp parallel if ((int64_t)rows * n * k >= 65536)
+    {
+        if (!small) {
+#pragma omp for schedule(static)
+            for (int r = 0; r < rows; r++)
+                quantize_row(a + (int64_t)r * lda, k, xq + (int64_t)r * k, dx + (int64_t)r * nb, sx + (int64_t)r * nb);
+        }
+#pragma omp for schedule(static)
+        for (int g = 0; g < n / NR; g++) row_tile(type, wp, nb, xq, dx, sx, rows, k, g, bias, c, ldc, f32_out);
+    }
+    if (!small) free(xq), free(dx);
+    return 0;
+#else
+    (void)a, (void)lda, (void)wp, (void)type, (void)bias, (void)c, (void)ldc, (void)rows, (void)n, (void)k, (void)f32_out;
+    return -1;
+#endif
+}
