@@ -1,19 +1,21 @@
 """Load Llama-family weights (llama, mistral, qwen2) from a Hugging Face directory or a GGUF file.
 
 Either way the result is one `ModelConfig` and a state dict under Hugging Face names, so the
-engine has a single weight layout to understand. GGUF tensors are dequantized to `dtype` here:
-the engine computes in floating point and never sees ggml block formats.
+engine has a single weight layout to understand. GGUF tensors are dequantized to `dtype` here, except the
+linear weights the caller asks to keep in their blocks (`keep_blocks`: gpu_worker/gguf_blocks.py), which
+the model packs for the GGUF kernel.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from gpu_worker.gguf_blocks import GGUFBlocks
 from hetero_common.model_files import ModelFileError, read_json, token_ids
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -59,9 +61,11 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
 
 
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and HF-named state dict (tensors in `dtype`, contiguous) from a HF dir or .gguf file."""
+    path: str | Path, dtype: torch.dtype = torch.float32, keep_blocks: Callable[[int, int, int], bool] | None = None
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """Config and HF-named state dict (tensors in `dtype`, contiguous) from a HF dir or .gguf file.
+    `keep_blocks(ggml_type, out, in)`: which of a GGUF file's linear weights stay in their blocks
+    (gpu_worker/gguf_blocks.GGUFBlocks) instead of being dequantized."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
@@ -71,7 +75,7 @@ def load_checkpoint(
     if path.is_dir():
         config, tensors = _load_hf_dir(path, dtype)
     elif path.suffix.lower() == ".gguf":
-        config, tensors = _load_gguf(path, dtype)
+        config, tensors = _load_gguf(path, dtype, keep_blocks)
     else:
         raise CheckpointError(
             f"{str(path)!r} is neither a directory nor a .gguf file: pass a Hugging Face model "
@@ -222,7 +226,8 @@ def _unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, dtype: torch.dtype,
+               keep_blocks: Callable[[int, int, int], bool] | None) -> tuple[ModelConfig, dict[str, Any]]:
     from gguf import GGUFReader
 
     try:
@@ -234,7 +239,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
     _check_architecture(meta.architecture, path, ("llama", "qwen2"))
     gguf_tensors = {t.name: t for t in reader.tensors}
     config = _gguf_config(meta, gguf_tensors)
-    return config, _gguf_state(gguf_tensors, config, dtype)
+    return config, _gguf_state(gguf_tensors, config, dtype, keep_blocks)
 
 
 class _GGUFMetadata:
@@ -309,14 +314,31 @@ def _gguf_rope_scaling(meta: _GGUFMetadata) -> dict[str, Any] | None:
     return rope_scaling
 
 
-def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The tensors under HF names, dequantized to `dtype`; llama's Q/K rows back in HF's rotary order."""
+# The linear weights a GGUF file may keep in its blocks: the layers' products, and the LM head (a tied one is
+# the embedding: the model dequantizes it for the lookup and packs the blocks for the head).
+BLOCK_WEIGHTS = ("proj.weight", "lm_head.weight", "embed_tokens.weight")
+
+
+def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, dtype: torch.dtype,
+                keep_blocks: Callable[[int, int, int], bool] | None = None) -> dict[str, Any]:
+    """The tensors under HF names, dequantized to `dtype` (or, where `keep_blocks` says so, a linear weight
+    kept in its blocks); llama's Q/K rows back in HF's rotary order."""
     from gguf.quants import dequantize
 
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     for name, tensor in gguf_tensors.items():
         hf_name = _hf_name(name)
         if hf_name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if (keep_blocks is not None and len(shape) == 2 and hf_name.endswith(BLOCK_WEIGHTS)
+                and keep_blocks(int(tensor.tensor_type), shape[0], shape[1])):
+            blocks = torch.from_numpy(np.array(tensor.data)).reshape(shape[0], -1)  # a copy: the file is read-only
+            if config.architecture == "llama" and ".attn_q." in name:
+                blocks = _unpermute_rotary(blocks, config.num_attention_heads)
+            elif config.architecture == "llama" and ".attn_k." in name:
+                blocks = _unpermute_rotary(blocks, config.num_key_value_heads)
+            state[hf_name] = GGUFBlocks(int(tensor.tensor_type), (shape[0], shape[1]), blocks.contiguous().numpy())
             continue
         # np.asarray drops the memmap subclass (still no copy): numpy's memmap bookkeeping on
         # every block slice otherwise doubles the dequantization time.

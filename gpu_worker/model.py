@@ -19,12 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.checkpoint import ModelConfig
+from gpu_worker.gguf_blocks import GGUFBlocks
 from gpu_worker.cpu import fused_ops
-from gpu_worker.cpu.c_layers import CLayers, attention_block
+from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, pack_weight
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels.attention_backend import AttentionBackend
 from kernels.cache_ops import hnd_rows
+from kernels.native import linear_gguf
 from kernels.native.linear import amx_fits
 
 
@@ -79,11 +81,33 @@ class WeightPlacer:
     native_linear: bool
     native_linear_max_rows: int | None
     native_linear_amx: bool
+    gguf_blocks: bool = False  # GGUF weights kept in their blocks are packed for the GGUF kernel
 
     def tensor(self, name: str, shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous."""
-        tensor = self.weights[name] if shard is None else shard(self.weights[name])
+        """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous; one kept in GGUF blocks,
+        dequantized."""
+        tensor = self.weights[name]
+        if isinstance(tensor, GGUFBlocks):
+            tensor = tensor.dequantized()
+        tensor = tensor if shard is None else shard(tensor)
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def from_blocks(self, names: list[str]) -> bool:
+        """Whether `linear` computes these weights from their GGUF blocks."""
+        parts = [self.weights[name] for name in names]
+        return (self.gguf_blocks and all(isinstance(p, GGUFBlocks) for p in parts)
+                and len({p.ggml_type for p in parts}) == 1
+                and all(linear_gguf.supported(p.ggml_type, *p.shape) for p in parts))
+
+    def linear(self, names: list[str], shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PackedWeight:
+        """The linear weight of `names` stacked along their outputs (q/k/v, gate/up: one product), this rank's
+        `shard` of each: from the GGUF blocks where every part is kept in blocks of one type the kernel takes
+        (and no shard applies), else from their tensors."""
+        if shard is None and self.from_blocks(names):
+            parts = [self.weights[name] for name in names]
+            return linear_gguf.concat_rows([linear_gguf.pack(p.blocks, p.ggml_type, *p.shape) for p in parts])
+        tensors = [self.tensor(name, shard) for name in names]
+        return self.matrix(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
 
     def matrix(self, tensor: torch.Tensor) -> PackedWeight:
         """A linear layer's weight, packed when `prepack`."""
@@ -99,14 +123,16 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
                  native_linear: bool = False, native_linear_max_rows: int | None = None, native_linear_amx: bool = False,
-                 fused: bool = False) -> None:
+                 fused: bool = False, gguf_blocks: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
         gpu_worker/cpu/packed_linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
         C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
         `native_linear_max_rows` (AMX CPUs), for both, the C kernel taking products of up to that many rows;
         `native_linear_amx`: the C kernel is the AMX tile one (kernels/native/linear.py's `plan` chose it).
         `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/cpu/fused_ops.py) where they are
-        available (bfloat16 CPU)."""
+        available (bfloat16 CPU). `gguf_blocks` (with `native_linear`): weights the checkpoint kept in GGUF blocks
+        (gpu_worker/gguf_blocks.py) are computed from them (kernels/native/linear_gguf.py) where the kernel takes
+        their type; others are dequantized."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -116,10 +142,13 @@ class LlamaModel:
                          intermediate_size=c.intermediate_size)
         self.num_heads = c.num_attention_heads // tp.size  # on this rank
         self.num_kv_heads = c.num_key_value_heads // tp.size
-        place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx)
+        place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx,
+                             gguf_blocks and prepack and native_linear)
         self.embed = place.tensor("model.embed_tokens.weight")
-        # A tied LM head is packed as its own copy: the embedding lookup needs the plain rows.
-        self.lm_head = place.matrix(self.embed if c.tie_word_embeddings else place.tensor("lm_head.weight"))
+        # A tied LM head is packed as its own copy (the embedding lookup needs the plain rows), or from the blocks.
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        tied_plain = c.tie_word_embeddings and not place.from_blocks([head])
+        self.lm_head = place.matrix(self.embed) if tied_plain else place.linear([head])
         self.final_norm = place.tensor("model.norm.weight")
         self.layers = [self._layer_weights(place, i) for i in range(c.num_hidden_layers)]
         self.cos, self.sin = rope_tables(c, max_positions, device, dtype)
@@ -130,9 +159,10 @@ class LlamaModel:
             self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
         # Every layer in one C call where each of its kernels is C and no all-reduce sits between them
         # (with dual-packed weights: for steps of up to native_linear_max_rows rows).
+        one_kernel = weights_kind(self.layers) is not None  # not a mix of GGUF types, or of blocks and tensors
         self.c_layers = (CLayers(self.layers, self.cos, self.sin, self.num_heads, self.num_kv_heads, c.head_dim,
                                  c.rms_norm_eps)
-                         if self.fused and prepack and native_linear and not tp.enabled else None)
+                         if self.fused and prepack and native_linear and not tp.enabled and one_kernel else None)
         self.c_layers_max_rows = native_linear_max_rows
 
     def _layer_weights(self, place: WeightPlacer, i: int) -> dict[str, PackedWeight | None]:
@@ -143,15 +173,15 @@ class LlamaModel:
         qkv_bias = None
         if c.attention_bias:
             qkv_bias = torch.cat([place.tensor(p + f"self_attn.{n}_proj.bias", tp.rows) for n in "qkv"])
+        rows, columns = (tp.rows, tp.columns) if tp.enabled else (None, None)
         return {
             "input_norm": place.tensor(p + "input_layernorm.weight"),
-            "qkv": place.matrix(torch.cat([place.tensor(p + f"self_attn.{n}_proj.weight", tp.rows) for n in "qkv"])),
+            "qkv": place.linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], rows),
             "qkv_bias": qkv_bias,
-            "o": place.matrix(place.tensor(p + "self_attn.o_proj.weight", tp.columns)),
+            "o": place.linear([p + "self_attn.o_proj.weight"], columns),
             "post_norm": place.tensor(p + "post_attention_layernorm.weight"),
-            "gate_up": place.matrix(torch.cat([place.tensor(p + "mlp.gate_proj.weight", tp.rows),
-                                               place.tensor(p + "mlp.up_proj.weight", tp.rows)])),
-            "down": place.matrix(place.tensor(p + "mlp.down_proj.weight", tp.columns)),
+            "gate_up": place.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows),
+            "down": place.linear([p + "mlp.down_proj.weight"], columns),
         }
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

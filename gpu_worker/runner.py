@@ -18,6 +18,7 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
+from gpu_worker.cpu.gguf_serving import gguf_blocks_kept, log_gguf_serving
 from gpu_worker.cpu.packed_linear import prepack_supported
 from gpu_worker.cpu.worker_setup import (choose_cpu_dtype, configure_cpu_threads, cpu_flags, plan_c_linear,
                                          resolve_cpu_dtype, row_invariance_unavailable)
@@ -101,7 +102,7 @@ class ModelRunner:
             threads = configure_cpu_threads(config.num_threads, config.data_parallel_size, tp.size, config.reserved_cpus)
         self.model_path = resolve_model_path(config.model)
         started = time.perf_counter()
-        self.model_config, weights = load_checkpoint(self.model_path)
+        self.model_config, weights = load_checkpoint(self.model_path, keep_blocks=gguf_blocks_kept(config, self.device, tp))
         self.dtype = self._choose_dtype(threads)
         self.block_size = config.block_size
         self.max_positions = min(config.max_model_len, self.model_config.max_position_embeddings)
@@ -142,9 +143,12 @@ class ModelRunner:
         prepack = config.weight_prepack and prepack_supported(self.device, self.dtype)
         self.c_linear, c_linear_amx, c_linear_max_rows = plan_c_linear(
             self.dtype, prepack, config.cpu_kernels, linear_shapes(self.model_config, self.tp), config.deterministic)
-        return LlamaModel(self.model_config, weights, self.device, self.dtype, self.max_positions, self.tp,
-                          prepack=prepack, native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
-                          native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch")
+        model = LlamaModel(self.model_config, weights, self.device, self.dtype, self.max_positions, self.tp,
+                           prepack=prepack, native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
+                           native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch",
+                           gguf_blocks=self.c_linear)
+        log_gguf_serving(weights, model)
+        return model
 
     def _prepare_cuda(self) -> None:
         """The attention backend, the KV cache sized from the memory left after a warm-up pass, the decode graphs."""

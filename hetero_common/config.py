@@ -58,6 +58,12 @@ class Config:
     dtype: str = field(default="auto", metadata=doc(
         "the worker's compute type: `auto` = bfloat16 on GPUs and on CPUs where its products are faster (notes "
         "below), else float32; `float32` is exact (the oracle tests' mode)"))
+    quantization: str = field(default="none", metadata=doc(
+        "`auto`: a GGUF file's Q4_0, Q4_1 and Q8_0 linear weights are computed straight from their blocks where "
+        "the GGUF kernel runs (a CPU with AVX512-VNNI, bfloat16 on the C kernels, no tensor parallelism), else "
+        "dequantized, the worker's log saying which: batch-1 decoding about 0.6x the time, steps of 16 rows "
+        "or more about 1.3x (docs/performance.md); `none` (the default until the kernel's large-batch path "
+        "is built): dequantize. int8 and fp8 are not built yet"))
     fp16: bool = field(default=False, metadata=doc(
         "the seed's switch for half precision: true = dtype float16 (beside a dtype other than auto or float16: "
         "refused)"))
@@ -211,6 +217,8 @@ class Config:
                "must go with dtype auto or float16 (fp16 true means dtype float16); drop one of them")
         if self.fp16:
             self.dtype = "float16"
+        _check(self.quantization in ("auto", "none"), "quantization", self.quantization,
+               "must be auto or none; int8 and fp8 are not built yet")
         _check(self.kv_cache_dtype in ("auto", "fp16"), "kv_cache_dtype", self.kv_cache_dtype,
                "must be auto (the model's dtype) or fp16; int8 and fp8 caches are not built yet")
         _check(self.kv_cache_dtype != "fp16" or self.dtype == "float16", "kv_cache_dtype", self.kv_cache_dtype,

@@ -16,10 +16,34 @@ import torch
 from gpu_worker.cpu.packed_linear import DualPackedWeight
 from kernels.native import lib as native_lib
 from kernels.native.linear import NativePackedWeight
+from kernels.native.linear_gguf import GGUFPackedWeight
 
 
 def _addresses(tensors: list[torch.Tensor | None]) -> torch.Tensor:
     return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+GGUF_KIND_BASE = 100  # llama_layers_bf16's `kind`: 0 the bfloat16 panels, 1 the AMX tiles, 100 + a ggml type
+
+
+def _kernel_side(weight: object) -> object:
+    return weight.native if type(weight) is DualPackedWeight else weight
+
+
+def weights_kind(layers: list[dict]) -> int | None:
+    """llama_layers_bf16's `kind` for the layers' linear weights, or None where they are not all packed for one
+    C kernel (a mix of GGUF types, or some dequantized: the per-layer loop runs them)."""
+    kinds = set()
+    for layer in layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            weight = _kernel_side(layer[name])
+            if type(weight) is NativePackedWeight:
+                kinds.add(int(weight.amx))
+            elif type(weight) is GGUFPackedWeight:
+                kinds.add(GGUF_KIND_BASE + weight.type)
+            else:
+                return None
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 class CLayers:
@@ -27,18 +51,12 @@ class CLayers:
 
     def __init__(self, layers: list[dict], cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int, eps: float) -> None:
-        def native(name: str) -> list[NativePackedWeight]:  # the C kernel's side of dual-packed weights
-            weights = [layer[name].native if type(layer[name]) is DualPackedWeight else layer[name] for layer in layers]
-            assert all(type(w) is NativePackedWeight for w in weights), f"{name} is not packed for the C kernel"
-            return weights
-
-        weights = {name: native(name) for name in ("qkv", "o", "gate_up", "down")}
-        kinds = {w.amx for ws in weights.values() for w in ws}
-        assert len(kinds) == 1, "the layers' weights are packed for different C kernels"
-        self.amx = int(kinds.pop())  # the weights are linear_amx's tiles (else linear_bf16's panels)
+        kind = weights_kind(layers)
+        assert kind is not None, "the layers' weights are not all packed for one C kernel"
+        self.kind = kind
 
         def packed(name: str) -> list[torch.Tensor]:
-            return [w.packed for w in weights[name]]
+            return [_kernel_side(layer[name]).packed for layer in layers]  # type: ignore[attr-defined]
 
         self._keep = (layers, cos, sin)  # every address below points into these
         self.input_norm = _addresses([layer["input_norm"] for layer in layers])
@@ -79,7 +97,7 @@ class CLayers:
             cache_addresses.data_ptr(), int(caches[0].shape[3]), positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
             k_rows.data_ptr(), v_rows.data_ptr(), q_rows.data_ptr(), pages.data_ptr(), pages.shape[1],
             kv_lens.data_ptr(), scale, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-            act.data_ptr(), o_out.data_ptr(), delta.data_ptr(), self.amx, int(tiles))
+            act.data_ptr(), o_out.data_ptr(), delta.data_ptr(), self.kind, int(tiles))
         if rc != 0:
             raise RuntimeError(f"llama_layers_bf16 failed ({rc})")
         return delta

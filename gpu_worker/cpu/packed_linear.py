@@ -16,6 +16,9 @@ kernels/native/linear.py instead (`native=True`), which is faster than oneDNN th
 packed both ways (`DualPackedWeight`): the C tile kernel takes decoding's products (up to
 `native_linear.AMX_MAX_ROWS` rows, 1.4x oneDNN), oneDNN the larger ones; the weights' memory doubles.
 
+A GGUF file's weights in Q4_0, Q4_1 or Q8_0 are held in their blocks where the GGUF kernel runs (config
+`quantization` auto, AVX512-VNNI: `GGUFPackedWeight`, kernels/native/linear_gguf.py).
+
 `weight_prepack` in the config turns packing off; CUDA weights are never packed.
 """
 
@@ -27,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.native import linear as native_linear
+from kernels.native import linear_gguf
 from kernels.native.linear import NativePackedWeight
+from kernels.native.linear_gguf import GGUFPackedWeight
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-PackedWeight = torch.Tensor | NativePackedWeight | DualPackedWeight
+PackedWeight = torch.Tensor | NativePackedWeight | DualPackedWeight | GGUFPackedWeight
 
 
 def pack_weight(weight: torch.Tensor, native: bool = False, native_max_rows: int | None = None,
@@ -71,6 +76,8 @@ def linear_float32(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     weight = for_rows(weight, x)
     if type(weight) is NativePackedWeight and not weight.amx:
         return native_linear.linear(x, weight, out_dtype=torch.float32)
+    if type(weight) is GGUFPackedWeight:
+        return linear_gguf.linear(x, weight, f32_out=True)
     return linear(x, weight).float()
 
 
@@ -87,6 +94,8 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     weight = for_rows(weight, x)
     if type(weight) is NativePackedWeight:
         return native_linear.linear(x, weight, bias)
+    if type(weight) is GGUFPackedWeight:
+        return linear_gguf.linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -3,17 +3,20 @@
  *
  * Every format is held as w = d * u + m per block, u unsigned (4 bits: Q4_0's q with m = -8 d, Q4_1's q and m;
  * 8 bits: Q8_0's q + 128 with m = -128 d), so one integer product serves all three:
- * - each row of x is quantized per block of 32 to int8 (xq, dx = max|x| / 127, round to nearest even) with
- *   sx = dx * sum(xq), as llama.cpp's Q8_1;
- * - per block, sum(w * x) = d * dx * sum(u * xq) + m * sx, the integer sum by vpdpbusd (u8 x s8, four products
- *   per 32-bit lane), exact in int32;
- * - 16 output rows of W sit in the 16 lanes of a vector (linear_gguf_pack's tiles): a 4-byte run of xq is
- *   broadcast and multiplied into 16 rows at once, no cross-lane sums; the float32 sum of a lane adds the
- *   blocks in k order.
+ * - each row of x is quantized per block of 32 to int16 (xq, dx = max|x| / 32767, round to nearest even) with
+ *   sx = dx * sum(xq): int8 activations (llama.cpp's Q8_1, twice the products per instruction) cost the
+ *   default model's greedy outputs their agreement with float32 (55% of tokens before the first divergence
+ *   against bfloat16's 92%; int16: 90%);
+ * - per block, sum(w * x) = d * dx * sum(u * xq) + m * sx, the integer sum by vpdpwssd (int16 pairs), exact in
+ *   int32;
+ * - 16 output rows of W sit in the 16 lanes of a vector (linear_gguf_pack's tiles): a pair of xq is broadcast
+ *   and multiplied into 16 rows at once, no cross-lane sums; the float32 sum of a lane adds the blocks in k
+ *   order.
  * A tile (16 rows, one block) keeps GGUF's bytes per weight: 16 x 16 bytes of nibbles (or 16 x 32 of bytes)
  * then 16 fp16 d and 16 fp16 m: 320 bytes where GGUF has 16 x 20 (Q4_1), 16 x 18 (Q4_0: 1.11x, m is new) or
  * 16 x 34 (Q8_0: 1.06x). Row tiles of W stream from memory once per call, rows of x up to MR at a time
- * reuse each unpacked tile.
+ * reuse each unpacked tile. It is fast where memory bounds the product (a few rows); from 16 rows up it is
+ * slower than the bfloat16 kernel (docs/performance.md).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +33,7 @@
 #define QK 32 /* weights per block */
 #define NR 16 /* output rows per tile: the lanes of a vector */
 #define MR 4  /* rows of x per pass over a row tile */
+#define XQ_MAX 32767.0f /* the activations' int16 range */
 
 static int weight_bits(int type) { return type == GGML_Q8_0 ? 8 : 4; }
 static int gguf_block_bytes(int type) { return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : 34; }
@@ -75,10 +79,10 @@ static void unpack_block(const uint8_t *block, int type, uint8_t u[QK], uint16_t
 }
 #endif
 
-/* GGUF's [n][k / 32] blocks (rows in order) -> the tiles [n / 16][k / 32] the kernel reads. In a tile of 4-bit
- * weights, vector v (64 bytes) holds in lane i (row i of the tile) bytes j = 0..3: u[4v + j] in the low nibble,
- * u[16 + 4v + j] in the high one; of 8-bit weights, vector v lane i holds u[4v + j]. Returns 0, or -1 when the
- * kernels do not take the type or shape (nothing written). */
+/* GGUF's [n][k / 32] blocks (rows in order) -> the tiles [n / 16][k / 32] the kernel reads. A tile holds its
+ * weights by pair j (weights 2j and 2j + 1) then row i: 4-bit ones one byte per (j, i), 2j in the low nibble,
+ * 2j + 1 in the high one; 8-bit ones two bytes per (j, i). Returns 0, or -1 when the kernels do not take the
+ * type or shape (nothing written). */
 int linear_gguf_pack(const uint8_t *src, int type, int n, int k, uint8_t *dst) {
 #ifdef HAVE_VNNI
     if (!linear_gguf_supported(type, n, k)) return -1;
@@ -92,10 +96,14 @@ int linear_gguf_pack(const uint8_t *src, int type, int n, int k, uint8_t *dst) {
             for (int i = 0; i < NR; i++) {
                 uint8_t u[QK];
                 unpack_block(src + ((int64_t)(g * NR + i) * nb + b) * gguf_block_bytes(type), type, u, &dm[i], &dm[NR + i]);
-                for (int v = 0; v < QK * bits / 8 / 4; v++) /* 4 bytes of a row per vector */
-                    for (int j = 0; j < 4; j++)
-                        tile[64 * v + 4 * i + j] = bits == 8 ? u[4 * v + j]
-                                                             : (uint8_t)(u[4 * v + j] | u[QK / 2 + 4 * v + j] << 4);
+                for (int j = 0; j < QK / 2; j++) { /* pair j: weights 2j and 2j + 1 */
+                    if (bits == 8) {
+                        tile[32 * j + 2 * i] = u[2 * j];
+                        tile[32 * j + 2 * i + 1] = u[2 * j + 1];
+                    } else {
+                        tile[16 * j + i] = (uint8_t)(u[2 * j] | u[2 * j + 1] << 4);
+                    }
+                }
             }
             memcpy(tile + weight_bytes, dm, sizeof dm);
         }
@@ -107,17 +115,17 @@ int linear_gguf_pack(const uint8_t *src, int type, int n, int k, uint8_t *dst) {
 }
 
 #ifdef HAVE_VNNI
-/* Row r of x (bfloat16, k values) -> xq[k] int8, dx[k / 32], sx[k / 32] (see the top of the file). */
-static void quantize_row(const uint16_t *x, int k, int8_t *xq, float *dx, float *sx) {
+/* Row r of x (bfloat16, k values) -> xq[k] int16, dx[k / 32], sx[k / 32] (see the top of the file). */
+static void quantize_row(const uint16_t *x, int k, int16_t *xq, float *dx, float *sx) {
     for (int b = 0; b < k / QK; b++) {
         const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + QK * b))), 16));
         const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + QK * b + 16))), 16));
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float scale = amax / XQ_MAX, inv = amax > 0.0f ? XQ_MAX / amax : 0.0f;
         const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
         const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-        _mm_storeu_si128((__m128i *)(xq + QK * b), _mm512_cvtsepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i *)(xq + QK * b + 16), _mm512_cvtsepi32_epi8(qhi));
+        _mm256_storeu_si256((__m256i *)(xq + QK * b), _mm512_cvtsepi32_epi16(qlo));
+        _mm256_storeu_si256((__m256i *)(xq + QK * b + 16), _mm512_cvtsepi32_epi16(qhi));
         dx[b] = scale;
         sx[b] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     }
@@ -125,43 +133,34 @@ static void quantize_row(const uint16_t *x, int k, int8_t *xq, float *dx, float 
 
 /* Rows [r0, r0 + R) of the output (R <= MR, a constant at each call) for row tile g: acc over the k blocks. */
 static inline __attribute__((always_inline)) void tile_rows(
-    const int R, const int BITS, const uint8_t *tiles, int nb, int64_t per, const int8_t *xq, const float *dx,
+    const int R, const int BITS, const uint8_t *tiles, int nb, int64_t per, const int16_t *xq, const float *dx,
     const float *sx, int k, int r0, int g, const uint16_t *bias, void *c, int64_t ldc, int f32_out) {
     __m512 acc[MR];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
     const int64_t weight_bytes = per - 4 * NR;
     for (int b = 0; b < nb; b++) {
         const uint8_t *tile = tiles + ((int64_t)g * nb + b) * per;
         __m512i even[MR], odd[MR]; /* two chains per row */
         for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_si512();
-        if (BITS == 4) {
-#pragma GCC unroll 4
-            for (int v = 0; v < 4; v++) {
-                const __m512i w = _mm512_loadu_si512(tile + 64 * v);
-                const __m512i lo = _mm512_and_si512(w, low4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const int8_t *x = xq + (int64_t)(r0 + r) * k + QK * b;
-                    int32_t xl, xh;
-                    memcpy(&xl, x + 4 * v, 4), memcpy(&xh, x + QK / 2 + 4 * v, 4);
-                    even[r] = _mm512_dpbusd_epi32(even[r], lo, _mm512_set1_epi32(xl));
-                    odd[r] = _mm512_dpbusd_epi32(odd[r], hi, _mm512_set1_epi32(xh));
-                }
+#pragma GCC unroll 16
+        for (int j = 0; j < QK / 2; j++) {
+            /* lane i: row i's weights 2j, 2j + 1 as two int16 */
+            __m512i w;
+            if (BITS == 4) {
+                const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16 * j)));
+                w = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), nibbles, 0xA8); /* (a | b) & c */
+            } else {
+                w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(tile + 32 * j)));
             }
-        } else {
-#pragma GCC unroll 8
-            for (int v = 0; v < 8; v++) {
-                const __m512i w = _mm512_loadu_si512(tile + 64 * v);
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    int32_t x4;
-                    memcpy(&x4, xq + (int64_t)(r0 + r) * k + QK * b + 4 * v, 4);
-                    if (v % 2 == 0)
-                        even[r] = _mm512_dpbusd_epi32(even[r], w, _mm512_set1_epi32(x4));
-                    else
-                        odd[r] = _mm512_dpbusd_epi32(odd[r], w, _mm512_set1_epi32(x4));
-                }
+            for (int r = 0; r < R; r++) {
+                int32_t pair;
+                memcpy(&pair, xq + (int64_t)(r0 + r) * k + QK * b + 2 * j, 4);
+                if (j % 2 == 0)
+                    even[r] = _mm512_dpwssd_epi32(even[r], w, _mm512_set1_epi32(pair));
+                else
+                    odd[r] = _mm512_dpwssd_epi32(odd[r], w, _mm512_set1_epi32(pair));
             }
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(tile + weight_bytes)));
@@ -184,7 +183,7 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-static void row_tile(int type, const uint8_t *tiles, int nb, const int8_t *xq, const float *dx, const float *sx,
+static void row_tile(int type, const uint8_t *tiles, int nb, const int16_t *xq, const float *dx, const float *sx,
                      int rows, int k, int g, const uint16_t *bias, void *c, int64_t ldc, int f32_out) {
     const int64_t per = tile_bytes(type);
     int r0 = 0;
@@ -214,10 +213,10 @@ int linear_gguf(const uint16_t *a, int64_t lda, const uint8_t *wp, int type, con
     /* The quantized rows: on the stack for a few rows (a decode step's product: no allocation, and quantized
      * before the threads start, no barrier between), else allocated and quantized by the threads. */
     enum { STACK_VALUES = 8192 };
-    int8_t xq_stack[STACK_VALUES];
+    int16_t xq_stack[STACK_VALUES];
     float scales_stack[2 * STACK_VALUES / QK];
     const int small = (int64_t)rows * k <= STACK_VALUES;
-    int8_t *xq = small ? xq_stack : malloc((size_t)rows * (size_t)k);
+    int16_t *xq = small ? xq_stack : malloc(sizeof(int16_t) * (size_t)rows * (size_t)k);
     float *dx = small ? scales_stack : malloc(sizeof(float) * 2 * (size_t)rows * (size_t)nb);
     if (!xq || !dx) {
         if (!small) free(xq), free(dx);

@@ -1,6 +1,6 @@
 """Linear layers straight from GGUF's Q4_0, Q4_1 and Q8_0 blocks through the C kernel
 (kernels/native/linear_gguf.c, CPUs with AVX512-VNNI): the weights stay in their block format (re-laid into
-tiles of 16 rows, the same bytes per weight), the activations are quantized per block of 32 to int8 on
+tiles of 16 rows, the same bytes per weight), the activations are quantized per block of 32 to int16 on
 each call, and the products are integer dot products."""
 
 from __future__ import annotations
@@ -72,3 +72,13 @@ def linear(x: torch.Tensor, weight: GGUFPackedWeight, bias: torch.Tensor | None 
     if rc != 0:
         raise RuntimeError(f"linear_gguf failed ({rc}): unsupported type or shape, or out of memory")
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def concat_rows(parts: list[GGUFPackedWeight]) -> GGUFPackedWeight:
+    """Weights of one type and input size stacked along their outputs (q/k/v, gate/up: one product): the tiles are
+    laid out 16 rows at a time, so the packed bytes simply follow each other."""
+    kinds = {(p.type, p.shape[1]) for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot stack GGUF weights of different types or input sizes: {sorted(kinds)}")
+    return GGUFPackedWeight(torch.cat([p.packed for p in parts]), parts[0].type,
+                            (sum(p.shape[0] for p in parts), parts[0].shape[1]))

@@ -33,6 +33,8 @@ void linear_bf16_side(const uint16_t *a, int64_t lda, const uint16_t *wp, const 
 int64_t linear_bf16_pairs(int rows, int n, int k);
 void linear_amx(const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias, uint16_t *c, int64_t ldc,
                 int rows, int n, int k);
+int linear_gguf(const uint16_t *a, int64_t lda, const uint8_t *wp, int type, const uint16_t *bias, void *c,
+                int64_t ldc, int rows, int n, int k, int f32_out);
 int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                           const uint16_t *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                           uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
@@ -71,14 +73,21 @@ int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_
         num_kv_heads, head_dim, block_size, scale);
 }
 
-/* The weights' kernel: linear_amx.c's tiles (`amx`) or linear_bf16.c's panels, as they were packed for;
- * the panels also prefetch `side` (NULL: nothing). */
-static inline void layer_linear(int amx, const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias,
-                                uint16_t *c, int64_t ldc, int rows, int n, int k, const side_prefetch *side) {
-    if (amx)
+#define KIND_PANELS 0     /* linear_bf16.c's panels */
+#define KIND_AMX 1        /* linear_amx.c's tiles */
+#define KIND_GGUF_BASE 100 /* + a ggml type: linear_gguf.c's tiles of that type */
+
+/* The weights' kernel, as they were packed for (`kind`); the panels also prefetch `side` (NULL: nothing).
+ * Returns 0, or linear_gguf's error. */
+static inline int layer_linear(int kind, const uint16_t *a, int64_t lda, const uint16_t *wp, const uint16_t *bias,
+                               uint16_t *c, int64_t ldc, int rows, int n, int k, const side_prefetch *side) {
+    if (kind >= KIND_GGUF_BASE)
+        return linear_gguf(a, lda, (const uint8_t *)wp, kind - KIND_GGUF_BASE, bias, c, ldc, rows, n, k, 0);
+    if (kind == KIND_AMX)
         linear_amx(a, lda, wp, bias, c, ldc, rows, n, k);
     else
         linear_bf16_side(a, lda, wp, bias, c, ldc, rows, n, k, side);
+    return 0;
 }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -115,9 +124,9 @@ static int32_t *step_pages(int rows, const int32_t *pages, int max_pages, const 
  * Scratch: x [rows, hidden], qkv [rows, q + 2 kv], attn [rows, q], gate_up [rows, 2 inter], act [rows,
  * inter], delta and o_out [rows, hidden].
  * k_rows / v_rows [rows * kv_heads]: the cache rows (of a layer seen as [*, head_dim]) the new K/V go
- * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). amx: the weights
- * are packed for linear_amx (else for linear_bf16). tiles: as attention_block_bf16's. Returns 0, or
- * decode_attention_bf16's error. */
+ * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). kind: the kernel the
+ * weights are packed for (KIND_*). tiles: as attention_block_bf16's. Returns 0, or decode_attention_bf16's or
+ * linear_gguf's error. */
 int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads, int num_kv_heads, int head_dim,
                       int intermediate, float eps, int num_layers, const int64_t *input_norm, const int64_t *qkv,
                       const int64_t *qkv_bias, const int64_t *o, const int64_t *post_norm, const int64_t *gate_up,
@@ -125,14 +134,14 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
                       const uint16_t *cos_table, const uint16_t *sin_table, const int64_t *k_rows,
                       const int64_t *v_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
                       const int32_t *kv_lens, float scale, uint16_t *x, uint16_t *qkv_buf, uint16_t *attn,
-                      uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta, int amx, int tiles) {
+                      uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta, int kind, int tiles) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     /* A layer's K/V pages are prefetched during the products before its attention, as late as their K pairs
      * allow (one line each, side_prefetch.h): its own q/k/v product takes the last lines, the down and then the
      * gate/up products of the layer before take the rest. */
     int64_t num_pages = 0;
-    int32_t *used = amx ? NULL : step_pages(rows, pages, max_pages, kv_lens, block_size, &num_pages);
+    int32_t *used = kind != KIND_PANELS ? NULL : step_pages(rows, pages, max_pages, kv_lens, block_size, &num_pages);
     const int64_t page_bytes = (int64_t)2 * num_kv_heads * block_size * head_dim * (int64_t)sizeof(uint16_t);
     int64_t lines = num_pages * side_lines_per_page(page_bytes);
     const int64_t max_lines = SIDE_PREFETCH_MAX_BYTES / SIDE_LINE;
@@ -148,24 +157,30 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
         const side_prefetch down_side = {next_layer, used, page_bytes, in_gate_up, next * in_down};
         add_rms_norm_bf16(hidden, hidden_size, i ? delta : NULL, hidden_size, (const uint16_t *)input_norm[i], x,
                           hidden_size, rows, hidden_size, eps);
-        layer_linear(amx, x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf,
-                     qkv_width, rows, qkv_width, hidden_size, &qkv_side);
-        const int rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table,
-                                            sin_table, (uint16_t *)cache[i], block_size, k_rows, v_rows, rows,
-                                            q_rows, pages, max_pages, kv_lens, scale, attn, tiles);
+        int rc = layer_linear(kind, x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf,
+                              qkv_width, rows, qkv_width, hidden_size, &qkv_side);
+        if (rc == 0)
+            rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table, sin_table,
+                                      (uint16_t *)cache[i], block_size, k_rows, v_rows, rows, q_rows, pages, max_pages,
+                                      kv_lens, scale, attn, tiles);
+        if (rc == 0)
+            rc = layer_linear(kind, attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size,
+                              q_size, NULL);
+        if (rc == 0) {
+            add_rms_norm_bf16(hidden, hidden_size, o_out, hidden_size, (const uint16_t *)post_norm[i], x, hidden_size,
+                              rows, hidden_size, eps);
+            rc = layer_linear(kind, x, hidden_size, (const uint16_t *)gate_up[i], NULL, gate_up_buf, 2 * intermediate,
+                              rows, 2 * intermediate, hidden_size, &gate_up_side);
+        }
+        if (rc == 0) {
+            silu_mul_bf16(gate_up_buf, 2 * intermediate, act, intermediate, rows, intermediate);
+            rc = layer_linear(kind, act, intermediate, (const uint16_t *)down[i], NULL, delta, hidden_size, rows,
+                              hidden_size, intermediate, &down_side);
+        }
         if (rc != 0) {
             free(used);
             return rc;
         }
-        layer_linear(amx, attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size, q_size,
-                     NULL);
-        add_rms_norm_bf16(hidden, hidden_size, o_out, hidden_size, (const uint16_t *)post_norm[i], x, hidden_size,
-                          rows, hidden_size, eps);
-        layer_linear(amx, x, hidden_size, (const uint16_t *)gate_up[i], NULL, gate_up_buf, 2 * intermediate, rows,
-                    2 * intermediate, hidden_size, &gate_up_side);
-        silu_mul_bf16(gate_up_buf, 2 * intermediate, act, intermediate, rows, intermediate);
-        layer_linear(amx, act, intermediate, (const uint16_t *)down[i], NULL, delta, hidden_size, rows, hidden_size,
-                    intermediate, &down_side);
     }
     free(used);
     return 0;

@@ -12,12 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.checkpoint import load_checkpoint
+from gpu_worker.checkpoint import BLOCK_WEIGHTS, load_checkpoint
+from gpu_worker.cpu.c_layers import GGUF_KIND_BASE
+from gpu_worker.gguf_blocks import GGUFBlocks
 from gpu_worker.cpu.worker_setup import cpu_flags
 from gpu_worker.model import LlamaModel
 from kernels.cache_ops import allocate_kv_cache
 from kernels.native import decode_attention as native_decode
 from kernels.native import linear as native_linear
+from kernels.native import linear_gguf
+from kernels.native.linear_gguf import GGUFPackedWeight
 from kernels.page_table import PageTable
 from kernels.torch_attention import TorchPagedAttention
 from kernels.torch_attention import APART_MIN_ROWS
@@ -98,7 +102,7 @@ def test_one_c_call_gives_the_loops_logits_bitwise(head64_dir: Path, amx: bool) 
     config, weights = load_checkpoint(head64_dir)
     model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True,
                        native_linear=True, native_linear_amx=amx, fused=True)
-    assert model.c_layers is not None and model.c_layers.amx == amx
+    assert model.c_layers is not None and model.c_layers.kind == int(amx)
     calls = []
     run = model.c_layers.run
     model.c_layers.run = lambda *args: calls.append(1) or run(*args)  # type: ignore[method-assign]
@@ -152,3 +156,30 @@ def test_attention_block_call_gives_the_loops_logits_bitwise(head64_dir: Path, m
     for a, b in zip(looped, blocks):
         assert a.isfinite().all()
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(REASON is not None or not linear_gguf.supported(linear_gguf.Q4_1, 16, 32),
+                    reason="the C linear kernels (bfloat16 and GGUF: AVX512-VNNI) do not run here")
+@pytest.mark.parametrize("ggml_type", [linear_gguf.Q4_0, linear_gguf.Q4_1, linear_gguf.Q8_0])
+def test_one_c_call_from_gguf_blocks_gives_the_loops_logits_bitwise(head64_dir: Path, ggml_type: int) -> None:
+    """The linear weights kept in GGUF blocks (as `quantization` auto keeps a GGUF file's) and computed from them:
+    every layer in one C call against the per-layer loop of the same kernels; and close to the same blocks
+    dequantized into bfloat16 (the activations' int8 rounding apart)."""
+    from gguf.quants import quantize
+
+    config, weights = load_checkpoint(head64_dir)
+    blocks = {name: GGUFBlocks(ggml_type, tuple(w.shape), quantize(w.float().numpy(), ggml_type))
+              for name, w in weights.items() if name.endswith(BLOCK_WEIGHTS)}
+    model = LlamaModel(config, {**weights, **blocks}, torch.device("cpu"), torch.bfloat16, max_positions=256,
+                       prepack=True, native_linear=True, fused=True, gguf_blocks=True)
+    assert model.c_layers is not None and model.c_layers.kind == GGUF_KIND_BASE + ggml_type
+    # A vocabulary of 300 is no multiple of 16: that head is dequantized, and the model still serves.
+    assert (type(model.lm_head) is GGUFPackedWeight) == linear_gguf.supported(ggml_type, config.vocab_size,
+                                                                             config.hidden_size)
+    looped, fused = two_steps(model, config, "loop"), two_steps(model, config, "c_layers")
+    dequantized = LlamaModel(config, {**weights, **{n: b.dequantized() for n, b in blocks.items()}},
+                             torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True, native_linear=True,
+                             fused=True)
+    for a, b, c in zip(looped, fused, two_steps(dequantized, config, "c_layers")):
+        assert a.isfinite().all() and torch.equal(a, b)
+        assert (a - c).abs().max() < 0.05 * c.abs().max()

@@ -2,7 +2,7 @@
 dequantize-then-multiply (gguf's own dequantizer) on random blocks of Q4_0, Q4_1 and Q8_0: extremes included
 (all-zero scales, the largest fp16 scales, every nibble or byte value), odd row counts, k not a multiple of
 256. Exact up to float32 rounding against the same product with the activations as the kernel quantizes
-them (per block of 32 to int8), and within that quantization's bound against the exact activations."""
+them (per block of 32 to int16), and within that quantization's bound against the exact activations."""
 
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ def random_blocks(ggml_type: int, n: int, k: int, rng: np.random.Generator, scal
 
 
 def quantized_activations(x: torch.Tensor) -> np.ndarray:
-    """x as the kernel sees it: per block of 32, int8 = round_half_even(x * (127 / max|x|)) in float32, times
-    max|x| / 127; float64."""
+    """x as the kernel sees it: per block of 32, int16 = round_half_even(x * (32767 / max|x|)) in float32, times
+    max|x| / 32767; float64."""
     xf = x.float().numpy().reshape(x.shape[0], -1, lg.BLOCK)
     amax = np.abs(xf).max(axis=2, keepdims=True).astype(np.float32)
-    scale = amax / np.float32(127.0)
-    inv = np.where(amax > 0, np.float32(127.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    q = np.clip(np.rint(xf * inv), -128, 127)
+    scale = amax / np.float32(32767.0)
+    inv = np.where(amax > 0, np.float32(32767.0) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(xf * inv), -32768, 32767)
     return (q.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape[0], -1)
 
 
@@ -58,7 +58,7 @@ def check(ggml_type: int, n: int, k: int, rows: int, seed: int, scale_kind: str 
     assert np.all(np.abs(out - ref) <= 2e-6 * magnitude + 1e-30), np.abs(out - ref).max()
     # Against the exact activations: at most half a quantization step of each block, times its weights.
     exact = x.double().numpy() @ w.T
-    steps = np.abs(x.float().numpy().reshape(rows, -1, lg.BLOCK)).max(axis=2) / 127.0 / 2  # [rows, blocks]
+    steps = np.abs(x.float().numpy().reshape(rows, -1, lg.BLOCK)).max(axis=2) / 32767.0 / 2  # [rows, blocks]
     bound = steps @ np.abs(w).reshape(n, -1, lg.BLOCK).sum(axis=2).T
     assert np.all(np.abs(out - exact) <= bound * (1 + 1e-5) + 2e-6 * magnitude + 1e-30)
     # bfloat16 output: the float32 sums rounded to nearest even.
