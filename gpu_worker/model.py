@@ -82,6 +82,7 @@ class WeightPlacer:
     native_linear_max_rows: int | None
     native_linear_amx: bool
     gguf_blocks: bool = False  # GGUF weights kept in their blocks are packed for the GGUF kernel
+    int8_weights: bool = False  # the others quantized to int8 (Q8_0 blocks) for it (config `quantization` int8)
 
     def tensor(self, name: str, shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous; one kept in GGUF blocks,
@@ -107,7 +108,10 @@ class WeightPlacer:
             parts = [self.weights[name] for name in names]
             return linear_gguf.concat_rows([linear_gguf.pack(p.blocks, p.ggml_type, *p.shape) for p in parts])
         tensors = [self.tensor(name, shard) for name in names]
-        return self.matrix(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
+        weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        if self.int8_weights and linear_gguf.supported(linear_gguf.Q8_0, *weight.shape):
+            return linear_gguf.pack(linear_gguf.int8_blocks(weight), linear_gguf.Q8_0, *weight.shape)
+        return self.matrix(weight)
 
     def matrix(self, tensor: torch.Tensor) -> PackedWeight:
         """A linear layer's weight, packed when `prepack`."""
@@ -123,7 +127,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
                  native_linear: bool = False, native_linear_max_rows: int | None = None, native_linear_amx: bool = False,
-                 fused: bool = False, gguf_blocks: bool = False) -> None:
+                 fused: bool = False, gguf_blocks: bool = False, int8_weights: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
         gpu_worker/cpu/packed_linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
         C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
@@ -132,7 +136,8 @@ class LlamaModel:
         `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/cpu/fused_ops.py) where they are
         available (bfloat16 CPU). `gguf_blocks` (with `native_linear`): weights the checkpoint kept in GGUF blocks
         (gpu_worker/gguf_blocks.py) are computed from them (kernels/native/linear_gguf.py) where the kernel takes
-        their type; others are dequantized."""
+        their type; others are dequantized. `int8_weights` (with `native_linear`): every other linear weight is
+        quantized to int8 per block of 32 (kernels/native/linear_gguf.int8_blocks) for the same kernel."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -143,11 +148,11 @@ class LlamaModel:
         self.num_heads = c.num_attention_heads // tp.size  # on this rank
         self.num_kv_heads = c.num_key_value_heads // tp.size
         place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx,
-                             gguf_blocks and prepack and native_linear)
+                             gguf_blocks and prepack and native_linear, int8_weights and prepack and native_linear)
         self.embed = place.tensor("model.embed_tokens.weight")
         # A tied LM head is packed as its own copy (the embedding lookup needs the plain rows), or from the blocks.
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-        tied_plain = c.tie_word_embeddings and not place.from_blocks([head])
+        tied_plain = c.tie_word_embeddings and not place.from_blocks([head]) and not place.int8_weights
         self.lm_head = place.matrix(self.embed) if tied_plain else place.linear([head])
         self.final_norm = place.tensor("model.norm.weight")
         self.layers = [self._layer_weights(place, i) for i in range(c.num_hidden_layers)]

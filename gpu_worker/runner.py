@@ -18,7 +18,7 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
-from gpu_worker.cpu.gguf_serving import gguf_blocks_kept, log_gguf_serving
+from gpu_worker.cpu.gguf_serving import gguf_blocks_kept, log_gguf_serving, quantized_weights
 from gpu_worker.cpu.packed_linear import prepack_supported
 from gpu_worker.cpu.worker_setup import (choose_cpu_dtype, configure_cpu_threads, cpu_flags, plan_c_linear,
                                          resolve_cpu_dtype, row_invariance_unavailable)
@@ -146,7 +146,7 @@ class ModelRunner:
         model = LlamaModel(self.model_config, weights, self.device, self.dtype, self.max_positions, self.tp,
                            prepack=prepack, native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
                            native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch",
-                           gguf_blocks=self.c_linear)
+                           **quantized_weights(config, self.device, self.c_linear))
         log_gguf_serving(weights, model)
         return model
 

@@ -63,7 +63,8 @@ class Config:
         "the GGUF kernel runs (a CPU with AVX512-VNNI, bfloat16 on the C kernels, no tensor parallelism), else "
         "dequantized, the worker's log saying which: batch-1 decoding about 0.6x the time, steps of 16 rows "
         "or more about 1.3x (docs/performance.md); `none` (the default until the kernel's large-batch path "
-        "is built): dequantize. int8 and fp8 are not built yet"))
+        "is built): dequantize; `int8`: every linear weight quantized to int8 at load (symmetric, a scale per "
+        "block of 32 along each output row: Q8_0), for the same kernel (CPU with AVX512-VNNI; refused elsewhere). fp8 is not built yet"))
     fp16: bool = field(default=False, metadata=doc(
         "the seed's switch for half precision: true = dtype float16 (beside a dtype other than auto or float16: "
         "refused)"))
@@ -217,8 +218,8 @@ class Config:
                "must go with dtype auto or float16 (fp16 true means dtype float16); drop one of them")
         if self.fp16:
             self.dtype = "float16"
-        _check(self.quantization in ("auto", "none"), "quantization", self.quantization,
-               "must be auto or none; int8 and fp8 are not built yet")
+        _check(self.quantization in ("auto", "none", "int8"), "quantization", self.quantization,
+               "must be auto, none or int8; fp8 is not built yet")
         _check(self.kv_cache_dtype in ("auto", "fp16"), "kv_cache_dtype", self.kv_cache_dtype,
                "must be auto (the model's dtype) or fp16; int8 and fp8 caches are not built yet")
         _check(self.kv_cache_dtype != "fp16" or self.dtype == "float16", "kv_cache_dtype", self.kv_cache_dtype,

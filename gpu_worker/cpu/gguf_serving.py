@@ -1,5 +1,5 @@
-"""Config `quantization` auto on the CPU: which of a GGUF file's weights stay in their blocks at load, and the
-log line saying how the model serves them."""
+"""Config `quantization` on the CPU: which of a GGUF file's weights stay in their blocks at load (`auto`),
+whether the model quantizes its linear weights to int8 (`int8`), and the log line saying how it serves them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from gpu_worker.gguf_blocks import GGUFBlocks
 from hetero_common.config import Config
+from hetero_common.errors import ConfigError
 from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight
 
@@ -39,3 +40,14 @@ def log_gguf_serving(weights: dict[str, Any], model: Any) -> None:
     else:
         log.info("gguf weights dequantized", dtype=str(model.dtype).removeprefix("torch."),
                  reason="the GGUF kernel needs bfloat16 on the C kernels (cpu_kernels, weight_prepack, dtype)")
+
+
+def quantized_weights(config: Config, device: torch.device, c_linear: bool) -> dict[str, bool]:
+    """LlamaModel's `gguf_blocks` and `int8_weights` for this worker. `int8` that cannot be served here is
+    refused (ConfigError), not quietly dequantized."""
+    int8 = config.quantization == "int8"
+    if int8 and (device.type != "cpu" or not c_linear or not linear_gguf.supported(linear_gguf.Q8_0, 16, 32)):
+        where = ("on CUDA (torch._int_mm / _scaled_mm products are not built yet)" if device.type != "cpu" else
+                 "on this CPU: it needs AVX512-VNNI and bfloat16 on the C kernels (dtype, cpu_kernels, weight_prepack)")
+        raise ConfigError(f"config key 'quantization' = 'int8' cannot be served {where}; use none")
+    return {"gguf_blocks": c_linear, "int8_weights": int8}

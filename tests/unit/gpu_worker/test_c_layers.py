@@ -183,3 +183,20 @@ def test_one_c_call_from_gguf_blocks_gives_the_loops_logits_bitwise(head64_dir: 
     for a, b, c in zip(looped, fused, two_steps(dequantized, config, "c_layers")):
         assert a.isfinite().all() and torch.equal(a, b)
         assert (a - c).abs().max() < 0.05 * c.abs().max()
+
+
+@pytest.mark.skipif(REASON is not None or not linear_gguf.supported(linear_gguf.Q8_0, 16, 32),
+                    reason="the C linear kernels (bfloat16 and GGUF: AVX512-VNNI) do not run here")
+def test_int8_weights_run_in_one_c_call_close_to_bfloat16(head64_dir: Path) -> None:
+    """`quantization: int8`: every linear weight quantized at load to Q8_0 blocks (the LM head too, where its
+    shape fits the kernel), every layer in one C call, bitwise the loop's logits and close to bfloat16's."""
+    config, weights = load_checkpoint(head64_dir)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True,
+                       native_linear=True, fused=True, int8_weights=True)
+    assert model.c_layers is not None and model.c_layers.kind == GGUF_KIND_BASE + linear_gguf.Q8_0
+    plain = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True,
+                       native_linear=True, fused=True)
+    for a, b, c in zip(two_steps(model, config, "loop"), two_steps(model, config, "c_layers"),
+                       two_steps(plain, config, "c_layers")):
+        assert a.isfinite().all() and torch.equal(a, b)
+        assert (a - c).abs().max() < 0.05 * c.abs().max()

@@ -101,3 +101,20 @@ def test_unsupported_shapes_are_refused() -> None:
     assert not lg.supported(12, 32, 64)  # Q4_K: not served by this kernel
     with pytest.raises(ValueError, match="expected"):
         lg.pack(np.zeros(10, dtype=np.uint8), lg.Q4_1, 32, 64)
+
+
+def test_int8_blocks_round_to_the_nearest_step_of_each_block() -> None:
+    """`quantization: int8`'s weights: symmetric per block of 32, within half a step of the float weight; an
+    all-zero block stays zero."""
+    from gguf.quants import dequantize
+
+    w = torch.randn(32, 96) * torch.logspace(-3, 1, 96)  # blocks of very different magnitudes
+    w[3, 32:64] = 0.0
+    blocks = lg.int8_blocks(w)
+    back = torch.from_numpy(dequantize(blocks, lg.Q8_0).reshape(32, 96))
+    step = (w.reshape(32, 3, lg.BLOCK).abs().amax(dim=2) / 127.0).repeat_interleave(lg.BLOCK, dim=1)
+    assert torch.all((back - w).abs() <= step / 2 * 1.01 + 1e-12)
+    assert torch.all(back[3, 32:64] == 0)
+    x = torch.randn(2, 96).to(torch.bfloat16)
+    out = lg.linear(x, lg.pack(blocks, lg.Q8_0, 32, 96), f32_out=True)
+    torch.testing.assert_close(out, x.float() @ back.float().T, rtol=1e-3, atol=1e-3)
