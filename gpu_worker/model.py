@@ -149,11 +149,17 @@ class LlamaModel:
         self.num_kv_heads = c.num_key_value_heads // tp.size
         place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx,
                              gguf_blocks and prepack and native_linear, int8_weights and prepack and native_linear)
-        self.embed = place.tensor("model.embed_tokens.weight")
-        # A tied LM head is packed as its own copy (the embedding lookup needs the plain rows), or from the blocks.
-        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-        tied_plain = c.tie_word_embeddings and not place.from_blocks([head]) and not place.int8_weights
-        self.lm_head = place.matrix(self.embed) if tied_plain else place.linear([head])
+        # The embedding: looked up straight from its GGUF blocks where they are kept (a tied LM head then computes
+        # from the same ones), else from a plain table (a tied head packed as its own copy of it).
+        embed = "model.embed_tokens.weight"
+        self.embed_blocks = place.linear([embed]) if place.from_blocks([embed]) else None
+        self.embed = None if self.embed_blocks is not None else place.tensor(embed)
+        if c.tie_word_embeddings and self.embed_blocks is not None:
+            self.lm_head = self.embed_blocks
+        elif c.tie_word_embeddings and not place.int8_weights:
+            self.lm_head = place.matrix(self.embed)
+        else:
+            self.lm_head = place.linear([embed if c.tie_word_embeddings else "lm_head.weight"])
         self.final_norm = place.tensor("model.norm.weight")
         self.layers = [self._layer_weights(place, i) for i in range(c.num_hidden_layers)]
         self.cos, self.sin = rope_tables(c, max_positions, device, dtype)
@@ -188,6 +194,12 @@ class LlamaModel:
             "gate_up": place.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows),
             "down": place.linear([p + "mlp.down_proj.weight"], columns),
         }
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden], a new tensor (the forward adds into it)."""
+        if self.embed_blocks is not None:
+            return linear_gguf.rows(self.embed_blocks, input_ids)  # type: ignore[arg-type]
+        return F.embedding(input_ids, self.embed)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -225,7 +237,7 @@ class LlamaModel:
             return self._hidden_states_fused(input_ids, positions, slots, kv_cache, attention)
         c = self.config
         t = input_ids.shape[0]
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self._embed(input_ids)
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, c.head_dim
         for i, layer in enumerate(self.layers):
@@ -252,7 +264,7 @@ class LlamaModel:
         c = self.config
         t = input_ids.shape[0]
         eps, heads, kv_heads, dim = c.rms_norm_eps, self.num_heads, self.num_kv_heads, c.head_dim
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self._embed(input_ids)
         positions = positions.to(torch.int64)
         if t and int(positions.max()) >= self.cos.shape[0]:  # the RoPE kernel reads its tables unchecked
             raise IndexError(f"position {int(positions.max())} is beyond the model's {self.cos.shape[0]} positions")

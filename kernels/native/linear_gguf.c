@@ -114,6 +114,43 @@ int linear_gguf_pack(const uint8_t *src, int type, int n, int k, uint8_t *dst) {
 #endif
 }
 
+/* Rows ids[0 .. count) of a packed [n, k] weight, dequantized to bfloat16 into out [count, k] (an embedding
+ * lookup from the blocks: d * u + m in float32, rounded to nearest even, as gguf's dequantizer and a conversion
+ * give). Returns 0, or -1 for a type or shape the kernels do not take or an id outside [0, n). */
+int linear_gguf_rows(const uint8_t *wp, int type, int n, int k, const int64_t *ids, int count, uint16_t *out) {
+#ifdef HAVE_VNNI
+    if (!linear_gguf_supported(type, n, k)) return -1;
+    for (int r = 0; r < count; r++)
+        if (ids[r] < 0 || ids[r] >= n) return -1;
+    const int nb = k / QK, bits = weight_bits(type);
+    const int64_t per = tile_bytes(type), weight_bytes = per - 4 * NR;
+#pragma omp parallel for schedule(static) if ((int64_t)count * k >= 65536)
+    for (int r = 0; r < count; r++) {
+        const int64_t g = ids[r] / NR, i = ids[r] % NR;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *tile = wp + (g * nb + b) * per;
+            uint16_t dh, mh;
+            memcpy(&dh, tile + weight_bytes + 2 * i, 2), memcpy(&mh, tile + weight_bytes + 2 * (NR + i), 2);
+            const float d = half_to_float(dh), m = half_to_float(mh);
+            for (int j = 0; j < QK / 2; j++) {
+                const int u0 = bits == 8 ? tile[32 * j + 2 * i] : tile[16 * j + i] & 0x0F;
+                const int u1 = bits == 8 ? tile[32 * j + 2 * i + 1] : tile[16 * j + i] >> 4;
+                const float w[2] = {d * (float)u0 + m, d * (float)u1 + m};
+                for (int h = 0; h < 2; h++) {
+                    uint32_t bitsf;
+                    memcpy(&bitsf, &w[h], 4);
+                    out[(int64_t)r * k + QK * b + 2 * j + h] = (uint16_t)((bitsf + 0x7FFFu + ((bitsf >> 16) & 1u)) >> 16);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)wp, (void)type, (void)n, (void)k, (void)ids, (void)count, (void)out;
+    return -1;
+#endif
+}
+
 #ifdef HAVE_VNNI
 /* Row r of x (bfloat16, k values) -> xq[k] int16, dx[k / 32], sx[k / 32] (see the top of the file). */
 static void quantize_row(const uint16_t *x, int k, int16_t *xq, float *dx, float *sx) {

@@ -97,3 +97,16 @@ def int8_blocks(weight: torch.Tensor) -> np.ndarray:
     blocks[:, :, :2] = scale.view(torch.uint8).reshape(w.shape[0], w.shape[1], 2)
     blocks[:, :, 2:] = q.view(torch.uint8)
     return blocks.reshape(w.shape[0], -1).numpy()
+
+
+def rows(weight: GGUFPackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight dequantized to bfloat16 [len(ids), in]: an embedding lookup straight from the
+    blocks (the same bits as the dequantized table's rows)."""
+    library = lib.load()
+    assert library is not None, "rows without the C library"
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], weight.shape[1], dtype=torch.bfloat16)
+    if library.linear_gguf_rows(weight.packed.data_ptr(), weight.type, weight.shape[0], weight.shape[1],
+                                ids.data_ptr(), ids.shape[0], out.data_ptr()) != 0:
+        raise IndexError(f"token ids outside [0, {weight.shape[0]}) or an unsupported weight")
+    return out

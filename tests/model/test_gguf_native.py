@@ -32,6 +32,7 @@ def test_the_blocks_are_what_the_model_holds(native: InferenceEngine) -> None:
     assert model.c_layers is not None and model.c_layers.kind == GGUF_KIND_BASE + linear_gguf.Q4_1
     held = [w for layer in model.layers for w in layer.values() if type(w) is GGUFPackedWeight] + [model.lm_head]
     assert all(type(w) is GGUFPackedWeight for w in held) and len(held) == 4 * 30 + 1
+    assert model.embed is None and model.embed_blocks is model.lm_head  # the lookup reads the blocks too
     reader = gguf.GGUFReader(str(default_model_path()))
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" and len(t.shape) == 2)
     file_bytes += int(next(t.n_bytes for t in reader.tensors if t.name == "token_embd.weight"))  # the tied head

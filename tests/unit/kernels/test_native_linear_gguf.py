@@ -118,3 +118,15 @@ def test_int8_blocks_round_to_the_nearest_step_of_each_block() -> None:
     x = torch.randn(2, 96).to(torch.bfloat16)
     out = lg.linear(x, lg.pack(blocks, lg.Q8_0, 32, 96), f32_out=True)
     torch.testing.assert_close(out, x.float() @ back.float().T, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_rows_are_the_dequantized_tables_rows(ggml_type: int) -> None:
+    """The embedding lookup from the blocks: bit for bit gguf's dequantized rows rounded to bfloat16."""
+    rng = np.random.default_rng(7)
+    blocks = random_blocks(ggml_type, 48, 96, rng)
+    table = torch.from_numpy(dequantize(blocks, ggml_type).reshape(48, 96)).to(torch.bfloat16)
+    ids = torch.tensor([0, 47, 17, 17, 3])
+    assert torch.equal(lg.rows(lg.pack(blocks, ggml_type, 48, 96), ids), table[ids])
+    with pytest.raises(IndexError):
+        lg.rows(lg.pack(blocks, ggml_type, 48, 96), torch.tensor([48]))
