@@ -102,6 +102,20 @@ NOTES = """\
   (or SDPA) and products of more than a few rows to oneDNN, whose last bits follow the row count;
   how much faster that is there is not measured yet (docs/performance.md, "Invariant numerics").
   float32 runs the torch code, invariant already; on CUDA it does nothing yet.
+- **`quantization`** (which formats run natively where, and how to choose; figures in
+  docs/performance.md, "Quantized weights"):
+
+  | value | weights held | where it runs | batch-1 decoding | steps of 16+ rows |
+  |---|---|---|---|---|
+  | `none` (default) | the checkpoint dequantized to `dtype` | everywhere | bfloat16's | bfloat16's |
+  | `auto` | a GGUF file's Q4_0, Q4_1, Q8_0 blocks as they are (others dequantized) | CPUs with AVX512-VNNI, bfloat16 on the C kernels | about 0.5x the time | about 1.3x |
+  | `int8` | every linear weight as int8 (Q8_0 blocks: a scale per 32 weights of a row) | the same CPUs; refused elsewhere | about 0.6x | about 1.3x |
+
+  Choose `auto` (for a GGUF file) or `int8` to serve one request at a time faster and in about a
+  third of the weight memory (the default model: 98 MB against 326 MB); keep `none` for throughput
+  under many concurrent requests, where the products are compute-bound and bfloat16's are faster.
+  Both keep the mean log-likelihood of a fixed text within 0.1% of float32's and 90% or more of the
+  greedy tokens (`benchmarks/quant_accuracy.py`). fp8 (CUDA) is not built yet.
 - **`weight_prepack`**: the linear layers' weights are re-laid out once at load instead of on
   every product (`gpu_worker/cpu/packed_linear.py`). In float32 the products move from MKL to
   oneDNN (last-bit differences; the oracle tests stay token-exact); in bfloat16 results are
