@@ -314,8 +314,8 @@ def _gguf_rope_scaling(meta: _GGUFMetadata) -> dict[str, Any] | None:
     return rope_scaling
 
 
-# The linear weights a GGUF file may keep in its blocks: the layers' products, and the LM head (a tied one is
-# the embedding: the model dequantizes it for the lookup and packs the blocks for the head).
+# The linear weights a GGUF file may keep in its blocks: the layers' products, the LM head and the embedding
+# (the model looks tokens up in its blocks; a tied head computes from the same ones).
 BLOCK_WEIGHTS = ("proj.weight", "lm_head.weight", "embed_tokens.weight")
 
 

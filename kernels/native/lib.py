@@ -35,10 +35,10 @@ HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 # operation of torch, numpy and Python code around it. So: compile, then link without it.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-# The attention kernels that share attention_order.h's arithmetic: the compiler may not reassociate their
-# sums, approximate their divisions or fuse a product into a later addition, or the two paths could round
-# differently (a row's output would depend on which of them computed it).
-STRICT_SOURCES = {"attention_rows_bf16.c", "prompt_row_tiles.c"}
+# The attention kernels that share attention_order.h's arithmetic, and the GGUF products' row tiles of 1-4
+# rows: the compiler may not reassociate their sums, approximate their divisions or fuse a product into a
+# later addition, or two paths could round differently (a row's output would depend on which computed it).
+STRICT_SOURCES = {"attention_rows_bf16.c", "prompt_row_tiles.c", "linear_gguf.c"}
 STRICT_FLAGS = ["-fno-associative-math", "-fno-reciprocal-math", "-ffp-contract=off"]
 
 
@@ -99,7 +99,7 @@ def _cpu_flags() -> str:
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [p.read_text() for p in SOURCES + HEADERS] + [" ".join(COMPILE_FLAGS + STRICT_FLAGS + LINK_FLAGS), version, _cpu_flags()]
+    parts = [p.read_text() for p in SOURCES + HEADERS] + [" ".join(COMPILE_FLAGS + STRICT_FLAGS + sorted(STRICT_SOURCES) + LINK_FLAGS), version, _cpu_flags()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     target = cache_dir() / f"hetero_cpu_kernels-{key[:16]}.so"
     if not target.exists():

@@ -20,6 +20,7 @@ from gpu_worker.model import LlamaModel
 from hetero_infer.testing.tiny_models import make_random_llama
 from kernels.attention_backend import create_attention_backend
 from kernels.cache_ops import allocate_kv_cache
+from kernels.native import linear_gguf
 from kernels.page_table import PageTable
 
 BLOCK = 16
@@ -30,14 +31,17 @@ pytestmark = pytest.mark.skipif(row_invariance_unavailable(64, BLOCK) is not Non
                                 reason=f"bfloat16 rows are not invariant here: {row_invariance_unavailable(64, BLOCK)}")
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
-    """Head size 64 (the vectorized attention's), 3 layers: what the worker builds on such a CPU."""
+@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
+    """Head size 64 (the vectorized attention's), 3 layers: what the worker builds on such a CPU; also with
+    `quantization: int8`'s weights (the GGUF kernel's products, where it runs)."""
+    if request.param == "int8" and not linear_gguf.supported(linear_gguf.Q8_0, 16, 32):
+        pytest.skip("the GGUF kernel does not run here (AVX512-VNNI)")
     directory = make_random_llama(tmp_path_factory.mktemp("llama-d64"), hidden=256, intermediate=512, layers=3,
                                   heads=4, kv_heads=2, max_position_embeddings=1024, seed=3)
     config, weights = load_checkpoint(directory)
     built = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=1024, prepack=True,
-                       native_linear=True, fused=True)
+                       native_linear=True, fused=True, int8_weights=request.param == "int8")
     assert built.c_layers is not None  # every layer in one C call, as the worker runs it here
     return built
 
