@@ -24,6 +24,10 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+/* Query heads of one KV head computed together by either path: the most of 4, 3, 2 that divides the group
+ * (more heads per broadcast key or value keep more accumulators busy). */
+static inline int heads_together(int group) { return group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1; }
+
 /* Step 4's tree on 16 vectors (lane-wise: the tiles, partial j of lane r in x[j]); x is overwritten. */
 static inline __m512 sum_tree16(__m512 x[16]) {
     for (int j = 0; j < 8; j++) x[j] = _mm512_add_ps(x[j], x[j + 8]);

@@ -146,9 +146,6 @@ static inline __attribute__((always_inline)) void weighted_v(
     }
 }
 
-/* Query heads handled together: the most of 4, 3, 2 that divides the group. */
-static int heads_together(int group) { return group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1; }
-
 /* One (sequence, KV head), its group's query heads with HP at a time (HP, DIM constants at each call).
  * Scratch: s group * stride floats, p group * stride bfloat16 (stride = round_up(len, 16)), kt
  * KEY_CHUNKS * DIM / 2 * 16 uint32, all 64-byte aligned. */

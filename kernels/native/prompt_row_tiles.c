@@ -197,9 +197,6 @@ static inline __attribute__((always_inline)) void tile(
         }
 }
 
-/* Query heads per tile: the most of 4, 3, 2 that divides the group (4 and 3 keep 16-24 accumulators busy). */
-static int heads_per_tile(int group) { return group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1; }
-
 /* groups: [first, rows] pairs of plan rows (each group's rows share one page table: pages row `first`).
  * The other arguments as decode_attention_bf16's; head_dim 64 or 128, block_size a multiple of 16.
  * Returns 0, or -2 when a buffer cannot be allocated (nothing written then). */
@@ -208,7 +205,7 @@ int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
                           int64_t out_row_stride, int num_kv_heads, int group, int head_dim, int block_size,
                           float scale, const int *groups, int num_groups) {
     if (num_groups <= 0) return 0;
-    const int num_heads = num_kv_heads * group, hp = heads_per_tile(group);
+    const int num_heads = num_kv_heads * group, hp = heads_together(group);
     tile_group *g = malloc(sizeof(tile_group) * (size_t)num_groups);
     if (!g) return -2;
     int64_t v_total = 0, max_keys = 0, items = 0;
