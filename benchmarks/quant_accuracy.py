@@ -2,8 +2,8 @@
 dequantized and run in float32, on
 - the mean negative log-likelihood of a fixed text (the first `--tokens` tokens of docs/architecture.md, its
   git blob id printed: compare figures of one run only), each token scored given all before it;
-- greedy outputs of the oracle prompts (tests/model/test_smollm2.py's 8, chat-templated, `--new-tokens`
-  each): the share of tokens before the first divergence from the float32 run.
+- greedy outputs of the oracle prompts (hetero_infer/testing/prompts.py's 8 CHAT_PROMPTS, chat-templated,
+  `--new-tokens` each): the share of tokens before the first divergence from the float32 run.
 
     python benchmarks/quant_accuracy.py [--model FILE.gguf] [--tokens 2048] [--new-tokens 24]
                                         [--arm "LABEL|KEY=VALUE,..."] ...
@@ -32,16 +32,12 @@ from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 from hetero_common.tokenizer import load_tokenizer  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
+from hetero_infer.testing.prompts import CHAT_PROMPTS as PROMPTS  # noqa: E402
 from kernels.cache_ops import allocate_kv_cache  # noqa: E402
 from kernels.page_table import PageTable  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = REPO / "docs" / "architecture.md"
-PROMPTS = ["What is the capital of France?", "Hi",
-           "Write a haiku about paged attention and continuous batching in large language model servers.",
-           "1, 2, 3, 4,", "The quick brown fox",
-           "Explain in one sentence why the sky is blue, using simple words that a child would understand easily.",
-           "Translate to French: good morning", "def fibonacci(n):"]
 CHUNK, BLOCK = 256, 16
 
 

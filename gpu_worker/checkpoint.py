@@ -330,6 +330,7 @@ def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, dtype: torch.
         hf_name = _hf_name(name)
         if hf_name is None:
             continue
+        # GGUF lists dimensions fastest-first (ne0 = columns): reverse for torch's row-major order.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if (keep_blocks is not None and len(shape) == 2 and hf_name.endswith(BLOCK_WEIGHTS)
                 and keep_blocks(int(tensor.tensor_type), shape[0], shape[1])):
@@ -345,8 +346,7 @@ def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, dtype: torch.
         array = dequantize(np.asarray(tensor.data), tensor.tensor_type)
         if not array.flags.writeable:  # F32 tensors come back as the read-only memmap itself
             array = np.array(array)
-        # GGUF lists dimensions fastest-first (ne0 = columns): reverse for torch's row-major order.
-        weight = torch.from_numpy(array).reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+        weight = torch.from_numpy(array).reshape(shape)
         if config.architecture == "llama" and name.startswith("blk."):
             if ".attn_q." in name:
                 weight = _unpermute_rotary(weight, config.num_attention_heads)

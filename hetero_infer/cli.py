@@ -94,11 +94,11 @@ def _generate_through_bridge(args: argparse.Namespace, config) -> int:
     """serving.backend.kind command_bridge: the program answers (the prompt in HETERO_PROMPT, as typed); no model
     is loaded. Its output is printed as it streams."""
     from gateway.command_bridge import CommandBridge
-    from hetero_common.sampling import Sampling
+    from hetero.v1 import common_pb2
+    from hetero_common.sampling import resolve
 
-    sampling = Sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        seed=args.seed, stop=(), stop_token_ids=frozenset(), ignore_eos=False, n=1, logprobs=None,
-                        include_special_tokens=False)
+    sampling = resolve(common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed))
     bridge = CommandBridge(config.serving.backend)
 
     async def answer() -> None:

@@ -1,5 +1,6 @@
 """The seeded prompts that the correctness tests (and the stack's request helpers) run: lengths from
-one token to several blocks, so that every step mixes prefills and decodes."""
+one token to several blocks, so that every step mixes prefills and decodes; and the chat prompts that the
+default model's oracle checks (tests/model, benchmarks/quant_accuracy.py) send as text."""
 
 from __future__ import annotations
 
@@ -12,3 +13,15 @@ NEW_TOKENS = 12
 def make_prompts(vocab: int = 384, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Hi",
+    "Write a haiku about paged attention and continuous batching in large language model servers.",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Explain in one sentence why the sky is blue, using simple words that a child would understand easily.",
+    "Translate to French: good morning",
+    "def fibonacci(n):",
+]

@@ -12,9 +12,9 @@ from hetero_common.config import Config
 from hetero_common.model_files import default_model_path
 from hetero_common.tokenizer import load_tokenizer
 from hetero_infer.engine import GenerationParams, InferenceEngine
+from hetero_infer.testing.prompts import CHAT_PROMPTS as PROMPTS
 from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight
-from tests.model.test_smollm2 import PROMPTS
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not linear_gguf.supported(linear_gguf.Q4_1, 16, 32),

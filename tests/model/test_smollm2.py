@@ -12,20 +12,11 @@ from hetero_common.tokenizer import load_tokenizer
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
 from hetero_common.model_files import default_model_path
+from hetero_infer.testing.prompts import CHAT_PROMPTS
 from hetero_infer.testing.stack import REPO_ROOT, run_stack
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Hi",
-    "Write a haiku about paged attention and continuous batching in large language model servers.",
-    "1, 2, 3, 4,",
-    "The quick brown fox",
-    "Explain in one sentence why the sky is blue, using simple words that a child would understand easily.",
-    "Translate to French: good morning",
-    "def fibonacci(n):",
-]
 NEW_TOKENS = 16
 
 
@@ -35,7 +26,7 @@ def test_gguf_greedy_matches_transformers() -> None:
     path = default_model_path()
     tokenizer = load_tokenizer(path)
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-               for p in PROMPTS]
+               for p in CHAT_PROMPTS]
     engine = InferenceEngine(Config(block_size=16, dtype="float32").validate())
     params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.submit_request(p, params) for p in prompts]
