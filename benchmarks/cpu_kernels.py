@@ -112,16 +112,16 @@ def bench_attention(mc, batch: int, repeats: int) -> None:
     out = torch.empty_like(q)
     used = torch.cat([pages[b, : (int(lens[b]) + bs - 1) // bs] for b in range(batch)]).long()
 
-    def kernel(fn) -> Callable[[], object]:
+    def kernel(fn, *kv_fp8: int) -> Callable[[], object]:  # kv_fp8: the argument the generic loops do not take
         return lambda: fn(q.data_ptr(), q.stride(0), rows.data_ptr(), next(cycle).data_ptr(), pages.data_ptr(),
                           pages.shape[1], lens.data_ptr(), out.data_ptr(), out.stride(0), batch, hq, hkv, d, bs,
-                          d ** -0.5)
+                          d ** -0.5, *kv_fp8)
 
     vector = bool(library.decode_attention_bf16_vectorized(d, bs))
     print(f"\ndecode attention, one layer: batch {batch}, {int(lens.sum())} cached tokens, {hq}/{hkv} heads of {d}, "
           f"block size {bs}, a cold cache per call")
     plain = best_of(kernel(library.decode_attention_bf16_generic), repeats)
-    default = best_of(kernel(library.decode_attention_bf16), repeats)
+    default = best_of(kernel(library.decode_attention_bf16, 0), repeats)
     floor = best_of(lambda: next(cycle).index_select(0, used), repeats)
     print(f"  C plain loops                 {plain * 1e6:8.0f} µs")
     print(f"  C default ({'AVX512-BF16 path' if vector else 'plain loops here'}) {default * 1e6:8.0f} µs   "

@@ -9,7 +9,8 @@ dequantized and run in float32, on
                                         [--arm "LABEL|KEY=VALUE,..."] ...
 
 Arms (config overrides of the engine's defaults) default to bfloat16 dequantized (`quantization=none`) and
-the GGUF blocks (`quantization=auto`); the float32 reference is `dtype=float32,quantization=none`.
+the GGUF blocks (`quantization=auto`); the float32 reference is `dtype=float32,quantization=none`. An fp8 KV
+cache: `--arm "fp8 KV|quantization=none,kv_cache_dtype=fp8"`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def mean_nll(engine: InferenceEngine, tokens: list[int]) -> float:
     runner, model = engine.runner, engine.runner.model
     c = model.config
     blocks = (len(tokens) + BLOCK - 1) // BLOCK
-    cache = allocate_kv_cache(c.num_hidden_layers, blocks, BLOCK, model.num_kv_heads, c.head_dim, runner.dtype,
+    cache = allocate_kv_cache(c.num_hidden_layers, blocks, BLOCK, model.num_kv_heads, c.head_dim, runner.kv_dtype,
                               "cpu", runner.attention.kv_layout)
     table = np.arange(blocks, dtype=np.int32)
     total, done = 0.0, 0

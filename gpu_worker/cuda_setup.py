@@ -53,7 +53,7 @@ def _warm_up(model, attention: AttentionBackend, num_tokens: int, rows: int, blo
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     scratch = allocate_kv_cache(mc.num_hidden_layers, pages, block_size, model.num_kv_heads, mc.head_dim,
-                                model.dtype, device, attention.kv_layout)
+                                attention.kv_dtype, device, attention.kv_layout)
     scratch_bytes = scratch.numel() * scratch.element_size()
     table_pages = np.arange(pages, dtype=np.int32)
     started = time.perf_counter()
@@ -73,12 +73,13 @@ def _warm_up(model, attention: AttentionBackend, num_tokens: int, rows: int, blo
     return seconds, max(0, peak)
 
 
-def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torch.dtype, block_size: int,
-                        bytes_per_block: int, max_positions: int) -> CudaWorker:
+def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                        block_size: int, bytes_per_block: int, max_positions: int) -> CudaWorker:
+    """kv_dtype: the cache's element (gpu_worker/kv_dtype.py), dtype or float8_e4m3fn."""
     mc = model.config
     # The heads this rank holds (all of them without tensor parallelism).
     attention = create_attention_backend(config.attention_backend, model.num_heads, model.num_kv_heads,
-                                         mc.head_dim, device, dtype=dtype)
+                                         mc.head_dim, device, dtype=dtype, kv_dtype=kv_dtype)
     warm_tokens = max(1, min(config.max_total_tokens, max_positions - 1))
     rows = min(config.max_batch_size, warm_tokens)
     seconds, activation = _warm_up(model, attention, warm_tokens, rows, block_size, device)
@@ -97,7 +98,7 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
     # in-place write made outside inference mode (a test filling the cache, a swap-in from a
     # caller that is not inside `execute`), and such a write would fail on CUDA alone.
     kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, block_size, model.num_kv_heads,
-                                 mc.head_dim, dtype, device, attention.kv_layout)
+                                 mc.head_dim, kv_dtype, device, attention.kv_layout)
     graphs = None
     if not config.enable_cuda_graphs:
         log.info("cuda graphs off", reason="enable_cuda_graphs is false")
@@ -119,7 +120,7 @@ def capture_decode_graphs(model, attention, kv_cache: torch.Tensor, config: Conf
 
     def make_attention(bs: int) -> FlashInferGraphDecode:
         return FlashInferGraphDecode(bs, kv_indices, model.num_heads, model.num_kv_heads, mc.head_dim,
-                                     kv_cache.device, model.dtype, attention.workspace)
+                                     kv_cache.device, model.dtype, attention.workspace, kv_cache.dtype)
 
     graphs = DecodeGraphs(model, kv_cache, sizes, pad_block, block_size, make_attention)
     graphs.capture()

@@ -20,10 +20,11 @@ from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
 from gpu_worker.cpu.gguf_serving import gguf_blocks_kept, log_gguf_serving, quantized_weights
 from gpu_worker.cpu.packed_linear import prepack_supported
-from gpu_worker.cpu.worker_setup import (choose_cpu_dtype, configure_cpu_threads, cpu_flags, plan_c_linear,
-                                         resolve_cpu_dtype, row_invariance_unavailable)
+from gpu_worker.cpu.worker_setup import (allocate_cpu_kv_cache, choose_cpu_dtype, configure_cpu_threads,
+                                         plan_c_linear, resolve_cpu_dtype, row_invariance_unavailable)
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
+from gpu_worker.kv_dtype import kv_cache_torch_dtype
 from gpu_worker.model import LlamaModel, linear_shapes
 from gpu_worker.logits_processors import RowControls
 from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
@@ -34,8 +35,7 @@ from hetero_common.config import Config
 from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import Sampling, resolve
-from kernels.attention_backend import create_attention_backend
-from kernels.cache_ops import allocate_kv_cache, copy_blocks, swap_in_blocks, swap_out_blocks
+from kernels.cache_ops import copy_blocks, swap_in_blocks, swap_out_blocks
 from kernels.page_table import PageTable
 
 log = structlog.get_logger("gpu_worker.runner")
@@ -108,14 +108,16 @@ class ModelRunner:
         self.max_positions = min(config.max_model_len, self.model_config.max_position_embeddings)
         self.model = self._build_model(weights)
         del weights  # the checkpoint's tensors go before the KV cache is sized (the model keeps what it uses)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        self.kv_dtype = kv_cache_torch_dtype(config, self.dtype, self.device, self.model_config.head_dim)
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()  # fp8: twice the blocks in the same bytes
         self.bytes_per_block = (self.model_config.num_hidden_layers * 2 * self.block_size * self.model.num_kv_heads
                                 * self.model_config.head_dim * elem)  # this rank's share of the KV heads
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":  # the KV cache is sized from free memory after a warm-up pass
             self._prepare_cuda()
         else:
-            self._allocate_cpu_kv_cache()
+            self.num_blocks, self.attention, self.kv_cache = allocate_cpu_kv_cache(
+                config, self.model, self.model_config.head_dim, self.kv_dtype, self.bytes_per_block)
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
         self.vocabulary = GuidanceVocabulary(self._tokenizer_json, self.model_config.eos_token_ids,
                                              self.model_config.vocab_size)
@@ -152,30 +154,16 @@ class ModelRunner:
 
     def _prepare_cuda(self) -> None:
         """The attention backend, the KV cache sized from the memory left after a warm-up pass, the decode graphs."""
-        cuda = prepare_cuda_worker(self.model, self.config, self.device, self.dtype, self.block_size,
+        cuda = prepare_cuda_worker(self.model, self.config, self.device, self.dtype, self.kv_dtype, self.block_size,
                                    self.bytes_per_block, self.max_positions)
         self.num_blocks, self.kv_cache, self.attention, self.graphs = (cuda.num_blocks, cuda.kv_cache,
                                                                        cuda.attention, cuda.graphs)
-
-    def _allocate_cpu_kv_cache(self) -> None:
-        """The attention backend and a KV cache of `kv_cache_memory_gb` (at most `max_num_blocks` blocks)."""
-        config, mc = self.config, self.model_config
-        budget_blocks = int(config.kv_cache_memory_gb * 2**30 // self.bytes_per_block)
-        self.num_blocks = max(1, min(config.max_num_blocks, budget_blocks))
-        # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA), unless
-        # `deterministic` keeps every row on the C kernel (its per-row path and 16-row tiles: the same bits).
-        self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
-                                                  self.model.num_kv_heads, mc.head_dim, self.device, self.dtype,
-                                                  decode_kernel=config.cpu_kernels,
-                                                  prompts_apart="amx_bf16" in cpu_flags() and not config.deterministic)
-        self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
-                                          self.model.num_kv_heads, mc.head_dim, self.dtype, self.device,
-                                          self.attention.kv_layout)
 
     def _log_loaded(self, started: float) -> None:
         mc = self.model_config
         log.info("model loaded", model=str(self.model_path), architecture=mc.architecture, device=str(self.device),
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
+                 kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
                  c_decode_attention=getattr(self.attention, "native_decode", False) and self.dtype == torch.bfloat16,
                  c_elementwise=self.model.fused, c_linear=self.c_linear, row_invariant=self._row_invariant(),
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),

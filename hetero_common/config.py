@@ -70,7 +70,9 @@ class Config:
         "refused)"))
     kv_cache_dtype: str = field(default="auto", metadata=doc(
         "the KV cache's element type: `auto` = the model's dtype; `fp16` = float16, with dtype float16 (or `fp16: "
-        "true`) only in this version; int8 and fp8 caches are not built yet"))
+        "true`) only; `fp8` (or `fp8_e4m3`) = float8 e4m3, unscaled: half the bytes per token, so twice the "
+        "blocks in the same memory, read by FlashInfer on CUDA and by the C attention kernel on CPUs with "
+        "AVX512-BF16 (dtype bfloat16; refused elsewhere); int8 is not built"))
     attention_backend: str = field(default="auto", metadata=doc(
         "`auto` (FlashInfer where it can run on the CUDA device, else torch), `torch` (the paged reference) or "
         "`flashinfer` (start-up fails, saying why, where it cannot run)"))
@@ -220,8 +222,8 @@ class Config:
             self.dtype = "float16"
         _check(self.quantization in ("auto", "none", "int8"), "quantization", self.quantization,
                "must be auto, none or int8; fp8 is not built yet")
-        _check(self.kv_cache_dtype in ("auto", "fp16"), "kv_cache_dtype", self.kv_cache_dtype,
-               "must be auto (the model's dtype) or fp16; int8 and fp8 caches are not built yet")
+        _check(self.kv_cache_dtype in ("auto", "fp16", "fp8", "fp8_e4m3"), "kv_cache_dtype", self.kv_cache_dtype,
+               "must be auto (the model's dtype), fp16, fp8 or fp8_e4m3; an int8 cache is not built (use fp8)")
         _check(self.kv_cache_dtype != "fp16" or self.dtype == "float16", "kv_cache_dtype", self.kv_cache_dtype,
                "fp16 needs dtype float16 (or fp16 true) in this version: the cache holds the model's dtype")
         _check(self.cpu_kernels in ("auto", "c", "torch"), "cpu_kernels", self.cpu_kernels,

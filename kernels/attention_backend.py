@@ -22,6 +22,7 @@ log = structlog.get_logger("kernels")
 class AttentionBackend(Protocol):
     name: str
     kv_layout: str  # the cache layout its kernels read: NHD | HND (kernels/cache_ops.py)
+    kv_dtype: torch.dtype | None  # the cache's element it expects (None: whatever the cache holds)
 
     def plan(self, table: PageTable) -> None: ...
 
@@ -51,17 +52,19 @@ def select_attention_backend(name: str, device: torch.device | str, head_dim: in
 def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                              device: torch.device | str, dtype: torch.dtype | None = None,
                              workspace: torch.Tensor | None = None, decode_kernel: str = "torch",
-                             prompts_apart: bool = False, prompt_tiles: bool = True) -> AttentionBackend:
+                             prompts_apart: bool = False, prompt_tiles: bool = True,
+                             kv_dtype: torch.dtype | None = None) -> AttentionBackend:
     """`auto` picks FlashInfer on a CUDA device of sm75+ when it is importable, else torch.
-    `decode_kernel`, `prompts_apart`, `prompt_tiles`: the torch backend's CPU paths (TorchPagedAttention)."""
+    `decode_kernel`, `prompts_apart`, `prompt_tiles`: the torch backend's CPU paths (TorchPagedAttention).
+    `kv_dtype`: the cache's element where it is not `dtype` (float8_e4m3fn: config `kv_cache_dtype: fp8`)."""
     device = torch.device(device)
     chosen, reason = select_attention_backend(name, device, head_dim, dtype)
     if chosen == "flashinfer":
         from kernels.flashinfer_backend import FlashInferPagedAttention
 
         return FlashInferPagedAttention(num_qo_heads, num_kv_heads, head_dim, device,
-                                        dtype=dtype or torch.bfloat16, workspace=workspace)
+                                        dtype=dtype or torch.bfloat16, workspace=workspace, kv_dtype=kv_dtype)
     if device.type == "cuda":
         log.warning("attention on CUDA uses the torch reference (slow)", reason=reason)
     return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device, decode_kernel=decode_kernel, dtype=dtype,
-                               prompts_apart=prompts_apart, prompt_tiles=prompt_tiles)
+                               prompts_apart=prompts_apart, prompt_tiles=prompt_tiles, kv_dtype=kv_dtype)

@@ -78,7 +78,9 @@ def new_workspace(device: torch.device) -> torch.Tensor:
 
 class _Shape:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
+        """kv_dtype: the cache's element, dtype (the default) or float8_e4m3fn (FlashInfer's fp8 KV kernels;
+        new K/V rounded by torch's conversion as they are appended)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if dtype not in SUPPORTED_DTYPES:
@@ -88,10 +90,17 @@ class _Shape:
         self.head_dim = head_dim
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
+        if self.kv_dtype not in (dtype, torch.float8_e4m3fn):
+            raise ValueError(f"FlashInfer's cache holds {dtype} or float8_e4m3fn, not {self.kv_dtype}")
         self.use_tensor_cores = decode_uses_tensor_cores(num_qo_heads, num_kv_heads)
 
     def plan_kwargs(self) -> dict:
-        return dict(pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype)
+        return dict(pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+
+    def appended(self, x: torch.Tensor) -> torch.Tensor:
+        """New K or V rows in the cache's element type (FlashInfer appends rows of the cache's dtype)."""
+        return x if x.dtype == self.kv_dtype else x.to(self.kv_dtype)
 
 
 class FlashInferPagedAttention(_Shape):
@@ -101,8 +110,9 @@ class FlashInferPagedAttention(_Shape):
     kv_layout = "NHD"
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
-                 dtype: torch.dtype = torch.bfloat16, workspace: torch.Tensor | None = None) -> None:
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, device, dtype)
+                 dtype: torch.dtype = torch.bfloat16, workspace: torch.Tensor | None = None,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, device, dtype, kv_dtype)
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -132,8 +142,8 @@ class FlashInferPagedAttention(_Shape):
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         batch, positions, kv_indices, kv_indptr, last_page_len = self._append
-        self._flashinfer.append_paged_kv_cache(key, value, batch, positions, kv_cache, kv_indices, kv_indptr,
-                                               last_page_len, kv_layout="NHD")
+        self._flashinfer.append_paged_kv_cache(self.appended(key), self.appended(value), batch, positions, kv_cache,
+                                               kv_indices, kv_indptr, last_page_len, kv_layout="NHD")
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         # The model hands q as a view of a joint q|k buffer (RoPE runs once over both): make it dense.
@@ -152,8 +162,9 @@ class FlashInferGraphDecode(_Shape):
     kv_layout = "NHD"
 
     def __init__(self, batch_size: int, kv_indices_buffer: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
-                 head_dim: int, device: torch.device | str, dtype: torch.dtype, workspace: torch.Tensor) -> None:
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, device, dtype)
+                 head_dim: int, device: torch.device | str, dtype: torch.dtype, workspace: torch.Tensor,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, device, dtype, kv_dtype)
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -181,8 +192,9 @@ class FlashInferGraphDecode(_Shape):
         self.positions.copy_(torch.from_numpy((table.kv_lens - 1).astype(np.int32)), non_blocking=True)
 
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-        self._flashinfer.append_paged_kv_cache(key, value, self.batch_indices, self.positions, kv_cache,
-                                               self.kv_indices, self.kv_indptr, self.kv_last_page_len,
+        self._flashinfer.append_paged_kv_cache(self.appended(key), self.appended(value), self.batch_indices,
+                                               self.positions, kv_cache, self.kv_indices, self.kv_indptr,
+                                               self.kv_last_page_len,
                                                kv_layout="NHD")
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:

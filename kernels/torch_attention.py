@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cache_ops import hnd_rows, write_kv_hnd
+from kernels.cache_ops import FP8_DTYPES, gathered, hnd_rows, write_kv_hnd
 from kernels.native import decode_attention as native_decode
 from kernels.native import lib as native_lib
 from kernels.native import prompt_attention as native_prompt_attention
@@ -102,7 +102,7 @@ class TorchPagedAttention:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                  decode_kernel: str = "torch", dtype: torch.dtype | None = None, prompts_apart: bool = False,
-                 prompt_tiles: bool = True) -> None:
+                 prompt_tiles: bool = True, kv_dtype: torch.dtype | None = None) -> None:
         """`decode_kernel` (config `cpu_kernels`): "c" runs a bfloat16 cache's attention on the CPU through
         the C kernel (kernels/native/decode_attention.py; raises if it cannot be built), "auto" does so where it can
         be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never).
@@ -114,7 +114,8 @@ class TorchPagedAttention:
         1.5-2x SDPA, and about 9x the C rows over a prefix).
         `prompt_tiles`: the C kernel computes prompt chunks of 8 rows or more in 16-row tiles
         (kernels/native/prompt_row_tiles.c), 2-4x faster than per row and the same bits (one arithmetic:
-        kernels/native/attention_order.h); false: every row per row, for comparisons."""
+        kernels/native/attention_order.h); false: every row per row, for comparisons. `kv_dtype`: the cache's
+        element where it is not `dtype` (float8_e4m3fn: the C kernel widens it, the torch code what it gathers)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):
@@ -128,6 +129,7 @@ class TorchPagedAttention:
         self._prefills: list[_PrefillSeq] = []
         self._new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
         self._write_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (slots, K rows, V rows)
+        self.kv_dtype = kv_dtype or dtype
         self.native_decode = False  # bfloat16 decodes through the C kernel
         if decode_kernel != "torch" and self.device.type == "cpu" and native_decode.supports(
                 torch.bfloat16, num_qo_heads, num_kv_heads, head_dim):
@@ -167,12 +169,12 @@ class TorchPagedAttention:
         """One apart prompt chunk, q and out [q_len, Hq, D], whichever path asked (the same kernel for both, so the
         same bits): the AMX tile kernel, else (it could not allocate, or does not run here) its K/V gathered from
         the pages and SDPA."""
-        if self._amx_prompts and native_prompt_attention.prompt_attention(q, kv_cache, p.pages, p.kv_len, out,
+        if self._amx_prompts and kv_cache.dtype == torch.bfloat16 and native_prompt_attention.prompt_attention(q, kv_cache, p.pages, p.kv_len, out,
                                                                           self.scale, p.max_page):
             return
         runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)
-        k = runs.index_select(0, p.k_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
-        v = runs.index_select(0, p.v_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+        k = gathered(runs, p.k_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+        v = gathered(runs, p.v_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
         o = _sdpa(q.transpose(0, 1)[None], k[None], v[None], p.mask, self.scale, self.num_qo_heads // self.num_kv_heads)
         out.copy_(o[0].transpose(0, 1))
 
@@ -259,8 +261,9 @@ class TorchPagedAttention:
             self._write_rows = (slots, *hnd_rows(slots, self.num_kv_heads, kv_cache.shape[3]))
         write_kv_hnd(kv_cache, key, value, self._write_rows[1], self._write_rows[2])
         # A prompt with no cached prefix attends to exactly these rows: run() reads them here
-        # instead of gathering them back out of the pages (same values, so the same result).
-        self._new_kv = (key, value)
+        # instead of gathering them back out of the pages (same values, so the same result; an fp8 cache's
+        # are rounded, so those are read back).
+        self._new_kv = None if kv_cache.dtype in FP8_DTYPES else (key, value)
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] and one layer's cache [blocks, 2, Hkv, bs, D] (HND) -> attention output [T, Hq, D]."""
@@ -287,8 +290,8 @@ class TorchPagedAttention:
                 k = self._new_kv[0][p.q_start : p.q_start + p.q_len].transpose(0, 1)
                 v = self._new_kv[1][p.q_start : p.q_start + p.q_len].transpose(0, 1)
             else:  # [Hkv, kv_len, D], gathered in that order
-                k = runs.index_select(0, p.k_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
-                v = runs.index_select(0, p.v_runs).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+                k = gathered(runs, p.k_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+                v = gathered(runs, p.v_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
             if (q.dtype != torch.float32
                     and p.q_len * p.kv_len * self.num_qo_heads <= _MATMUL_PREFILL_MAX_SCORES):
                 self._run_prefill_matmul(q, k, v, p, out)
@@ -328,8 +331,8 @@ class TorchPagedAttention:
         Not SDPA: its rows change bitwise with the batch size, and padding a decode batch must not.
         """
         bd = d.rows.shape[0]
-        k = runs.index_select(0, d.k_runs).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
-        v = runs.index_select(0, d.v_runs).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
+        k = gathered(runs, d.k_runs, q.dtype).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
+        v = gathered(runs, d.v_runs, q.dtype).view(bd, self.num_kv_heads, d.num_slots, self.head_dim)
         qg = q.index_select(0, d.rows).view(bd, self.num_kv_heads, -1, self.head_dim)  # [Bd, Hkv, G, D]
         # The softmax in float32 whatever the cache's dtype.
         scores = torch.matmul(qg, k.transpose(2, 3)).float().mul_(self.scale).add_(d.mask)  # [Bd, Hkv, G, S]

@@ -25,6 +25,8 @@ from gpu_worker.cpu.packed_linear import linear, pack_weight, prepack_supported
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero_common.config import Config
 from hetero_common.host_cores import host_cores
+from kernels.attention_backend import AttentionBackend, create_attention_backend
+from kernels.cache_ops import allocate_kv_cache
 from kernels.native import decode_attention as native_decode
 from kernels.native import linear as native_linear
 
@@ -130,6 +132,22 @@ def row_invariance_unavailable(head_dim: int, block_size: int) -> str | None:
         return (f"the C attention kernel does not take prompt rows of head size {head_dim} in blocks of {block_size} "
                 "here (its vector path: head size 64 or 128, blocks of a multiple of 16, AVX512-BF16)")
     return None
+
+
+def allocate_cpu_kv_cache(config: Config, model, head_dim: int, kv_dtype: torch.dtype,
+                          bytes_per_block: int) -> tuple[int, AttentionBackend, torch.Tensor]:
+    """(blocks, the attention backend, a KV cache of `kv_cache_memory_gb`, at most `max_num_blocks` blocks) for the
+    model's heads on this rank."""
+    num_blocks = max(1, min(config.max_num_blocks, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block)))
+    # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA), unless
+    # `deterministic` keeps every row on the C kernel (its per-row path and 16-row tiles: the same bits).
+    attention = create_attention_backend(config.attention_backend, model.num_heads, model.num_kv_heads, head_dim,
+                                         "cpu", model.dtype, decode_kernel=config.cpu_kernels,
+                                         prompts_apart="amx_bf16" in cpu_flags() and not config.deterministic,
+                                         kv_dtype=kv_dtype)
+    kv_cache = allocate_kv_cache(model.config.num_hidden_layers, num_blocks, config.block_size, model.num_kv_heads,
+                                 head_dim, kv_dtype, "cpu", attention.kv_layout)
+    return num_blocks, attention, kv_cache
 
 
 def worker_threads(num_threads: int, data_parallel_size: int, tensor_parallel_size: int, reserved_cpus: int = 0) -> int:

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "attention_order.h"
+#include "kv_fp8.h"
 #include "vexp.h"
 
 #define PROMPT_TILE_MIN_ROWS 8 /* prompt chunks of at least this many rows go through prompt_row_tiles.c */
@@ -29,26 +30,28 @@
 
 /* One (sequence, KV head)'s K and V rows toward L2: issued one item ahead, so that the scattered
  * pages' misses overlap with the work on the item before. */
-static inline void prefetch_item(const uint16_t *cache, const int32_t *seq_pages, int len, int h, int num_kv_heads,
-                                 int block_size, int head_dim) {
-    const int64_t run = (int64_t)block_size * head_dim;
+static inline void prefetch_item(const void *cache, int elem_bytes, const int32_t *seq_pages, int len, int h,
+                                 int num_kv_heads, int block_size, int head_dim) {
+    const int64_t run = (int64_t)block_size * head_dim * elem_bytes;
     for (int t0 = 0; t0 < len; t0 += block_size) {
         const int64_t page = seq_pages[t0 / block_size];
-        const char *k_page = (const char *)(cache + (page * 2 * num_kv_heads + h) * run);
-        const char *v_page = (const char *)(cache + ((page * 2 + 1) * num_kv_heads + h) * run);
-        const int bytes = (len - t0 < block_size ? len - t0 : block_size) * head_dim * 2;
+        const char *k_page = (const char *)cache + (page * 2 * num_kv_heads + h) * run;
+        const char *v_page = (const char *)cache + ((page * 2 + 1) * num_kv_heads + h) * run;
+        const int bytes = (len - t0 < block_size ? len - t0 : block_size) * head_dim * elem_bytes;
         for (int line = 0; line < bytes; line += 64) _mm_prefetch(k_page + line, _MM_HINT_T1);
         for (int line = 0; line < bytes; line += 64) _mm_prefetch(v_page + line, _MM_HINT_T1);
     }
 }
 
-/* Keys [t, t + 16) (one page's, block_size a multiple of 16) transposed: kt[i] lane j = pair i of key t + j.
- * Keys past len are still inside the page: their lanes hold any bits and are never used. */
-static inline __attribute__((always_inline)) void transpose_keys(const int DIM, const uint16_t *k, uint32_t *kt) {
+/* Keys [t, t + 16) (one page's, block_size a multiple of 16; the first at element k of the cache) transposed:
+ * kt[i] lane j = pair i of key t + j. Keys past len are still inside the page: their lanes hold any bits and are
+ * never used. */
+static inline __attribute__((always_inline)) void transpose_keys(const int DIM, const int FP8, const void *cache,
+                                                                 int64_t k, uint32_t *kt) {
     for (int b = 0; b < DIM / 2; b += 16) {
         __m512 r[16];
 #pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps((const float *)(k + (int64_t)i * DIM) + b);
+        for (int i = 0; i < 16; i++) r[i] = (__m512)kv_load32(FP8, cache, k + (int64_t)i * DIM + 2 * b);
         transpose16(r);
 #pragma GCC unroll 16
         for (int i = 0; i < 16; i++) _mm512_store_ps((float *)kt + (b + i) * 16, r[i]);
@@ -107,7 +110,7 @@ static inline float softmax_row(const float *s, uint16_t *p, int len) {
 /* Steps 6-7 for HP query heads (their numerators at p, stride apart; out0: the first head's output) over
  * output columns [c0, c0 + CW): HP * CW / 16 accumulators. */
 static inline __attribute__((always_inline)) void weighted_v(
-    const int DIM, const int HP, const int CW, const uint16_t *cache, const int32_t *seq_pages, int len, int h,
+    const int DIM, const int HP, const int CW, const int FP8, const void *cache, const int32_t *seq_pages, int len, int h,
     int num_kv_heads, int block_size, const uint16_t *p, int stride, const float *inv, int c0, uint16_t *out0) {
     const int NV = CW / 16;
     const int64_t run = (int64_t)block_size * DIM;
@@ -117,14 +120,15 @@ static inline __attribute__((always_inline)) void weighted_v(
 #pragma GCC unroll 8
         for (int j = 0; j < NV; j++) acc[g][j] = _mm512_setzero_ps();
     for (int t0 = 0; t0 < len; t0 += block_size) {
-        const uint16_t *v = cache + (((int64_t)seq_pages[t0 / block_size] * 2 + 1) * num_kv_heads + h) * run + c0;
+        int64_t v = (((int64_t)seq_pages[t0 / block_size] * 2 + 1) * num_kv_heads + h) * run + c0; /* an element */
         const int n = len - t0 < block_size ? len - t0 : block_size;
         for (int i = 0; i < n; i += 2, v += 2 * DIM) {
             const int odd = i + 1 < n; /* the pair's second key exists (block_size is even: same page) */
             __m512i pairs[8];
 #pragma GCC unroll 4
             for (int j = 0; j < CW / 32; j++)
-                pair_rows(_mm512_loadu_si512(v + 32 * j), odd ? _mm512_loadu_si512(v + DIM + 32 * j) : _mm512_setzero_si512(),
+                pair_rows(kv_load32(FP8, cache, v + 32 * j),
+                          odd ? kv_load32(FP8, cache, v + DIM + 32 * j) : _mm512_setzero_si512(),
                           &pairs[2 * j], &pairs[2 * j + 1]);
 #pragma GCC unroll 4
             for (int g = 0; g < HP; g++) {
@@ -146,11 +150,11 @@ static inline __attribute__((always_inline)) void weighted_v(
     }
 }
 
-/* One (sequence, KV head), its group's query heads with HP at a time (HP, DIM constants at each call).
+/* One (sequence, KV head), its group's query heads with HP at a time (HP, DIM, FP8 constants at each call).
  * Scratch: s group * stride floats, p group * stride bfloat16 (stride = round_up(len, 16)), kt
  * KEY_CHUNKS * DIM / 2 * 16 uint32, all 64-byte aligned. */
 static inline __attribute__((always_inline)) void attend(
-    const int DIM, const int HP, const uint16_t *q0, const uint16_t *cache, const int32_t *seq_pages, int len, int h,
+    const int DIM, const int HP, const int FP8, const uint16_t *q0, const void *cache, const int32_t *seq_pages, int len, int h,
     int num_kv_heads, int block_size, int group, float scale, float *s, uint16_t *p, uint32_t *kt, uint16_t *out0) {
     const int64_t run = (int64_t)block_size * DIM;
     const int stride = (len + 15) / 16 * 16;
@@ -159,8 +163,8 @@ static inline __attribute__((always_inline)) void attend(
         const int chunks = (len - t + 15) / 16 < KEY_CHUNKS ? (len - t + 15) / 16 : KEY_CHUNKS;
         for (int c = 0; c < chunks; c++) {
             const int k = t + 16 * c;
-            transpose_keys(DIM, cache + ((int64_t)seq_pages[k / block_size] * 2 * num_kv_heads + h) * run
-                                    + (int64_t)(k % block_size) * DIM,
+            transpose_keys(DIM, FP8, cache,
+                           ((int64_t)seq_pages[k / block_size] * 2 * num_kv_heads + h) * run + (int64_t)(k % block_size) * DIM,
                            kt + c * (DIM / 2) * 16);
         }
         for (int g = 0; g < group; g += HP) {
@@ -177,14 +181,14 @@ static inline __attribute__((always_inline)) void attend(
     const int CW = HP * DIM / 16 <= 16 ? DIM : 64; /* at most 16 accumulators */
     for (int g = 0; g < group; g += HP)
         for (int c0 = 0; c0 < DIM; c0 += CW)
-            weighted_v(DIM, HP, CW, cache, seq_pages, len, h, num_kv_heads, block_size, p + g * stride, stride,
+            weighted_v(DIM, HP, CW, FP8, cache, seq_pages, len, h, num_kv_heads, block_size, p + g * stride, stride,
                        inv + g, c0, out0 + (int64_t)g * DIM);
 }
 
-int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const uint16_t *cache,
+int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const void *cache,
                           const int32_t *pages, int max_pages, const int32_t *kv_lens, uint16_t *out,
                           int64_t out_row_stride, int num_kv_heads, int group, int head_dim, int block_size,
-                          float scale, const int *groups, int num_groups);
+                          float scale, const int *groups, int num_groups, int kv_fp8);
 
 /* The plan's prompt chunks: runs of at least PROMPT_TILE_MIN_ROWS consecutive rows with the same page table, as
  * [first, rows] pairs into groups (room for num_seqs / PROMPT_TILE_MIN_ROWS); returns how many. */
@@ -207,17 +211,18 @@ static int find_prompt_groups(const int32_t *pages, int max_pages, int num_seqs,
 
 /* Prompt chunks through the tiles (with `tiles`); the rows left to the per-row path into rest (the caller frees
  * it), or NULL for all of them (no chunk, or the tiles could not allocate). */
-static int *tile_prompt_chunks(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const uint16_t *cache,
+static int *tile_prompt_chunks(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const void *cache,
                                const int32_t *pages, int max_pages, const int32_t *kv_lens, uint16_t *out,
                                int64_t out_row_stride, int num_seqs, int num_kv_heads, int group, int head_dim,
-                               int block_size, float scale, int *num_rest) {
+                               int block_size, float scale, int kv_fp8, int *num_rest) {
     *num_rest = num_seqs;
     if (num_seqs < PROMPT_TILE_MIN_ROWS) return NULL;
     int *groups = malloc(sizeof(int) * 2 * (size_t)(num_seqs / PROMPT_TILE_MIN_ROWS));
     const int num_groups = groups ? find_prompt_groups(pages, max_pages, num_seqs, groups) : 0;
     int *rest = num_groups ? malloc(sizeof(int) * (size_t)num_seqs) : NULL;
     if (rest && prompt_row_tiles_bf16(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out, out_row_stride,
-                                      num_kv_heads, group, head_dim, block_size, scale, groups, num_groups) == 0) {
+                                      num_kv_heads, group, head_dim, block_size, scale, groups, num_groups,
+                                      kv_fp8) == 0) {
         *num_rest = 0;
         for (int i = 0, gi = 0; i < num_seqs; i++) {
             if (gi < num_groups && i >= groups[2 * gi] + groups[2 * gi + 1]) gi++;
@@ -233,16 +238,16 @@ static int *tile_prompt_chunks(const uint16_t *q, int64_t q_row_stride, const in
 }
 
 /* decode_attention_bf16's arguments (group: query heads per KV head, at most 16); `tiles` 0 keeps every row on
- * the per-row path (the same bits: benchmarks/cpu_kernels.py compares their speed). Returns 0, or -2 when
- * scratch cannot be allocated. */
-int attention_rows_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const uint16_t *cache,
+ * the per-row path (the same bits: benchmarks/cpu_kernels.py compares their speed); kv_fp8: the cache holds
+ * e4m3 (kv_fp8.h), else bfloat16. Returns 0, or -2 when scratch cannot be allocated. */
+int attention_rows_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const void *cache,
                                const int32_t *pages, int max_pages, const int32_t *kv_lens, uint16_t *out,
                                int64_t out_row_stride, int num_seqs, int num_kv_heads, int group, int head_dim,
-                               int block_size, float scale, int tiles) {
+                               int block_size, float scale, int tiles, int kv_fp8) {
     int num_rest = num_seqs;
     int *rest = tiles ? tile_prompt_chunks(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out,
                                            out_row_stride, num_seqs, num_kv_heads, group, head_dim, block_size, scale,
-                                           &num_rest)
+                                           kv_fp8, &num_rest)
                       : NULL;
     int max_len = 0;
     for (int r = 0; r < num_rest; r++) {
@@ -252,7 +257,7 @@ int attention_rows_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const in
     const size_t slots = (size_t)group * (size_t)((max_len + 15) / 16 * 16);
     const size_t score_bytes = (sizeof(float) * slots + 63) / 64 * 64, p_bytes = (2 * slots + 63) / 64 * 64;
     const size_t kt_bytes = sizeof(uint32_t) * KEY_CHUNKS * (size_t)head_dim / 2 * 16;
-    const int hp = heads_together(group);
+    const int hp = heads_together(group), elem_bytes = kv_fp8 ? 1 : 2;
     int failed = 0, next_item = 0;
 #pragma omp parallel
     {
@@ -268,19 +273,26 @@ int attention_rows_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const in
 #define ROW_OF(item) (rest ? rest[(item) / num_kv_heads] : (item) / num_kv_heads)
         int item = scratch ? __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED) : items;
         if (item < items)
-            prefetch_item(cache, pages + (int64_t)ROW_OF(item) * max_pages, kv_lens[ROW_OF(item)],
+            prefetch_item(cache, elem_bytes, pages + (int64_t)ROW_OF(item) * max_pages, kv_lens[ROW_OF(item)],
                           item % num_kv_heads, num_kv_heads, block_size, head_dim);
         while (item < items) {
             const int b = ROW_OF(item), h = item % num_kv_heads;
             const int next = __atomic_fetch_add(&next_item, 1, __ATOMIC_RELAXED);
             if (next < items)
-                prefetch_item(cache, pages + (int64_t)ROW_OF(next) * max_pages, kv_lens[ROW_OF(next)],
+                prefetch_item(cache, elem_bytes, pages + (int64_t)ROW_OF(next) * max_pages, kv_lens[ROW_OF(next)],
                               next % num_kv_heads, num_kv_heads, block_size, head_dim);
             const uint16_t *q0 = q + q_rows[b] * q_row_stride + (int64_t)h * group * head_dim;
             uint16_t *out0 = out + q_rows[b] * out_row_stride + (int64_t)h * group * head_dim;
             const int32_t *seq_pages = pages + (int64_t)b * max_pages;
-#define ATTEND(DIM, HP) attend(DIM, HP, q0, cache, seq_pages, kv_lens[b], h, num_kv_heads, block_size, group, scale, \
-                               s, p, kt, out0)
+#define ATTEND(DIM, HP)                                                                                          \
+    do {                                                                                                         \
+        if (kv_fp8)                                                                                              \
+            attend(DIM, HP, 1, q0, cache, seq_pages, kv_lens[b], h, num_kv_heads, block_size, group, scale, s, p, \
+                   kt, out0);                                                                                    \
+        else                                                                                                     \
+            attend(DIM, HP, 0, q0, cache, seq_pages, kv_lens[b], h, num_kv_heads, block_size, group, scale, s, p, \
+                   kt, out0);                                                                                    \
+    } while (0)
             if (head_dim == 64) {
                 if (hp == 4) ATTEND(64, 4); else if (hp == 3) ATTEND(64, 3); else if (hp == 2) ATTEND(64, 2);
                 else ATTEND(64, 1);

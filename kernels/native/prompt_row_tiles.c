@@ -10,6 +10,8 @@
  * - softmax per lane over the keys each row sees (its own kv_len: causal, any cached prefix);
  * - P . V with the same instruction: V re-laid once per (group, KV head) into pairs of consecutive keys;
  *   the output tile transposed back to rows once per 16 columns.
+ * An fp8 cache (kv_fp8.h) is widened to bfloat16 as V is re-laid, and K is widened once per (group, KV head)
+ * into a buffer that the tiles read instead of the pages.
  * Two passes (all scores of a tile, then P . V): no online rescaling.
  *
  * Each lane runs attention_order.h's arithmetic, step for step, as the per-row path does: a row's result is
@@ -24,6 +26,7 @@
 #include <immintrin.h>
 
 #include "attention_order.h"
+#include "kv_fp8.h"
 #include "vexp.h"
 
 #define TILE 16 /* query rows per tile: the lanes of a float32 vector */
@@ -32,38 +35,55 @@ typedef struct {
     int first, rows;   /* plan rows [first, first + rows) */
     int keys;          /* the largest kv_len among them */
     int64_t v_offset;  /* this group's re-laid V in the shared buffer, uint32 units (KV head h: + h * pairs * D) */
+    int64_t k_offset;  /* an fp8 cache: this group's widened K, bfloat16 units (KV head h: + h * key_rows(keys) * D) */
 } tile_group;
+
+/* The K rows widened per (group, KV head): whole runs of 16 keys (the tiles read up to KB <= 16 keys past the
+ * last, inside its page). */
+static inline int64_t key_rows(int keys) { return (keys + 15) / 16 * 16; }
 
 /* KV head h's V rows [0, keys) of a page table -> pairs [ceil(keys / 2)][D] of uint32 (V[2p][d] | V[2p+1][d] << 16);
  * a missing odd key is 0 (the slot past the last written one may hold any bits, NaN included). */
-static void relayout_v(const uint16_t *cache, const int32_t *pages, int keys, int h, int num_kv_heads,
+static void relayout_v(const void *cache, int kv_fp8, const int32_t *pages, int keys, int h, int num_kv_heads,
                        int block_size, int head_dim, uint32_t *vt) {
     const int64_t run = (int64_t)block_size * head_dim;
     for (int p = 0; p < (keys + 1) / 2; p++) {
         const int k0 = 2 * p, k1 = k0 + 1;
-        const uint16_t *e = cache + (((int64_t)pages[k0 / block_size] * 2 + 1) * num_kv_heads + h) * run
-                            + (int64_t)(k0 % block_size) * head_dim;
-        const uint16_t *o = k1 < keys ? cache + (((int64_t)pages[k1 / block_size] * 2 + 1) * num_kv_heads + h) * run
-                                            + (int64_t)(k1 % block_size) * head_dim
-                                      : NULL;
+        const int64_t e = (((int64_t)pages[k0 / block_size] * 2 + 1) * num_kv_heads + h) * run
+                          + (int64_t)(k0 % block_size) * head_dim;
+        const int64_t o = k1 < keys ? (((int64_t)pages[k1 / block_size] * 2 + 1) * num_kv_heads + h) * run
+                                          + (int64_t)(k1 % block_size) * head_dim
+                                    : -1;
         uint32_t *dst = vt + (int64_t)p * head_dim;
         for (int d = 0; d < head_dim; d += 32) {
             __m512i lo, hi;
-            pair_rows(_mm512_loadu_si512(e + d), o ? _mm512_loadu_si512(o + d) : _mm512_setzero_si512(), &lo, &hi);
+            pair_rows(kv_load32(kv_fp8, cache, e + d), o >= 0 ? kv_load32(kv_fp8, cache, o + d) : _mm512_setzero_si512(),
+                      &lo, &hi);
             _mm512_storeu_si512(dst + d, lo);
             _mm512_storeu_si512(dst + d + 16, hi);
         }
     }
 }
 
+/* An fp8 cache's K rows [0, key_rows(keys)) of KV head h -> bfloat16 rows [key_rows][D] at kb. */
+static void widen_k(const void *cache, const int32_t *pages, int keys, int h, int num_kv_heads, int block_size,
+                    int head_dim, uint16_t *kb) {
+    const int64_t run = (int64_t)block_size * head_dim;
+    for (int k = 0; k < key_rows(keys); k++) {
+        const int64_t e = ((int64_t)pages[k / block_size] * 2 * num_kv_heads + h) * run + (int64_t)(k % block_size) * head_dim;
+        for (int d = 0; d < head_dim; d += 32) _mm512_storeu_si512(kb + (int64_t)k * head_dim + d, kv_load32(1, cache, e + d));
+    }
+}
+
 /* One tile: rows [r0, r0 + m) (m <= 16) of a group, for the HP query heads head0 .. head0 + HP - 1 of one KV head
  * (they read the same K and V, so each broadcast key or value pair feeds HP products). DIM and HP are constants at
- * each call; KB keys (q.k) and KB output columns (P . V) at a time, HP * KB accumulators. Per-thread scratch:
+ * each call; KB keys (q.k) and KB output columns (P . V) at a time, HP * KB accumulators. K from the bfloat16
+ * cache's pages, or from kb (an fp8 cache's rows widened by widen_k) where it is not NULL. Per-thread scratch:
  * qt HP * DIM / 2 * 16 uint32, s HP * 16 * round_up(keys, 16) floats, p HP * 16 * ceil(keys / 2) uint32,
  * ot 16 * DIM floats. */
 static inline __attribute__((always_inline)) void tile(
     const int DIM, const int HP, const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const uint16_t *cache,
-    const int32_t *seq_pages, const int32_t *kv_lens, uint16_t *out, int64_t out_row_stride, int num_kv_heads,
+    const uint16_t *kb, const int32_t *seq_pages, const int32_t *kv_lens, uint16_t *out, int64_t out_row_stride, int num_kv_heads,
     int block_size, float scale, int r0, int m, int h, int head0, const uint32_t *vt, uint32_t *qt, float *s,
     uint32_t *p, float *ot) {
     const int NP = DIM / 2, KB = HP == 1 ? 16 : HP == 2 ? 8 : HP == 3 ? 8 : 4;
@@ -90,8 +110,9 @@ static inline __attribute__((always_inline)) void tile(
     /* Scores s[head][key][lane], KB keys of one page's run (block_size is a multiple of 16) at a time. */
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int k0 = 0; k0 < keys; k0 += KB) {
-        const uint32_t *kp = (const uint32_t *)(cache + ((int64_t)seq_pages[k0 / block_size] * 2 * num_kv_heads + h) * run
-                                                + (int64_t)(k0 % block_size) * DIM);
+        const uint32_t *kp = (const uint32_t *)(kb ? kb + (int64_t)k0 * DIM
+                                                   : cache + ((int64_t)seq_pages[k0 / block_size] * 2 * num_kv_heads + h) * run
+                                                         + (int64_t)(k0 % block_size) * DIM);
         __m512 acc[4][16];
 #pragma GCC unroll 4
         for (int g = 0; g < HP; g++)
@@ -198,17 +219,17 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 /* groups: [first, rows] pairs of plan rows (each group's rows share one page table: pages row `first`).
- * The other arguments as decode_attention_bf16's; head_dim 64 or 128, block_size a multiple of 16.
+ * The other arguments as attention_rows_avx512_bf16's; head_dim 64 or 128, block_size a multiple of 16.
  * Returns 0, or -2 when a buffer cannot be allocated (nothing written then). */
-int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const uint16_t *cache,
+int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const void *cache,
                           const int32_t *pages, int max_pages, const int32_t *kv_lens, uint16_t *out,
                           int64_t out_row_stride, int num_kv_heads, int group, int head_dim, int block_size,
-                          float scale, const int *groups, int num_groups) {
+                          float scale, const int *groups, int num_groups, int kv_fp8) {
     if (num_groups <= 0) return 0;
     const int num_heads = num_kv_heads * group, hp = heads_together(group);
     tile_group *g = malloc(sizeof(tile_group) * (size_t)num_groups);
     if (!g) return -2;
-    int64_t v_total = 0, max_keys = 0, items = 0;
+    int64_t v_total = 0, k_total = 0, max_keys = 0, items = 0;
     for (int i = 0; i < num_groups; i++) {
         g[i].first = groups[2 * i];
         g[i].rows = groups[2 * i + 1];
@@ -216,14 +237,17 @@ int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
         for (int r = g[i].first; r < g[i].first + g[i].rows; r++) g[i].keys = kv_lens[r] > g[i].keys ? kv_lens[r] : g[i].keys;
         g[i].v_offset = v_total;
         v_total += (int64_t)num_kv_heads * ((g[i].keys + 1) / 2) * head_dim;
+        g[i].k_offset = k_total;
+        k_total += kv_fp8 ? (int64_t)num_kv_heads * key_rows(g[i].keys) * head_dim : 0;
         max_keys = g[i].keys > max_keys ? g[i].keys : max_keys;
         items += (int64_t)(num_heads / hp) * ((g[i].rows + TILE - 1) / TILE);
     }
     /* Work items (group, first of hp heads, tile), the tiles with the most keys first: the last ones to finish are small. */
     int32_t *work = malloc(sizeof(int32_t) * 3 * (size_t)items);
     uint32_t *vt = aligned_alloc(64, sizeof(uint32_t) * (size_t)((v_total + 15) / 16 * 16 + 16));
-    if (!work || !vt) {
-        free(g), free(work), free(vt);
+    uint16_t *kb = kv_fp8 ? aligned_alloc(64, sizeof(uint16_t) * (size_t)((k_total + 31) / 32 * 32)) : NULL;
+    if (!work || !vt || (kv_fp8 && !kb)) {
+        free(g), free(work), free(vt), free(kb);
         return -2;
     }
     int max_tiles = 0;
@@ -250,10 +274,15 @@ int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
         }
 #pragma omp for schedule(static) collapse(2)
         for (int i = 0; i < num_groups; i++)
-            for (int h = 0; h < num_kv_heads; h++)
-                relayout_v(cache, pages + (int64_t)g[i].first * max_pages, g[i].keys, h, num_kv_heads, block_size,
-                           head_dim, vt + g[i].v_offset + (int64_t)h * ((g[i].keys + 1) / 2) * head_dim);
-        /* (the implicit barrier: every group's V is re-laid before any tile reads it) */
+            for (int h = 0; h < num_kv_heads; h++) {
+                const int32_t *group_pages = pages + (int64_t)g[i].first * max_pages;
+                relayout_v(cache, kv_fp8, group_pages, g[i].keys, h, num_kv_heads, block_size, head_dim,
+                           vt + g[i].v_offset + (int64_t)h * ((g[i].keys + 1) / 2) * head_dim);
+                if (kv_fp8)
+                    widen_k(cache, group_pages, g[i].keys, h, num_kv_heads, block_size, head_dim,
+                            kb + g[i].k_offset + (int64_t)h * key_rows(g[i].keys) * head_dim);
+            }
+        /* (the implicit barrier: every group's V, and an fp8 cache's K, is re-laid before any tile reads it) */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < n; w++) {
             if (failed) continue;
@@ -262,7 +291,8 @@ int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
             const int r0 = gi->first + t * TILE, m = gi->rows - t * TILE < TILE ? gi->rows - t * TILE : TILE;
             const int32_t *seq_pages = pages + (int64_t)gi->first * max_pages;
             const uint32_t *v_head = vt + gi->v_offset + (int64_t)(head / group) * ((gi->keys + 1) / 2) * head_dim;
-#define TILE_CALL(DIM, HP) tile(DIM, HP, q, q_row_stride, q_rows, cache, seq_pages, kv_lens, out, out_row_stride, \
+            const uint16_t *k_head = kb ? kb + gi->k_offset + (int64_t)(head / group) * key_rows(gi->keys) * head_dim : NULL;
+#define TILE_CALL(DIM, HP) tile(DIM, HP, q, q_row_stride, q_rows, (const uint16_t *)cache, k_head, seq_pages, kv_lens, out, out_row_stride, \
                                  num_kv_heads, block_size, scale, r0, m, head / group, head, v_head, qt, s, p, ot)
             if (head_dim == 64) {
                 if (hp == 4) TILE_CALL(64, 4); else if (hp == 3) TILE_CALL(64, 3); else if (hp == 2) TILE_CALL(64, 2);
@@ -275,7 +305,7 @@ int prompt_row_tiles_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t
         }
         free(s), free(p), free(qt), free(ot);
     }
-    free(g), free(work), free(vt);
+    free(g), free(work), free(vt), free(kb);
     return failed ? -2 : 0;
 }
 #endif

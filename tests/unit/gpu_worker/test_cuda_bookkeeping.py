@@ -138,7 +138,7 @@ def test_cuda_worker_kv_cache_takes_writes_outside_inference_mode(fake_cuda: Non
     tests/gpu/test_gpu.py fills it with `normal_()` outside inference mode."""
     model = RecordingModel()
     config = Config(attention_backend="torch", max_total_tokens=16, max_batch_size=4, max_num_blocks=8).validate()
-    worker = cuda_setup.prepare_cuda_worker(model, config, torch.device("cpu"), torch.float32, block_size=4,
+    worker = cuda_setup.prepare_cuda_worker(model, config, torch.device("cpu"), torch.float32, torch.float32, block_size=4,
                                             bytes_per_block=1024, max_positions=64)
     assert worker.graphs is None and worker.num_blocks == 8 and worker.kv_cache.shape[1] == 9
     assert not worker.kv_cache.is_inference()
