@@ -1,7 +1,7 @@
 """GPU benchmark: bandwidth, decode tokens/s with and without CUDA graphs, TTFT, roofline, attention kernels.
 
     python benchmarks/gpu_bench.py [--batch-sizes 1,16,64,256] [--context 1000] [--steps 30] [--breakdown]
-                                   [--json out.json]
+                                   [--kv-cache-dtype auto|fp8] [--json out.json]
 
 Builds a Llama-shaped model of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden
 2048, 32 query / 8 KV heads of 64, MLP 8192, vocabulary 128256, tied embeddings) with random
@@ -21,6 +21,9 @@ bf16 weights on the device (nothing is downloaded), and measures, on the worker'
   launched by then: padding the page table, FlashInfer's `plan()`, the input copies); `plan()` alone (the
   page table already padded); the replay alone, between CUDA events; the read-back alone (argmax and
   `.tolist()` of logits already computed). The step minus the replay is what the GPU waits for the host.
+
+`--kv-cache-dtype fp8`: the cache in float8 e4m3 (config `kv_cache_dtype: fp8`), read by FlashInfer's fp8 KV
+kernels; compare its decode tokens/s with a run of the default (bf16) at the same batch and context.
 
 On a machine without a CUDA device it says so and exits 0.
 """
@@ -120,7 +123,7 @@ def gpu_unavailable(tool: str) -> int | None:
 
 
 def graph_decode_attention(cfg: ModelConfig, pages_per_seq: int, device: torch.device,
-                           workspace: torch.Tensor) -> Callable[[int], object]:
+                           workspace: torch.Tensor, kv_dtype: torch.dtype = DTYPE) -> Callable[[int], object]:
     """`DecodeGraphs`' make_attention: a FlashInfer graph decode for `bs` sequences of up to `pages_per_seq`
     pages each, sharing the eager attention's workspace."""
     from kernels.flashinfer_backend import FlashInferGraphDecode
@@ -128,7 +131,7 @@ def graph_decode_attention(cfg: ModelConfig, pages_per_seq: int, device: torch.d
     def make(bs: int) -> FlashInferGraphDecode:
         indices = torch.zeros(bs * pages_per_seq, dtype=torch.int32, device=device)
         return FlashInferGraphDecode(bs, indices, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                                     device, DTYPE, workspace)
+                                     device, DTYPE, workspace, kv_dtype)
 
     return make
 
@@ -201,8 +204,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="measured decode steps per configuration")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the parts of a graph decode step at each batch size (host, plan, replay, read-back)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the cache's element: the model's bf16, or float8 e4m3")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
     if (code := gpu_unavailable("gpu_bench")) is not None:
         return code
     device = torch.device("cuda")
@@ -216,7 +222,8 @@ def main() -> int:
     cfg = LLAMA_1B
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                     "flashinfer": flashinfer.__version__, "context": args.context}
+                     "flashinfer": flashinfer.__version__, "context": args.context,
+                     "kv_cache_dtype": str(kv_dtype).removeprefix("torch.")}
     print(f"device: {results['device']}  torch {torch.__version__}  flashinfer {flashinfer.__version__}")
 
     bandwidth = copy_bandwidth(device)
@@ -237,11 +244,13 @@ def main() -> int:
         max_batch = max(batch_sizes + [64])
         num_blocks = max(max_batch * pages_per_seq, -(-args.prompt // BLOCK_SIZE)) + 1
         kv = allocate_kv_cache(cfg.num_hidden_layers, num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim,
-                               DTYPE, device).normal_()
+                               kv_dtype, device)
+        for layer_cache in kv:  # random values, a layer at a time (fp8 has no normal_())
+            layer_cache.copy_(torch.empty(layer_cache.shape, dtype=DTYPE, device=device).normal_())
         pad_block = num_blocks - 1
-        kv_bytes_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+        kv_bytes_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * kv.element_size()
         attention = FlashInferPagedAttention(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, device,
-                                             DTYPE)
+                                             DTYPE, kv_dtype=kv_dtype)
         started = time.perf_counter()
         jit_table = decode_table(1, 15, 0)
         attention.plan(jit_table)
@@ -262,7 +271,7 @@ def main() -> int:
             ids_dev, pos_dev = torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device)
             slots_dev, rows_dev = torch.from_numpy(slots).to(device), torch.arange(b, device=device)
             graphs = DecodeGraphs(model, kv, [b], pad_block, BLOCK_SIZE,
-                                  graph_decode_attention(cfg, pages_per_seq, device, attention.workspace))
+                                  graph_decode_attention(cfg, pages_per_seq, device, attention.workspace, kv_dtype))
             graphs.capture()
 
             def eager_step() -> list[int]:

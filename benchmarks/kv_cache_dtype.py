@@ -1,4 +1,4 @@
-"""Decode steps over long contexts with a bfloat16 and an fp8 KV cache (config `kv_cache_dtype`, issue 39):
+"""Decode steps over long contexts with a bfloat16, an fp8 and an int8 KV cache (config `kv_cache_dtype`, issue 39):
 `--batch` sequences of `--context` cached tokens each, every sequence on its own pages, one decode step of the
 served model (the engine's model, attention backend and C kernels) timed per round, the arms alternating.
 The cached K/V are random values of the model's K/V scale (a decode reads every cached byte whatever they
@@ -26,11 +26,11 @@ from benchmarks.roofline import cpu_line  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_infer.engine import InferenceEngine  # noqa: E402
-from kernels.cache_ops import allocate_kv_cache  # noqa: E402
+from kernels.cache_ops import allocate_kv_cache, as_bytes, stored  # noqa: E402
 from kernels.page_table import PageTable  # noqa: E402
 
 BLOCK = 16
-ARMS = {"bfloat16 KV": "auto", "fp8 KV": "fp8"}
+ARMS = {"bfloat16 KV": "auto", "fp8 KV": "fp8", "int8 KV": "int8"}
 
 
 class DecodeCase:
@@ -38,7 +38,8 @@ class DecodeCase:
 
     def __init__(self, kv_cache_dtype: str, args: argparse.Namespace) -> None:
         config = Config(model=args.model, block_size=BLOCK, kv_cache_dtype=kv_cache_dtype,
-                        kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_blocks=1 << 24).validate()
+                        kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_blocks=1 << 24,
+                        max_model_len=args.context + 16).validate()
         self.engine = InferenceEngine(config)
         runner = self.engine.runner
         model, c = runner.model, runner.model.config
@@ -46,8 +47,9 @@ class DecodeCase:
         self.cache = allocate_kv_cache(c.num_hidden_layers, pages * args.batch, BLOCK, model.num_kv_heads, c.head_dim,
                                        runner.kv_dtype, "cpu", runner.attention.kv_layout)
         gen = torch.Generator().manual_seed(0)
+        values = (*self.cache.shape[1:-1], c.head_dim)
         for layer in range(c.num_hidden_layers):  # layer by layer: one float32 layer at a time in memory
-            self.cache[layer].copy_((torch.randn(self.cache[layer].shape, generator=gen) * 2).to(runner.kv_dtype))
+            as_bytes(self.cache[layer]).copy_(stored(torch.randn(values, generator=gen) * 2, runner.kv_dtype))
         tables = [np.arange(b * pages, (b + 1) * pages, dtype=np.int32) for b in range(args.batch)]
         self.table = PageTable.build(tables, np.ones(args.batch, dtype=np.int64),
                                      np.full(args.batch, args.context + 1, dtype=np.int64), BLOCK)

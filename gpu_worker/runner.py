@@ -35,7 +35,7 @@ from hetero_common.config import Config
 from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import Sampling, resolve
-from kernels.cache_ops import copy_blocks, swap_in_blocks, swap_out_blocks
+from kernels.cache_ops import copy_blocks, kv_row_bytes, swap_in_blocks, swap_out_blocks
 from kernels.page_table import PageTable
 
 log = structlog.get_logger("gpu_worker.runner")
@@ -109,9 +109,9 @@ class ModelRunner:
         self.model = self._build_model(weights)
         del weights  # the checkpoint's tensors go before the KV cache is sized (the model keeps what it uses)
         self.kv_dtype = kv_cache_torch_dtype(config, self.dtype, self.device, self.model_config.head_dim)
-        elem = torch.empty(0, dtype=self.kv_dtype).element_size()  # fp8: twice the blocks in the same bytes
+        row = kv_row_bytes(self.kv_dtype, self.model_config.head_dim)  # fp8: half bfloat16's, so twice the blocks
         self.bytes_per_block = (self.model_config.num_hidden_layers * 2 * self.block_size * self.model.num_kv_heads
-                                * self.model_config.head_dim * elem)  # this rank's share of the KV heads
+                                * row)  # this rank's share of the KV heads
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":  # the KV cache is sized from free memory after a warm-up pass
             self._prepare_cuda()

@@ -9,9 +9,14 @@
 Either way a block is one contiguous run of every layer's dimension 1, so block copies and
 swaps do not depend on the layout.
 
-The cache's element is the model's dtype, or float8_e4m3fn (config `kv_cache_dtype: fp8`): written with
-torch's rounding (ties to even, saturating at +-448, as the CPU kernels' kernels/native/kv_fp8.h), and
-copied as bytes, since torch's CPU indexing kernels do not take float8 tensors.
+A row (one token's K or V of one head) holds the model's dtype, or (config `kv_cache_dtype`, the C kernels'
+kernels/native/kv_formats.h):
+- float8_e4m3fn (`fp8`): written with torch's rounding (ties to even, saturating at +-448), copied as bytes,
+  since torch's CPU indexing kernels do not take float8 tensors;
+- int8 (`int8`, the CPU's): head_dim int8 values q and a float32 scale s per row (value = q * s,
+  s = absmax / 127), so an int8 cache's last dimension is head_dim + 4; the rows of a block's run are stored
+  in groups of 16, the 16 rows' values and then their 16 scales (the C kernels read aligned rows and a group's
+  scales at once), so an int8 run is bytes to be read through `int8_rows`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,65 @@ import torch
 
 LAYOUTS = ("NHD", "HND")
 FP8_DTYPES = (torch.float8_e4m3fn,)
+INT8_SCALE_BYTES = 4  # an int8 row's float32 scale, after its values
+
+
+def row_width(dtype: torch.dtype, head_dim: int) -> int:
+    """The cache's last dimension: head_dim, or head_dim + the scale's bytes for int8 rows."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
+def kv_row_bytes(dtype: torch.dtype, head_dim: int) -> int:
+    """Bytes of one row (one token's K or V of one KV head)."""
+    return row_width(dtype, head_dim) * torch.empty(0, dtype=dtype).element_size()
+
+
+INT8_GROUP = 16  # int8 rows per group: their values, then their scales
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (q int8 [..., D], scale float32 [...]): q = round_to_even(x * (127 / absmax)), scale =
+    absmax / 127 (the C kernels' quantizer computes the same float32 operations)."""
+    x = x.float()
+    absmax = x.abs().amax(-1, keepdim=True)
+    # A tensor over a tensor: torch computes `127.0 / absmax` as reciprocal times 127, one more rounding.
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, torch.zeros_like(absmax))
+    q = (x * inv).round_().clamp_(-127, 127).to(torch.int8)
+    return q, (absmax / 127.0).squeeze(-1)
+
+
+def int8_rows(rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of int8 rows [..., R, D + 4] (R a multiple of 16, the row order of a run): (values [..., R/16, 16, D],
+    scales float32 [..., R/16, 16]), writable."""
+    r = rows.shape[-2]
+    groups = rows.reshape(*rows.shape[:-2], r // INT8_GROUP, INT8_GROUP * (head_dim + INT8_SCALE_BYTES))
+    values = groups[..., : INT8_GROUP * head_dim].unflatten(-1, (INT8_GROUP, head_dim))
+    return values, groups[..., INT8_GROUP * head_dim:].view(torch.float32)
+
+
+def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., R, D] (R a multiple of 16) -> int8 rows [..., R, D + 4] in the cache's group layout."""
+    q, scale = quantize_int8(x)
+    rows = torch.empty(*x.shape[:-1], x.shape[-1] + INT8_SCALE_BYTES, dtype=torch.int8)
+    values, scales = int8_rows(rows, x.shape[-1])
+    values.copy_(q.unflatten(-2, (-1, INT8_GROUP)))
+    scales.copy_(scale.unflatten(-1, (-1, INT8_GROUP)))
+    return rows
+
+
+def dequantize_int8_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows [..., R, D + 4] (contiguous, the group layout) -> their values [..., R, D] in dtype."""
+    values, scales = int8_rows(rows, rows.shape[-1] - INT8_SCALE_BYTES)
+    return (values.float() * scales[..., None]).flatten(-3, -2).to(dtype)
+
+
+def write_int8_rows(flat: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """Rows x [T, D] quantized into an int8 cache seen as rows flat [N, D + 4] at row indices rows [T]."""
+    q, scale = quantize_int8(x)
+    values, scales = int8_rows(flat, x.shape[-1])
+    group, slot = torch.div(rows, INT8_GROUP, rounding_mode="floor"), rows % INT8_GROUP
+    values[group, slot] = q
+    scales[group, slot] = scale
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -28,14 +92,20 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """x as the cache stores it (`as_bytes` of x in the cache's dtype)."""
+    """Rows x [..., R, D] as the cache stores them (`as_bytes` of them in the cache's dtype; int8: quantized
+    whole runs, R a multiple of 16)."""
+    if cache_dtype == torch.int8:
+        return quantize_int8_rows(x)
     return as_bytes(x.to(cache_dtype))
 
 
 def gathered(runs: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """runs[index] (`index_select` along dimension 0) in `dtype`: an fp8 cache's rows widened (exactly)."""
+    """runs[index] (`index_select` along dimension 0) as values in `dtype`: an fp8 cache's rows widened
+    (exactly), an int8 cache's dequantized."""
     picked = as_bytes(runs).index_select(0, index)
-    return picked.view(runs.dtype).to(dtype) if runs.dtype in FP8_DTYPES else picked
+    if runs.dtype in FP8_DTYPES:
+        return picked.view(runs.dtype).to(dtype)
+    return dequantize_int8_rows(picked, dtype) if runs.dtype == torch.int8 else picked
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -44,7 +114,7 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     if layout not in LAYOUTS:
         raise ValueError(f"kv cache layout {layout!r} is unknown; use one of {LAYOUTS}")
     inner = (block_size, num_kv_heads) if layout == "NHD" else (num_kv_heads, block_size)
-    return torch.zeros(num_layers, num_blocks, 2, *inner, head_dim, dtype=dtype, device=device)
+    return torch.zeros(num_layers, num_blocks, 2, *inner, row_width(dtype, head_dim), dtype=dtype, device=device)
 
 
 def convert_layout(kv_cache: torch.Tensor, src: str, dst: str) -> torch.Tensor:
@@ -61,6 +131,8 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
     num_blocks, _, block_size = kv_cache.shape[:3]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
+    if kv_cache.dtype == torch.int8:
+        raise ValueError("an int8 cache is the CPU's, in the HND layout (write_kv_hnd)")
     if kv_cache.is_contiguous():
         # Rows of the flat [blocks * 2 * bs, heads, dim] view: index_copy_ is a row memcpy,
         # several times faster than the advanced-index put below.
@@ -87,8 +159,12 @@ def hnd_rows(slots: torch.Tensor, num_kv_heads: int, block_size: int) -> tuple[t
 def write_kv_hnd(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_rows: torch.Tensor,
                  v_rows: torch.Tensor) -> None:
     """Write K/V [T, kv_heads, head_dim] at `hnd_rows(slots, ...)` of one contiguous HND layer cache."""
-    head_dim = kv_cache.shape[-1]
-    flat = as_bytes(kv_cache).view(-1, head_dim)
+    head_dim = key.shape[-1]
+    flat = as_bytes(kv_cache).view(-1, kv_cache.shape[-1])
+    if kv_cache.dtype == torch.int8:  # values and scales in the group layout
+        write_int8_rows(flat, k_rows, key.reshape(-1, head_dim))
+        write_int8_rows(flat, v_rows, value.reshape(-1, head_dim))
+        return
     flat.index_copy_(0, k_rows, stored(key.reshape(-1, head_dim), kv_cache.dtype))
     flat.index_copy_(0, v_rows, stored(value.reshape(-1, head_dim), kv_cache.dtype))
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.cache_ops import FP8_DTYPES, gathered, hnd_rows, write_kv_hnd
+from kernels.cache_ops import gathered, hnd_rows, row_width, write_kv_hnd
 from kernels.native import decode_attention as native_decode
 from kernels.native import lib as native_lib
 from kernels.native import prompt_attention as native_prompt_attention
@@ -172,7 +172,7 @@ class TorchPagedAttention:
         if self._amx_prompts and kv_cache.dtype == torch.bfloat16 and native_prompt_attention.prompt_attention(q, kv_cache, p.pages, p.kv_len, out,
                                                                           self.scale, p.max_page):
             return
-        runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)
+        runs = kv_cache.view(-1, kv_cache.shape[3], kv_cache.shape[4])
         k = gathered(runs, p.k_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
         v = gathered(runs, p.v_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
         o = _sdpa(q.transpose(0, 1)[None], k[None], v[None], p.mask, self.scale, self.num_qo_heads // self.num_kv_heads)
@@ -261,13 +261,13 @@ class TorchPagedAttention:
             self._write_rows = (slots, *hnd_rows(slots, self.num_kv_heads, kv_cache.shape[3]))
         write_kv_hnd(kv_cache, key, value, self._write_rows[1], self._write_rows[2])
         # A prompt with no cached prefix attends to exactly these rows: run() reads them here
-        # instead of gathering them back out of the pages (same values, so the same result; an fp8 cache's
-        # are rounded, so those are read back).
-        self._new_kv = None if kv_cache.dtype in FP8_DTYPES else (key, value)
+        # instead of gathering them back out of the pages (same values, so the same result; an fp8 or int8
+        # cache's are rounded, so those are read back).
+        self._new_kv = (key, value) if kv_cache.dtype == key.dtype else None
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] and one layer's cache [blocks, 2, Hkv, bs, D] (HND) -> attention output [T, Hq, D]."""
-        if kv_cache.shape[2] != self.num_kv_heads or kv_cache.shape[4] != self.head_dim:
+        if kv_cache.shape[2] != self.num_kv_heads or kv_cache.shape[4] != row_width(kv_cache.dtype, self.head_dim):
             raise ValueError(f"cache shape {tuple(kv_cache.shape)} is not an HND layer cache [blocks, 2, "
                              f"{self.num_kv_heads}, block_size, {self.head_dim}]")
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -277,7 +277,7 @@ class TorchPagedAttention:
             if d.max_page >= kv_cache.shape[0]:
                 raise IndexError(f"page {d.max_page} is outside the cache's {kv_cache.shape[0]} blocks")
             native_decode.decode_attention(q, d.rows, kv_cache, d.pages, d.kv_lens, out, self.scale, self.prompt_tiles)
-        runs = kv_cache.view(-1, kv_cache.shape[3], self.head_dim)  # [blocks * 2 * Hkv, bs, D]
+        runs = kv_cache.view(-1, kv_cache.shape[3], kv_cache.shape[4])  # [blocks * 2 * Hkv, bs, D (+ a scale)]
         if self._decode is not None:
             out.index_copy_(0, self._decode.rows, self._run_decode(q, runs, self._decode))
         group = self.num_qo_heads // self.num_kv_heads

@@ -15,7 +15,7 @@ import torch
 
 from gpu_worker.cpu.packed_linear import DualPackedWeight
 from kernels.native import lib as native_lib
-from kernels.native.decode_attention import CACHE_DTYPES
+from kernels.native.decode_attention import CACHE_DTYPES, KV_KINDS
 from kernels.native.linear import NativePackedWeight
 from kernels.native.linear_gguf import GGUFPackedWeight
 
@@ -82,7 +82,7 @@ class CLayers:
         tiles, else every row per row (the same bits, slower: for comparisons)."""
         caches = [kv_cache[i] for i in range(self.num_layers)]
         if not all(c.is_contiguous() and c.dtype == caches[0].dtype for c in caches) or caches[0].dtype not in CACHE_DTYPES:
-            raise ValueError("the C layers take contiguous bfloat16 or float8_e4m3fn layer caches")
+            raise ValueError("the C layers take contiguous bfloat16, float8_e4m3fn or int8 layer caches")
         cache_addresses = _addresses(caches)
         t, h = hidden.shape
         q, kv, inter = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate
@@ -99,7 +99,7 @@ class CLayers:
             k_rows.data_ptr(), v_rows.data_ptr(), q_rows.data_ptr(), pages.data_ptr(), pages.shape[1],
             kv_lens.data_ptr(), scale, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
             act.data_ptr(), o_out.data_ptr(), delta.data_ptr(), self.kind, int(tiles),
-            int(caches[0].dtype == torch.float8_e4m3fn))
+            KV_KINDS[caches[0].dtype])
         if rc != 0:
             raise RuntimeError(f"llama_layers_bf16 failed ({rc})")
         return delta
@@ -119,13 +119,13 @@ def attention_block(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
     if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous() or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(f"attention_block takes a contiguous bfloat16 q/k/v product, not {qkv.dtype} {tuple(qkv.shape)}")
     if layer_cache.dtype not in CACHE_DTYPES or not layer_cache.is_contiguous():
-        raise ValueError("attention_block takes a contiguous bfloat16 or float8_e4m3fn layer cache")
+        raise ValueError("attention_block takes a contiguous bfloat16, float8_e4m3fn or int8 layer cache")
     attn = torch.empty((t, num_heads * head_dim), dtype=torch.bfloat16)
     rc = native_lib.load().attention_block_bf16(  # type: ignore[union-attr]
         qkv.data_ptr(), t, num_heads, num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         layer_cache.data_ptr(), int(layer_cache.shape[3]), k_rows.data_ptr(), v_rows.data_ptr(), q_rows.shape[0],
         q_rows.data_ptr(), pages.data_ptr(), pages.shape[1], kv_lens.data_ptr(), scale, attn.data_ptr(), int(tiles),
-        int(layer_cache.dtype == torch.float8_e4m3fn))
+        KV_KINDS[layer_cache.dtype])
     if rc != 0:
         raise RuntimeError(f"attention_block_bf16 failed ({rc})")
     return attn

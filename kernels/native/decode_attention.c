@@ -117,7 +117,7 @@ int decode_attention_bf16_generic(const uint16_t *q, int64_t q_row_stride, const
 int attention_rows_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows, const void *cache,
                                const int32_t *pages, int max_pages, const int32_t *kv_lens, uint16_t *out,
                                int64_t out_row_stride, int num_seqs, int num_kv_heads, int group, int head_dim,
-                               int block_size, float scale, int tiles, int kv_fp8);
+                               int block_size, float scale, int tiles, int kv_kind);
 #endif
 
 /* Whether decode_attention_bf16 takes the AVX512-BF16 path for these sizes (1) or the plain loops (0). */
@@ -130,43 +130,44 @@ int decode_attention_bf16_vectorized(int head_dim, int block_size) {
 #endif
 }
 
-/* kv_fp8: the cache holds e4m3 (kv_fp8.h), which only the AVX512-BF16 path reads (else -3). */
+/* kv_kind: the cache's row format (kv_formats.h); fp8 and int8 only on the AVX512-BF16 path (else -3). */
 static int decode_attention_dispatch(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                                      const void *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                                      uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
                                      int num_kv_heads, int head_dim, int block_size, float scale, int tiles,
-                                     int kv_fp8) {
+                                     int kv_kind) {
 #ifdef HAVE_AVX512_BF16
     const int group = num_qo_heads / num_kv_heads;
     if (decode_attention_bf16_vectorized(head_dim, block_size) && group <= MAX_GROUP
         && group * num_kv_heads == num_qo_heads)
         return attention_rows_avx512_bf16(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out,
                                           out_row_stride, num_seqs, num_kv_heads, group, head_dim, block_size,
-                                          scale, tiles, kv_fp8);
+                                          scale, tiles, kv_kind);
 #else
     (void)tiles;
 #endif
-    if (kv_fp8) return -3;
+    if (kv_kind) return -3;
     return decode_attention_bf16_generic(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out,
                                          out_row_stride, num_seqs, num_qo_heads, num_kv_heads, head_dim,
                                          block_size, scale);
 }
 
 /* The kernel: the AVX512-BF16 path where it applies (prompt chunks in tiles), else the plain loops. Same
- * arguments as above, and kv_fp8: the cache holds fp8 e4m3 (the AVX512-BF16 path only; else -3). */
+ * arguments as above, and kv_kind: the cache's row format (kv_formats.h: 0 bfloat16, 1 fp8 e4m3, 2 int8 rows; the last two on the
+ * AVX512-BF16 path only, else -3). */
 int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                           const void *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                           uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
-                          int num_kv_heads, int head_dim, int block_size, float scale, int kv_fp8) {
+                          int num_kv_heads, int head_dim, int block_size, float scale, int kv_kind) {
     return decode_attention_dispatch(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out, out_row_stride,
-                                     num_seqs, num_qo_heads, num_kv_heads, head_dim, block_size, scale, 1, kv_fp8);
+                                     num_seqs, num_qo_heads, num_kv_heads, head_dim, block_size, scale, 1, kv_kind);
 }
 
 /* The same with every row on the per-row path, tiles or not (benchmarks/cpu_kernels.py compares the two). */
 int decode_attention_bf16_rows(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                                const void *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                                uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
-                               int num_kv_heads, int head_dim, int block_size, float scale, int kv_fp8) {
+                               int num_kv_heads, int head_dim, int block_size, float scale, int kv_kind) {
     return decode_attention_dispatch(q, q_row_stride, q_rows, cache, pages, max_pages, kv_lens, out, out_row_stride,
-                                     num_seqs, num_qo_heads, num_kv_heads, head_dim, block_size, scale, 0, kv_fp8);
+                                     num_seqs, num_qo_heads, num_kv_heads, head_dim, block_size, scale, 0, kv_kind);
 }

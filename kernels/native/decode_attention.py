@@ -12,8 +12,10 @@ import torch
 from kernels.native import lib
 
 MAX_HEAD_DIM, MAX_GROUP = 256, 16  # the kernel's limits (decode_attention.c)
-# The cache element types the kernel reads: bfloat16, and fp8 e4m3 (kv_fp8.h) on its AVX512-BF16 path only.
-CACHE_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+# The cache row formats the kernel reads (kv_formats.h's kinds): bfloat16, and on its AVX512-BF16 path only fp8
+# e4m3 and int8 rows with a scale (kernels/cache_ops.py).
+KV_KINDS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.int8: 2}
+CACHE_DTYPES = tuple(KV_KINDS)
 
 
 def supports(dtype: torch.dtype, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -35,8 +37,8 @@ def decode_attention(q: torch.Tensor, q_rows: torch.Tensor, layer_cache: torch.T
     """out[q_rows[b]] = attention of q[q_rows[b]] over sequence b's first kv_lens[b] cached tokens.
 
     q, out [T, Hq, D] bfloat16 (rows may be strided, heads contiguous); q_rows int64 [B];
-    layer_cache [blocks, 2, Hkv, bs, D] bfloat16 contiguous, or float8_e4m3fn where `takes_prompts` (the
-    AVX512-BF16 path); pages int32 [B, P]; kv_lens int32 [B].
+    layer_cache [blocks, 2, Hkv, bs, D] bfloat16 contiguous, or float8_e4m3fn / int8 rows (kernels/cache_ops.py)
+    where `takes_prompts` (the AVX512-BF16 path); pages int32 [B, P]; kv_lens int32 [B].
     The caller checks `supports` and that `lib.load()` succeeded. `tiles=False`: prompt chunks on the
     per-row path too (for comparisons; decode_attention_bf16_rows).
     """
@@ -48,14 +50,14 @@ def decode_attention(q: torch.Tensor, q_rows: torch.Tensor, layer_cache: torch.T
         if t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(f"{name} must be bfloat16 [T, Hq, D] with contiguous heads")
     if layer_cache.dtype not in CACHE_DTYPES:
-        raise ValueError(f"the C attention kernel reads a bfloat16 or float8_e4m3fn cache, not {layer_cache.dtype}")
+        raise ValueError(f"the C attention kernel reads a bfloat16, float8_e4m3fn or int8 cache, not {layer_cache.dtype}")
     if not (layer_cache.is_contiguous() and pages.is_contiguous() and kv_lens.is_contiguous()
             and q_rows.is_contiguous()):
         raise ValueError("layer_cache, pages, kv_lens and q_rows must be contiguous")
     rc = (library.decode_attention_bf16 if tiles else library.decode_attention_bf16_rows)(
         q.data_ptr(), q.stride(0), q_rows.data_ptr(), layer_cache.data_ptr(), pages.data_ptr(), pages.shape[1],
         kv_lens.data_ptr(), out.data_ptr(), out.stride(0), num_seqs, num_qo_heads, num_kv_heads, head_dim,
-        block_size, scale, int(layer_cache.dtype == torch.float8_e4m3fn))
+        block_size, scale, KV_KINDS[layer_cache.dtype])
     if rc != 0:
-        raise RuntimeError(f"decode_attention_bf16 failed ({rc}): unsupported sizes, an fp8 cache off the "
-                           "AVX512-BF16 path, or out of memory")
+        raise RuntimeError(f"decode_attention_bf16 failed ({rc}): unsupported sizes, an fp8 or int8 cache off "
+                           "the AVX512-BF16 path, or out of memory")

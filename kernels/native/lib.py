@@ -35,10 +35,10 @@ HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 # operation of torch, numpy and Python code around it. So: compile, then link without it.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-# The attention kernels that share attention_order.h's arithmetic, and the GGUF products' row tiles of 1-4
-# rows: the compiler may not reassociate their sums, approximate their divisions or fuse a product into a
+# The attention kernels that share attention_order.h's arithmetic, the GGUF products' row tiles of 1-4
+# rows, and the int8 KV quantizer (torch's float32 operations, bit for bit): the compiler may not reassociate their sums, approximate their divisions or fuse a product into a
 # later addition, or two paths could round differently (a row's output would depend on which computed it).
-STRICT_SOURCES = {"attention_rows_bf16.c", "prompt_row_tiles.c", "linear_gguf.c"}
+STRICT_SOURCES = {"attention_rows_bf16.c", "prompt_row_tiles.c", "linear_gguf.c", "kv_formats.c"}
 STRICT_FLAGS = ["-fno-associative-math", "-fno-reciprocal-math", "-ffp-contract=off"]
 
 
@@ -74,8 +74,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, 
     "linear_gguf_pack": (ctypes.c_int, [_p, _i32, _i32, _i32, _p]),
     "linear_gguf_rows": (ctypes.c_int, [_p, _i32, _i32, _i32, _p, _i32, _p]),
     "linear_gguf": (ctypes.c_int, [_p, _i64, _p, _i32, _p, _p, _i64, _i32, _i32, _i32, _i32]),
-    "kv_fp8_from_bf16": (None, [_p, _p, _i64]),
-    "kv_fp8_to_bf16": (ctypes.c_int, [_p, _p, _i64]),
+    "kv_rows_write": (None, [_i32, _p, _p, _i64, _i32]),
+    "kv_rows_read": (ctypes.c_int, [_i32, _p, _p, _i64, _i32]),
     "argmax_rows_bf16": (None, [_p, _i64, _i64, _i64, _p]),
     "argmax_rows_f32": (None, [_p, _i64, _i64, _i64, _p]),
 }

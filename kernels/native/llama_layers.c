@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kv_fp8.h"
+#include "kv_formats.h"
 #include "side_prefetch.h"
 
 /* At most this much of the next layer's K/V is prefetched during a layer's MLP: more would not stay in
@@ -39,11 +39,11 @@ int linear_gguf(const uint16_t *a, int64_t lda, const uint8_t *wp, int type, con
 int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                           const void *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                           uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
-                          int num_kv_heads, int head_dim, int block_size, float scale, int kv_fp8);
+                          int num_kv_heads, int head_dim, int block_size, float scale, int kv_kind);
 int decode_attention_bf16_rows(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                                const void *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                                uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,
-                               int num_kv_heads, int head_dim, int block_size, float scale, int kv_fp8);
+                               int num_kv_heads, int head_dim, int block_size, float scale, int kv_kind);
 
 /* A layer's attention block, from its q/k/v product to attention's output: RoPE on q and k in place in
  * qkv_buf [rows, q + 2 kv], the new K/V rows written into the layer's paged HND cache at k_rows / v_rows
@@ -52,36 +52,26 @@ int decode_attention_bf16_rows(const uint16_t *q, int64_t q_row_stride, const in
  * that the caller runs through SDPA) into attn [rows, q]. One call instead of three for the per-layer
  * loop where the linear layers are not C (oneDNN on AMX): the same kernels, so the same bits. `tiles`: prompt
  * chunks through the attention kernel's 16-row tiles; 0: every row per row (the same bits, slower: for
- * comparisons). kv_fp8: the cache holds fp8 e4m3 (kv_fp8.h: K/V rounded as torch rounds them), else bfloat16.
+ * comparisons). kv_kind: the cache's row format (kv_formats.h), K/V rows written as kernels/cache_ops.py writes them.
  * Returns 0, or decode_attention_bf16's error. */
 int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_heads, int head_dim,
                          const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
                          void *layer_cache, int block_size, const int64_t *k_rows, const int64_t *v_rows,
                          int attn_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
-                         const int32_t *kv_lens, float scale, uint16_t *attn, int tiles, int kv_fp8) {
+                         const int32_t *kv_lens, float scale, uint16_t *attn, int tiles, int kv_kind) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     rope_bf16(qkv_buf, qkv_width, rows, num_heads + num_kv_heads, head_dim, positions, cos_table, sin_table);
-    const size_t row_bytes = sizeof(uint16_t) * (size_t)head_dim;
-    uint16_t *cache16 = layer_cache;
-    uint8_t *cache8 = layer_cache;
 #pragma omp parallel for schedule(static) if ((int64_t)rows * num_kv_heads >= 256)
     for (int t = 0; t < rows; t++)
         for (int h = 0; h < num_kv_heads; h++) {
             const uint16_t *k = qkv_buf + (int64_t)t * qkv_width + q_size + h * head_dim;
-            const int64_t k_at = k_rows[(int64_t)t * num_kv_heads + h] * head_dim;
-            const int64_t v_at = v_rows[(int64_t)t * num_kv_heads + h] * head_dim;
-            if (kv_fp8) {
-                bf16_row_to_fp8_e4m3(k, cache8 + k_at, head_dim);
-                bf16_row_to_fp8_e4m3(k + kv_size, cache8 + v_at, head_dim);
-            } else {
-                memcpy(cache16 + k_at, k, row_bytes);
-                memcpy(cache16 + v_at, k + kv_size, row_bytes);
-            }
+            kv_write_row(kv_kind, k, layer_cache, k_rows[(int64_t)t * num_kv_heads + h], head_dim);
+            kv_write_row(kv_kind, k + kv_size, layer_cache, v_rows[(int64_t)t * num_kv_heads + h], head_dim);
         }
     return (tiles ? decode_attention_bf16 : decode_attention_bf16_rows)(
         qkv_buf, qkv_width, q_rows, layer_cache, pages, max_pages, kv_lens, attn, q_size, attn_rows, num_heads,
-        num_kv_heads, head_dim, block_size, scale, kv_fp8);
+        num_kv_heads, head_dim, block_size, scale, kv_kind);
 }
 
 #define KIND_PANELS 0     /* linear_bf16.c's panels */
@@ -136,7 +126,7 @@ static int32_t *step_pages(int rows, const int32_t *pages, int max_pages, const 
  * inter], delta and o_out [rows, hidden].
  * k_rows / v_rows [rows * kv_heads]: the cache rows (of a layer seen as [*, head_dim]) the new K/V go
  * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). kind: the kernel the
- * weights are packed for (KIND_*). tiles, kv_fp8: as attention_block_bf16's. Returns 0, or decode_attention_bf16's or
+ * weights are packed for (KIND_*). tiles, kv_kind: as attention_block_bf16's. Returns 0, or decode_attention_bf16's or
  * linear_gguf's error. */
 int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads, int num_kv_heads, int head_dim,
                       int intermediate, float eps, int num_layers, const int64_t *input_norm, const int64_t *qkv,
@@ -146,7 +136,7 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
                       const int64_t *v_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
                       const int32_t *kv_lens, float scale, uint16_t *x, uint16_t *qkv_buf, uint16_t *attn,
                       uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta, int kind, int tiles,
-                      int kv_fp8) {
+                      int kv_kind) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     /* A layer's K/V pages are prefetched during the products before its attention, as late as their K pairs
@@ -154,7 +144,7 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
      * gate/up products of the layer before take the rest. */
     int64_t num_pages = 0;
     int32_t *used = kind != KIND_PANELS ? NULL : step_pages(rows, pages, max_pages, kv_lens, block_size, &num_pages);
-    const int64_t page_bytes = (int64_t)2 * num_kv_heads * block_size * head_dim * (kv_fp8 ? 1 : 2);
+    const int64_t page_bytes = (int64_t)2 * num_kv_heads * block_size * kv_row_bytes(kv_kind, head_dim);
     int64_t lines = num_pages * side_lines_per_page(page_bytes);
     const int64_t max_lines = SIDE_PREFETCH_MAX_BYTES / SIDE_LINE;
     lines = lines < max_lines ? lines : max_lines;
@@ -174,7 +164,7 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
         if (rc == 0)
             rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table, sin_table,
                                       (void *)cache[i], block_size, k_rows, v_rows, rows, q_rows, pages, max_pages,
-                                      kv_lens, scale, attn, tiles, kv_fp8);
+                                      kv_lens, scale, attn, tiles, kv_kind);
         if (rc == 0)
             rc = layer_linear(kind, attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size,
                               q_size, NULL);

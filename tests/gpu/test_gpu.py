@@ -163,6 +163,21 @@ def test_greedy_generation_flashinfer_equals_torch_backend(gpu_llama_dir: Path, 
     assert agree / total >= 0.5, f"agreement {agree}/{total}"
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_an_fp8_cache_through_flashinfer_equals_the_torch_backend_over_it(gpu_llama_dir: Path, graphs: bool) -> None:
+    """kv_cache_dtype fp8 (issue 39): FlashInfer's fp8 KV kernels against the torch reference reading the same
+    fp8 cache (it widens what it gathers), by the agreement rule of the bf16 test above; the pool holds twice
+    bf16's blocks in the same memory."""
+    require_flashinfer(64)
+    reference = _greedy(gpu_llama_dir, attention_backend="torch", enable_cuda_graphs=False, kv_cache_dtype="fp8")
+    tokens = _greedy(gpu_llama_dir, attention_backend="flashinfer", enable_cuda_graphs=graphs, kv_cache_dtype="fp8")
+    assert [t[0] for t in tokens] == [t[0] for t in reference]
+    agree = sum(a == b for x, y in zip(tokens, reference) for a, b in zip(x, y))
+    total = sum(len(x) for x in reference)
+    print(f"fp8 KV: flashinfer ({'graphs' if graphs else 'eager'}) vs torch backend: agreement {agree}/{total}")
+    assert agree / total >= 0.5, f"agreement {agree}/{total}"
+
+
 def test_cuda_graph_decode_equals_eager_decode(gpu_llama_dir: Path) -> None:
     """One decode step of 5 sequences (padded to the graph of 8): the replayed graph's logits and
     K/V writes equal the eager FlashInfer forward's on the same cache."""

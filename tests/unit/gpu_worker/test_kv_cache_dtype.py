@@ -1,6 +1,7 @@
-"""Config `kv_cache_dtype: fp8` on the CPU worker (gpu_worker/kv_dtype.py): twice the blocks in the same
-memory, served through the C attention kernel, its blocks copied and swapped as bytes; refused, naming the
-key, where that kernel cannot read it. Its arithmetic is tests/unit/kernels/test_native_kv_fp8.py's."""
+"""Config `kv_cache_dtype: fp8 | int8` on the CPU worker (gpu_worker/kv_dtype.py): twice (fp8) or 1.88x (int8
+rows with a scale, head size 64) the blocks in the same memory, served through the C attention kernel, the
+blocks copied and swapped as bytes; refused, naming the key, where that kernel cannot read them. Their
+arithmetic is tests/unit/kernels/test_native_kv_formats.py's."""
 
 from __future__ import annotations
 
@@ -34,14 +35,18 @@ def engine(model: Path, **overrides) -> InferenceEngine:
 
 
 @needs_fp8_kernel
-def test_an_fp8_pool_holds_twice_the_blocks_and_serves(model: Path) -> None:
-    bf16, fp8 = engine(model), engine(model, kv_cache_dtype="fp8")
-    assert fp8.runner.kv_cache.dtype == FP8 and bf16.runner.kv_cache.dtype == torch.bfloat16
-    assert fp8.runner.num_blocks == 2 * bf16.runner.num_blocks
-    assert fp8.runner.describe().kv_cache_bytes == bf16.runner.describe().kv_cache_bytes
+@pytest.mark.parametrize("name, dtype, row_bytes", [("fp8", FP8, 64), ("int8", torch.int8, 68)])
+def test_a_quantized_pool_holds_more_blocks_and_serves(model: Path, name: str, dtype: torch.dtype,
+                                                       row_bytes: int) -> None:
+    bf16, quantized = engine(model), engine(model, kv_cache_dtype=name)
+    assert quantized.runner.kv_cache.dtype == dtype and bf16.runner.kv_cache.dtype == torch.bfloat16
+    budget = int(0.01 * 2**30)
+    per_block = 2 * 2 * 16 * 2  # layers x (K, V) x block_size x KV heads rows
+    assert bf16.runner.num_blocks == budget // (per_block * 128)
+    assert quantized.runner.num_blocks == budget // (per_block * row_bytes)  # fp8: exactly twice
     params = GenerationParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    fp8.submit_request(list(range(5, 45)), params)  # a 40-token prompt: the tiles, then decodes
-    (result,) = fp8.run()
+    quantized.submit_request(list(range(5, 45)), params)  # a 40-token prompt: the tiles, then decodes
+    (result,) = quantized.run()
     assert len(result.output_token_ids) == 12
 
 
@@ -50,23 +55,28 @@ def test_fp8_e4m3_is_the_same_cache(model: Path) -> None:
     assert engine(model, kv_cache_dtype="fp8_e4m3").runner.kv_cache.dtype == FP8
 
 
+@pytest.mark.parametrize("name", ["fp8", "int8"])
 @pytest.mark.parametrize("overrides, why", [
     ({"dtype": "float32"}, "needs dtype bfloat16"),
     ({"cpu_kernels": "torch"}, "cpu_kernels is torch"),
 ])
-def test_fp8_where_the_c_kernel_cannot_read_it_is_refused(model: Path, overrides: dict, why: str) -> None:
-    with pytest.raises(ConfigError, match=f"'kv_cache_dtype' = 'fp8' cannot be served here: .*{why}"):
-        InferenceEngine(Config(model=str(model), kv_cache_dtype="fp8", **overrides).validate())
+def test_a_quantized_cache_where_the_c_kernel_cannot_read_it_is_refused(model: Path, name: str, overrides: dict,
+                                                                        why: str) -> None:
+    with pytest.raises(ConfigError, match=f"'kv_cache_dtype' = '{name}' cannot be served here: .*{why}"):
+        InferenceEngine(Config(model=str(model), kv_cache_dtype=name, **overrides).validate())
 
 
-def test_int8_is_refused_at_validation() -> None:
-    with pytest.raises(ConfigError, match="'kv_cache_dtype'.*use fp8"):
-        Config(kv_cache_dtype="int8").validate()
+def test_int8_on_cuda_is_refused_naming_fp8() -> None:
+    from gpu_worker.kv_dtype import kv_cache_torch_dtype
+
+    with pytest.raises(ConfigError, match="'kv_cache_dtype' = 'int8' cannot be served here.*use fp8 on CUDA"):
+        kv_cache_torch_dtype(Config(kv_cache_dtype="int8").validate(), torch.bfloat16, torch.device("cuda"), 64)
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_fp8_blocks_are_written_copied_and_swapped_as_their_values(layout: str) -> None:
-    """write_kv rounds as torch's conversion does; copy_blocks and a swap out and back in keep every byte."""
+    """write_kv rounds as torch's conversion does; copy_blocks and a swap out and back in keep every byte (an int8
+    cache's blocks are plain int8 tensors to torch's copies)."""
     cache = allocate_kv_cache(2, 6, 16, 2, 64, FP8, "cpu", layout)
     key, value = torch.randn(20, 2, 64).to(torch.bfloat16), torch.randn(20, 2, 64).to(torch.bfloat16)
     slots = torch.arange(20) + 16

@@ -56,7 +56,7 @@ def test_cuda_graph_is_an_alias_in_env_and_flags_and_disagreement_is_refused(tmp
 @pytest.mark.parametrize("data, key", [
     ({"fp16": True, "dtype": "bfloat16"}, "fp16"),
     ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype"),  # a bfloat16 or float32 model: refused, not converted
-    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+    ({"kv_cache_dtype": "int4"}, "kv_cache_dtype"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype"),
     ({"metrics_port": 0}, "metrics_port"),
     ({"enable_metrics": True, "metrics_port": 8000}, "metrics_port"),  # the HTTP API's port
