@@ -4,12 +4,13 @@
  * `deterministic`, issue 38). For one query row q and its keys 0 .. len - 1:
  *
  * 1. score s_k = (q . k_k) * scale: the bf16 dot-product instruction over the head dimension's bf16 pairs
- *    (q[2i], q[2i+1]) x (k[2i], k[2i+1]), i = 0 .. D/2 - 1 in order, one float32 accumulator from 0;
+ *    (q[2i], q[2i+1]) x (k[2i], k[2i+1]), i = 0 .. D/2 - 1 in order, one float32 accumulator from 0; an int8
+ *    cache's k_k is its row's integers (kv_formats.h) and the score ((q . k_k) * s_k) * scale, s_k its scale;
  * 2. m = the largest s_k (exact in any order);
  * 3. e_k = exp16(s_k - m) (vexp.h, lane-wise);
  * 4. sum = 16 partial sums, partial j = e_j + e_(j+16) + e_(j+32) + ... in key order from 0, then
  *    sum_tree16's fixed tree over the 16 partials;
- * 5. P_k = e_k rounded to bfloat16 (round to nearest even);
+ * 5. P_k = e_k rounded to bfloat16 (round to nearest even); an int8 cache's: e_k * (V row k's scale), rounded;
  * 6. out[d] = the bf16 dot-product instruction over pairs of consecutive keys (P_2i, P_2i+1) x
  *    (V_2i[d], V_2i+1[d]), i in order, one float32 accumulator from 0 (a missing odd key: P = 0, V = 0);
  * 7. out[d] * (1 / sum), rounded to bfloat16 (nearest even).

@@ -1,4 +1,5 @@
-/* Paged decode attention for the CPU, bfloat16 KV cache in the HND layout (kernels/cache_ops.py).
+/* Paged decode attention for the CPU, KV cache in the HND layout (kernels/cache_ops.py): bfloat16 rows, or
+ * (the AVX512-BF16 path only) fp8 or int8 rows (kv_formats.h).
  *
  * Each row of the plan is one query token over its sequence's first kv_len tokens: a decode, or a row of a
  * prompt chunk. Two implementations of the same function:
