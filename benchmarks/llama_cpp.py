@@ -132,6 +132,10 @@ def main() -> int:
         tok_s = statistics.median(r["tok_s"] for r in rows) if "tok_s" in rows[0] else None
         print(f"  {name:<28} {ms:>17.2f} {ms / base:>14.2f}x "
               + (f"{tok_s:>15.1f} {tok_s / server_tok_s:>15.2f}x" if tok_s else f"{'':>15} {'':>16}"))
+    print("per round (ms/token, tok/s):")
+    for name, rows in figures.items():
+        print(f"  {name:<28} " + "; ".join(f"{r['ms_per_token']:.2f}" + (f", {r['tok_s']:.1f}" if "tok_s" in r else "")
+                                           for r in rows))
     return 0
 
 
