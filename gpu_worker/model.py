@@ -26,6 +26,7 @@ from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, p
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels.attention_backend import AttentionBackend
 from kernels.cache_ops import hnd_rows
+from kernels import fp8_linear
 from kernels.native import linear_gguf
 from kernels.native.linear import amx_fits
 
@@ -83,6 +84,7 @@ class WeightPlacer:
     native_linear_amx: bool
     gguf_blocks: bool = False  # GGUF weights kept in their blocks are packed for the GGUF kernel
     int8_weights: bool = False  # the others quantized to int8 (Q8_0 blocks) for it (config `quantization` int8)
+    fp8_weights: bool = False  # the layers' linear weights quantized to fp8 (config `quantization` fp8)
 
     def tensor(self, name: str, shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous; one kept in GGUF blocks,
@@ -111,6 +113,8 @@ class WeightPlacer:
         weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if self.int8_weights and linear_gguf.supported(linear_gguf.Q8_0, *weight.shape):
             return linear_gguf.pack(linear_gguf.int8_blocks(weight), linear_gguf.Q8_0, *weight.shape)
+        if self.fp8_weights:
+            return fp8_linear.quantize_weight(weight)
         return self.matrix(weight)
 
     def matrix(self, tensor: torch.Tensor) -> PackedWeight:
@@ -127,7 +131,8 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
                  native_linear: bool = False, native_linear_max_rows: int | None = None, native_linear_amx: bool = False,
-                 fused: bool = False, gguf_blocks: bool = False, int8_weights: bool = False) -> None:
+                 fused: bool = False, gguf_blocks: bool = False, int8_weights: bool = False,
+                 fp8_weights: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
         gpu_worker/cpu/packed_linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
         C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
@@ -137,7 +142,8 @@ class LlamaModel:
         available (bfloat16 CPU). `gguf_blocks` (with `native_linear`): weights the checkpoint kept in GGUF blocks
         (gpu_worker/gguf_blocks.py) are computed from them (kernels/native/linear_gguf.py) where the kernel takes
         their type; others are dequantized. `int8_weights` (with `native_linear`): every other linear weight is
-        quantized to int8 per block of 32 (kernels/native/linear_gguf.int8_blocks) for the same kernel."""
+        quantized to int8 per block of 32 (kernels/native/linear_gguf.int8_blocks) for the same kernel. `fp8_weights`:
+        the layers' linear weights in fp8 with per-channel scales (kernels/fp8_linear.py), the LM head not."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -148,7 +154,8 @@ class LlamaModel:
         self.num_heads = c.num_attention_heads // tp.size  # on this rank
         self.num_kv_heads = c.num_key_value_heads // tp.size
         place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx,
-                             gguf_blocks and prepack and native_linear, int8_weights and prepack and native_linear)
+                             gguf_blocks and prepack and native_linear, int8_weights and prepack and native_linear,
+                             fp8_weights)
         # The embedding: looked up straight from its GGUF blocks where they are kept (a tied LM head then computes
         # from the same ones), else from a plain table (a tied head packed as its own copy of it).
         embed = "model.embed_tokens.weight"
@@ -158,6 +165,8 @@ class LlamaModel:
             self.lm_head = self.embed_blocks
         elif c.tie_word_embeddings and not place.int8_weights:
             self.lm_head = place.matrix(self.embed)
+        elif place.fp8_weights:  # the LM head stays in the model's dtype
+            self.lm_head = place.matrix(place.tensor("lm_head.weight"))
         else:
             self.lm_head = place.linear([embed if c.tie_word_embeddings else "lm_head.weight"])
         self.final_norm = place.tensor("model.norm.weight")

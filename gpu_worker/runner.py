@@ -148,7 +148,7 @@ class ModelRunner:
         model = LlamaModel(self.model_config, weights, self.device, self.dtype, self.max_positions, self.tp,
                            prepack=prepack, native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
                            native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch",
-                           **quantized_weights(config, self.device, self.c_linear))
+                           **quantized_weights(config, self.device, self.dtype, self.c_linear))
         log_gguf_serving(weights, model)
         return model
 

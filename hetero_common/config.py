@@ -64,7 +64,10 @@ class Config:
         "dequantized, the worker's log saying which: batch-1 decoding about 0.6x the time, steps of 16 rows "
         "or more about 1.3x (docs/performance.md); `none` (the default until the kernel's large-batch path "
         "is built): dequantize; `int8`: every linear weight quantized to int8 at load (symmetric, a scale per "
-        "block of 32 along each output row: Q8_0), for the same kernel (CPU with AVX512-VNNI; refused elsewhere). fp8 is not built yet"))
+        "block of 32 along each output row: Q8_0), for the same kernel (CPU with AVX512-VNNI; refused elsewhere); "
+        "`fp8`: the layers' linear weights quantized to float8 e4m3 at load (a scale per output channel), "
+        "activations per token, products by torch._scaled_mm (CUDA GPUs of compute capability 8.9+; on the CPU "
+        "torch's reference, for tests, not speed); the LM head stays in dtype"))
     fp16: bool = field(default=False, metadata=doc(
         "the seed's switch for half precision: true = dtype float16 (beside a dtype other than auto or float16: "
         "refused)"))
@@ -222,8 +225,8 @@ class Config:
                "must go with dtype auto or float16 (fp16 true means dtype float16); drop one of them")
         if self.fp16:
             self.dtype = "float16"
-        _check(self.quantization in ("auto", "none", "int8"), "quantization", self.quantization,
-               "must be auto, none or int8; fp8 is not built yet")
+        _check(self.quantization in ("auto", "none", "int8", "fp8"), "quantization", self.quantization,
+               "must be auto, none, int8 or fp8")
         _check(self.kv_cache_dtype in ("auto", "fp16", "fp8", "fp8_e4m3", "int8"), "kv_cache_dtype",
                self.kv_cache_dtype, "must be auto (the model's dtype), fp16, fp8, fp8_e4m3 or int8")
         _check(self.kv_cache_dtype != "fp16" or self.dtype == "float16", "kv_cache_dtype", self.kv_cache_dtype,

@@ -12,6 +12,7 @@ import torch
 from gpu_worker.gguf_blocks import GGUFBlocks
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
+from kernels import fp8_linear
 from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight
 
@@ -42,12 +43,14 @@ def log_gguf_serving(weights: dict[str, Any], model: Any) -> None:
                  reason="the GGUF kernel needs bfloat16 on the C kernels (cpu_kernels, weight_prepack, dtype)")
 
 
-def quantized_weights(config: Config, device: torch.device, c_linear: bool) -> dict[str, bool]:
-    """LlamaModel's `gguf_blocks` and `int8_weights` for this worker. `int8` that cannot be served here is
-    refused (ConfigError), not quietly dequantized."""
+def quantized_weights(config: Config, device: torch.device, dtype: torch.dtype, c_linear: bool) -> dict[str, bool]:
+    """LlamaModel's `gguf_blocks`, `int8_weights` and `fp8_weights` for this worker. `int8` or `fp8` that cannot
+    be served here is refused (ConfigError), not quietly dequantized."""
+    if config.quantization == "fp8" and (why := fp8_linear.unavailable_reason(device, dtype)):
+        raise ConfigError(f"config key 'quantization' = 'fp8' cannot be served here: {why}; use none")
     int8 = config.quantization == "int8"
     if int8 and (device.type != "cpu" or not c_linear or not linear_gguf.supported(linear_gguf.Q8_0, 16, 32)):
         where = ("on CUDA (torch._int_mm / _scaled_mm products are not built yet)" if device.type != "cpu" else
                  "on this CPU: it needs AVX512-VNNI and bfloat16 on the C kernels (dtype, cpu_kernels, weight_prepack)")
         raise ConfigError(f"config key 'quantization' = 'int8' cannot be served {where}; use none")
-    return {"gguf_blocks": c_linear, "int8_weights": int8}
+    return {"gguf_blocks": c_linear, "int8_weights": int8, "fp8_weights": config.quantization == "fp8"}

@@ -1,20 +1,27 @@
-"""Config `quantization`: what is not served is refused naming the key, never quietly dequantized."""
+"""Config `quantization`: what is not served is refused naming the key, never quietly dequantized; fp8 weights
+served on the CPU through torch's reference `_scaled_mm` (the host side of CUDA's fp8)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
-from hetero_infer.engine import InferenceEngine
+from hetero_infer.engine import GenerationParams, InferenceEngine
 from hetero_infer.testing.tiny_models import make_random_llama
+from kernels import fp8_linear
+from kernels.cache_ops import allocate_kv_cache
+from kernels.fp8_linear import Fp8Weight
+from kernels.page_table import PageTable
 
 
-def test_fp8_is_refused_at_validation() -> None:
-    with pytest.raises(ConfigError, match="'quantization'.*fp8 is not built yet"):
-        Config(quantization="fp8").validate()
+def test_an_unknown_quantization_is_refused_at_validation() -> None:
+    with pytest.raises(ConfigError, match="'quantization'.*must be auto, none, int8 or fp8"):
+        Config(quantization="fp4").validate()
 
 
 def test_int8_without_its_kernel_path_is_refused_at_start(tmp_path: Path) -> None:
@@ -22,3 +29,36 @@ def test_int8_without_its_kernel_path_is_refused_at_start(tmp_path: Path) -> Non
     model = make_random_llama(tmp_path / "llama", hidden=64, intermediate=128, layers=1, heads=2, kv_heads=1, seed=2)
     with pytest.raises(ConfigError, match="'quantization' = 'int8' cannot be served"):
         InferenceEngine(Config(model=str(model), dtype="float32", quantization="int8").validate())
+
+
+def last_logits(engine: InferenceEngine, prompt: list[int]) -> torch.Tensor:
+    """The float32 logits after `prompt`, through the engine's model and attention backend on a cache of its own."""
+    runner, model = engine.runner, engine.runner.model
+    c = model.config
+    cache = allocate_kv_cache(c.num_hidden_layers, 4, 16, model.num_kv_heads, c.head_dim, runner.kv_dtype, "cpu",
+                              runner.attention.kv_layout)
+    table = PageTable.build([np.arange(4, dtype=np.int32)], np.array([len(prompt)]), np.array([len(prompt)]), 16)
+    runner.attention.plan(table)
+    positions, slots = table.token_positions()
+    with torch.inference_mode():
+        return model.forward(torch.tensor(prompt), torch.from_numpy(positions), torch.from_numpy(slots), cache,
+                             runner.attention, torch.tensor([len(prompt) - 1]))[0]
+
+
+@pytest.mark.skipif(fp8_linear.unavailable_reason(torch.device("cpu"), torch.bfloat16) is not None,
+                    reason="torch._scaled_mm does not run on this CPU build")
+def test_fp8_weights_serve_on_the_cpu_through_torchs_scaled_mm(tmp_path: Path) -> None:
+    """The host side of CUDA's fp8 serving, run on the CPU: every layer's linear weight in fp8 (the LM head
+    not), logits close to bfloat16's, tokens generated."""
+    model = make_random_llama(tmp_path / "llama", hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, seed=4)
+    bf16 = InferenceEngine(Config(model=str(model), dtype="bfloat16", block_size=16).validate())
+    fp8 = InferenceEngine(Config(model=str(model), dtype="bfloat16", block_size=16, quantization="fp8").validate())
+    layer = fp8.runner.model.layers[0]
+    assert all(type(layer[name]) is Fp8Weight for name in ("qkv", "o", "gate_up", "down"))
+    assert type(fp8.runner.model.lm_head) is not Fp8Weight
+    prompt = list(range(3, 40))
+    a, b = last_logits(fp8, prompt), last_logits(bf16, prompt)
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
+    fp8.submit_request(prompt, GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    (result,) = fp8.run()
+    assert len(result.output_token_ids) == 8
