@@ -1,7 +1,7 @@
 """GPU benchmark: bandwidth, decode tokens/s with and without CUDA graphs, TTFT, roofline, attention kernels.
 
     python benchmarks/gpu_bench.py [--batch-sizes 1,16,64,256] [--context 1000] [--steps 30] [--breakdown]
-                                   [--kv-cache-dtype auto|fp8] [--json out.json]
+                                   [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--json out.json]
 
 Builds a Llama-shaped model of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden
 2048, 32 query / 8 KV heads of 64, MLP 8192, vocabulary 128256, tied embeddings) with random
@@ -23,7 +23,8 @@ bf16 weights on the device (nothing is downloaded), and measures, on the worker'
   `.tolist()` of logits already computed). The step minus the replay is what the GPU waits for the host.
 
 `--kv-cache-dtype fp8`: the cache in float8 e4m3 (config `kv_cache_dtype: fp8`), read by FlashInfer's fp8 KV
-kernels; compare its decode tokens/s with a run of the default (bf16) at the same batch and context.
+kernels; `--quantization fp8`: the layers' linear weights in float8 e4m3 (config `quantization: fp8`,
+torch._scaled_mm). Compare their decode tokens/s with a run of the defaults (bf16) at the same batch and context.
 
 On a machine without a CUDA device it says so and exits 0.
 """
@@ -47,6 +48,7 @@ import torch  # noqa: E402
 
 from gpu_worker.checkpoint import ModelConfig  # noqa: E402
 from kernels.cache_ops import allocate_kv_cache, convert_layout  # noqa: E402
+from kernels.fp8_linear import Fp8Weight  # noqa: E402
 from kernels.page_table import PageTable  # noqa: E402
 from kernels.torch_attention import TorchPagedAttention  # noqa: E402
 from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
@@ -102,10 +104,12 @@ def random_weights(c: ModelConfig, device: torch.device) -> dict[str, torch.Tens
 
 
 def model_bytes(model) -> int:
+    """Bytes of the weights a decode step reads (fp8 weights: their values and scales)."""
     tensors = [model.embed, model.final_norm] + [t for layer in model.layers for t in layer.values() if t is not None]
     if model.lm_head is not model.embed:
         tensors.append(model.lm_head)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    parts = [p for t in tensors for p in ((t.weight, t.scale) if isinstance(t, Fp8Weight) else (t,))]
+    return sum(p.numel() * p.element_size() for p in parts)
 
 
 def gpu_unavailable(tool: str) -> int | None:
@@ -206,6 +210,8 @@ def main() -> int:
                         help="also time the parts of a graph decode step at each batch size (host, plan, replay, read-back)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the cache's element: the model's bf16, or float8 e4m3")
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                        help="the layers' linear weights: bf16, or float8 e4m3 with per-channel scales")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
@@ -223,7 +229,7 @@ def main() -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                      "flashinfer": flashinfer.__version__, "context": args.context,
-                     "kv_cache_dtype": str(kv_dtype).removeprefix("torch.")}
+                     "kv_cache_dtype": str(kv_dtype).removeprefix("torch."), "quantization": args.quantization}
     print(f"device: {results['device']}  torch {torch.__version__}  flashinfer {flashinfer.__version__}")
 
     bandwidth = copy_bandwidth(device)
@@ -233,11 +239,12 @@ def main() -> int:
     with torch.inference_mode():
         started = time.perf_counter()
         max_positions = max(args.context + args.steps + 8, args.prompt + 8)
-        model = LlamaModel(cfg, random_weights(cfg, device), device, DTYPE, max_positions)
+        model = LlamaModel(cfg, random_weights(cfg, device), device, DTYPE, max_positions,
+                           fp8_weights=args.quantization == "fp8")
         torch.cuda.empty_cache()
         weight_bytes = model_bytes(model)
-        results["parameters"] = weight_bytes // 2
-        print(f"model: {weight_bytes / 2 / 1e9:.2f}B parameters, {weight_bytes / 2**30:.2f} GiB bf16 "
+        results["weight_bytes"] = weight_bytes
+        print(f"model: {weight_bytes / 2**30:.2f} GiB of weights ({args.quantization} linear layers) "
               f"(built in {time.perf_counter() - started:.1f} s)")
 
         pages_per_seq = -(-(args.context + 1) // BLOCK_SIZE)

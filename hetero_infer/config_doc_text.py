@@ -110,12 +110,16 @@ NOTES = """\
   | `none` (default) | the checkpoint dequantized to `dtype` | everywhere | bfloat16's | bfloat16's |
   | `auto` | a GGUF file's Q4_0, Q4_1, Q8_0 blocks as they are (others dequantized) | CPUs with AVX512-VNNI, bfloat16 on the C kernels | about 0.5x the time | about 1.3x |
   | `int8` | every linear weight as int8 (Q8_0 blocks: a scale per 32 weights of a row) | the same CPUs; refused elsewhere | about 0.6x | about 1.3x |
+  | `fp8` | the layers' linear weights as float8 e4m3 (a scale per output channel) | CUDA (torch._scaled_mm); the CPU's torch reference for tests | not measured | not measured |
 
   Choose `auto` (for a GGUF file) or `int8` to serve one request at a time faster and in about a
   third of the weight memory (the default model: 98 MB against 326 MB); keep `none` for throughput
   under many concurrent requests, where the products are compute-bound and bfloat16's are faster.
   Both keep the mean log-likelihood of a fixed text within 0.1% of float32's and as many of its
-  greedy tokens as bfloat16 does (83-85%, `benchmarks/quant_accuracy.py`). fp8 (CUDA) is not built yet.
+  greedy tokens as bfloat16 does (83-85%, `benchmarks/quant_accuracy.py`). `fp8` (float8 weights
+  and activations through `torch._scaled_mm`) is for large models on CUDA GPUs of compute capability
+  8.9+ (not yet measured on one); on SmolLM2 it costs 0.96% of the log-likelihood and half the greedy
+  tokens, and on the CPU it runs torch's slow reference.
 - **`kv_cache_dtype`** (figures in docs/performance.md, "Quantized KV cache"): `int8` (CPUs with
   AVX512-BF16) stores each token's K and V per head as int8 with a float32 scale, `fp8` (those CPUs
   and CUDA) as float8 e4m3. A long-context decode step reads about half the bytes: 1.3x the speed
