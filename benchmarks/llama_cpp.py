@@ -107,7 +107,8 @@ def main() -> int:
     configure_logging("warning", "console")
     model = resolve_model_path(args.model)
     prompts = make_prompts(args.requests, 16, 256)
-    engines = {f"engine, quantization {q}": Config(model=str(model), quantization=q).validate() for q in ("none", "auto")}
+    engines = {f"engine, quantization {q}": Config(model=str(model), quantization=q).validate()
+               for q in ("none", "auto")}
     figures: dict[str, list[dict]] = {name: [] for name in [LLAMA_BENCH, LLAMA_SERVER, *engines]}
     for round_index in range(args.rounds):
         for name in round_order([LLAMA_SERVER, *engines], round_index):

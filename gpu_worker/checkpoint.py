@@ -3,7 +3,8 @@
 Either way the result is one `ModelConfig` and a state dict under Hugging Face names, so the
 engine has a single weight layout to understand. GGUF tensors are dequantized to `dtype` here, except the
 linear weights the caller asks to keep in their blocks (`keep_blocks`: gpu_worker/gguf_blocks.py), which
-the model packs for the GGUF kernel.
+the model packs for the GGUF kernel; a Hugging Face checkpoint's fp8 weights stay fp8 with their scales
+(gpu_worker/fp8_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from gpu_worker import fp8_checkpoint
 from gpu_worker.gguf_blocks import GGUFBlocks
 from hetero_common.model_files import ModelFileError, read_json, token_ids
 
@@ -113,6 +115,8 @@ def _hf_config(directory: Path) -> ModelConfig:
     cfg = read_json(config_path)
     architecture = str(cfg.get("model_type", ""))
     _check_architecture(architecture, config_path, SUPPORTED_ARCHITECTURES)
+    if why := fp8_checkpoint.check_quantization_config(cfg, repr(str(config_path))):
+        raise CheckpointError(why)
     # Unsupported variants would otherwise load and silently compute something else.
     if cfg.get("mlp_bias") or (architecture == "llama" and cfg.get("attention_bias")):
         raise CheckpointError(
@@ -177,8 +181,16 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict
             raise CheckpointError(f"Weight shard {str(file)!r} named by the index is missing.")
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                if name in wanted:  # skips e.g. a tied lm_head.weight or rotary inv_freq buffers
-                    tensors[name] = handle.get_tensor(name).to(dtype).contiguous()
+                if name not in wanted:  # skips e.g. a tied lm_head.weight or rotary inv_freq buffers
+                    continue
+                tensor = handle.get_tensor(name)
+                if fp8_checkpoint.is_fp8(tensor):
+                    try:
+                        tensors[name] = fp8_checkpoint.load_weight(name, tensor, handle)
+                    except ValueError as e:
+                        raise CheckpointError(f"{str(file)!r}: {e}") from e
+                    continue
+                tensors[name] = tensor.to(dtype).contiguous()
     return config, tensors
 
 

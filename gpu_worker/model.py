@@ -87,11 +87,13 @@ class WeightPlacer:
     fp8_weights: bool = False  # the layers' linear weights quantized to fp8 (config `quantization` fp8)
 
     def tensor(self, name: str, shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous; one kept in GGUF blocks,
-        dequantized."""
+        """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous; one kept in GGUF blocks or
+        loaded in fp8, dequantized."""
         tensor = self.weights[name]
         if isinstance(tensor, GGUFBlocks):
             tensor = tensor.dequantized()
+        elif isinstance(tensor, fp8_linear.Fp8Weight):
+            tensor = tensor.dequantized(torch.float32)
         tensor = tensor if shard is None else shard(tensor)
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
@@ -106,9 +108,11 @@ class WeightPlacer:
         """The linear weight of `names` stacked along their outputs (q/k/v, gate/up: one product), this rank's
         `shard` of each: from the GGUF blocks where every part is kept in blocks of one type the kernel takes
         (and no shard applies), else from their tensors."""
+        parts = [self.weights[name] for name in names]
         if shard is None and self.from_blocks(names):
-            parts = [self.weights[name] for name in names]
             return linear_gguf.concat_rows([linear_gguf.pack(p.blocks, p.ggml_type, *p.shape) for p in parts])
+        if shard is None and self.fp8_weights and all(isinstance(p, fp8_linear.Fp8Weight) for p in parts):
+            return fp8_linear.concat_rows([fp8_linear.to_device(p, self.device) for p in parts])  # the file's own
         tensors = [self.tensor(name, shard) for name in names]
         weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         if self.int8_weights and linear_gguf.supported(linear_gguf.Q8_0, *weight.shape):

@@ -74,3 +74,14 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     except (RuntimeError, TypeError, NotImplementedError) as e:
         return f"torch._scaled_mm does not run here ({str(e).splitlines()[0][:160]})"
     return None
+
+
+def concat_rows(weights: list[Fp8Weight]) -> Fp8Weight:
+    """Weights stacked along their outputs (q/k/v, gate/up: one product), each keeping its scales."""
+    if len(weights) == 1:
+        return weights[0]
+    return Fp8Weight(torch.cat([w.weight for w in weights]), torch.cat([w.scale for w in weights], dim=1))
+
+
+def to_device(weight: Fp8Weight, device: torch.device) -> Fp8Weight:
+    return Fp8Weight(weight.weight.to(device), weight.scale.to(device))

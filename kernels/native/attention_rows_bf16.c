@@ -273,7 +273,8 @@ int attention_rows_avx512_bf16(const uint16_t *q, int64_t q_row_stride, const in
     const size_t slots = (size_t)group * (size_t)((max_len + 15) / 16 * 16);
     const size_t score_bytes = (sizeof(float) * slots + 63) / 64 * 64, p_bytes = (2 * slots + 63) / 64 * 64;
     const size_t kt_bytes = sizeof(uint32_t) * KEY_CHUNKS * (size_t)head_dim / 2 * 16;
-    const size_t ks_bytes = sizeof(float) * KEY_CHUNKS * 16, vs_bytes = (sizeof(float) * (size_t)((max_len + 15) / 16 * 16) + 63) / 64 * 64;
+    const size_t ks_bytes = sizeof(float) * KEY_CHUNKS * 16;
+    const size_t vs_bytes = (sizeof(float) * (size_t)((max_len + 15) / 16 * 16) + 63) / 64 * 64;
     const int hp = heads_together(group);
     const int64_t row_bytes = kv_row_bytes(kv_kind, head_dim);
     int failed = 0, next_item = 0;

@@ -154,8 +154,8 @@ static int decode_attention_dispatch(const uint16_t *q, int64_t q_row_stride, co
 }
 
 /* The kernel: the AVX512-BF16 path where it applies (prompt chunks in tiles), else the plain loops. Same
- * arguments as above, and kv_kind: the cache's row format (kv_formats.h: 0 bfloat16, 1 fp8 e4m3, 2 int8 rows; the last two on the
- * AVX512-BF16 path only, else -3). */
+ * arguments as above, and kv_kind: the cache's row format (kv_formats.h: 0 bfloat16, 1 fp8 e4m3, 2 int8 rows;
+ * the last two on the AVX512-BF16 path only, else -3). */
 int decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const int64_t *q_rows,
                           const void *cache, const int32_t *pages, int max_pages, const int32_t *kv_lens,
                           uint16_t *out, int64_t out_row_stride, int num_seqs, int num_qo_heads,

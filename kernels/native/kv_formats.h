@@ -106,7 +106,8 @@ static inline __m512i int8x32_to_bf16(__m256i b) {
 /* Columns [d, d + 32) of row `row` of a cache of `KIND` (a constant at each call) as 32 bfloat16 values. */
 static inline __attribute__((always_inline)) __m512i kv_load32(const int KIND, const int dim, const void *cache,
                                                                int64_t row, int d) {
-    const char *at = KIND == KV_INT8 ? kv_int8_values(cache, row, dim) : (const char *)cache + row * kv_row_bytes(KIND, dim);
+    const char *at = KIND == KV_INT8 ? kv_int8_values(cache, row, dim)
+                                     : (const char *)cache + row * kv_row_bytes(KIND, dim);
     if (KIND == KV_BF16) return _mm512_loadu_si512((const uint16_t *)at + d);
     const __m256i b = _mm256_loadu_si256((const __m256i *)(at + d));
     return KIND == KV_FP8 ? fp8x32_to_bf16(b) : int8x32_to_bf16(b);

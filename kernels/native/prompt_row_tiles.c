@@ -132,9 +132,10 @@ static inline __attribute__((always_inline)) void tile(
     /* Scores s[head][key][lane], KB keys of one page's run (block_size is a multiple of 16) at a time. */
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int k0 = 0; k0 < keys; k0 += KB) {
-        const uint32_t *kp = (const uint32_t *)(kb ? kb + (int64_t)k0 * DIM
-                                                   : cache + ((int64_t)seq_pages[k0 / block_size] * 2 * num_kv_heads + h) * run
-                                                         + (int64_t)(k0 % block_size) * DIM);
+        const uint16_t *k_at = kb ? kb + (int64_t)k0 * DIM
+                                  : cache + ((int64_t)seq_pages[k0 / block_size] * 2 * num_kv_heads + h) * run
+                                        + (int64_t)(k0 % block_size) * DIM;
+        const uint32_t *kp = (const uint32_t *)k_at;
         __m512 acc[4][16];
 #pragma GCC unroll 4
         for (int g = 0; g < HP; g++)
