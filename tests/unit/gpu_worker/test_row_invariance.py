@@ -19,7 +19,7 @@ from gpu_worker.cpu.worker_setup import row_invariance_unavailable
 from gpu_worker.model import LlamaModel
 from hetero_infer.testing.tiny_models import make_random_llama
 from kernels.attention_backend import create_attention_backend
-from kernels.cache_ops import allocate_kv_cache
+from kernels.cache_ops import allocate_kv_cache, int8_rows
 from kernels.native import linear_gguf
 from kernels.page_table import PageTable
 
@@ -47,10 +47,11 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def compute(model: LlamaModel, chunks: list[int], tiles: bool, others: int = 0,
-            row: int | None = None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            row: int | None = None, seed: int = 0, kv_dtype: torch.dtype = torch.bfloat16
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Feed one sequence's tokens in steps of `chunks` rows (each step may carry `others` sequences decoding
-    beside it); the logits of position `row` (default TARGET, which the last chunk must hold) and every
-    layer's K/V at TARGET."""
+    beside it) into a cache of `kv_dtype`; the logits of position `row` (default TARGET, which the last chunk
+    must hold) and every layer's K/V at TARGET (as bytes: an fp8 or int8 cache's rows)."""
     row = TARGET if row is None else row
     torch.manual_seed(0)
     tokens = torch.randint(2, 500, (sum(chunks),)).tolist()
@@ -60,7 +61,7 @@ def compute(model: LlamaModel, chunks: list[int], tiles: bool, others: int = 0,
     attention = create_attention_backend("torch", model.num_heads, model.num_kv_heads, c.head_dim, "cpu",
                                          torch.bfloat16, decode_kernel="c", prompt_tiles=tiles)
     cache = allocate_kv_cache(c.num_hidden_layers, 64 + 4 * others, BLOCK, model.num_kv_heads, c.head_dim,
-                              torch.bfloat16, "cpu", attention.kv_layout)
+                              kv_dtype, "cpu", attention.kv_layout)
     own = np.arange(0, 64, dtype=np.int32)
     done, logits = 0, None
     with torch.inference_mode():
@@ -80,8 +81,12 @@ def compute(model: LlamaModel, chunks: list[int], tiles: bool, others: int = 0,
                               attention, torch.tensor([n - 1]))
             done += n
     assert logits is not None
-    kv = cache[:, TARGET // BLOCK, :, :, TARGET % BLOCK].clone()  # [layers, 2, kv heads, head_dim]
-    return logits, kv
+    block = cache[:, TARGET // BLOCK]  # [layers, 2, kv heads, BLOCK, row]
+    if kv_dtype == torch.int8:  # the row's values and scale, in the group layout
+        values, scales = int8_rows(block, c.head_dim)
+        g, j = divmod(TARGET % BLOCK, 16)
+        return logits, torch.cat([values[..., g, j, :], scales[..., g, j, None].view(torch.int8)], dim=-1).clone()
+    return logits, block[..., TARGET % BLOCK, :].view(torch.uint8).clone()
 
 
 def same_bits(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -110,6 +115,19 @@ def test_a_tokens_kv_and_logits_do_not_depend_on_the_path_that_computed_it(model
     assert same_bits(compute(model, [TARGET, 1], tiles=tiles, others=OTHERS), reference), "in a decode batch of 7"
     assert same_bits(compute(model, [TARGET + 45], tiles=tiles, row=TARGET), reference), "mid-chunk"
     assert same_bits(compute(model, [100, 100, 100], tiles=tiles, row=TARGET), reference), "mid-chunk, 3rd chunk"
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_a_quantized_caches_rows_and_logits_do_not_depend_on_the_path(model: LlamaModel,
+                                                                      kv_dtype: torch.dtype) -> None:
+    """kv_cache_dtype fp8 and int8 (kernels/native/kv_formats.h): the same, with the prompt tiles."""
+    reference = compute(model, WAYS["alone, as a decode"], tiles=False, kv_dtype=kv_dtype)
+    for way in ("in a 16-row chunk", "in a 100-row chunk", "after a boundary at 17", "in one chunk of the whole prompt"):
+        assert same_bits(compute(model, WAYS[way], tiles=True, kv_dtype=kv_dtype), reference), way
+    assert same_bits(compute(model, [TARGET, 1], tiles=True, others=OTHERS, kv_dtype=kv_dtype), reference), \
+        "in a decode batch of 7"
+    changed = compute(model, WAYS["alone, as a decode"], tiles=False, seed=5, kv_dtype=kv_dtype)
+    assert not same_bits(changed, reference)  # the comparison sees a changed prompt
 
 
 def test_the_comparison_sees_a_changed_prompt(model: LlamaModel) -> None:
