@@ -26,7 +26,7 @@ from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, p
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels.attention_backend import AttentionBackend
 from kernels.cache_ops import hnd_rows
-from kernels import fp8_linear
+from kernels import fp8_linear, int8_linear
 from kernels.native import linear_gguf
 from kernels.native.linear import amx_fits
 
@@ -85,6 +85,7 @@ class WeightPlacer:
     gguf_blocks: bool = False  # GGUF weights kept in their blocks are packed for the GGUF kernel
     int8_weights: bool = False  # the others quantized to int8 (Q8_0 blocks) for it (config `quantization` int8)
     fp8_weights: bool = False  # the layers' linear weights quantized to fp8 (config `quantization` fp8)
+    int8_w8a8: bool = False  # ... to int8 for torch._int_mm (config `quantization` int8 on CUDA)
 
     def tensor(self, name: str, shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous; one kept in GGUF blocks or
@@ -119,6 +120,8 @@ class WeightPlacer:
             return linear_gguf.pack(linear_gguf.int8_blocks(weight), linear_gguf.Q8_0, *weight.shape)
         if self.fp8_weights:
             return fp8_linear.quantize_weight(weight)
+        if self.int8_w8a8:
+            return int8_linear.quantize_weight(weight)
         return self.matrix(weight)
 
     def matrix(self, tensor: torch.Tensor) -> PackedWeight:
@@ -136,7 +139,7 @@ class LlamaModel:
                  max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
                  native_linear: bool = False, native_linear_max_rows: int | None = None, native_linear_amx: bool = False,
                  fused: bool = False, gguf_blocks: bool = False, int8_weights: bool = False,
-                 fp8_weights: bool = False) -> None:
+                 fp8_weights: bool = False, int8_w8a8: bool = False) -> None:
         """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
         gpu_worker/cpu/packed_linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
         C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
@@ -147,7 +150,8 @@ class LlamaModel:
         (gpu_worker/gguf_blocks.py) are computed from them (kernels/native/linear_gguf.py) where the kernel takes
         their type; others are dequantized. `int8_weights` (with `native_linear`): every other linear weight is
         quantized to int8 per block of 32 (kernels/native/linear_gguf.int8_blocks) for the same kernel. `fp8_weights`:
-        the layers' linear weights in fp8 with per-channel scales (kernels/fp8_linear.py), the LM head not."""
+        the layers' linear weights in fp8 with per-channel scales (kernels/fp8_linear.py), the LM head not;
+        `int8_w8a8` (CUDA's `quantization: int8`): in int8 for torch._int_mm (kernels/int8_linear.py), likewise."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -159,7 +163,7 @@ class LlamaModel:
         self.num_kv_heads = c.num_key_value_heads // tp.size
         place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx,
                              gguf_blocks and prepack and native_linear, int8_weights and prepack and native_linear,
-                             fp8_weights)
+                             fp8_weights, int8_w8a8)
         # The embedding: looked up straight from its GGUF blocks where they are kept (a tied LM head then computes
         # from the same ones), else from a plain table (a tied head packed as its own copy of it).
         embed = "model.embed_tokens.weight"
@@ -169,7 +173,7 @@ class LlamaModel:
             self.lm_head = self.embed_blocks
         elif c.tie_word_embeddings and not place.int8_weights:
             self.lm_head = place.matrix(self.embed)
-        elif place.fp8_weights:  # the LM head stays in the model's dtype
+        elif place.fp8_weights or place.int8_w8a8:  # the LM head stays in the model's dtype
             self.lm_head = place.matrix(place.tensor("lm_head.weight"))
         else:
             self.lm_head = place.linear([embed if c.tie_word_embeddings else "lm_head.weight"])

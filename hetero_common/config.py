@@ -64,7 +64,8 @@ class Config:
         "dequantized, the worker's log saying which: batch-1 decoding about 0.6x the time, steps of 16 rows "
         "or more about 1.3x (docs/performance.md); `none` (the default until the kernel's large-batch path "
         "is built): dequantize; `int8`: every linear weight quantized to int8 at load (symmetric, a scale per "
-        "block of 32 along each output row: Q8_0), for the same kernel (CPU with AVX512-VNNI; refused elsewhere); "
+        "block of 32 along each output row: Q8_0), for the same kernel (CPU with AVX512-VNNI; refused on other "
+        "CPUs), and on CUDA int8 weights and activations through torch._int_mm (a scale per channel, per token); "
         "`fp8`: the layers' linear weights quantized to float8 e4m3 at load (a scale per output channel), "
         "activations per token, products by torch._scaled_mm (CUDA GPUs of compute capability 8.9+; on the CPU "
         "torch's reference, for tests, not speed); the LM head stays in dtype"))

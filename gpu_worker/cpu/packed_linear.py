@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8_linear
+from kernels import fp8_linear, int8_linear
 from kernels.fp8_linear import Fp8Weight
+from kernels.int8_linear import Int8Weight
 from kernels.native import linear as native_linear
 from kernels.native import linear_gguf
 from kernels.native.linear import NativePackedWeight
@@ -56,7 +57,7 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-PackedWeight = torch.Tensor | NativePackedWeight | DualPackedWeight | GGUFPackedWeight | Fp8Weight
+PackedWeight = torch.Tensor | NativePackedWeight | DualPackedWeight | GGUFPackedWeight | Fp8Weight | Int8Weight
 
 
 def pack_weight(weight: torch.Tensor, native: bool = False, native_max_rows: int | None = None,
@@ -100,6 +101,8 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
         return linear_gguf.linear(x, weight, bias)
     if type(weight) is Fp8Weight:
         return fp8_linear.linear(x, weight, bias)
+    if type(weight) is Int8Weight:
+        return int8_linear.linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -62,3 +62,36 @@ def test_fp8_weights_serve_on_the_cpu_through_torchs_scaled_mm(tmp_path: Path) -
     fp8.submit_request(prompt, GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     (result,) = fp8.run()
     assert len(result.output_token_ids) == 8
+
+
+def test_cudas_int8_products_serve_a_model_run_on_the_cpu(tmp_path: Path) -> None:
+    """`quantization: int8` on CUDA is W8A8 through torch._int_mm (kernels/int8_linear.py); its host side, run
+    here on the CPU's _int_mm: every layer's linear weight in int8 (the LM head not), logits close to
+    bfloat16's."""
+    from gpu_worker.checkpoint import load_checkpoint
+    from gpu_worker.model import LlamaModel
+    from kernels.attention_backend import create_attention_backend
+    from kernels.int8_linear import Int8Weight
+
+    directory = make_random_llama(tmp_path / "llama", hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2,
+                                  seed=5)
+    config, weights = load_checkpoint(directory)
+    prompt = list(range(3, 40))
+    table = PageTable.build([np.arange(4, dtype=np.int32)], np.array([len(prompt)]), np.array([len(prompt)]), 16)
+    positions, slots = table.token_positions()
+    out = {}
+    for w8a8 in (False, True):
+        model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, 64, int8_w8a8=w8a8)
+        attention = create_attention_backend("torch", model.num_heads, model.num_kv_heads, config.head_dim, "cpu",
+                                             torch.bfloat16)
+        cache = allocate_kv_cache(config.num_hidden_layers, 4, 16, model.num_kv_heads, config.head_dim,
+                                  torch.bfloat16, "cpu", attention.kv_layout)
+        attention.plan(table)
+        with torch.inference_mode():
+            out[w8a8] = model.forward(torch.tensor(prompt), torch.from_numpy(positions), torch.from_numpy(slots),
+                                      cache, attention, torch.arange(len(prompt)))
+        if w8a8:
+            assert all(type(model.layers[0][n]) is Int8Weight for n in ("qkv", "o", "gate_up", "down"))
+            assert type(model.lm_head) is not Int8Weight
+    assert not torch.equal(out[True], out[False])
+    assert torch.nn.functional.cosine_similarity(out[True].flatten(), out[False].flatten(), dim=0) > 0.99
