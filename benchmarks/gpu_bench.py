@@ -1,11 +1,12 @@
 """GPU benchmark: bandwidth, decode tokens/s with and without CUDA graphs, TTFT, roofline, attention kernels.
 
     python benchmarks/gpu_bench.py [--batch-sizes 1,16,64,256] [--context 1000] [--steps 30] [--breakdown]
-                                   [--kv-cache-dtype auto|fp8] [--quantization none|fp8] [--json out.json]
+                                   [--shape 1b|8b] [--kv-cache-dtype auto|fp8] [--quantization none|fp8]
+                                   [--json out.json]
 
 Builds a Llama-shaped model of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden
-2048, 32 query / 8 KV heads of 64, MLP 8192, vocabulary 128256, tied embeddings) with random
-bf16 weights on the device (nothing is downloaded), and measures, on the worker's own code
+2048, 32 query / 8 KV heads of 64, MLP 8192, vocabulary 128256, tied embeddings; `--shape 8b`: Llama-3-8B's,
+32 layers, hidden 4096, heads of 128, MLP 14336) with random bf16 weights on the device (nothing is downloaded), and measures, on the worker's own code
 (`LlamaModel`, the FlashInfer backend, `DecodeGraphs`):
 
 - device-to-device copy bandwidth (bytes read + written per second);
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import statistics
 import sys
 import time
@@ -62,6 +64,10 @@ LLAMA_1B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=2048
                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None, max_position_embeddings=8192,
                        tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=())
+# Llama-3-8B's shape (issue 39's fp8 figures): 32 layers, hidden 4096, 32 query / 8 KV heads of 128, MLP 14336.
+LLAMA_8B = replace(LLAMA_1B, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, head_dim=128,
+                   tie_word_embeddings=False)
+SHAPES = {"1b": LLAMA_1B, "8b": LLAMA_8B}
 
 
 def cuda_time(fn, iters: int) -> float:
@@ -100,6 +106,8 @@ def random_weights(c: ModelConfig, device: torch.device) -> dict[str, torch.Tens
                   p + "mlp.down_proj.weight": rand(c.hidden_size, c.intermediate_size),
                   p + "input_layernorm.weight": torch.ones(c.hidden_size, dtype=DTYPE, device=device),
                   p + "post_attention_layernorm.weight": torch.ones(c.hidden_size, dtype=DTYPE, device=device)})
+    if not c.tie_word_embeddings:
+        w["lm_head.weight"] = rand(c.vocab_size, c.hidden_size)
     return w
 
 
@@ -210,6 +218,8 @@ def main() -> int:
                         help="also time the parts of a graph decode step at each batch size (host, plan, replay, read-back)")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the cache's element: the model's bf16, or float8 e4m3")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1b",
+                        help="the model's shape: Llama-3.2-1B's (the default) or Llama-3-8B's")
     parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
                         help="the layers' linear weights: bf16, or float8 e4m3 with per-channel scales")
     parser.add_argument("--json", help="also write the figures to this JSON file")
@@ -225,7 +235,7 @@ def main() -> int:
     from kernels.flashinfer_backend import FlashInferPagedAttention
 
     torch.manual_seed(0)
-    cfg = LLAMA_1B
+    cfg = SHAPES[args.shape]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     results: dict = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                      "flashinfer": flashinfer.__version__, "context": args.context,
