@@ -18,12 +18,11 @@ from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from kernels.native import decode_attention as native_decode
 
-FP8_NAMES = ("fp8", "fp8_e4m3")
 CPU_QUANTIZED = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
 
 
 def kv_cache_torch_dtype(config: Config, model_dtype: torch.dtype, device: torch.device, head_dim: int) -> torch.dtype:
-    """The cache's torch dtype; ConfigError where fp8 cannot be read on this device."""
+    """The cache's torch dtype; ConfigError where a quantized cache cannot be read on this device."""
     name = config.kv_cache_dtype
     if name == "auto":
         return model_dtype
