@@ -34,13 +34,15 @@ from kernels.flashinfer_backend import decode_uses_tensor_cores
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """What decides the modules: heads (per rank), head size and the compute dtype."""
+    """What decides the modules: heads (per rank), head size, the compute dtype and the cache's (None: the
+    compute dtype; float8_e4m3fn: config `kv_cache_dtype: fp8`)."""
 
     name: str
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype | None = None
 
 
 # The shapes checked without a device. The default model, SmolLM2-135M (9 query heads, 3 KV
@@ -52,6 +54,13 @@ CHECKED_SHAPES = (
     AttentionShape("Llama-3.2-1B shape (gpu_bench)", 32, 8, 64),
     AttentionShape("Llama-3-8B shape (head_dim 128)", 32, 8, 128),
     AttentionShape("Qwen2.5-7B shape (head_dim 128, group 7)", 28, 4, 128),
+)
+# What `scripts/flashinfer_jit.py build` prepares on the GPU machine: the checked shapes, and the fp8 caches of
+# the GPU tests' and gpu_bench's head_dim-64 Llamas (group 4). Not in the compile check, which already takes
+# most of CI's slow part: their names follow the same rule, and the GPU run builds them.
+DEVICE_SHAPES = CHECKED_SHAPES + (
+    AttentionShape("Llama-3.2-1B shape, fp8 KV (gpu_bench --kv-cache-dtype fp8)", 32, 8, 64,
+                   kv_dtype=torch.float8_e4m3fn),
 )
 
 
@@ -68,6 +77,8 @@ def prefill_backend(shape: AttentionShape, capability: tuple[int, int]) -> str:
     dtype), else FA2. Mirrored rather than called: that function asks a CUDA device."""
     from flashinfer.utils import is_fa3_prefill_head_dim_supported
 
+    if shape.kv_dtype not in (None, shape.dtype):  # FA3 takes q and KV of one 16-bit dtype
+        return "fa2"
     if capability[0] == 9 and is_fa3_prefill_head_dim_supported(shape.head_dim, shape.head_dim):
         return "fa3"
     return "fa2"
@@ -84,7 +95,7 @@ def module_specs(shape: AttentionShape, capability: tuple[int, int]) -> dict[str
 
     d, hd = shape.dtype, shape.head_dim
     # (q, kv, out, index dtype, head_dim qk, head_dim vo, pos_encoding NONE, no window, no soft cap)
-    common = (d, d, d, torch.int32, hd, hd, 0, False, False)
+    common = (d, shape.kv_dtype or d, d, torch.int32, hd, hd, 0, False, False)
 
     def prefill(backend: str) -> Any:
         if backend == "fa3":

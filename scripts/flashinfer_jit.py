@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.flashinfer_jit import (  # noqa: E402
     CHECKED_SHAPES,
+    DEVICE_SHAPES,
     arch_from_env,
     build_and_load,
     compile_objects,
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         capability = torch.cuda.get_device_capability() if "FLASHINFER_CUDA_ARCH_LIST" not in os.environ \
             else arch_from_env()
-    modules = unique_specs(CHECKED_SHAPES, capability)
+    modules = unique_specs(CHECKED_SHAPES if args.what == "compile" else DEVICE_SHAPES, capability)
     print(f"flashinfer {args.what}: {len(modules)} modules for sm{capability[0]}{capability[1]}, "
           f"CUDA_HOME={os.environ['CUDA_HOME']}, {args.jobs} jobs", flush=True)
     started = time.perf_counter()
