@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,9 +17,8 @@ from hetero_common.config import Config
 from hetero_infer.engine import InferenceEngine
 from hetero_infer.testing.tiny_models import make_random_llama
 from kernels import fp8_linear
-from kernels.cache_ops import allocate_kv_cache
 from kernels.fp8_linear import FP8, Fp8Weight
-from kernels.page_table import PageTable
+from tests.helpers.prompt_logits import engine_prompt_logits
 
 pytestmark = pytest.mark.skipif(fp8_linear.unavailable_reason(torch.device("cpu"), torch.bfloat16) is not None,
                                 reason="torch._scaled_mm does not run on this CPU build")
@@ -52,19 +50,6 @@ def as_fp8_checkpoint(source: Path, target: Path, per_channel: bool) -> tuple[Pa
     return target, target.with_suffix(".values")
 
 
-def logits(engine: InferenceEngine, prompt: list[int]) -> torch.Tensor:
-    runner, model = engine.runner, engine.runner.model
-    c = model.config
-    cache = allocate_kv_cache(c.num_hidden_layers, 4, 16, model.num_kv_heads, c.head_dim, runner.kv_dtype, "cpu",
-                              runner.attention.kv_layout)
-    table = PageTable.build([np.arange(4, dtype=np.int32)], np.array([len(prompt)]), np.array([len(prompt)]), 16)
-    runner.attention.plan(table)
-    positions, slots = table.token_positions()
-    with torch.inference_mode():
-        return model.forward(torch.tensor(prompt), torch.from_numpy(positions), torch.from_numpy(slots), cache,
-                             runner.attention, torch.arange(len(prompt)))
-
-
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
 def test_an_fp8_checkpoint_serves_its_bytes_or_its_values(tmp_path: Path, per_channel: bool) -> None:
     source = make_random_llama(tmp_path / "llama", hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, seed=6)
@@ -83,7 +68,8 @@ def test_an_fp8_checkpoint_serves_its_bytes_or_its_values(tmp_path: Path, per_ch
                        torch.cat([q_proj.weight, k_proj.weight, v_proj.weight]).view(torch.uint8))
     assert torch.equal(served.scale, torch.cat([q_proj.scale, k_proj.scale, v_proj.scale], dim=1))
     prompt = list(range(3, 30))
-    assert torch.equal(logits(engine(fp8_dir, "none"), prompt), logits(engine(values_dir, "none"), prompt))
+    assert torch.equal(engine_prompt_logits(engine(fp8_dir, "none"), prompt),
+                       engine_prompt_logits(engine(values_dir, "none"), prompt))
 
 
 def test_block_wise_fp8_is_refused(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,9 +13,8 @@ from hetero_common.errors import ConfigError
 from hetero_infer.engine import GenerationParams, InferenceEngine
 from hetero_infer.testing.tiny_models import make_random_llama
 from kernels import fp8_linear
-from kernels.cache_ops import allocate_kv_cache
 from kernels.fp8_linear import Fp8Weight
-from kernels.page_table import PageTable
+from tests.helpers.prompt_logits import engine_prompt_logits, prompt_logits
 
 
 def test_an_unknown_quantization_is_refused_at_validation() -> None:
@@ -31,20 +29,6 @@ def test_int8_without_its_kernel_path_is_refused_at_start(tmp_path: Path) -> Non
         InferenceEngine(Config(model=str(model), dtype="float32", quantization="int8").validate())
 
 
-def last_logits(engine: InferenceEngine, prompt: list[int]) -> torch.Tensor:
-    """The float32 logits after `prompt`, through the engine's model and attention backend on a cache of its own."""
-    runner, model = engine.runner, engine.runner.model
-    c = model.config
-    cache = allocate_kv_cache(c.num_hidden_layers, 4, 16, model.num_kv_heads, c.head_dim, runner.kv_dtype, "cpu",
-                              runner.attention.kv_layout)
-    table = PageTable.build([np.arange(4, dtype=np.int32)], np.array([len(prompt)]), np.array([len(prompt)]), 16)
-    runner.attention.plan(table)
-    positions, slots = table.token_positions()
-    with torch.inference_mode():
-        return model.forward(torch.tensor(prompt), torch.from_numpy(positions), torch.from_numpy(slots), cache,
-                             runner.attention, torch.tensor([len(prompt) - 1]))[0]
-
-
 @pytest.mark.skipif(fp8_linear.unavailable_reason(torch.device("cpu"), torch.bfloat16) is not None,
                     reason="torch._scaled_mm does not run on this CPU build")
 def test_fp8_weights_serve_on_the_cpu_through_torchs_scaled_mm(tmp_path: Path) -> None:
@@ -57,7 +41,7 @@ def test_fp8_weights_serve_on_the_cpu_through_torchs_scaled_mm(tmp_path: Path) -
     assert all(type(layer[name]) is Fp8Weight for name in ("qkv", "o", "gate_up", "down"))
     assert type(fp8.runner.model.lm_head) is not Fp8Weight
     prompt = list(range(3, 40))
-    a, b = last_logits(fp8, prompt), last_logits(bf16, prompt)
+    a, b = engine_prompt_logits(fp8, prompt)[-1], engine_prompt_logits(bf16, prompt)[-1]
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
     fp8.submit_request(prompt, GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     (result,) = fp8.run()
@@ -77,19 +61,12 @@ def test_cudas_int8_products_serve_a_model_run_on_the_cpu(tmp_path: Path) -> Non
                                   seed=5)
     config, weights = load_checkpoint(directory)
     prompt = list(range(3, 40))
-    table = PageTable.build([np.arange(4, dtype=np.int32)], np.array([len(prompt)]), np.array([len(prompt)]), 16)
-    positions, slots = table.token_positions()
     out = {}
     for w8a8 in (False, True):
         model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, 64, int8_w8a8=w8a8)
         attention = create_attention_backend("torch", model.num_heads, model.num_kv_heads, config.head_dim, "cpu",
                                              torch.bfloat16)
-        cache = allocate_kv_cache(config.num_hidden_layers, 4, 16, model.num_kv_heads, config.head_dim,
-                                  torch.bfloat16, "cpu", attention.kv_layout)
-        attention.plan(table)
-        with torch.inference_mode():
-            out[w8a8] = model.forward(torch.tensor(prompt), torch.from_numpy(positions), torch.from_numpy(slots),
-                                      cache, attention, torch.arange(len(prompt)))
+        out[w8a8] = prompt_logits(model, attention, torch.bfloat16, prompt)
         if w8a8:
             assert all(type(model.layers[0][n]) is Int8Weight for n in ("qkv", "o", "gate_up", "down"))
             assert type(model.lm_head) is not Int8Weight
