@@ -18,7 +18,7 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
-from gpu_worker.cpu.gguf_serving import gguf_blocks_kept, log_gguf_serving, quantized_weights
+from gpu_worker.cpu.gguf_serving import gguf_blocks_kept, log_gguf_serving
 from gpu_worker.cpu.packed_linear import prepack_supported
 from gpu_worker.cpu.worker_setup import (allocate_cpu_kv_cache, choose_cpu_dtype, configure_cpu_threads,
                                          plan_c_linear, resolve_cpu_dtype, row_invariance_unavailable)
@@ -30,6 +30,7 @@ from gpu_worker.logits_processors import RowControls
 from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
 from gpu_worker.sampler import build_sampling_batch, sample, top_logprobs
 from gpu_worker.tensor_parallel import TensorParallel
+from gpu_worker.weight_quantization import quantized_weights
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ExecutionError

@@ -1,5 +1,5 @@
-"""Config `quantization` on the CPU: which of a GGUF file's weights stay in their blocks at load (`auto`),
-whether the model quantizes its linear weights to int8 (`int8`), and the log line saying how it serves them."""
+"""Config `quantization: auto` on the CPU: which of a GGUF file's weights stay in their blocks at load, and the
+log line saying how it serves them (gpu_worker/weight_quantization.py decides the other values)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import torch
 
 from gpu_worker.gguf_blocks import GGUFBlocks
 from hetero_common.config import Config
-from hetero_common.errors import ConfigError
-from kernels import fp8_linear
 from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight
 
@@ -41,18 +39,3 @@ def log_gguf_serving(weights: dict[str, Any], model: Any) -> None:
     else:
         log.info("gguf weights dequantized", dtype=str(model.dtype).removeprefix("torch."),
                  reason="the GGUF kernel needs bfloat16 on the C kernels (cpu_kernels, weight_prepack, dtype)")
-
-
-def quantized_weights(config: Config, device: torch.device, dtype: torch.dtype, c_linear: bool) -> dict[str, bool]:
-    """LlamaModel's `gguf_blocks`, `int8_weights`, `int8_w8a8` and `fp8_weights` for this worker: `int8` is the
-    GGUF kernel's int8 weights on the CPU, torch._int_mm's W8A8 on CUDA. `int8` or `fp8` that cannot be served
-    here is refused (ConfigError), not quietly dequantized."""
-    if config.quantization == "fp8" and (why := fp8_linear.unavailable_reason(device, dtype)):
-        raise ConfigError(f"config key 'quantization' = 'fp8' cannot be served here: {why}; use none")
-    int8 = config.quantization == "int8"
-    cuda_int8 = int8 and device.type == "cuda"
-    if int8 and not cuda_int8 and (not c_linear or not linear_gguf.supported(linear_gguf.Q8_0, 16, 32)):
-        raise ConfigError("config key 'quantization' = 'int8' cannot be served on this CPU: it needs AVX512-VNNI and "
-                          "bfloat16 on the C kernels (dtype, cpu_kernels, weight_prepack); use none")
-    return {"gguf_blocks": c_linear, "int8_weights": int8 and not cuda_int8, "int8_w8a8": cuda_int8,
-            "fp8_weights": config.quantization == "fp8"}
