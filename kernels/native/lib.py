@@ -35,7 +35,7 @@ HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 # operation of torch, numpy and Python code around it. So: compile, then link without it.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
-# The attention kernels that share attention_order.h's arithmetic, the GGUF products' row tiles of 1-4
+# The attention kernels that share attention_order.h's arithmetic, the GGUF products' row tiles of 1-8
 # rows, and the int8 KV quantizer (torch's float32 operations, bit for bit): the compiler may not reassociate their sums, approximate their divisions or fuse a product into a
 # later addition, or two paths could round differently (a row's output would depend on which computed it).
 STRICT_SOURCES = {"attention_rows_bf16.c", "prompt_row_tiles.c", "linear_gguf.c", "kv_formats.c"}

@@ -95,6 +95,17 @@ def test_zero_activations_and_bias() -> None:
     torch.testing.assert_close(with_bias, lg.linear(x, weight, f32_out=True) + bias.float(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_a_rows_output_does_not_depend_on_the_other_rows(ggml_type: int) -> None:
+    """Row tiles of 1-8 rows and the threads' split: each row of a 19-row product equals the row computed alone."""
+    rng = np.random.default_rng(6)
+    weight = lg.pack(random_blocks(ggml_type, 64, 256, rng), ggml_type, 64, 256)
+    x = torch.randn(19, 256).to(torch.bfloat16)
+    together = lg.linear(x, weight, f32_out=True)
+    for r in range(19):
+        assert torch.equal(lg.linear(x[r : r + 1], weight, f32_out=True), together[r : r + 1]), r
+
+
 def test_unsupported_shapes_are_refused() -> None:
     assert not lg.supported(lg.Q4_1, 24, 64)  # out not a multiple of 16
     assert not lg.supported(lg.Q4_1, 32, 48)  # in not a multiple of 32
