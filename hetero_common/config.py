@@ -61,9 +61,9 @@ class Config:
     quantization: str = field(default="none", metadata=doc(
         "`auto`: a GGUF file's Q4_0, Q4_1 and Q8_0 linear weights are computed straight from their blocks where "
         "the GGUF kernel runs (a CPU with AVX512-VNNI, bfloat16 on the C kernels, no tensor parallelism), else "
-        "dequantized, the worker's log saying which: batch-1 decoding about 0.6x the time, steps of 16 rows "
-        "or more about 1.3x (docs/performance.md); `none` (the default until the kernel's large-batch path "
-        "is built): dequantize; `int8`: every linear weight quantized to int8 at load (symmetric, a scale per "
+        "dequantized, the worker's log saying which: batch-1 decoding about 0.5x the time, steps of 16 rows "
+        "or more about 1.2x (docs/performance.md); `none` (the default: faster under many concurrent "
+        "requests): dequantize; `int8`: every linear weight quantized to int8 at load (symmetric, a scale per "
         "block of 32 along each output row: Q8_0), for the same kernel (CPU with AVX512-VNNI; refused on other "
         "CPUs), and on CUDA int8 weights and activations through torch._int_mm (a scale per channel, per token); "
         "`fp8`: the layers' linear weights quantized to float8 e4m3 at load (a scale per output channel), "

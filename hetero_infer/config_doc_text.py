@@ -105,10 +105,10 @@ NOTES = """\
 - **`quantization`** (which formats run natively where, and how to choose; figures in
   docs/performance.md, "Quantized weights"):
 
-  | value | weights held | where it runs | batch-1 decoding | steps of 16+ rows |
+  | value | weights held | where it runs | batch-1 decoding (time) | steps of 16+ rows (time) |
   |---|---|---|---|---|
   | `none` (default) | the checkpoint dequantized to `dtype` | everywhere | bfloat16's | bfloat16's |
-  | `auto` | a GGUF file's Q4_0, Q4_1, Q8_0 blocks as they are (others dequantized) | CPUs with AVX512-VNNI, bfloat16 on the C kernels | about 0.5x the time | about 1.3x |
+  | `auto` | a GGUF file's Q4_0, Q4_1, Q8_0 blocks as they are (others dequantized) | CPUs with AVX512-VNNI, bfloat16 on the C kernels | about 0.5x | about 1.2x |
   | `int8` | every linear weight as int8 (Q8_0 blocks: a scale per 32 weights of a row) | the same CPUs (other CPUs: refused); CUDA as W8A8 through torch._int_mm, a scale per channel | about 0.6x (CPU) | about 1.3x (CPU) |
   | `fp8` | the layers' linear weights as float8 e4m3 (a scale per output channel) | CUDA (torch._scaled_mm); the CPU's torch reference for tests | not measured | not measured |
 
