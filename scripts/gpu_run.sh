@@ -7,6 +7,8 @@
 #   bash scripts/gpu_run.sh bench [benchmark flags...]   # benchmarks/gpu_bench.py (--breakdown: a graph step's parts)
 #   bash scripts/gpu_run.sh stepcost # benchmarks/step_cost.py: the stack's step against the engine's, on the GPU
 #                                    # with a 1B-shaped model, then on this host's CPU cores with the tiny one
+#   bash scripts/gpu_run.sh quant    # issue 39's GPU figures: fp8 weights (8B shape, batch 64) and fp8 KV
+#                                    # (1B shape, batch 256, 4k contexts), each against bf16
 #   bash scripts/gpu_run.sh all      # build, tests and bench in one call, when one call has the time
 #   bash scripts/gpu_run.sh install  # only the carried wheels (then PYTHONPATH=$(ls -d /tmp/hetero-gpu/site-*):$PWD)
 #
@@ -22,7 +24,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 what=${1:-all}
 [ $# -gt 0 ] && shift
-case "$what" in all|build|tests|bench|stepcost|install) ;; *) echo "usage: bash scripts/gpu_run.sh [install|build|tests|bench|stepcost|all] [benchmark flags...]" >&2; exit 2;; esac
+case "$what" in all|build|tests|bench|stepcost|quant|install) ;; *) echo "usage: bash scripts/gpu_run.sh [install|build|tests|bench|stepcost|quant|all] [benchmark flags...]" >&2; exit 2;; esac
 out=${OUT:-bench_results/gpu}
 mkdir -p "$out"
 state=${HETERO_GPU_STATE:-/tmp/hetero-gpu}
@@ -121,5 +123,13 @@ if [ "$what" = stepcost ]; then
     # Their logs hold the tables; no JSON: the device tool brings back at most 8 files.
     step stepcost-cuda step_cost_cuda.log "$PY" benchmarks/step_cost.py --device cuda --model llama-1b
     step stepcost-cpu step_cost_cpu.log "$PY" benchmarks/step_cost.py --device cpu
+fi
+if [ "$what" = quant ]; then
+    # Each arm its own process and log (the device tool brings back at most 8 files); short TTFT prompts.
+    bench=("$PY" benchmarks/gpu_bench.py --steps 20 --prompt 512)
+    step quant-8b-bf16 quant_8b_bf16.log "${bench[@]}" --shape 8b --batch-sizes 64
+    step quant-8b-fp8 quant_8b_fp8.log "${bench[@]}" --shape 8b --batch-sizes 64 --quantization fp8
+    step quant-kv-bf16 quant_kv_bf16.log "${bench[@]}" --batch-sizes 256 --context 4000
+    step quant-kv-fp8 quant_kv_fp8.log "${bench[@]}" --batch-sizes 256 --context 4000 --kv-cache-dtype fp8
 fi
 exit "$rc"
