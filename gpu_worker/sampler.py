@@ -60,10 +60,15 @@ def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, 
     )
 
 
-def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> torch.Tensor:
+def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """The generator of a seeded row's draws for the token at `index` of its output."""
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * 1_000_003 + index) % (2**63 - 1))
-    return torch.empty(vocab, device=device).exponential_(generator=gen)
+    return gen
+
+
+def _seeded_noise(seed: int, index: int, vocab: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(vocab, device=device).exponential_(generator=seeded_generator(seed, index, device))
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
