@@ -24,7 +24,9 @@ from gpu_worker.cpu.worker_setup import (allocate_cpu_kv_cache, choose_cpu_dtype
                                          plan_c_linear, resolve_cpu_dtype, row_invariance_unavailable)
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
+from gpu_worker.draft_rows import DraftOutcome, check_drafts, expand, logits_rows, sequence_of_row, settle
 from gpu_worker.kv_dtype import kv_cache_torch_dtype
+from gpu_worker.kv_suspension import KVSuspension
 from gpu_worker.model import LlamaModel, linear_shapes
 from gpu_worker.logits_processors import RowControls
 from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
@@ -66,7 +68,9 @@ class StepInputs:
     slots: np.ndarray  # int64 [T]: where each token's K/V is written
     flat_inputs: np.ndarray  # int64 [T]: the token ids
     sample_idx: list[int]  # the scheduled sequences that sample, by index
-    logits_rows: torch.Tensor  # int64: their last rows in the flattened tokens
+    logits_rows: torch.Tensor  # int64: their last rows in the flattened tokens (a drafted one's last k + 1)
+    drafts: list[list[int]] | None = None  # per sampling sequence, its speculative drafts; None: none in the step
+    row_starts: list[int] | None = None  # with drafts: where each sampling sequence's rows start (draft_rows.py)
 
 
 @dataclass
@@ -77,6 +81,7 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: torch.Tensor | None  # the sampled tokens' own, where asked for
     failures: list[tuple[int, str]]  # (row, error) of the constrained samples that failed
+    drafted: DraftOutcome | None = None  # with drafts in the step: the drafts kept, the rows the tokens came from
 
 
 def resolve_device(name: str) -> torch.device:
@@ -124,10 +129,7 @@ class ModelRunner:
                                              self.model_config.vocab_size)
         self.sequences: dict[int, SequenceState] = {}
         self.swapped: dict[int, torch.Tensor] = {}  # seq id -> its blocks in host memory (preemption by swap)
-        self._suspended_kv: torch.Tensor | None = None  # the KV cache in host memory while suspended (offload)
-        self._suspend_mode = ""
-        self._kv_shape: tuple[int, ...] = tuple(self.kv_cache.shape)
-        self._recapture_graphs = False
+        self._suspension = KVSuspension()  # the KV cache while suspended (kv_suspension.py)
         self.steps = 0
         self._log_loaded(started)
 
@@ -206,9 +208,9 @@ class ModelRunner:
         if plan.reset:
             self.sequences.clear()
             self.swapped.clear()
-            if self._suspend_mode:  # a new scheduler, which knows nothing of the suspend, owns this worker now
+            if self._suspension.mode:  # a new scheduler, which knows nothing of the suspend, owns this worker now
                 self.resume_kv_cache()
-        if self._suspend_mode:
+        if self._suspension.mode:
             raise ExecutionError(f"step {plan.step_id}: the KV cache is suspended; call ResumeKVCache first")
         for seq_id in plan.released_seq_ids:
             self.sequences.pop(seq_id, None)
@@ -243,34 +245,23 @@ class ModelRunner:
     def suspend_kv_cache(self, mode: str) -> int:
         """Release the KV cache's device memory: `persist` keeps it, `offload` moves it to host
         memory, `recompute` drops it (the scheduler re-queues its sequences). Returns bytes released."""
-        if self._suspend_mode:
+        if self._suspension.mode:
             return 0
-        released = 0
-        if mode in ("offload", "recompute"):
-            released = self.kv_cache.numel() * self.kv_cache.element_size()
-            self._kv_shape = tuple(self.kv_cache.shape)
-            self._suspended_kv = self.kv_cache.to("cpu", copy=True) if mode == "offload" else None
-            self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
-            # CUDA graphs captured the cache's address: drop them now, capture again on resume.
-            self._recapture_graphs, self.graphs = self.graphs is not None, None
+        self.kv_cache, released = self._suspension.suspend(mode, self.kv_cache, self.graphs is not None)
+        if released:  # CUDA graphs captured the cache's address: dropped now, captured again on resume
+            self.graphs = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-        self._suspend_mode = mode
         log.info("kv cache suspended", mode=mode, released_bytes=released)
         return released
 
     def resume_kv_cache(self) -> None:
-        mode, self._suspend_mode = self._suspend_mode, ""
-        if mode == "offload" and self._suspended_kv is not None:
-            self.kv_cache = self._suspended_kv.to(self.device)
-        elif mode == "recompute":
-            self.kv_cache = torch.zeros(self._kv_shape, dtype=self.dtype, device=self.device)
-        if mode in ("offload", "recompute") and self._recapture_graphs:
+        self.kv_cache, mode = self._suspension.resume(self.kv_cache)
+        if mode in ("offload", "recompute") and self._suspension.recapture_graphs:
             from gpu_worker.cuda_setup import capture_decode_graphs
 
             self.graphs = capture_decode_graphs(self.model, self.attention, self.kv_cache, self.config,
                                                 self.kv_cache.shape[1] - 1, self.block_size, self.max_positions)
-        self._suspended_kv = None
         log.info("kv cache resumed", mode=mode or "none")
 
     # ------------------------------------------------------------------ one step
@@ -300,6 +291,7 @@ class ModelRunner:
         tables, qo_lens, kv_lens, inputs = [], [], [], []
         spans: list[PromptSpan] = []  # prompt positions whose logprobs are asked for
         row_offset = 0  # this sequence's first row in the step's flattened tokens (the sum of qo_lens so far)
+        drafted: dict[int, list[int]] = {}  # plan index -> the entry's speculative drafts (draft_rows.py)
         for s in plan.scheduled:
             state, end = self._update_sequence(plan, s)
             if state.prompt_logprobs is not None:
@@ -309,7 +301,12 @@ class ModelRunner:
                     state.prompt_logprobs = None
                 else:
                     spans.append(span)
-            inputs.append(state.token_ids[state.num_computed:end])
+            chunk = state.token_ids[state.num_computed:end]
+            if s.draft_token_ids:  # computed after the last token; the plan's count includes them
+                check_drafts(s.seq_id, state.sampling, s.sample, s.draft_token_ids)
+                drafted[len(states)] = list(s.draft_token_ids)
+                chunk = chunk + drafted[len(states)]
+            inputs.append(chunk)
             states.append(state)
             tables.append(state.block_table)
             qo_lens.append(s.num_tokens)
@@ -318,9 +315,11 @@ class ModelRunner:
         table = PageTable.build(tables, np.asarray(qo_lens), np.asarray(kv_lens), self.block_size)
         positions, slots = table.token_positions()
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample]
-        logits_rows = table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1
         flat_inputs = np.fromiter((t for chunk in inputs for t in chunk), dtype=np.int64, count=table.num_tokens)
-        return StepInputs(states, qo_lens, spans, table, positions, slots, flat_inputs, sample_idx, logits_rows)
+        drafts = [drafted.get(i, []) for i in sample_idx] if drafted else None
+        rows, starts = (logits_rows(table.qo_indptr, sample_idx, drafts) if drafts is not None
+                        else (table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1, None))
+        return StepInputs(states, qo_lens, spans, table, positions, slots, flat_inputs, sample_idx, rows, drafts, starts)
 
     def _update_sequence(self, plan: worker_pb2.StepPlan,
                          s: worker_pb2.ScheduledSequence) -> tuple[SequenceState, int]:
@@ -339,7 +338,7 @@ class ModelRunner:
             raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} has {state.num_computed} cached tokens, "
                                  f"the plan says {s.num_cached_tokens}")
         end = state.num_computed + s.num_tokens
-        if end > len(state.token_ids) or end > len(state.block_table) * self.block_size:
+        if end > len(state.token_ids) + len(s.draft_token_ids) or end > len(state.block_table) * self.block_size:
             raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} cannot compute tokens up to {end} "
                                  f"({len(state.token_ids)} known, {len(state.block_table)} blocks)")
         return state, end
@@ -361,12 +360,17 @@ class ModelRunner:
     def _sample(self, step: StepInputs, logits: torch.Tensor) -> SampledTokens:
         """The sampling sequences' next tokens (rank 0's on every rank), appended to them."""
         sampled = [step.states[i] for i in step.sample_idx]
-        batch = build_sampling_batch(sampled, logits.shape[-1], self.model_config.eos_token_ids, self.device,
+        rows = sampled if step.drafts is None else expand(sampled, step.drafts)  # a drafted one once per row
+        batch = build_sampling_batch(rows, logits.shape[-1], self.model_config.eos_token_ids, self.device,
                                      self.vocabulary)
         tokens, logprobs = sample(logits, batch)
         tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
         token_list = tokens.tolist()
         failures = batch.record(token_list)  # a failed constraint: the scheduler fails that sample alone
+        if step.drafts is not None and step.row_starts is not None:  # rows to sequences, drafts kept or not
+            drafted = settle(sampled, step.drafts, step.row_starts, token_list, self.block_size)  # type: ignore[arg-type]
+            failures = [(sequence_of_row(step.row_starts, row), error) for row, error in failures]
+            return SampledTokens(sampled, drafted.token_ids, logprobs, failures, drafted)
         for st, tok in zip(sampled, token_list):
             st.token_ids.append(tok)
             st.num_generated += 1
@@ -379,8 +383,13 @@ class ModelRunner:
             result.failures.add(seq_id=plan.scheduled[step.sample_idx[row]].seq_id, error=error)
         result.seq_ids.extend(plan.scheduled[i].seq_id for i in step.sample_idx)
         result.token_ids.extend(sampled.token_ids)
+        if sampled.drafted is not None:  # every row's scores but those of the tokens it kept are dropped
+            logits = logits[sampled.drafted.rows]
+            result.num_accepted_drafts.extend(len(kept) for kept in sampled.drafted.accepted)
+            result.accepted_draft_ids.extend(t for kept in sampled.drafted.accepted for t in kept)
         if sampled.logprobs is not None:
-            result.logprobs.extend(sampled.logprobs.tolist())
+            rows = sampled.logprobs if sampled.drafted is None else sampled.logprobs[sampled.drafted.rows]
+            result.logprobs.extend(rows.tolist())
         num_top = max(st.sampling.logprobs or 0 for st in sampled.states)
         if num_top:
             top_ids, top_values = top_logprobs(logits, num_top)

@@ -157,6 +157,20 @@ class KVCacheManager:
             copies.append(CopiedBlock(i, src, dst))
         return copies
 
+    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the free list holds the blocks for `num_new_tokens` more tokens (copy-on-write aside)."""
+        return self._blocks_needed(seq, num_new_tokens) <= self.pool.num_free
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens' (speculative drafts the worker rejected, which
+        the worker drops from its table by the same rule). Never registered: they hold no computed token."""
+        keep = blocks_for(num_tokens, self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+            seq.num_blocks_sent = min(seq.num_blocks_sent, keep)
+            seq.fast_until = 0
+
     def decode_room(self, seq: Sequence, num_computed: int) -> int:
         """The token count up to which the sequence's decodes from position `num_computed` on write into
         blocks it already holds alone (no allocation, no copy-on-write: `allocate_slots` returns []) and,

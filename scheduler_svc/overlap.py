@@ -35,15 +35,17 @@ class StepInFlight:
     The fast decodes are not among `entries` (`Scheduler.schedule`): a decode's count is brought up
     to date when its token comes back (`ResultReader`), and it fills no block."""
 
-    __slots__ = ("entries", "assumed_step")
+    __slots__ = ("entries", "assumed_step", "drafted")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Sequence, int]] = []  # (sequence, tokens it computes), in plan order
         self.assumed_step = 0  # the last step planned ahead of: its result's tokens are already counted
+        self.drafted: list[Sequence] = []  # its decodes with speculative drafts (scheduler_svc/speculation.py)
 
-    def record(self, entries: list[tuple[Sequence, int]]) -> None:
-        """The plan just made is the step in flight."""
-        self.entries = entries
+    def record(self, entries: list[tuple[Sequence, int]], drafted: list[Sequence]) -> None:
+        """The plan just made is the step in flight (`drafted`: its entries with drafts, counted as their one
+        certain token in `entries`)."""
+        self.entries, self.drafted = entries, drafted
 
     def counted(self, step_id: int) -> bool:
         """Whether step `step_id`'s tokens were counted when the next step was planned ahead of it."""
@@ -52,8 +54,10 @@ class StepInFlight:
     def may_plan_ahead(self, step_id: int) -> bool:
         """Whether the step after `step_id` (the one in flight) may be planned before its result: not
         when it was itself planned ahead of already, nor when a prompt in it forks (the forks take
-        their blocks from the prompt's once its token is back)."""
-        return self.assumed_step != step_id and not any(seq.pending_forks for seq, _ in self.entries)
+        their blocks from the prompt's once its token is back), nor when a decode in it has drafts (it may
+        add several tokens, where planning ahead assumes one)."""
+        return (self.assumed_step != step_id and not self.drafted
+                and not any(seq.pending_forks for seq, _ in self.entries))
 
     def count(self, kv_cache: KVCacheManager) -> None:
         """The entries as computed, full blocks offered to the prefix cache, in plan order: when the step's
@@ -91,6 +95,11 @@ class StepInFlight:
                 seq.num_computed = num + 1
                 seq.fast_until = 0
 
+    def take_drafted(self) -> list[Sequence]:
+        """The step's decodes with drafts, once its result is read (their blocks past their tokens to free)."""
+        drafted, self.drafted = self.drafted, []
+        return drafted
+
     def forget_assumed(self) -> bool:
         """The step planned ahead of will not be answered (a failed step): whether there was one, whose
         blocks were offered to the prefix cache before it ran."""
@@ -99,7 +108,7 @@ class StepInFlight:
 
     def clear(self) -> None:
         """The worker's state is void: nothing in flight, nothing assumed."""
-        self.entries = []
+        self.entries, self.drafted = [], []
         self.assumed_step = 0
 
 

@@ -24,7 +24,7 @@ LENGTH, ERROR = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_ERROR
 class StepRead:
     """One result read: the outputs, and what the scheduler is to do about its sequences."""
 
-    __slots__ = ("outputs", "forks", "ends")
+    __slots__ = ("outputs", "forks", "ends", "drafts_accepted")
 
     def __init__(self, now: float) -> None:
         self.outputs = StepOutputs(now)
@@ -32,6 +32,7 @@ class StepRead:
         # (sample, finish reason, status, ran): in row order. `ran`: it was in `running` for this step and is
         # taken off it with the others once all are ended; else it is taken off whichever queue holds it.
         self.ends: list[tuple[Sequence, int, SequenceStatus, bool]] = []
+        self.drafts_accepted = 0  # speculative drafts the worker kept (those after a stop included)
 
 
 class ResultReader:
@@ -57,7 +58,8 @@ class ResultReader:
         at them it ends the sequence by length (what `_read_row` would find). Any other row, and every row of
         a step with logprobs, prompt logprobs or failed samples, takes the general path (`_read_row`)."""
         step = StepRead(time.time())
-        if result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs:
+        if (result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs
+                or result.num_accepted_drafts):
             self._read_rows(result, sequences, step)
             return step
         outputs, now, ends = step.outputs, step.outputs.timestamp, step.ends
@@ -89,10 +91,13 @@ class ResultReader:
         return step
 
     def _read_rows(self, result: worker_pb2.StepResult, sequences: dict[int, Sequence], step: StepRead) -> None:
-        """Every row through `_read_row`: a step with logprobs, prompt logprobs or failed samples."""
+        """Every row through `_read_row`: a step with logprobs, prompt logprobs, failed samples or speculative
+        drafts (a row's kept drafts come before its token: `_read_drafted_row`)."""
         rows = SampledRows(result, sequences)  # files the step's prompt logprobs first
         failures = {f.seq_id: f.error for f in result.failures}
+        counts, kept_ids = result.num_accepted_drafts, iter(result.accepted_draft_ids)
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
+            kept = [next(kept_ids) for _ in range(counts[i])] if counts else None
             seq = sequences.get(seq_id)
             if seq is None:
                 continue  # aborted while the step ran
@@ -102,7 +107,32 @@ class ResultReader:
                     step.outputs.add(TokenOutput(seq.request_id, finish_reason=ERROR, index=seq.index,
                                                  error=f"this sample failed on the worker: {failures[seq_id]}"))
                 continue
-            self._read_row(seq, token, i, rows, step)
+            if kept:
+                self._read_drafted_row(seq, kept, token, i, rows, step)
+            else:
+                self._read_row(seq, token, i, rows, step)
+
+    def _read_drafted_row(self, seq: Sequence, kept: list[int], token: int, row: int, rows: SampledRows,
+                          step: StepRead) -> None:
+        """A decode whose drafts the worker verified (scheduler_svc/speculation.py): its kept drafts, then its
+        own token, each applied as if sampled alone (computed before the next, the stop conditions checked
+        after it); the run is cut after the first token that ends the sequence, as decoding one at a time
+        would have stopped there. One output carries them."""
+        if seq.status is not DECODE:
+            return  # aborted while the step ran (a drafted step is never planned ahead of: nothing else moves it)
+        step.drafts_accepted += len(kept)
+        emitted: list[int] = []
+        reason = common_pb2.FINISH_REASON_UNSPECIFIED
+        for t in (*kept, token):
+            seq.num_computed = len(seq.token_ids)
+            seq.token_ids.append(t)
+            emitted.append(t)
+            reason = finish_reason(seq, t, self.eos_token_ids, self.max_model_len)
+            if reason:
+                break
+        step.outputs.add(rows.output(seq, token, row, step.outputs.timestamp, reason, emitted))
+        if reason:
+            step.ends.append((seq, reason, COMPLETED, True))
 
     def _read_row(self, seq: Sequence, token: int, row: int, rows: SampledRows, step: StepRead) -> None:
         """Apply one sampled token to its sequence and add its output (and its fork or end, if any)."""

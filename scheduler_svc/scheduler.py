@@ -23,12 +23,14 @@ from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError
 from hetero_common.sampling import resolve
+from scheduler_svc.chunked_prefill import chunk_size
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.overlap import StepInFlight
 from scheduler_svc.preemption import preemption_victim
 from scheduler_svc.request_limits import RequestLimits
 from scheduler_svc.request_table import RequestTable
 from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.speculation import Speculator, eligible
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import SMALL_VARINTS, PlanWriter, WorkerOutbox, plan_needs_worker
 from scheduler_svc.swapped_queue import SwappedQueue
@@ -68,6 +70,7 @@ class Scheduler:
         # `running` is already in the decode pass's order): set by schedule(), cleared when a fork joins running.
         self._running_in_order = False
         self._in_flight = StepInFlight()  # the last plan's entries, fast decodes aside, and the step planned ahead of
+        self.speculator = Speculator(config, self.max_model_len) if config.speculative_method != "none" else None
 
     @property
     def num_blocks(self) -> int:
@@ -99,7 +102,8 @@ class Scheduler:
         sampling = resolve(params)
         self._limits.check_blocks(len(prompt_token_ids), sampling.n)
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
-                       cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority)
+                       cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority,
+                       speculative=self.speculator is not None and eligible(sampling))
         self._next_seq_id += 1
         self._results.watch_stop_ids(sampling.stop_token_ids)
         self._table.add(seq)
@@ -155,7 +159,7 @@ class Scheduler:
         seq_budget, token_budget = self._admit_waiting(scheduled, seq_budget, token_budget)
         for seq, n in scheduled[num_decodes:]:
             writer.entry(seq, n)
-        self._in_flight.record(scheduled)
+        self._in_flight.record(scheduled, writer.drafted)
         # One each for all of `running`: it is in the next decode pass's order already.
         self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)
         return writer.plan(self.step_id, self._outbox)
@@ -190,16 +194,17 @@ class Scheduler:
             n = num - seq.num_computed  # 1, or a forked sample recomputing its last prompt token
             if n == 0:
                 continue  # planned ahead, and the token in flight ends it by length (overlap.py)
-            if n <= token_budget:
-                copies = allocate_slots(seq, n)  # _reserve's first try, made here: most decodes need no more
+            if n <= token_budget:  # allocate_slots: _reserve's first try, made here (most decodes need no more)
+                copies, drafts = (self.speculator.allocate(seq, token_budget, self.kv_cache)  # type: ignore[union-attr]
+                                  if seq.speculative and n == 1 else (allocate_slots(seq, n), ()))
                 if copies is not None or self._reserve(seq, n):
                     if copies:
                         self._outbox.copy_blocks(seq, copies)
                     seq.last_scheduled_step = step_id
                     scheduled.append((seq, n))
-                    writer.entry(seq, n)
+                    writer.entry(seq, n, drafts)
                     seq_budget -= 1
-                    token_budget -= n
+                    token_budget -= n + len(drafts)
             room = room_at_sync = min(seq_budget, token_budget)
         return seq_budget - (room_at_sync - room), token_budget - (room_at_sync - room), prompts_seen
 
@@ -211,7 +216,7 @@ class Scheduler:
                 break
             if seq.status is not PREFILL:  # preempted by an earlier iteration
                 continue
-            n = self._chunk(seq, token_budget)
+            n = chunk_size(self.config, seq, token_budget)
             if n and self._reserve(seq, n):
                 seq.last_scheduled_step = self.step_id
                 scheduled.append((seq, n))
@@ -240,7 +245,7 @@ class Scheduler:
             if seq.awaiting_token:
                 break  # preempted while its token was in flight: admitted once it is back (overlap.py)
             hits = self.kv_cache.match_prefix(seq)
-            n = self._chunk(seq, token_budget, num_computed=len(hits) * self.block_size)
+            n = chunk_size(self.config, seq, token_budget, num_computed=len(hits) * self.block_size)
             # The memory threshold never starves an idle engine: with nothing running, every block may be used.
             max_used = self.config.memory_threshold * self.num_blocks if self.running else self.num_blocks
             if n == 0 or not self.kv_cache.can_admit(seq, hits, n, max_used):
@@ -267,14 +272,6 @@ class Scheduler:
         plan.after_step_id = self._in_flight.assumed_step
         self.num_planned_ahead += plan_needs_worker(plan)
         return plan
-
-    def _chunk(self, seq: Sequence, token_budget: int, num_computed: int | None = None) -> int:
-        """How many of the sequence's uncomputed tokens fit this step (0 = none)."""
-        remaining = seq.num_tokens - (seq.num_computed if num_computed is None else num_computed)
-        if not self.config.enable_chunked_prefill:
-            return remaining if remaining <= token_budget else 0
-        cap = self.config.max_prefill_chunk_tokens or token_budget
-        return min(remaining, token_budget, cap)
 
     def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Allocate (and copy-on-write) blocks for the next tokens, preempting others not in this step's batch
@@ -323,6 +320,8 @@ class Scheduler:
         if not self._in_flight.counted(result.step_id):  # a step planned ahead of was counted then
             self._in_flight.count(self.kv_cache)  # before any row frees blocks
         read = self._results.read(result, self._table.sequences)
+        if self.speculator is not None:
+            self.speculator.settle(self._in_flight.take_drafted(), read.drafts_accepted, self.kv_cache)
         for parent in read.forks:  # before any sample ends: the forks take their blocks from the parent's
             self._fork_samples(parent)
         if read.ends:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from hetero.v1 import common_pb2
 from hetero_common.sampling import Sampling, sample_seed
 from scheduler_svc.block_pool import blocks_for
+from scheduler_svc.ngram_proposer import NgramIndex
 from scheduler_svc.prefix_cache import pack_ids
 from scheduler_svc.prompt_logprobs import PromptLogprobs, needs_prompt_logits
 
@@ -70,6 +71,10 @@ class Sequence:
     # Overlap (scheduler_svc/overlap.py): the step in flight samples this sequence's next token, and the
     # next step was planned before it came back; token_ids ends with a placeholder for it until then.
     awaiting_token: bool = False
+    # Speculative decoding (speculation.py): its decodes may carry proposals (never on the fast path), and the
+    # n-gram index of its tokens they come from (built at its first proposal).
+    speculative: bool = False
+    ngram: NgramIndex | None = None
     # prompt + max_tokens - 1: a token sampled when the sequence holds this many (or more) ends it by length.
     last_len: int = field(init=False, default=0)
     # The first len(packed_ids) // 4 token ids as little-endian uint32s (`packed`).
@@ -129,6 +134,6 @@ def fork_sample(parent: Sequence, index: int, seq_id: int, block_size: int) -> S
     return Sequence(seq_id, parent.request_id, parent.token_ids[:parent.prompt_len], parent.prompt_len, parent.sampling,
                     params, index=index, cache_salt=parent.cache_salt, priority=parent.priority, status=SequenceStatus.DECODE,
                     block_table=parent.block_table[:prompt_blocks], num_computed=parent.prompt_len - 1,
-                    block_hashes=list(parent.block_hashes),
+                    block_hashes=list(parent.block_hashes), speculative=parent.speculative,
                     num_registered=min(parent.num_registered, (parent.prompt_len - 1) // block_size),
                     cached_prompt_tokens=parent.cached_prompt_tokens)

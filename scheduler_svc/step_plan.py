@@ -50,6 +50,7 @@ _NUM_TOKENS = _tag(worker_pb2.ScheduledSequence, "num_tokens", _VARINT)
 _SAMPLE_TRUE = _tag(worker_pb2.ScheduledSequence, "sample", _VARINT) + b"\x01"
 _NUM_CACHED = _tag(worker_pb2.ScheduledSequence, "num_cached_tokens", _VARINT)
 _NEW_BLOCK_IDS = _tag(worker_pb2.ScheduledSequence, "new_block_ids", _LENGTH_DELIMITED)
+_DRAFT_TOKEN_IDS = _tag(worker_pb2.ScheduledSequence, "draft_token_ids", _LENGTH_DELIMITED)
 _PLAN_SCHEDULED = _tag(worker_pb2.StepPlan, "scheduled", _LENGTH_DELIMITED)
 _PLAN_NEW_SEQUENCE = _tag(worker_pb2.StepPlan, "new_sequences", _LENGTH_DELIMITED)
 _NEW_SEQ_ID = _tag(worker_pb2.NewSequence, "seq_id", _VARINT)
@@ -74,7 +75,8 @@ def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int
     plan.MergeFromString(b"".join(parts))
 
 
-def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KVCacheManager | None) -> None:
+def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KVCacheManager | None,
+                drafts: list[int] | tuple[()] = ()) -> None:
     """One `scheduled` entry's wire bytes, appended to `parts` (for a sequence not on the worker yet, its
     `new_sequences` entry first: the plan parses them into their own field, in order).
 
@@ -84,21 +86,23 @@ def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KV
     kept on the sequence) and needs no block: no new block, no copy-on-write (blocks it holds alone),
     num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
     (`decode_head` + num_cached_tokens' varint) without coming here; anything that changes the sequence's
-    blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `WorkerOutbox.release`)."""
+    blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `WorkerOutbox.release`).
+    `drafts`: speculative proposals after the sequence's last token (speculation.py), computed with it; a
+    `speculative` sequence's decodes are never armed (its next one may carry drafts)."""
     token_ids = seq.token_ids
     if not seq.on_worker:
         parts += new_sequence_bytes(seq)
         seq.on_worker = True
     num_computed, table = seq.num_computed, seq.block_table
     sample = num_computed + num_tokens == len(token_ids)
-    if seq.pending_edits or len(table) > seq.num_blocks_sent or not sample or not num_computed:
-        body = _entry_bytes(seq, num_tokens, sample)
+    if seq.pending_edits or len(table) > seq.num_blocks_sent or not sample or not num_computed or drafts:
+        body = _entry_bytes(seq, num_tokens, sample, drafts)
         parts += (_PLAN_SCHEDULED, varint(len(body)), body)
     else:  # a decode in blocks the worker has: seq_id, num_tokens, sample = true, num_cached_tokens
         parts += (decode_head(seq.seq_id, num_computed, num_tokens), varint(num_computed))
     seq.num_blocks_sent = len(table)
     computed = num_computed + num_tokens  # the next decode's num_cached_tokens
-    room = kv_cache.decode_room(seq, computed) if kv_cache is not None and sample else 0
+    room = kv_cache.decode_room(seq, computed) if kv_cache is not None and sample and not seq.speculative else 0
     if room:
         seq.fast_until = min(room, 128 if computed < 128 else 16384 if computed < 16384 else 0)
         seq.decode_head = decode_head(seq.seq_id, computed, 1)
@@ -130,21 +134,22 @@ def decode_head(seq_id: int, num_computed: int, num_tokens: int) -> bytes:
     return b"".join((_PLAN_SCHEDULED, varint(size), _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE, _NUM_CACHED))
 
 
-def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool) -> bytes:
+def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool, drafts: list[int] | tuple[()] = ()) -> bytes:
     """Any other entry: new blocks, a prompt chunk, table edits (copy-on-write). Written by hand too, but
     for table edits (rare: a message); a message per entry cost three times as much (one per admission
     and per block a sequence fills)."""
     new_blocks = seq.block_table[seq.num_blocks_sent:]
     if seq.pending_edits:
-        entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens, sample=sample,
-                                             new_block_ids=new_blocks, num_cached_tokens=seq.num_computed)
+        entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens + len(drafts), sample=sample,
+                                             new_block_ids=new_blocks, num_cached_tokens=seq.num_computed,
+                                             draft_token_ids=drafts)
         for index, block_id in seq.pending_edits:
             entry.block_table_edits.add(index=index, block_id=block_id)
         seq.pending_edits.clear()
         return entry.SerializeToString()
     parts = [_SEQ_ID, varint(seq.seq_id)] if seq.seq_id else []  # in number order, empty fields left out (as protobuf)
     if num_tokens:
-        parts += (_NUM_TOKENS, varint(num_tokens))
+        parts += (_NUM_TOKENS, varint(num_tokens + len(drafts)))
     if new_blocks:
         packed = b"".join([varint(b) for b in new_blocks])
         parts += (_NEW_BLOCK_IDS, varint(len(packed)), packed)
@@ -152,6 +157,9 @@ def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool) -> bytes:
         parts.append(_SAMPLE_TRUE)
     if seq.num_computed:
         parts += (_NUM_CACHED, varint(seq.num_computed))
+    if drafts:
+        packed = b"".join([varint(t) for t in drafts])
+        parts += (_DRAFT_TOKEN_IDS, varint(len(packed)), packed)
     return b"".join(parts)
 
 
@@ -221,7 +229,7 @@ class PlanWriter:
     """One step's plan while the scheduler decides it: the scheduled entries as wire bytes in plan order
     (`write_entry`, into `parts`), and the swap-ins. `plan` parses them into the StepPlan."""
 
-    __slots__ = ("kv_cache", "parts", "swap_ins")
+    __slots__ = ("kv_cache", "parts", "swap_ins", "drafted")
 
     def __init__(self, kv_cache: KVCacheManager) -> None:
         self.kv_cache = kv_cache
@@ -229,10 +237,14 @@ class PlanWriter:
         # into it by the scheduler itself, as its `decode_head` and num_cached_tokens' varint (SMALL_VARINTS).
         self.parts: list[bytes] = []
         self.swap_ins: list[worker_pb2.SwapBlocks] = []
+        self.drafted: list[Sequence] = []  # the sequences whose entries carry speculative drafts
 
-    def entry(self, seq: Sequence, num_tokens: int) -> None:
-        """Schedule the sequence's next `num_tokens` tokens (their blocks allocated), arming its fast path."""
-        write_entry(self.parts, seq, num_tokens, self.kv_cache)
+    def entry(self, seq: Sequence, num_tokens: int, drafts: list[int] | tuple[()] = ()) -> None:
+        """Schedule the sequence's next `num_tokens` tokens (their blocks allocated; and `drafts` after them),
+        arming its fast path."""
+        write_entry(self.parts, seq, num_tokens, self.kv_cache, drafts)
+        if drafts:
+            self.drafted.append(seq)
 
     def swap_in(self, seq: Sequence) -> None:
         """The sequence's K/V comes back from host memory into its new block table."""

@@ -130,8 +130,12 @@ class SampledRows:
         self.logprobs = list(result.logprobs)
         self.num_top = result.num_top_logprobs
 
-    def output(self, seq: Sequence, token: int, row: int, now: float, reason: int) -> TokenOutput:
-        """The output for the token the worker sampled for `seq` in row `row`, ending it with `reason` if set."""
+    def output(self, seq: Sequence, token: int, row: int, now: float, reason: int,
+               tokens: ListLike[int] | None = None) -> TokenOutput:
+        """The output for the token the worker sampled for `seq` in row `row`, ending it with `reason` if set
+        (`tokens`: the tokens the row emitted, where speculative drafts came before it; logprobs are never
+        asked of those rows)."""
+        emitted = [token] if tokens is None else tokens
         top: ListLike[common_pb2.TopLogprobs] = ()
         if self.num_top and seq.sampling.logprobs:
             result, k, n = self.result, seq.sampling.logprobs, self.num_top
@@ -139,14 +143,14 @@ class SampledRows:
             top = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[rows][:k], logprobs=result.top_logprobs[rows][:k])]
         logprobs = [self.logprobs[row]] if self.logprobs else ()
         if seq.first_output_sent:
-            return TokenOutput(seq.request_id, [token], reason, "", logprobs, now, top, 0.0, seq.index, 0)
+            return TokenOutput(seq.request_id, emitted, reason, "", logprobs, now, top, 0.0, seq.index, 0)
         prompt_logprobs: tuple[ListLike[float], ListLike[common_pb2.TopLogprobs]] = ((), ())
         if seq.needs_prompt_logits:
             scored = seq.prompt_logprobs or PromptLogprobs(seq.prompt_len)
             prompt_logprobs = scored.take(seq.request_id)
             seq.prompt_logprobs = None
         seq.first_output_sent = True
-        return TokenOutput(seq.request_id, [token], reason, "", logprobs, now, top, seq.queue_seconds or 0.0, seq.index,
+        return TokenOutput(seq.request_id, emitted, reason, "", logprobs, now, top, seq.queue_seconds or 0.0, seq.index,
                            seq.cached_prompt_tokens or 0, *prompt_logprobs)
 
 

@@ -60,20 +60,22 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "sample", "num_cached_tokens", "block_table_edits")
+    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "sample", "num_cached_tokens", "draft_token_ids", "block_table_edits")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_EDITS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     sample: bool
     num_cached_tokens: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_table_edits: _containers.RepeatedCompositeFieldContainer[BlockTableEdit]
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., block_table_edits: _Optional[_Iterable[_Union[BlockTableEdit, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., block_table_edits: _Optional[_Iterable[_Union[BlockTableEdit, _Mapping]]] = ...) -> None: ...
 
 class BlockTableEdit(_message.Message):
     __slots__ = ("index", "block_id")
@@ -122,12 +124,14 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., reset: _Optional[bool] = ..., swap_out: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "failures")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "num_accepted_drafts", "accepted_draft_ids", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "failures")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -138,12 +142,14 @@ class StepResult(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     forward_seconds: float
+    num_accepted_drafts: _containers.RepeatedScalarFieldContainer[int]
+    accepted_draft_ids: _containers.RepeatedScalarFieldContainer[int]
     num_top_logprobs: int
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     failures: _containers.RepeatedCompositeFieldContainer[SampleFailure]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., num_accepted_drafts: _Optional[_Iterable[int]] = ..., accepted_draft_ids: _Optional[_Iterable[int]] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ...) -> None: ...
 
 class SampleFailure(_message.Message):
     __slots__ = ("seq_id", "error")

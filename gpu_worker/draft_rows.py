@@ -1,0 +1,91 @@
+"""Speculative drafts on the worker (issue 40; the scheduler's side: scheduler_svc/speculation.py).
+
+A scheduled decode with drafts d_1..d_k computes its last token and the drafts in one chunk of k + 1 rows,
+like a short prompt chunk at the end of its cache. Row j's logits score the token after input j, so every
+row is sampled: row j's choice is what decoding one token at a time would pick after d_1..d_j, given that
+those were the tokens. The sequence keeps the longest run of drafts equal to those choices, then the choice
+at the first mismatch (or after the last draft): gpu_worker/speculative_verify.verify_greedy. Only greedy
+samples without logits controls, logprobs or a constraint carry drafts, so each row's choice is its argmax,
+and where the attention kernels are row invariant (`deterministic`, docs/configuration.md) the output is the
+same bits as without speculation.
+
+After the step the sequence holds its kept drafts and its own token; the K/V of the kept drafts is computed,
+that of the rejected ones is left in slots the next tokens overwrite, and the blocks past the sequence's
+tokens leave its table, as the scheduler frees them (KVCacheManager.trim).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from gpu_worker.speculative_verify import verify_greedy
+from hetero_common.errors import ExecutionError
+from hetero_common.sampling import Sampling
+
+
+class DraftedState(Protocol):  # runner.SequenceState's fields used here
+    token_ids: list[int]
+    sampling: Sampling
+    num_generated: int
+    num_computed: int
+    block_table: np.ndarray
+
+
+def check_drafts(seq_id: int, sampling: Sampling, sample: bool, drafts: Sequence[int]) -> None:
+    """A plan's drafts are for greedy samples without controls, logprobs or a constraint, on a sampled row."""
+    if not sample or sampling.temperature != 0 or sampling.uses_sampler_controls or sampling.logprobs is not None:
+        raise ExecutionError(f"sequence {seq_id} has draft tokens but is not a plain greedy decode: "
+                             "the scheduler proposes only for those (scheduler_svc/speculation.eligible)")
+
+
+def logits_rows(qo_indptr: torch.Tensor, sample_idx: list[int], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """The flattened tokens' rows to score: each sampling sequence's last row, or its last k + 1 with k drafts;
+    and where each sequence's rows start among them (one more entry: the total)."""
+    ends = qo_indptr[1:].to(torch.int64)[sample_idx].tolist()
+    rows: list[int] = []
+    starts = [0]
+    for end, d in zip(ends, drafts):
+        rows.extend(range(end - 1 - len(d), end))
+        starts.append(len(rows))
+    return torch.tensor(rows, dtype=torch.int64), starts
+
+
+def expand(states: list, drafts: list[list[int]]) -> list:
+    """One state per scored row (a drafted sequence's once per row): the sampling batch's rows."""
+    return [st for st, d in zip(states, drafts) for _ in range(len(d) + 1)]
+
+
+@dataclass
+class DraftOutcome:
+    token_ids: list[int]  # each sequence's last emitted token
+    rows: list[int]  # the scored row that token came from (its logprobs, its top alternatives)
+    accepted: list[list[int]]  # each sequence's kept drafts
+
+
+def sequence_of_row(starts: list[int], row: int) -> int:
+    """Which sampling sequence a scored row belongs to (`logits_rows`' starts)."""
+    return bisect_right(starts, row) - 1
+
+
+def settle(states: list[DraftedState], drafts: list[list[int]], starts: list[int], row_tokens: list[int],
+           block_size: int) -> DraftOutcome:
+    """Each sequence's tokens from its rows' choices: appended to it, its computed count and block table brought
+    to what it holds now (every token but the last computed; blocks past its tokens dropped)."""
+    outcome = DraftOutcome([], [], [])
+    for st, d, start, stop in zip(states, drafts, starts, starts[1:]):
+        verdict = verify_greedy(row_tokens[start:stop], d)  # no drafts: the row's own token
+        st.token_ids.extend(verdict.tokens)
+        st.num_generated += len(verdict.tokens)
+        outcome.token_ids.append(verdict.tokens[-1])
+        outcome.rows.append(start + verdict.accepted)
+        outcome.accepted.append(verdict.tokens[:-1])
+        if d:
+            st.num_computed = len(st.token_ids) - 1
+            st.block_table = st.block_table[:-(-len(st.token_ids) // block_size)]
+    return outcome
