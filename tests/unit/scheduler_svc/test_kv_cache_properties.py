@@ -1,6 +1,7 @@
 """Property-based tests: the block pool and the scheduler under random interleavings of
 submit (n = 1..3, so forks), step, abort (whole requests and single samples), preemption
-(recompute and swap), eviction and suspend/resume.
+(recompute and swap), eviction and suspend/resume, with and without speculative drafts (n-gram proposals
+over these small token ids match often; the paper model's own choices accept some and reject others).
 
 The worker's part is `PaperWorker`: a pure-Python model of the paged KV cache that applies
 each StepPlan exactly as the contract says (released, swap_out, swap_in, block copies, new
@@ -55,6 +56,7 @@ class PaperWorker:
         for new in plan.new_sequences:
             self.seqs[new.seq_id] = {"tokens": list(new.token_ids), "table": [], "computed": -1}
         result = worker_pb2.StepResult(step_id=plan.step_id)
+        drafted = any(s.draft_token_ids for s in plan.scheduled)
         for s in plan.scheduled:
             st_ = self.seqs[s.seq_id]
             for e in s.block_table_edits:
@@ -67,15 +69,32 @@ class PaperWorker:
             for pos in range(s.num_cached_tokens):  # what attention would read
                 assert self.kv[table[pos // self.bs]][pos % self.bs] == tokens[pos], f"seq {s.seq_id} pos {pos}"
             end = s.num_cached_tokens + s.num_tokens
-            for pos in range(s.num_cached_tokens, end):
-                self.kv[table[pos // self.bs]][pos % self.bs] = tokens[pos]
+            drafts = list(s.draft_token_ids)
+            assert end == len(tokens) + len(drafts) if drafts else end <= len(tokens)
+            for pos, token in zip(range(s.num_cached_tokens, end), tokens[s.num_cached_tokens:] + drafts):
+                self.kv[table[pos // self.bs]][pos % self.bs] = token
             st_["computed"] = end
             if s.sample:
-                token = 3 + (sum(tokens) * 31 + len(tokens) + s.seq_id) % 5
-                tokens.append(token)
+                kept = []  # the drafts this model would have chosen one at a time, then its own token
+                token = self.choose(tokens, s.seq_id)
+                while len(kept) < len(drafts) and drafts[len(kept)] == token:
+                    kept.append(token)
+                    token = self.choose(tokens + kept, s.seq_id)
+                tokens += kept + [token]
+                if drafts:  # the rejected drafts' slots are garbage until overwritten; blocks past the tokens go
+                    st_["computed"] = len(tokens) - 1
+                    del table[-(-len(tokens) // self.bs):]
                 result.seq_ids.append(s.seq_id)
                 result.token_ids.append(token)
+                if drafted:
+                    result.num_accepted_drafts.append(len(kept))
+                    result.accepted_draft_ids.extend(kept)
         return result
+
+    @staticmethod
+    def choose(tokens: list[int], seq_id: int) -> int:
+        """The paper model's next token after `tokens`."""
+        return 3 + (sum(tokens) * 31 + len(tokens) + seq_id) % 5
 
 
 def check_invariants(s: Scheduler, worker: PaperWorker) -> None:
@@ -113,11 +132,13 @@ ops = st.one_of(
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(operations=st.lists(ops, max_size=40), policy=st.sampled_from(["lru", "ref_zero"]),
-       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), chunk=st.sampled_from([0, 3]))
-def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode, caching, chunk) -> None:
+       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), chunk=st.sampled_from([0, 3]),
+       drafts=st.integers(0, 3))
+def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode, caching, chunk, drafts) -> None:
+    speculation = {"speculative_method": "ngram", "num_speculative_tokens": drafts, "prompt_lookup_min": 1} if drafts else {}
     config = Config(dtype="float32", block_size=BLOCK, max_total_tokens=12, max_batch_size=6, memory_threshold=1.0,
                     enable_prefix_caching=caching, prefix_caching_eviction_policy=policy, preemption_mode=mode,
-                    max_prefill_chunk_tokens=chunk).validate()
+                    max_prefill_chunk_tokens=chunk, **speculation).validate()
     s = Scheduler(config, NUM_BLOCKS, (EOS,), max_model_len=64)
     worker = PaperWorker(NUM_BLOCKS, BLOCK)
     submitted = 0

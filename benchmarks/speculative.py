@@ -1,0 +1,131 @@
+"""Speculative decoding (issue 40) against plain decoding on the in-process engine, in one run, the two
+alternating per round (same model, same prompts, greedy, EOS ignored):
+
+    python benchmarks/speculative.py [--model M] [--rounds 3] [--new-tokens 128] [--requests 64]
+                                     [--num-speculative-tokens 3] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
+
+Two workloads:
+- `copy`, batch 1: a passage of this repository (a source file's opening, a section of the docs), then its
+  first lines again, so that the model goes on copying it: the output repeats spans of the prompt, where
+  prompt lookup proposes well. Printed: time per output token (TPOT, median over the passages).
+- `random`, `--requests` at once: benchmarks/throughput.py's random prompts (16-256 tokens), whose outputs
+  rarely repeat the prompt. Printed: output tokens per second. Speculation must not cost throughput here.
+For each, the `ngram` arm's acceptance (kept drafts / proposed), its mean tokens per drafted decode (1 + kept /
+decodes with drafts), and whether its outputs equal the plain arm's token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.roofline import cpu_line  # noqa: E402
+from benchmarks.workload import make_prompts, round_order  # noqa: E402
+from hetero_common.config import Config  # noqa: E402
+from hetero_common.log import configure_logging  # noqa: E402
+from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PASSAGES = ["scheduler_svc/sequence.py", "kernels/native/linear_bf16.c", "docs/architecture.md", "gateway/stop_strings.py"]
+
+
+def copy_prompts(engine: InferenceEngine, chars: int = 1600, again: int = 300) -> list[list[int]]:
+    """Each passage's first `chars` characters, a blank line, then its first `again` characters again."""
+    prompts = []
+    for name in PASSAGES:
+        text = (ROOT / name).read_text()[:chars]
+        prompts.append(engine.tokenizer.encode(text + "\n\n" + text[:again]))
+    return prompts
+
+
+def generate(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[float]], list[list[int]]]:
+    """All prompts at once: (wall seconds, each request's token arrival times, each one's tokens)."""
+    params = GenerationParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    ids = [engine.submit_request(p, params) for p in prompts]
+    times: dict[str, list[float]] = {rid: [] for rid in ids}
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_pending_work():
+        engine.step()
+        now = time.perf_counter() - start
+        for out in engine.last_step_outputs:
+            times[out.request_id].extend([now] * len(out.token_ids))
+            tokens[out.request_id].extend(out.token_ids)
+    return time.perf_counter() - start, [times[i] for i in ids], [tokens[i] for i in ids]
+
+
+def tpot(times: list[float]) -> float:
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    args = parser.parse_args()
+    configure_logging("warning")
+    base = Config(model=args.model, max_batch_size=max(args.requests, 32)).validate()
+    ngram = Config(model=args.model, max_batch_size=max(args.requests, 32), speculative_method="ngram",
+                   num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
+                   prompt_lookup_max=args.prompt_lookup_max).validate()
+    engines = {"none": InferenceEngine(base), "ngram": InferenceEngine(ngram)}
+    copy = copy_prompts(engines["none"])
+    random_prompts = make_prompts(args.requests, 16, 256)
+    for engine in engines.values():  # warm-up: the kernels' first calls, the allocator
+        generate(engine, [copy[0][:64]], 8)
+    print(cpu_line())
+    print(f"copy: {len(copy)} passages of {min(map(len, copy))}-{max(map(len, copy))} tokens, batch 1; random: "
+          f"{args.requests} requests of 16-256 tokens at once; {args.new_tokens} greedy tokens each; "
+          f"{args.rounds} alternating rounds, medians; ngram k={args.num_speculative_tokens}, "
+          f"n={args.prompt_lookup_min}..{args.prompt_lookup_max}")
+    copy_tpot: dict[str, list[float]] = {name: [] for name in engines}
+    random_tps: dict[str, list[float]] = {name: [] for name in engines}
+    outputs: dict[str, dict[str, list[list[int]]]] = {name: {"copy": [], "random": []} for name in engines}
+    stats: dict[str, tuple[int, int, int]] = {}
+    for r in range(args.rounds):
+        for name in round_order(list(engines), r):
+            engine = engines[name]
+            spec = engine.scheduler.speculator
+            before = (spec.num_proposed, spec.num_accepted, spec.num_drafted_rows) if spec else (0, 0, 0)
+            per_passage = []
+            for p in copy:
+                _, times, toks = generate(engine, [p], args.new_tokens)
+                per_passage.append(tpot(times[0]))
+                outputs[name]["copy"].append(toks[0])
+            copy_tpot[name].append(statistics.median(per_passage))
+            if spec:
+                stats["copy"] = tuple(a - b for a, b in zip((spec.num_proposed, spec.num_accepted, spec.num_drafted_rows), before))  # type: ignore[assignment]
+                before = (spec.num_proposed, spec.num_accepted, spec.num_drafted_rows)
+            seconds, times, toks = generate(engine, random_prompts, args.new_tokens)
+            random_tps[name].append(sum(map(len, toks)) / seconds)
+            outputs[name]["random"].extend(toks)
+            if spec:
+                stats["random"] = tuple(a - b for a, b in zip((spec.num_proposed, spec.num_accepted, spec.num_drafted_rows), before))  # type: ignore[assignment]
+            print(f"  round {r + 1} {name:>6}: copy TPOT {copy_tpot[name][-1] * 1e3:.2f} ms, "
+                  f"random {random_tps[name][-1]:.1f} tok/s", flush=True)
+    print(f"{'workload':<10}{'none':>12}{'ngram':>12}{'ratio':>9}  acceptance  tokens/drafted decode  same output")
+    for workload, none_v, ngram_v, unit, better_low in (
+            ("copy", statistics.median(copy_tpot["none"]) * 1e3, statistics.median(copy_tpot["ngram"]) * 1e3, "ms", True),
+            ("random", statistics.median(random_tps["none"]), statistics.median(random_tps["ngram"]), "tok/s", False)):
+        proposed, accepted, rows = stats.get(workload, (0, 0, 0))
+        same = outputs["none"][workload] == outputs["ngram"][workload]
+        acceptance = f"{accepted / proposed:.0%} of {proposed}" if proposed else "no proposals"
+        per_row = f"{1 + accepted / rows:.2f}" if rows else "-"
+        print(f"{workload:<10}{none_v:>9.2f} {unit:<2}{ngram_v:>9.2f} {unit:<2}{ngram_v / none_v:>8.2f}x  "
+              f"{acceptance:<12}{per_row:>10}{'':>11}{'yes' if same else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
