@@ -9,13 +9,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from hetero.v1 import common_pb2
 from hetero_common.sampling import Sampling, sample_seed
 from scheduler_svc.block_pool import blocks_for
-from scheduler_svc.ngram_proposer import NgramIndex
 from scheduler_svc.prefix_cache import pack_ids
 from scheduler_svc.prompt_logprobs import PromptLogprobs, needs_prompt_logits
+
+if TYPE_CHECKING:
+    from scheduler_svc.speculation import DraftState
 
 
 class SequenceStatus(enum.Enum):
@@ -72,9 +75,9 @@ class Sequence:
     # next step was planned before it came back; token_ids ends with a placeholder for it until then.
     awaiting_token: bool = False
     # Speculative decoding (speculation.py): its decodes may carry proposals (never on the fast path), and the
-    # n-gram index of its tokens they come from (built at its first proposal).
+    # n-gram index they come from with their adaptive length (built at its first proposal).
     speculative: bool = False
-    ngram: NgramIndex | None = None
+    drafting: DraftState | None = None
     # prompt + max_tokens - 1: a token sampled when the sequence holds this many (or more) ends it by length.
     last_len: int = field(init=False, default=0)
     # The first len(packed_ids) // 4 token ids as little-endian uint32s (`packed`).

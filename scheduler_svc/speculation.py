@@ -13,9 +13,15 @@ is not planned ahead of (overlap.py assumes one token per decode).
 
 Eligible today: greedy samples without logits controls, logprobs or a constraint (the others decode
 one token a step, unchanged).
+
+Adaptive per sequence, so that text that does not repeat itself costs little: after a drafted decode
+that kept `a` drafts, its next proposal is at most a + 1 tokens long (growing back by one per success);
+one that kept none also waits 2, 4, 8 ... up to 64 decodes before it proposes again (`DraftState`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from hetero_common.config import Config
 from hetero_common.sampling import Sampling
@@ -27,6 +33,27 @@ from scheduler_svc.sequence import Sequence
 def eligible(sampling: Sampling) -> bool:
     """Whether a sample's decodes may carry proposals (those the worker verifies greedily, as they are)."""
     return sampling.temperature == 0 and not sampling.uses_sampler_controls and sampling.logprobs is None
+
+
+MAX_BACK_OFF = 64  # decodes a sequence whose drafts keep failing waits at most before it proposes again
+
+
+@dataclass(slots=True)
+class DraftState:
+    """One sequence's speculation: its n-gram index, how long its next proposal may be, and its back-off."""
+
+    index: NgramIndex
+    max_drafts: int  # its next proposal's length at most
+    drafted_at: int = 0  # its token count when its last drafts were sent
+    misses: int = 0  # drafted decodes in a row that kept none
+    resume_at: int = 0  # the token count before which it proposes nothing
+
+    def kept(self, num_kept: int, num_tokens: int, limit: int) -> None:
+        """A drafted decode kept `num_kept` drafts; the sequence now holds `num_tokens` tokens."""
+        self.max_drafts = min(limit, num_kept + 1)
+        self.misses = 0 if num_kept else self.misses + 1
+        if self.misses:
+            self.resume_at = num_tokens + min(MAX_BACK_OFF, 2**self.misses)
 
 
 class Speculator:
@@ -49,16 +76,19 @@ class Speculator:
         if seq.awaiting_token:
             return []
         token_ids = seq.token_ids
-        room = min(self.max_drafts, token_budget, seq.last_len - len(token_ids), self.max_model_len - 1 - len(token_ids))
-        if room <= 0:
+        state = seq.drafting
+        if state is None:
+            state = seq.drafting = DraftState(NgramIndex(self.min_n, self.max_n), self.max_drafts)
+        num = len(token_ids)
+        room = min(state.max_drafts, token_budget, seq.last_len - num, self.max_model_len - 1 - num)
+        if room <= 0 or num < state.resume_at:
             return []
-        index = seq.ngram
-        if index is None:
-            index = seq.ngram = NgramIndex(self.min_n, self.max_n)
-        if len(index) > len(token_ids):  # never: token ids only grow (a placeholder is never indexed)
-            index.truncate(len(token_ids))
+        index = state.index
+        if len(index) > num:  # never: token ids only grow (a placeholder is never indexed)
+            index.truncate(num)
         index.extend(token_ids[len(index):])
         drafts = index.propose(room)
+        state.drafted_at = num
         if drafts and not kv_cache.can_grow(seq, 1 + len(drafts)):
             return []
         if drafts:
@@ -85,6 +115,8 @@ class Speculator:
         """After a step's result is read: the blocks of the drafts the worker rejected freed (the worker drops
         them from its tables by the same rule), the kept ones counted."""
         for seq in drafted:
-            if not seq.status.finished:
+            if not seq.status.finished and seq.drafting is not None:
                 kv_cache.trim(seq, len(seq.token_ids))
+                # every token but the last is computed: the one the decode computed for sure, and the drafts kept
+                seq.drafting.kept(seq.num_computed - seq.drafting.drafted_at, len(seq.token_ids), self.max_drafts)
         self.num_accepted += num_accepted
