@@ -66,6 +66,12 @@ class GatewayMetrics:
                            namespace=ns, registry=r)
         self.steps_ahead = Gauge("engine_steps_planned_ahead", "Of those, steps planned while the step before was "
                                  "in flight (async_scheduling; summed over replicas, monotonic)", namespace=ns, registry=r)
+        self.spec_drafts = Gauge("spec_decode_draft_tokens", "Speculative draft tokens proposed (monotonic)",
+                                 namespace=ns, registry=r)
+        self.spec_accepted = Gauge("spec_decode_accepted_tokens", "Of those, kept by the model (monotonic)",
+                                   namespace=ns, registry=r)
+        self.spec_decodes = Gauge("spec_decode_drafted_decodes", "Decodes that carried draft tokens (monotonic)",
+                                  namespace=ns, registry=r)
         self.loop_lag = Histogram("gateway_event_loop_lag_seconds", "How late the gateway's event loop ran a timer due "
                                   f"every {LOOP_LAG_INTERVAL * 1000:g} ms: how long any request waited for the loop",
                                   namespace=ns, registry=r, buckets=LOOP_LAG_BUCKETS)
@@ -89,6 +95,9 @@ class GatewayMetrics:
         self.prefix_hits.set(pool.prefix_cache_hits)
         self.steps.set(pool.steps)
         self.steps_ahead.set(pool.steps_planned_ahead)
+        self.spec_drafts.set(pool.spec_draft_tokens)
+        self.spec_accepted.set(pool.spec_accepted_tokens)
+        self.spec_decodes.set(pool.spec_drafted_decodes)
         self.workers_up.set(service.num_workers_up)
 
     async def watch_loop(self) -> None:

@@ -9,6 +9,7 @@ from typing import Iterable, Protocol, Sized
 from hetero.v1 import common_pb2
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence
+from scheduler_svc.speculation import Speculator
 
 
 class PoolOwner(Protocol):
@@ -23,22 +24,27 @@ class PoolOwner(Protocol):
     num_planned_ahead: int
     step_id: int
     suspended: bool
+    speculator: Speculator | None
 
 # Pool figures that add up across replicas; the others are merged by `merge_pools` below.
 SUMMED_POOL_FIELDS = ("total_blocks", "used_blocks", "free_blocks", "cached_blocks", "num_running", "num_waiting",
                       "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_swapped",
-                      "steps_planned_ahead")
+                      "steps_planned_ahead", "spec_draft_tokens", "spec_accepted_tokens", "spec_drafted_decodes")
 
 
 def pool_stats(s: PoolOwner) -> common_pb2.PoolStats:
-    kv = s.kv_cache
-    return common_pb2.PoolStats(
+    kv, spec = s.kv_cache, s.speculator
+    stats = common_pb2.PoolStats(
         block_size=kv.block_size, total_blocks=kv.num_blocks, used_blocks=kv.num_used, free_blocks=kv.num_free,
         cached_blocks=kv.num_cached_free, usage=kv.usage, num_running=len(s.running),
         num_waiting=len(s.waiting), num_preemptions=s.num_preemptions, internal_waste=kv.internal_waste(s.running),
         steps=s.step_id, prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
         num_swapped=len(s.swapped), suspended=s.suspended, steps_planned_ahead=s.num_planned_ahead,
     )
+    if spec is not None:
+        stats.spec_draft_tokens, stats.spec_accepted_tokens = spec.num_proposed, spec.num_accepted
+        stats.spec_drafted_decodes = spec.num_drafted_rows
+    return stats
 
 
 def merge_pools(pools: Iterable[common_pb2.PoolStats]) -> common_pb2.PoolStats:
