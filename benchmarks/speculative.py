@@ -4,12 +4,15 @@ alternating per round (same model, same prompts, greedy, EOS ignored):
     python benchmarks/speculative.py [--model M] [--rounds 3] [--new-tokens 128] [--requests 64]
                                      [--num-speculative-tokens 3] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
 
-Two workloads:
+Three workloads:
 - `copy`, batch 1: a passage of this repository (a source file's opening, a section of the docs), then its
   first lines again, so that the model goes on copying it: the output repeats spans of the prompt, where
   prompt lookup proposes well. Printed: time per output token (TPOT, median over the passages).
-- `random`, `--requests` at once: benchmarks/throughput.py's random prompts (16-256 tokens), whose outputs
-  rarely repeat the prompt. Printed: output tokens per second. Speculation must not cost throughput here.
+- `chat`, `--requests` at once: the 16 oracle prompts (hetero_infer/testing/prompts.py: questions,
+  instructions, code, a story opening) in four framings each, as text: natural outputs, which repeat their
+  prompt less. Printed: output tokens per second. Speculation must not cost throughput here.
+- `random`, `--requests` at once: benchmarks/throughput.py's random prompts (16-256 tokens). A small model
+  answers random tokens by looping, which lookups catch: printed, but not a workload "without repetition".
 For each, the `ngram` arm's acceptance (kept drafts / proposed), its mean tokens per drafted decode (1 + kept /
 decodes with drafts), and whether its outputs equal the plain arm's token for token.
 """
@@ -30,6 +33,7 @@ from benchmarks.workload import make_prompts, round_order  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
+from hetero_infer.testing.prompts import ORACLE_PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSAGES = ["scheduler_svc/sequence.py", "kernels/native/linear_bf16.c", "docs/architecture.md", "gateway/stop_strings.py"]
@@ -42,6 +46,13 @@ def copy_prompts(engine: InferenceEngine, chars: int = 1600, again: int = 300) -
         text = (ROOT / name).read_text()[:chars]
         prompts.append(engine.tokenizer.encode(text + "\n\n" + text[:again]))
     return prompts
+
+
+def chat_prompts(engine: InferenceEngine, count: int) -> list[list[int]]:
+    """`count` natural prompts: the oracle prompts in four framings, as many as asked."""
+    framings = ["{}\n", "Question: {}\nAnswer:", "User: {}\nAssistant:", "Please reply to this: {}\n\n"]
+    texts = [f.format(p) for f in framings for p in ORACLE_PROMPTS]
+    return [engine.tokenizer.encode(texts[i % len(texts)]) for i in range(count)]
 
 
 def generate(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[float]], list[list[int]]]:
@@ -81,49 +92,48 @@ def main() -> int:
                    prompt_lookup_max=args.prompt_lookup_max).validate()
     engines = {"none": InferenceEngine(base), "ngram": InferenceEngine(ngram)}
     copy = copy_prompts(engines["none"])
-    random_prompts = make_prompts(args.requests, 16, 256)
+    batches = {"chat": chat_prompts(engines["none"], args.requests), "random": make_prompts(args.requests, 16, 256)}
     for engine in engines.values():  # warm-up: the kernels' first calls, the allocator
         generate(engine, [copy[0][:64]], 8)
     print(cpu_line())
-    print(f"copy: {len(copy)} passages of {min(map(len, copy))}-{max(map(len, copy))} tokens, batch 1; random: "
-          f"{args.requests} requests of 16-256 tokens at once; {args.new_tokens} greedy tokens each; "
-          f"{args.rounds} alternating rounds, medians; ngram k={args.num_speculative_tokens}, "
-          f"n={args.prompt_lookup_min}..{args.prompt_lookup_max}")
-    copy_tpot: dict[str, list[float]] = {name: [] for name in engines}
-    random_tps: dict[str, list[float]] = {name: [] for name in engines}
-    outputs: dict[str, dict[str, list[list[int]]]] = {name: {"copy": [], "random": []} for name in engines}
-    stats: dict[str, tuple[int, int, int]] = {}
+    print(f"copy: {len(copy)} passages of {min(map(len, copy))}-{max(map(len, copy))} tokens, batch 1; chat and "
+          f"random: {args.requests} requests at once; {args.new_tokens} greedy tokens each; {args.rounds} alternating "
+          f"rounds, medians; ngram k={args.num_speculative_tokens}, n={args.prompt_lookup_min}..{args.prompt_lookup_max}")
+    workloads = ["copy", *batches]
+    figures: dict[str, dict[str, list[float]]] = {w: {name: [] for name in engines} for w in workloads}
+    outputs: dict[str, dict[str, list[list[int]]]] = {name: {w: [] for w in workloads} for name in engines}
+    stats: dict[str, list[int]] = {w: [0, 0, 0] for w in workloads}  # proposed, kept, drafted decodes
     for r in range(args.rounds):
         for name in round_order(list(engines), r):
             engine = engines[name]
             spec = engine.scheduler.speculator
-            before = (spec.num_proposed, spec.num_accepted, spec.num_drafted_rows) if spec else (0, 0, 0)
-            per_passage = []
-            for p in copy:
-                _, times, toks = generate(engine, [p], args.new_tokens)
-                per_passage.append(tpot(times[0]))
-                outputs[name]["copy"].append(toks[0])
-            copy_tpot[name].append(statistics.median(per_passage))
-            if spec:
-                stats["copy"] = tuple(a - b for a, b in zip((spec.num_proposed, spec.num_accepted, spec.num_drafted_rows), before))  # type: ignore[assignment]
-                before = (spec.num_proposed, spec.num_accepted, spec.num_drafted_rows)
-            seconds, times, toks = generate(engine, random_prompts, args.new_tokens)
-            random_tps[name].append(sum(map(len, toks)) / seconds)
-            outputs[name]["random"].extend(toks)
-            if spec:
-                stats["random"] = tuple(a - b for a, b in zip((spec.num_proposed, spec.num_accepted, spec.num_drafted_rows), before))  # type: ignore[assignment]
-            print(f"  round {r + 1} {name:>6}: copy TPOT {copy_tpot[name][-1] * 1e3:.2f} ms, "
-                  f"random {random_tps[name][-1]:.1f} tok/s", flush=True)
-    print(f"{'workload':<10}{'none':>12}{'ngram':>12}{'ratio':>9}  acceptance  tokens/drafted decode  same output")
-    for workload, none_v, ngram_v, unit, better_low in (
-            ("copy", statistics.median(copy_tpot["none"]) * 1e3, statistics.median(copy_tpot["ngram"]) * 1e3, "ms", True),
-            ("random", statistics.median(random_tps["none"]), statistics.median(random_tps["ngram"]), "tok/s", False)):
-        proposed, accepted, rows = stats.get(workload, (0, 0, 0))
+            for workload in workloads:
+                before = (spec.num_proposed, spec.num_accepted, spec.num_drafted_rows) if spec else (0, 0, 0)
+                if workload == "copy":
+                    per_passage = []
+                    for p in copy:
+                        _, times, toks = generate(engine, [p], args.new_tokens)
+                        per_passage.append(tpot(times[0]) * 1e3)
+                        outputs[name][workload].append(toks[0])
+                    figures[workload][name].append(statistics.median(per_passage))
+                else:
+                    seconds, _, toks = generate(engine, batches[workload], args.new_tokens)
+                    figures[workload][name].append(sum(map(len, toks)) / seconds)
+                    outputs[name][workload].extend(toks)
+                if spec:
+                    after = (spec.num_proposed, spec.num_accepted, spec.num_drafted_rows)
+                    stats[workload] = [s + a - b for s, a, b in zip(stats[workload], after, before)]
+            print(f"  round {r + 1} {name:>6}: " + ", ".join(f"{w} {figures[w][name][-1]:.2f}" for w in workloads), flush=True)
+    print(f"{'workload':<10}{'none':>14}{'ngram':>14}{'ratio':>8}  acceptance     tokens/drafted decode  same output")
+    for workload in workloads:
+        unit = "ms/token" if workload == "copy" else "tok/s"
+        none_v, ngram_v = (statistics.median(figures[workload][name]) for name in ("none", "ngram"))
+        proposed, kept, rows = stats[workload]
         same = outputs["none"][workload] == outputs["ngram"][workload]
-        acceptance = f"{accepted / proposed:.0%} of {proposed}" if proposed else "no proposals"
-        per_row = f"{1 + accepted / rows:.2f}" if rows else "-"
-        print(f"{workload:<10}{none_v:>9.2f} {unit:<2}{ngram_v:>9.2f} {unit:<2}{ngram_v / none_v:>8.2f}x  "
-              f"{acceptance:<12}{per_row:>10}{'':>11}{'yes' if same else 'NO'}")
+        acceptance = f"{kept / proposed:.0%} of {proposed}" if proposed else "no proposals"
+        per_row = f"{1 + kept / rows:.2f}" if rows else "-"
+        print(f"{workload:<10}{none_v:>8.2f} {unit:<5}{ngram_v:>8.2f} {unit:<5}{ngram_v / none_v:>6.2f}x  "
+              f"{acceptance:<15}{per_row:>8}{'':>15}{'yes' if same else 'NO'}")
     return 0
 
 

@@ -146,6 +146,16 @@ NOTES = """\
   engine may compute up to N-1 tokens past it.
 - **`async_scheduling`**: output is the same token for token as one step at a time; a sequence
   that ends with EOS or a stop id has one token computed in vain.
+- **`speculative_method`** `ngram` (prompt lookup; figures in docs/performance.md, "Speculative
+  decoding"): a greedy decode proposes up to `num_speculative_tokens` tokens that followed its last
+  `prompt_lookup_max` down to `prompt_lookup_min` tokens where those occurred before in the same
+  sequence; the step computes them with the decode's token and keeps those greedy decoding would
+  have produced, then the model's own token, so the output is token for token the same. It pays
+  where outputs repeat their input (rewriting or continuing a passage or a code file, extracting,
+  agent loops); each sequence adapts (a proposal at most one longer than what it last kept; one
+  whose drafts all fail waits 2-64 decodes). Sampled requests (temperature > 0), logits controls,
+  logprobs and constraints decode as without it in this version; a draft model is not served yet.
+  A step with drafts is not overlapped with the next (`async_scheduling`).
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with
   `hetero-infer worker --tp-rank R`, all with the same config and rank 0's `worker_address`,
   and point the scheduler at rank 0 alone; rank 0 serves the TCP store (gloo on the CPU, NCCL

@@ -160,6 +160,8 @@ class Scheduler:
         for seq, n in scheduled[num_decodes:]:
             writer.entry(seq, n)
         self._in_flight.record(scheduled, writer.drafted)
+        if self.speculator is not None:  # the step's tokens, for what a token costs (step_cost.py)
+            self.speculator.planned(self.step_id, self.config.max_total_tokens - token_budget, len(self.running))
         # One each for all of `running`: it is in the next decode pass's order already.
         self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)
         return writer.plan(self.step_id, self._outbox)
@@ -321,7 +323,7 @@ class Scheduler:
             self._in_flight.count(self.kv_cache)  # before any row frees blocks
         read = self._results.read(result, self._table.sequences)
         if self.speculator is not None:
-            self.speculator.settle(self._in_flight.take_drafted(), read.drafts_accepted, self.kv_cache)
+            self.speculator.settle(self._in_flight.take_drafted(), read.drafts_accepted, self.kv_cache, result)
         for parent in read.forks:  # before any sample ends: the forks take their blocks from the parent's
             self._fork_samples(parent)
         if read.ends:

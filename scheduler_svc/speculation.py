@@ -14,20 +14,24 @@ is not planned ahead of (overlap.py assumes one token per decode).
 Eligible today: greedy samples without logits controls, logprobs or a constraint (the others decode
 one token a step, unchanged).
 
-Adaptive per sequence, so that text that does not repeat itself costs little: after a drafted decode
-that kept `a` drafts, its next proposal is at most a + 1 tokens long (growing back by one per success);
-one that kept none also waits 2, 4, 8 ... up to 64 decodes before it proposes again (`DraftState`).
+Adaptive, so that it does not cost throughput. Per sequence: after a drafted decode that kept `a` drafts,
+its next proposal is at most a + 1 tokens long (growing back by one per success); one that kept none also
+waits 2, 4, 8 ... up to 64 decodes before it proposes again (`DraftState`). Per step: a sequence proposes
+only while the share of its drafts it keeps (a running average) exceeds the share the step's cost needs,
+which grows with the batch as the worker's steps turn compute-bound (step_cost.py, measured).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetero.v1 import worker_pb2
 from hetero_common.config import Config
 from hetero_common.sampling import Sampling
 from scheduler_svc.kv_cache_manager import CopiedBlock, KVCacheManager
 from scheduler_svc.ngram_proposer import NgramIndex
 from scheduler_svc.sequence import Sequence
+from scheduler_svc.step_cost import StepCostModel
 
 
 def eligible(sampling: Sampling) -> bool:
@@ -45,11 +49,14 @@ class DraftState:
     index: NgramIndex
     max_drafts: int  # its next proposal's length at most
     drafted_at: int = 0  # its token count when its last drafts were sent
+    proposed: int = 0  # how many those were
+    acceptance: float = 1.0  # the share of its drafts it keeps, a running average (optimistic at first)
     misses: int = 0  # drafted decodes in a row that kept none
     resume_at: int = 0  # the token count before which it proposes nothing
 
     def kept(self, num_kept: int, num_tokens: int, limit: int) -> None:
         """A drafted decode kept `num_kept` drafts; the sequence now holds `num_tokens` tokens."""
+        self.acceptance = 0.5 * self.acceptance + 0.5 * num_kept / max(self.proposed, 1)
         self.max_drafts = min(limit, num_kept + 1)
         self.misses = 0 if num_kept else self.misses + 1
         if self.misses:
@@ -59,7 +66,8 @@ class DraftState:
 class Speculator:
     """The proposals for each decode, and how many were proposed and kept (the scheduler's metrics)."""
 
-    __slots__ = ("max_drafts", "min_n", "max_n", "max_model_len", "num_proposed", "num_accepted", "num_drafted_rows")
+    __slots__ = ("max_drafts", "min_n", "max_n", "max_model_len", "num_proposed", "num_accepted", "num_drafted_rows",
+                 "cost")
 
     def __init__(self, config: Config, max_model_len: int) -> None:
         self.max_drafts = config.num_speculative_tokens
@@ -68,6 +76,7 @@ class Speculator:
         self.num_proposed = 0  # draft tokens sent to the worker
         self.num_accepted = 0  # of those, kept
         self.num_drafted_rows = 0  # decodes that carried drafts
+        self.cost = StepCostModel()  # what drafts cost the worker's steps at the current batch
 
     def drafts(self, seq: Sequence, token_budget: int, kv_cache: KVCacheManager) -> list[int]:
         """Proposals for a `speculative` decode computing its last token this step: at most `token_budget`, no
@@ -81,14 +90,14 @@ class Speculator:
             state = seq.drafting = DraftState(NgramIndex(self.min_n, self.max_n), self.max_drafts)
         num = len(token_ids)
         room = min(state.max_drafts, token_budget, seq.last_len - num, self.max_model_len - 1 - num)
-        if room <= 0 or num < state.resume_at:
+        if room <= 0 or num < state.resume_at or state.acceptance <= self.cost.threshold():
             return []
         index = state.index
         if len(index) > num:  # never: token ids only grow (a placeholder is never indexed)
             index.truncate(num)
         index.extend(token_ids[len(index):])
         drafts = index.propose(room)
-        state.drafted_at = num
+        state.drafted_at, state.proposed = num, len(drafts)
         if drafts and not kv_cache.can_grow(seq, 1 + len(drafts)):
             return []
         if drafts:
@@ -111,9 +120,15 @@ class Speculator:
             drafts = []
         return copies, drafts
 
-    def settle(self, drafted: list[Sequence], num_accepted: int, kv_cache: KVCacheManager) -> None:
+    def planned(self, step_id: int, num_tokens: int, num_running: int) -> None:
+        """A step was planned: its tokens, for its cost once its result says how long it took."""
+        self.cost.planned(step_id, num_tokens, num_running)
+
+    def settle(self, drafted: list[Sequence], num_accepted: int, kv_cache: KVCacheManager,
+               result: worker_pb2.StepResult) -> None:
         """After a step's result is read: the blocks of the drafts the worker rejected freed (the worker drops
-        them from its tables by the same rule), the kept ones counted."""
+        them from its tables by the same rule), the kept ones counted, the step's time measured."""
+        self.cost.observe(result.step_id, result.forward_seconds)
         for seq in drafted:
             if not seq.status.finished and seq.drafting is not None:
                 kv_cache.trim(seq, len(seq.token_ids))

@@ -9,6 +9,7 @@ from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.speculation import MAX_BACK_OFF, DraftState, Speculator, eligible
+from scheduler_svc.step_cost import StepCostModel
 from scheduler_svc.ngram_proposer import NgramIndex
 
 REPEATING = [5, 6, 7, 8] * 6  # every suffix has occurred before
@@ -66,3 +67,30 @@ def test_a_backed_off_sequence_proposes_nothing_until_it_resumes() -> None:
     seq.token_ids += [5, 6]  # two decodes later (2 = the first back-off)
     seq.num_computed = len(seq.token_ids) - 1
     assert spec.drafts(seq, 10, kv) == [7]
+
+
+def test_the_step_cost_fit_and_the_acceptance_a_batch_needs() -> None:
+    cost = StepCostModel()
+    assert cost.threshold() == 0.0  # not fitted: drafts are tried
+    for step, tokens in enumerate([1, 4, 8, 16, 32, 64, 3, 40]):  # t = 10 ms + 1 ms per token
+        cost.planned(step, tokens, num_running=1)
+        cost.observe(step, 0.010 + 0.001 * tokens)
+    assert abs(cost.a - 0.010) < 1e-9 and abs(cost.b - 0.001) < 1e-9
+    assert abs(cost.threshold() - 1 / 11) < 1e-9  # batch 1: a draft pays when over 9% of them are kept
+    cost.planned(99, 64, num_running=90)
+    assert abs(cost.threshold() - 0.9) < 1e-9  # batch 90: only when over 90% are
+    cost.observe(12345, 1.0)  # a step never planned here: ignored
+    assert abs(cost.b - 0.001) < 1e-9
+
+
+def test_a_sequence_below_the_steps_threshold_proposes_nothing() -> None:
+    spec, kv = speculator(), KVCacheManager(64, 4, False, cache_freed_blocks=False)
+    seq = sequence(REPEATING)
+    assert spec.drafts(seq, 10, kv)
+    assert seq.drafting is not None
+    seq.drafting.kept(1, len(seq.token_ids), 4)  # 1 of 4 kept: acceptance (1 + 0.25) / 2
+    assert abs(seq.drafting.acceptance - 0.625) < 1e-9
+    for step, tokens in enumerate([1, 8, 64, 16]):
+        spec.planned(step, tokens, num_running=60)
+        spec.cost.observe(step, 0.010 + 0.001 * tokens)  # batch 60: 60 / 70 of a step grows with its tokens
+    assert spec.drafts(seq, 10, kv) == []

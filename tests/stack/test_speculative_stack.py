@@ -1,0 +1,73 @@
+"""Speculative decoding (`--speculative-method ngram`) through the whole stack (gateway, scheduler, worker:
+separate processes, the tiny model): the same requests give the same streams as without it, token for token,
+over gRPC (greedy with and without stop ids, n = 2, logprobs, seeded sampling, a tight batch, repeating prompts
+whose drafts are kept) and HTTP with the official `openai` client (a stop string inside the output); the
+drafts were proposed and some kept (the Prometheus counters); no KV block is left in use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hetero.v1 import common_pb2, inference_pb2
+from hetero_infer.testing.stack import run_stack
+from hetero_infer.testing.stack_requests import wait_for_idle
+from tests.stack.test_overlap_stack import requests, stream_all
+
+slow = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default
+SPECULATION = ("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1")
+
+
+def repeating(count: int) -> list[inference_pb2.GenerateRequest]:
+    """Greedy requests whose prompts repeat a span: lookups find matches from the first decode on."""
+    span = [11, 23, 5, 71, 42, 9, 88, 3]
+    return [inference_pb2.GenerateRequest(request_id=f"rep{i}", prompt_token_ids=inference_pb2.TokenIds(ids=span[i:] + span * 3),
+                                          params=common_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+            for i in range(count)]
+
+
+def gauges(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def http_answers(url: str) -> list[tuple[str, str]]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    full = client.completions.create(model=MODEL, prompt="the city the city the city", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(c for c in full[len(full) // 2:] if not c.isspace())
+    cut = client.completions.create(model=MODEL, prompt="the city the city the city", max_tokens=16, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    return [(full, "length"), (cut.text, cut.finish_reason)]
+
+
+@slow
+def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Path) -> None:
+    results, answers = {}, {}
+    stop_id = None
+    for method in ("none", "ngram"):
+        flags = SPECULATION if method == "ngram" else ()
+        with run_stack(tiny_llama_dir, *flags, "--max-batch-size", "4", "--block-size", "4") as stack:
+            if stop_id is None:  # a token the greedy stream of prompt 1 produces mid-way
+                probe = requests(0)[1]
+                probe.params.ClearField("stop_token_ids")
+                probe.params.ignore_eos = True
+                stop_id = [t for m in stack.inference.Generate(probe, timeout=60) for t in m.token_ids][6]
+            results[method] = stream_all(stack, requests(stop_id) + repeating(3))
+            answers[method] = http_answers(stack.http_url)
+            assert wait_for_idle(stack).used_blocks == 0
+            counts = gauges(stack.http_url)
+            if method == "ngram":
+                assert counts["hetero_spec_decode_draft_tokens"] > 0
+                assert 0 < counts["hetero_spec_decode_accepted_tokens"] <= counts["hetero_spec_decode_draft_tokens"]
+            else:
+                assert counts["hetero_spec_decode_draft_tokens"] == 0
+    assert len(results["ngram"]) == 12  # 8 requests, one with n = 2, and 3 repeating ones
+    assert results["ngram"][("r1", 0)][2] == common_pb2.FINISH_REASON_STOP
+    assert results["ngram"] == results["none"]
+    assert answers["ngram"] == answers["none"] and answers["ngram"][1][1] == "stop"
