@@ -2,7 +2,7 @@
 alternating per round (same model, same prompts, greedy, EOS ignored):
 
     python benchmarks/speculative.py [--model M] [--rounds 3] [--new-tokens 128] [--requests 64]
-                                     [--num-speculative-tokens 3] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
+                                     [--num-speculative-tokens 4] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
 
 Three workloads:
 - `copy`, batch 1: a passage of this repository (a source file's opening, a section of the docs), then its
@@ -81,7 +81,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     args = parser.parse_args()

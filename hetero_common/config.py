@@ -51,7 +51,7 @@ class Config:
         "speculative decoding: `none`, or `ngram` (prompt lookup: the tokens that followed the last "
         "prompt_lookup_min..max tokens where they occurred before in the sequence, verified by the model in "
         "the same step; greedy samples without logits controls, logprobs or constraints, others decode as usual)"))
-    num_speculative_tokens: int = field(default=3, metadata=doc("tokens proposed per sequence and step at most"))
+    num_speculative_tokens: int = field(default=4, metadata=doc("tokens proposed per sequence and step at most"))
     prompt_lookup_min: int = field(default=2, metadata=doc("`ngram`: the shortest suffix matched"))
     prompt_lookup_max: int = field(default=4, metadata=doc("`ngram`: the longest suffix matched (tried first)"))
     routing_policy: str = field(default="round_robin", metadata=doc(
