@@ -155,7 +155,8 @@ NOTES = """\
   agent loops); each sequence adapts (a proposal at most one longer than what it last kept; one
   whose drafts all fail waits 2-64 decodes). Sampled requests (temperature > 0), logits controls,
   logprobs and constraints decode as without it in this version; a draft model is not served yet.
-  A step with drafts is not overlapped with the next (`async_scheduling`).
+  While a running decode's text repeats (its last tokens have occurred before), the next step is
+  not planned ahead of the one in flight (`async_scheduling`): lookups need the real last token.
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with
   `hetero-infer worker --tp-rank R`, all with the same config and rank 0's `worker_address`,
   and point the scheduler at rank 0 alone; rank 0 serves the TCP store (gloo on the CPU, NCCL

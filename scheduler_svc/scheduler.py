@@ -1,10 +1,10 @@
 """The core scheduler: continuous batching, one StepPlan per engine step within a token and sequence budget.
 
-`Scheduler.schedule` decides a step in four phases: the running decodes (one token each), the prompts
-partly computed (chunked prefill), swapped-out sequences back, new requests admitted (lower priority
-value first, then arrival) while blocks stay under `memory_threshold`. When blocks run out, a running
-sequence is preempted (preemption.py); its stream neither loses nor repeats a token. A request with
-n > 1 samples forks after its prompt. `process_result` applies the worker's sampled tokens.
+`Scheduler.schedule` decides a step in four phases: the running decodes (one token each, or drafts with it:
+speculation.py), the prompts partly computed (chunked prefill), swapped-out sequences back, new requests
+admitted (lower priority value first, then arrival) while blocks stay under `memory_threshold`. When blocks
+run out, a running sequence is preempted (preemption.py); its stream neither loses nor repeats a token. A
+request with n > 1 samples forks after its prompt. `process_result` applies the worker's sampled tokens.
 
 The Scheduler owns the queues and makes every decision; the collaborators own the rest: the blocks
 (`KVCacheManager`), the requests in flight (`RequestTable`), what the worker is to be told and the
@@ -66,8 +66,7 @@ class Scheduler:
         self.num_planned_ahead = 0  # plans made while the step before was in flight (overlap.py)
         self.num_swap_outs = 0
         self.suspended = False
-        # Every sequence in `running` was scheduled in the last step (so all hold the same last_scheduled_step and
-        # `running` is already in the decode pass's order): set by schedule(), cleared when a fork joins running.
+        # All of `running` was scheduled in the last step, so it is in the decode pass's order (cleared by forks).
         self._running_in_order = False
         self._in_flight = StepInFlight()  # the last plan's entries, fast decodes aside, and the step planned ahead of
         self.speculator = Speculator(config, self.max_model_len) if config.speculative_method != "none" else None
@@ -265,9 +264,10 @@ class Scheduler:
         return seq_budget, token_budget
 
     def plan_ahead(self) -> worker_pb2.StepPlan | None:
-        """The next step's plan while the last one is still in flight (overlap.py), assuming its outcome;
-        None when it must wait for that step's result. The plan runs right after it (after_step_id)."""
-        if self.suspended or not self._in_flight.may_plan_ahead(self.step_id):
+        """The next step's plan while the last one is still in flight (overlap.py), assuming its outcome; None when
+        it must wait for that step's result (or drafts would be proposed: speculation.py). It runs right after it."""
+        if self.suspended or not self._in_flight.may_plan_ahead(self.step_id) or (
+                self.speculator is not None and self.speculator.wants_drafts(self.running)):
             return None
         self._in_flight.assume(self.step_id, self.running, self.kv_cache, self.max_model_len)
         plan = self.schedule()

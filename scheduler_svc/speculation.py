@@ -85,9 +85,7 @@ class Speculator:
         if seq.awaiting_token:
             return []
         token_ids = seq.token_ids
-        state = seq.drafting
-        if state is None:
-            state = seq.drafting = DraftState(NgramIndex(self.min_n, self.max_n), self.max_drafts)
+        state = self._state(seq)
         num = len(token_ids)
         room = min(state.max_drafts, token_budget, seq.last_len - num, self.max_model_len - 1 - num)
         if room <= 0 or num < state.resume_at or state.acceptance <= self.cost.threshold():
@@ -119,6 +117,24 @@ class Speculator:
             self.num_drafted_rows -= 1
             drafts = []
         return copies, drafts
+
+    def wants_drafts(self, running: list[Sequence]) -> bool:
+        """Whether a running decode may propose in the next step: then it is not planned ahead of the step in
+        flight (overlap.py's placeholders leave nothing to look up), and speculation takes overlap's place."""
+        threshold = self.cost.threshold()
+        for seq in running:
+            if seq.speculative and not seq.awaiting_token:
+                state = self._state(seq)
+                if len(seq.token_ids) + 1 >= state.resume_at and state.acceptance > threshold:
+                    state.index.extend(seq.token_ids[len(state.index):])
+                    if state.index.propose(1):  # its text repeats here: the next token likely continues it
+                        return True
+        return False
+
+    def _state(self, seq: Sequence) -> DraftState:
+        if seq.drafting is None:
+            seq.drafting = DraftState(NgramIndex(self.min_n, self.max_n), self.max_drafts)
+        return seq.drafting
 
     def planned(self, step_id: int, num_tokens: int, num_running: int) -> None:
         """A step was planned: its tokens, for its cost once its result says how long it took."""

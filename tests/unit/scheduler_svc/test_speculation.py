@@ -94,3 +94,14 @@ def test_a_sequence_below_the_steps_threshold_proposes_nothing() -> None:
         spec.planned(step, tokens, num_running=60)
         spec.cost.observe(step, 0.010 + 0.001 * tokens)  # batch 60: 60 / 70 of a step grows with its tokens
     assert spec.drafts(seq, 10, kv) == []
+
+
+def test_a_step_is_not_planned_ahead_of_while_a_running_decode_has_a_lookup_match() -> None:
+    spec = speculator()
+    repeating, fresh = sequence(REPEATING), sequence([1, 2, 3, 4, 5, 6])
+    assert spec.wants_drafts([fresh, repeating]) and not spec.wants_drafts([fresh])
+    repeating.awaiting_token = True  # planned ahead already: its last token is a placeholder
+    assert not spec.wants_drafts([repeating])
+    plain = sequence(REPEATING)
+    plain.speculative = False
+    assert not spec.wants_drafts([plain])
