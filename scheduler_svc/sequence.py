@@ -9,16 +9,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from hetero.v1 import common_pb2
 from hetero_common.sampling import Sampling, sample_seed
 from scheduler_svc.block_pool import blocks_for
+from scheduler_svc.draft_state import DraftState
 from scheduler_svc.prefix_cache import pack_ids
 from scheduler_svc.prompt_logprobs import PromptLogprobs, needs_prompt_logits
-
-if TYPE_CHECKING:
-    from scheduler_svc.speculation import DraftState
 
 
 class SequenceStatus(enum.Enum):

@@ -16,18 +16,17 @@ one token a step, unchanged).
 
 Adaptive, so that it does not cost throughput. Per sequence: after a drafted decode that kept `a` drafts,
 its next proposal is at most a + 1 tokens long (growing back by one per success); one that kept none also
-waits 2, 4, 8 ... up to 64 decodes before it proposes again (`DraftState`). Per step: a sequence proposes
+waits 2, 4, 8 ... up to 64 decodes before it proposes again (draft_state.py). Per step: a sequence proposes
 only while the share of its drafts it keeps (a running average) exceeds the share the step's cost needs,
 which grows with the batch as the worker's steps turn compute-bound (step_cost.py, measured).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
 from hetero_common.sampling import Sampling
+from scheduler_svc.draft_state import DraftState
 from scheduler_svc.kv_cache_manager import CopiedBlock, KVCacheManager
 from scheduler_svc.ngram_proposer import NgramIndex
 from scheduler_svc.sequence import Sequence
@@ -37,30 +36,6 @@ from scheduler_svc.step_cost import StepCostModel
 def eligible(sampling: Sampling) -> bool:
     """Whether a sample's decodes may carry proposals (those the worker verifies greedily, as they are)."""
     return sampling.temperature == 0 and not sampling.uses_sampler_controls and sampling.logprobs is None
-
-
-MAX_BACK_OFF = 64  # decodes a sequence whose drafts keep failing waits at most before it proposes again
-
-
-@dataclass(slots=True)
-class DraftState:
-    """One sequence's speculation: its n-gram index, how long its next proposal may be, and its back-off."""
-
-    index: NgramIndex
-    max_drafts: int  # its next proposal's length at most
-    drafted_at: int = 0  # its token count when its last drafts were sent
-    proposed: int = 0  # how many those were
-    acceptance: float = 1.0  # the share of its drafts it keeps, a running average (optimistic at first)
-    misses: int = 0  # drafted decodes in a row that kept none
-    resume_at: int = 0  # the token count before which it proposes nothing
-
-    def kept(self, num_kept: int, num_tokens: int, limit: int) -> None:
-        """A drafted decode kept `num_kept` drafts; the sequence now holds `num_tokens` tokens."""
-        self.acceptance = 0.5 * self.acceptance + 0.5 * num_kept / max(self.proposed, 1)
-        self.max_drafts = min(limit, num_kept + 1)
-        self.misses = 0 if num_kept else self.misses + 1
-        if self.misses:
-            self.resume_at = num_tokens + min(MAX_BACK_OFF, 2**self.misses)
 
 
 class Speculator:

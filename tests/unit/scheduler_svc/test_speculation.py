@@ -8,7 +8,8 @@ from hetero_common.config import Config
 from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
-from scheduler_svc.speculation import MAX_BACK_OFF, DraftState, Speculator, eligible
+from scheduler_svc.draft_state import MAX_BACK_OFF, DraftState
+from scheduler_svc.speculation import Speculator, eligible
 from scheduler_svc.step_cost import StepCostModel
 from scheduler_svc.ngram_proposer import NgramIndex
 
