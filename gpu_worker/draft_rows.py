@@ -2,12 +2,15 @@
 
 A scheduled decode with drafts d_1..d_k computes its last token and the drafts in one chunk of k + 1 rows,
 like a short prompt chunk at the end of its cache. Row j's logits score the token after input j, so every
-row is sampled: row j's choice is what decoding one token at a time would pick after d_1..d_j, given that
-those were the tokens. The sequence keeps the longest run of drafts equal to those choices, then the choice
-at the first mismatch (or after the last draft): gpu_worker/speculative_verify.verify_greedy. Only greedy
-samples without logits controls, logprobs or a constraint carry drafts, so each row's choice is its argmax,
-and where the attention kernels are row invariant (`deterministic`, docs/configuration.md) the output is the
-same bits as without speculation.
+row is sampled, as the token at output index num_generated + j (its seeded noise that index's): row j's
+choice is what decoding one token at a time would pick after d_1..d_j, given that those were the tokens. The
+sequence keeps the longest run of drafts equal to those choices, then the choice at the first mismatch (or
+after the last draft): gpu_worker/speculative_verify.verify_greedy. Greedy and seeded outputs are therefore
+those of decoding without speculation, the same bits where the kernels are row invariant (`deterministic`,
+docs/configuration.md), and unseeded ones follow the same distribution. For a proposer without a
+distribution (n-gram lookup) this keeps a draft x with probability p(x), what the rejection rule of
+speculative_verify.verify_sampled keeps too, so nothing is lost by matching. Only samples whose rows' sampling
+does not depend on the tokens before them carry drafts (no logits controls or constraint), and no logprobs.
 
 After the step the sequence holds its kept drafts and its own token; the K/V of the kept drafts is computed,
 that of the rejected ones is left in slots the next tokens overwrite, and the blocks past the sequence's
@@ -38,10 +41,10 @@ class DraftedState(Protocol):  # runner.SequenceState's fields used here
 
 
 def check_drafts(seq_id: int, sampling: Sampling, sample: bool, drafts: Sequence[int]) -> None:
-    """A plan's drafts are for greedy samples without controls, logprobs or a constraint, on a sampled row."""
-    if not sample or sampling.temperature != 0 or sampling.uses_sampler_controls or sampling.logprobs is not None:
-        raise ExecutionError(f"sequence {seq_id} has draft tokens but is not a plain greedy decode: "
-                             "the scheduler proposes only for those (scheduler_svc/speculation.eligible)")
+    """A plan's drafts are for samples without controls, logprobs or a constraint, on a sampled row."""
+    if not sample or sampling.uses_sampler_controls or sampling.logprobs is not None:
+        raise ExecutionError(f"sequence {seq_id} has draft tokens but its sampling depends on its tokens or reports "
+                             "logprobs: the scheduler proposes only for others (scheduler_svc/speculation.eligible)")
 
 
 def logits_rows(qo_indptr: torch.Tensor, sample_idx: list[int], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
@@ -59,6 +62,13 @@ def logits_rows(qo_indptr: torch.Tensor, sample_idx: list[int], drafts: list[lis
 def expand(states: list, drafts: list[list[int]]) -> list:
     """One state per scored row (a drafted sequence's once per row): the sampling batch's rows."""
     return [st for st, d in zip(states, drafts) for _ in range(len(d) + 1)]
+
+
+def output_indexes(generated: list[int], drafts: list[list[int]]) -> list[int]:
+    """The output index each expanded row samples (`expand`'s rows, each with its state's num_generated):
+    row j of a drafted sequence samples the token j after its next one."""
+    offsets = [j for d in drafts for j in range(len(d) + 1)]
+    return [g + j for g, j in zip(generated, offsets)]
 
 
 @dataclass

@@ -24,7 +24,7 @@ from gpu_worker.cpu.worker_setup import (allocate_cpu_kv_cache, choose_cpu_dtype
                                          plan_c_linear, resolve_cpu_dtype, row_invariance_unavailable)
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
-from gpu_worker.draft_rows import DraftOutcome, check_drafts, expand, logits_rows, sequence_of_row, settle
+from gpu_worker import draft_rows
 from gpu_worker.kv_dtype import kv_cache_torch_dtype
 from gpu_worker.kv_suspension import KVSuspension
 from gpu_worker.model import LlamaModel, linear_shapes
@@ -81,7 +81,7 @@ class SampledTokens:
     token_ids: list[int]
     logprobs: torch.Tensor | None  # the sampled tokens' own, where asked for
     failures: list[tuple[int, str]]  # (row, error) of the constrained samples that failed
-    drafted: DraftOutcome | None = None  # with drafts in the step: the drafts kept, the rows the tokens came from
+    drafted: draft_rows.DraftOutcome | None = None  # with drafts: the drafts kept, the rows the tokens came from
 
 
 def resolve_device(name: str) -> torch.device:
@@ -303,7 +303,7 @@ class ModelRunner:
                     spans.append(span)
             chunk = state.token_ids[state.num_computed:end]
             if s.draft_token_ids:  # computed after the last token; the plan's count includes them
-                check_drafts(s.seq_id, state.sampling, s.sample, s.draft_token_ids)
+                draft_rows.check_drafts(s.seq_id, state.sampling, s.sample, s.draft_token_ids)
                 drafted[len(states)] = list(s.draft_token_ids)
                 chunk = chunk + drafted[len(states)]
             inputs.append(chunk)
@@ -317,7 +317,7 @@ class ModelRunner:
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample]
         flat_inputs = np.fromiter((t for chunk in inputs for t in chunk), dtype=np.int64, count=table.num_tokens)
         drafts = [drafted.get(i, []) for i in sample_idx] if drafted else None
-        rows, starts = (logits_rows(table.qo_indptr, sample_idx, drafts) if drafts is not None
+        rows, starts = (draft_rows.logits_rows(table.qo_indptr, sample_idx, drafts) if drafts is not None
                         else (table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1, None))
         return StepInputs(states, qo_lens, spans, table, positions, slots, flat_inputs, sample_idx, rows, drafts, starts)
 
@@ -360,16 +360,18 @@ class ModelRunner:
     def _sample(self, step: StepInputs, logits: torch.Tensor) -> SampledTokens:
         """The sampling sequences' next tokens (rank 0's on every rank), appended to them."""
         sampled = [step.states[i] for i in step.sample_idx]
-        rows = sampled if step.drafts is None else expand(sampled, step.drafts)  # a drafted one once per row
+        rows = sampled if step.drafts is None else draft_rows.expand(sampled, step.drafts)  # drafted: once a row
         batch = build_sampling_batch(rows, logits.shape[-1], self.model_config.eos_token_ids, self.device,
                                      self.vocabulary)
+        if step.drafts is not None:  # a drafted sequence's row j samples its output token num_generated + j
+            batch.generated_index = draft_rows.output_indexes(batch.generated_index, step.drafts)
         tokens, logprobs = sample(logits, batch)
         tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
         token_list = tokens.tolist()
         failures = batch.record(token_list)  # a failed constraint: the scheduler fails that sample alone
         if step.drafts is not None and step.row_starts is not None:  # rows to sequences, drafts kept or not
-            drafted = settle(sampled, step.drafts, step.row_starts, token_list, self.block_size)  # type: ignore[arg-type]
-            failures = [(sequence_of_row(step.row_starts, row), error) for row, error in failures]
+            drafted = draft_rows.settle(sampled, step.drafts, step.row_starts, token_list, self.block_size)  # type: ignore[arg-type]
+            failures = [(draft_rows.sequence_of_row(step.row_starts, row), error) for row, error in failures]
             return SampledTokens(sampled, drafted.token_ids, logprobs, failures, drafted)
         for st, tok in zip(sampled, token_list):
             st.token_ids.append(tok)

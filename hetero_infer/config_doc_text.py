@@ -149,12 +149,16 @@ NOTES = """\
 - **`speculative_method`** `ngram` (prompt lookup; figures in docs/performance.md, "Speculative
   decoding"): a greedy decode proposes up to `num_speculative_tokens` tokens that followed its last
   `prompt_lookup_max` down to `prompt_lookup_min` tokens where those occurred before in the same
-  sequence; the step computes them with the decode's token and keeps those greedy decoding would
-  have produced, then the model's own token, so the output is token for token the same. It pays
+  sequence; the step computes them with the decode's token, samples every position as decoding one
+  token at a time would (a seeded row with its own output index's noise) and keeps the drafts equal
+  to those samples, then the model's own token: greedy and seeded outputs are token for token the
+  same, unseeded ones follow the same distribution. It pays
   where outputs repeat their input (rewriting or continuing a passage or a code file, extracting,
   agent loops); each sequence adapts (a proposal at most one longer than what it last kept; one
-  whose drafts all fail waits 2-64 decodes). Sampled requests (temperature > 0), logits controls,
-  logprobs and constraints decode as without it in this version; a draft model is not served yet.
+  whose drafts all fail waits 2-64 decodes, and none proposes while the worker's measured step cost
+  says the batch is compute-bound for its acceptance). Requests with logits controls (penalties,
+  logit_bias, min_tokens, min_p), logprobs or a constraint decode one token a step as without it in
+  this version; a draft model is not served yet.
   While a running decode's text repeats (its last tokens have occurred before), the next step is
   not planned ahead of the one in flight (`async_scheduling`): lookups need the real last token.
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with

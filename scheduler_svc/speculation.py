@@ -3,16 +3,17 @@ proposals, the proposals (scheduler_svc/ngram_proposer.py), and the counts.
 
 A decode with proposals d_1..d_k is scheduled as 1 + k tokens (its last token, then the drafts) and its entry
 carries them (ScheduledSequence.draft_token_ids); it is written on the general path, never the fast one. The
-worker scores the k + 1 positions and keeps the longest prefix of drafts its own greedy choices agree with,
-then its own token (gpu_worker/draft_rows.py), so the output is token for token what decoding without
-speculation gives. Only the token certainly computed counts as computed when the step is counted
+worker samples the k + 1 positions as decoding one at a time would and keeps the longest prefix of drafts
+equal to those samples, then its own token (gpu_worker/draft_rows.py), so the output is token for token what
+decoding without speculation gives (greedy; seeded sampling; unseeded, the same distribution). Only the token certainly computed counts as computed when the step is counted
 (overlap.StepInFlight.count); the kept drafts are counted as the result is read (result_reader.py), so
 prefix-cache registration never sees a rejected one, and the blocks allocated past the sequence's tokens
 are freed then (`KVCacheManager.trim`, the worker trimming its table the same way). A step with drafts
 is not planned ahead of (overlap.py assumes one token per decode).
 
-Eligible today: greedy samples without logits controls, logprobs or a constraint (the others decode
-one token a step, unchanged).
+Eligible today: samples without logits controls (penalties, logit_bias, min_tokens, min_p), logprobs or a
+constraint, greedy or sampled with temperature, top-k and top-p (the others decode one token a step,
+unchanged).
 
 Adaptive, so that it does not cost throughput. Per sequence: after a drafted decode that kept `a` drafts,
 its next proposal is at most a + 1 tokens long (growing back by one per success); one that kept none also
@@ -34,8 +35,9 @@ from scheduler_svc.step_cost import StepCostModel
 
 
 def eligible(sampling: Sampling) -> bool:
-    """Whether a sample's decodes may carry proposals (those the worker verifies greedily, as they are)."""
-    return sampling.temperature == 0 and not sampling.uses_sampler_controls and sampling.logprobs is None
+    """Whether a sample's decodes may carry proposals: none of its rows' sampling depends on the tokens before
+    it (controls, constraints) and it reports no logprobs (draft_rows.py samples every row alike)."""
+    return not sampling.uses_sampler_controls and sampling.logprobs is None
 
 
 class Speculator:

@@ -64,3 +64,24 @@ def test_max_tokens_is_exact_when_drafts_could_overshoot(tiny_llama_dir: Path) -
         (done,) = [r for r in engine.run() if r.request_id == rid]
         assert len(done.output_token_ids) == max_tokens
     assert engine.get_memory_stats().used_blocks == 0
+
+
+def sampled(model_dir: Path, prompts: list[list[int]], **overrides) -> tuple[list[list[int]], InferenceEngine]:
+    """Seeded sampling with temperature, top-k and top-p, each prompt its own seed."""
+    config = Config(model=str(model_dir), **{"dtype": "float32", **overrides}).validate()
+    engine = InferenceEngine(config)
+    ids = [engine.submit_request(p, GenerationParams(max_tokens=NEW_TOKENS, temperature=0.3, top_k=40, top_p=0.95,
+                                                     seed=100 + i, ignore_eos=True)) for i, p in enumerate(prompts)]
+    done = {r.request_id: r for r in engine.run()}
+    assert engine.get_memory_stats().used_blocks == 0
+    return [done[i].output_token_ids for i in ids], engine
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_drafts(tiny_llama_dir: Path) -> None:
+    """Each row samples the token of its own output index with that index's seeded noise: a kept draft is the
+    token sampling would have drawn, so a seeded request's output does not depend on the drafts."""
+    plain, _ = sampled(tiny_llama_dir, repetitive_prompts(), block_size=5)
+    drafted, engine = sampled(tiny_llama_dir, repetitive_prompts(), block_size=5, **NGRAM)
+    assert drafted == plain
+    speculator = engine.scheduler.speculator
+    assert speculator is not None and speculator.num_accepted > 0
