@@ -2,7 +2,8 @@
 separate processes, the tiny model): the same requests give the same streams as without it, token for token,
 over gRPC (greedy with and without stop ids, n = 2, logprobs, seeded sampling, a tight batch, repeating prompts
 whose drafts are kept) and HTTP with the official `openai` client (a stop string inside the output); the
-drafts were proposed and some kept (the Prometheus counters); no KV block is left in use."""
+drafts were proposed and some kept (the Prometheus counters); no KV block is left in use. And with a worker
+SIGKILLed mid-stream, every stream is the undisturbed one."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import run_stack
-from hetero_infer.testing.stack_requests import wait_for_idle
+from hetero_infer.testing.stack import free_port, run_stack
+from hetero_infer.testing.stack_requests import service_stats, wait_for_idle
 from tests.stack.test_overlap_stack import requests, stream_all
+from tests.stack.test_resilience import killer, run_streams, stack_flags, worker_pid
+from tests.stack.test_resilience import requests as resilience_requests
 
 slow = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default
@@ -71,3 +74,22 @@ def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Pa
     assert results["ngram"][("r1", 0)][2] == common_pb2.FINISH_REASON_STOP
     assert results["ngram"] == results["none"]
     assert answers["ngram"] == answers["none"] and answers["ngram"][1][1] == "stop"
+
+
+@slow
+def test_a_replica_killed_mid_stream_changes_no_speculated_stream(tiny_llama_dir: Path) -> None:
+    """Two replicas speculating; one worker SIGKILLed mid-stream: its sequences are recomputed on the other
+    (their n-gram state rebuilt from their tokens) and every stream, greedy and seeded, is the undisturbed one."""
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    streams = resilience_requests(greedy=16, seeded=8)
+    with run_stack(tiny_llama_dir, *stack_flags(addresses, "--restart-workers", "false", *SPECULATION)) as stack:
+        reference = run_streams(stack, streams=streams)
+        assert all(code is None for _, code in reference.values())
+        victim = worker_pid(addresses[1])
+        on_progress, killed = killer(lambda: victim, after_tokens=len(streams) * 5)
+        disturbed = run_streams(stack, on_progress, streams=streams)
+        assert killed.is_set()
+        assert disturbed == reference
+        assert wait_for_idle(stack).used_blocks == 0
+        assert service_stats(stack).num_recovered_sequences > 0
+        assert gauges(stack.http_url)["hetero_spec_decode_accepted_tokens"] > 0
