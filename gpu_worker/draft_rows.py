@@ -10,7 +10,8 @@ those of decoding without speculation, the same bits where the kernels are row i
 docs/configuration.md), and unseeded ones follow the same distribution. For a proposer without a
 distribution (n-gram lookup) this keeps a draft x with probability p(x), what the rejection rule of
 speculative_verify.verify_sampled keeps too, so nothing is lost by matching. Only samples whose rows' sampling
-does not depend on the tokens before them carry drafts (no logits controls or constraint), and no logprobs.
+does not depend on the tokens before them carry drafts (no logits controls or constraint); a kept draft's
+logprobs are its own row's (`pack`).
 
 After the step the sequence holds its kept drafts and its own token; the K/V of the kept drafts is computed,
 that of the rejected ones is left in slots the next tokens overwrite, and the blocks past the sequence's
@@ -27,7 +28,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from gpu_worker.sampler import top_logprobs
 from gpu_worker.speculative_verify import verify_greedy
+from hetero.v1 import worker_pb2
 from hetero_common.errors import ExecutionError
 from hetero_common.sampling import Sampling
 
@@ -41,10 +44,10 @@ class DraftedState(Protocol):  # runner.SequenceState's fields used here
 
 
 def check_drafts(seq_id: int, sampling: Sampling, sample: bool, drafts: Sequence[int]) -> None:
-    """A plan's drafts are for samples without controls, logprobs or a constraint, on a sampled row."""
-    if not sample or sampling.uses_sampler_controls or sampling.logprobs is not None:
-        raise ExecutionError(f"sequence {seq_id} has draft tokens but its sampling depends on its tokens or reports "
-                             "logprobs: the scheduler proposes only for others (scheduler_svc/speculation.eligible)")
+    """A plan's drafts are for samples without logits controls or a constraint, on a sampled row."""
+    if not sample or sampling.uses_sampler_controls:
+        raise ExecutionError(f"sequence {seq_id} has draft tokens but its sampling depends on its tokens: the "
+                             "scheduler proposes only for others (scheduler_svc/speculation.eligible)")
 
 
 def logits_rows(qo_indptr: torch.Tensor, sample_idx: list[int], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
@@ -76,6 +79,23 @@ class DraftOutcome:
     token_ids: list[int]  # each sequence's last emitted token
     rows: list[int]  # the scored row that token came from (its logprobs, its top alternatives)
     accepted: list[list[int]]  # each sequence's kept drafts
+
+
+def pack(result: worker_pb2.StepResult, outcome: DraftOutcome, logits: torch.Tensor, logprobs: torch.Tensor | None,
+         num_top: int) -> None:
+    """The kept drafts into `result`: how many per sequence, their ids, and where logprobs are asked, each one's
+    logprob and top alternatives (from its own row: a kept draft is the token that row sampled)."""
+    result.num_accepted_drafts.extend(len(kept) for kept in outcome.accepted)
+    result.accepted_draft_ids.extend(t for kept in outcome.accepted for t in kept)
+    kept_rows = [r for last, kept in zip(outcome.rows, outcome.accepted) for r in range(last - len(kept), last)]
+    if not kept_rows:
+        return
+    if logprobs is not None:
+        result.accepted_draft_logprobs.extend(logprobs[kept_rows].tolist())
+    if num_top:
+        ids, values = top_logprobs(logits[kept_rows], num_top)
+        result.accepted_draft_top_token_ids.extend(ids.flatten().tolist())
+        result.accepted_draft_top_logprobs.extend(values.flatten().tolist())
 
 
 def sequence_of_row(starts: list[int], row: int) -> int:

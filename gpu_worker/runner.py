@@ -385,14 +385,13 @@ class ModelRunner:
             result.failures.add(seq_id=plan.scheduled[step.sample_idx[row]].seq_id, error=error)
         result.seq_ids.extend(plan.scheduled[i].seq_id for i in step.sample_idx)
         result.token_ids.extend(sampled.token_ids)
-        if sampled.drafted is not None:  # every row's scores but those of the tokens it kept are dropped
+        num_top, logprobs = max(st.sampling.logprobs or 0 for st in sampled.states), sampled.logprobs
+        if sampled.drafted is not None:  # the kept drafts' scores apart, then the rows of the tokens after them
+            draft_rows.pack(result, sampled.drafted, logits, logprobs, num_top)
             logits = logits[sampled.drafted.rows]
-            result.num_accepted_drafts.extend(len(kept) for kept in sampled.drafted.accepted)
-            result.accepted_draft_ids.extend(t for kept in sampled.drafted.accepted for t in kept)
-        if sampled.logprobs is not None:
-            rows = sampled.logprobs if sampled.drafted is None else sampled.logprobs[sampled.drafted.rows]
-            result.logprobs.extend(rows.tolist())
-        num_top = max(st.sampling.logprobs or 0 for st in sampled.states)
+            logprobs = None if logprobs is None else logprobs[sampled.drafted.rows]
+        if logprobs is not None:
+            result.logprobs.extend(logprobs.tolist())
         if num_top:
             top_ids, top_values = top_logprobs(logits, num_top)
             result.num_top_logprobs = top_ids.shape[1]

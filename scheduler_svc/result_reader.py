@@ -95,9 +95,10 @@ class ResultReader:
         drafts (a row's kept drafts come before its token: `_read_drafted_row`)."""
         rows = SampledRows(result, sequences)  # files the step's prompt logprobs first
         failures = {f.seq_id: f.error for f in result.failures}
-        counts, kept_ids = result.num_accepted_drafts, iter(result.accepted_draft_ids)
+        counts, kept_ids, first_kept = result.num_accepted_drafts, result.accepted_draft_ids, 0
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-            kept = [next(kept_ids) for _ in range(counts[i])] if counts else None
+            kept = list(kept_ids[first_kept:first_kept + counts[i]]) if counts else None
+            first_kept += len(kept or ())
             seq = sequences.get(seq_id)
             if seq is None:
                 continue  # aborted while the step ran
@@ -108,12 +109,12 @@ class ResultReader:
                                                  error=f"this sample failed on the worker: {failures[seq_id]}"))
                 continue
             if kept:
-                self._read_drafted_row(seq, kept, token, i, rows, step)
+                self._read_drafted_row(seq, kept, token, i, rows, step, first_kept - len(kept))
             else:
                 self._read_row(seq, token, i, rows, step)
 
     def _read_drafted_row(self, seq: Sequence, kept: list[int], token: int, row: int, rows: SampledRows,
-                          step: StepRead) -> None:
+                          step: StepRead, first_kept: int) -> None:
         """A decode whose drafts the worker verified (scheduler_svc/speculation.py): its kept drafts, then its
         own token, each applied as if sampled alone (computed before the next, the stop conditions checked
         after it); the run is cut after the first token that ends the sequence, as decoding one at a time
@@ -130,7 +131,7 @@ class ResultReader:
             reason = finish_reason(seq, t, self.eos_token_ids, self.max_model_len)
             if reason:
                 break
-        step.outputs.add(rows.output(seq, token, row, step.outputs.timestamp, reason, emitted))
+        step.outputs.add(rows.output(seq, token, row, step.outputs.timestamp, reason, emitted, first_kept, len(kept)))
         if reason:
             step.ends.append((seq, reason, COMPLETED, True))
 

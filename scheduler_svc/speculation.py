@@ -11,9 +11,9 @@ prefix-cache registration never sees a rejected one, and the blocks allocated pa
 are freed then (`KVCacheManager.trim`, the worker trimming its table the same way). A step with drafts
 is not planned ahead of (overlap.py assumes one token per decode).
 
-Eligible today: samples without logits controls (penalties, logit_bias, min_tokens, min_p), logprobs or a
-constraint, greedy or sampled with temperature, top-k and top-p (the others decode one token a step,
-unchanged).
+Eligible today: samples without logits controls (penalties, logit_bias, min_tokens, min_p) or a constraint,
+greedy or sampled with temperature, top-k and top-p, logprobs too (each kept draft's from its own row); the
+others decode one token a step, unchanged.
 
 Adaptive, so that it does not cost throughput. Per sequence: after a drafted decode that kept `a` drafts,
 its next proposal is at most a + 1 tokens long (growing back by one per success); one that kept none also
@@ -36,8 +36,8 @@ from scheduler_svc.step_cost import StepCostModel
 
 def eligible(sampling: Sampling) -> bool:
     """Whether a sample's decodes may carry proposals: none of its rows' sampling depends on the tokens before
-    it (controls, constraints) and it reports no logprobs (draft_rows.py samples every row alike)."""
-    return not sampling.uses_sampler_controls and sampling.logprobs is None
+    it (logits controls, constraints: draft_rows.py samples every row alike)."""
+    return not sampling.uses_sampler_controls
 
 
 class Speculator:

@@ -128,20 +128,25 @@ class SampledRows:
         if result.prompt_logprobs and sequences is not None:  # before this step's first tokens go out
             collect_prompt_logprobs(result, sequences)
         self.logprobs = list(result.logprobs)
+        self.draft_logprobs = list(result.accepted_draft_logprobs)
         self.num_top = result.num_top_logprobs
 
     def output(self, seq: Sequence, token: int, row: int, now: float, reason: int,
-               tokens: ListLike[int] | None = None) -> TokenOutput:
-        """The output for the token the worker sampled for `seq` in row `row`, ending it with `reason` if set
-        (`tokens`: the tokens the row emitted, where speculative drafts came before it; logprobs are never
-        asked of those rows)."""
+               tokens: ListLike[int] | None = None, first_draft: int = 0, num_drafts: int = 0) -> TokenOutput:
+        """The output for the token the worker sampled for `seq` in row `row`, ending it with `reason` if set.
+        `tokens`: what the row emitted where it kept speculative drafts (`num_drafts` of them, the step's
+        `first_draft`-th kept draft first), then its token unless a stop cut the run before it."""
         emitted = [token] if tokens is None else tokens
         top: ListLike[common_pb2.TopLogprobs] = ()
-        if self.num_top and seq.sampling.logprobs:
+        logprobs: ListLike[float] = ()
+        if tokens is not None:
+            logprobs, top = self._scores(seq, row, first_draft, min(len(emitted), num_drafts), len(emitted) > num_drafts)
+        elif self.num_top and seq.sampling.logprobs:
             result, k, n = self.result, seq.sampling.logprobs, self.num_top
             rows = slice(row * n, (row + 1) * n)
             top = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[rows][:k], logprobs=result.top_logprobs[rows][:k])]
-        logprobs = [self.logprobs[row]] if self.logprobs else ()
+        if tokens is None and self.logprobs:
+            logprobs = [self.logprobs[row]]
         if seq.first_output_sent:
             return TokenOutput(seq.request_id, emitted, reason, "", logprobs, now, top, 0.0, seq.index, 0)
         prompt_logprobs: tuple[ListLike[float], ListLike[common_pb2.TopLogprobs]] = ((), ())
@@ -152,6 +157,28 @@ class SampledRows:
         seq.first_output_sent = True
         return TokenOutput(seq.request_id, emitted, reason, "", logprobs, now, top, seq.queue_seconds or 0.0, seq.index,
                            seq.cached_prompt_tokens or 0, *prompt_logprobs)
+
+
+    def _scores(self, seq: Sequence, row: int, first_draft: int, num_drafts: int,
+                with_token: bool) -> tuple[list[float], list[common_pb2.TopLogprobs]]:
+        """The logprobs and top alternatives of a drafted row's emitted tokens: its kept drafts', then its
+        token's."""
+        result, k, n = self.result, seq.sampling.logprobs, self.num_top
+        logprobs: list[float] = []
+        top: list[common_pb2.TopLogprobs] = []
+        for j in range(first_draft, first_draft + num_drafts):
+            if self.draft_logprobs:
+                logprobs.append(self.draft_logprobs[j])
+            if n and k:
+                top.append(common_pb2.TopLogprobs(token_ids=result.accepted_draft_top_token_ids[j * n:(j + 1) * n][:k],
+                                                  logprobs=result.accepted_draft_top_logprobs[j * n:(j + 1) * n][:k]))
+        if with_token:
+            if self.logprobs:
+                logprobs.append(self.logprobs[row])
+            if n and k:
+                top.append(common_pb2.TopLogprobs(token_ids=result.top_token_ids[row * n:(row + 1) * n][:k],
+                                                  logprobs=result.top_logprobs[row * n:(row + 1) * n][:k]))
+        return logprobs, top
 
 
 def collect_prompt_logprobs(result: worker_pb2.StepResult, sequences: dict[int, Sequence]) -> None:

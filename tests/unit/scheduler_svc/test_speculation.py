@@ -32,7 +32,7 @@ def test_samples_whose_rows_sample_alike_are_eligible() -> None:
     assert eligible(resolve(common_pb2.SamplingParams(temperature=0.0)))
     assert eligible(resolve(common_pb2.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3)))
     assert not eligible(resolve(common_pb2.SamplingParams(temperature=0.7, min_p=0.1)))
-    assert not eligible(resolve(common_pb2.SamplingParams(temperature=0.0, logprobs=2)))
+    assert eligible(resolve(common_pb2.SamplingParams(temperature=0.0, logprobs=2)))
     assert not eligible(resolve(common_pb2.SamplingParams(temperature=0.0, presence_penalty=0.5)))
 
 
