@@ -43,11 +43,15 @@ class DraftedState(Protocol):  # runner.SequenceState's fields used here
     block_table: np.ndarray
 
 
-def check_drafts(seq_id: int, sampling: Sampling, sample: bool, drafts: Sequence[int]) -> None:
-    """A plan's drafts are for samples without logits controls or a constraint, on a sampled row."""
+def check_drafts(seq_id: int, sampling: Sampling, sample: bool, drafts: Sequence[int], end: int, known: int) -> None:
+    """A plan's drafts are for samples without logits controls or a constraint, on a sampled row that computes
+    the sequence's last token and the drafts (`end`: its computed length after the step; `known`: its tokens)."""
     if not sample or sampling.uses_sampler_controls:
         raise ExecutionError(f"sequence {seq_id} has draft tokens but its sampling depends on its tokens: the "
                              "scheduler proposes only for others (scheduler_svc/speculation.eligible)")
+    if end != known + len(drafts):
+        raise ExecutionError(f"sequence {seq_id} has {len(drafts)} draft tokens, but the step computes up to {end} "
+                             f"of its {known} tokens: drafts follow the last token")
 
 
 def logits_rows(qo_indptr: torch.Tensor, sample_idx: list[int], drafts: list[list[int]]) -> tuple[torch.Tensor, list[int]]:

@@ -303,7 +303,7 @@ class ModelRunner:
                     spans.append(span)
             chunk = state.token_ids[state.num_computed:end]
             if s.draft_token_ids:  # computed after the last token; the plan's count includes them
-                draft_rows.check_drafts(s.seq_id, state.sampling, s.sample, s.draft_token_ids)
+                draft_rows.check_drafts(s.seq_id, state.sampling, s.sample, s.draft_token_ids, end, len(state.token_ids))
                 drafted[len(states)] = list(s.draft_token_ids)
                 chunk = chunk + drafted[len(states)]
             inputs.append(chunk)
