@@ -9,9 +9,9 @@ after the last draft): gpu_worker/speculative_verify.verify_greedy. Greedy and s
 those of decoding without speculation, the same bits where the kernels are row invariant (`deterministic`,
 docs/configuration.md), and unseeded ones follow the same distribution. For a proposer without a
 distribution (n-gram lookup) this keeps a draft x with probability p(x), what the rejection rule of
-speculative_verify.verify_sampled keeps too, so nothing is lost by matching. Only samples whose rows' sampling
-does not depend on the tokens before them carry drafts (no logits controls or constraint); a kept draft's
-logprobs are its own row's (`pack`).
+speculative_verify.verify_sampled keeps too, so nothing is lost by matching. Logits controls (penalties,
+logit_bias, min_tokens) see each row's own history (`DraftRow`); a constrained sample carries no drafts (its
+matcher would have to be rolled back); a kept draft's logprobs are its own row's (`pack`).
 
 After the step the sequence holds its kept drafts and its own token; the K/V of the kept drafts is computed,
 that of the rejected ones is left in slots the next tokens overwrite, and the blocks past the sequence's
@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from gpu_worker.logits_processors import RowControls, build_row_controls
 from gpu_worker.sampler import top_logprobs
 from gpu_worker.speculative_verify import verify_greedy
 from hetero.v1 import worker_pb2
@@ -41,13 +42,14 @@ class DraftedState(Protocol):  # runner.SequenceState's fields used here
     num_generated: int
     num_computed: int
     block_table: np.ndarray
+    controls: RowControls | None
 
 
 def check_drafts(seq_id: int, sampling: Sampling, sample: bool, drafts: Sequence[int], end: int, known: int) -> None:
-    """A plan's drafts are for samples without logits controls or a constraint, on a sampled row that computes
-    the sequence's last token and the drafts (`end`: its computed length after the step; `known`: its tokens)."""
-    if not sample or sampling.uses_sampler_controls:
-        raise ExecutionError(f"sequence {seq_id} has draft tokens but its sampling depends on its tokens: the "
+    """A plan's drafts are for samples without a constraint, on a sampled row that computes the sequence's last
+    token and the drafts (`end`: its computed length after the step; `known`: its tokens)."""
+    if not sample or sampling.constraint is not None:
+        raise ExecutionError(f"sequence {seq_id} has draft tokens but is constrained or not sampled: the "
                              "scheduler proposes only for others (scheduler_svc/speculation.eligible)")
     if end != known + len(drafts):
         raise ExecutionError(f"sequence {seq_id} has {len(drafts)} draft tokens, but the step computes up to {end} "
@@ -66,16 +68,46 @@ def logits_rows(qo_indptr: torch.Tensor, sample_idx: list[int], drafts: list[lis
     return torch.tensor(rows, dtype=torch.int64), starts
 
 
-def expand(states: list, drafts: list[list[int]]) -> list:
-    """One state per scored row (a drafted sequence's once per row): the sampling batch's rows."""
-    return [st for st, d in zip(states, drafts) for _ in range(len(d) + 1)]
+@dataclass
+class DraftRow:
+    """Row j of a drafted sequence as the sampler sees it: the sequence as it would be after drafts d_1..d_j.
+    `token_ids` is the sequence's own (no control reads it once `controls` is built); `controls`, where it
+    has logits controls, a copy counting d_1..d_j too, so that penalties and min_tokens apply at every
+    position as decoding one at a time would (the sequence's own controls record only what it keeps)."""
+
+    sampling: Sampling
+    token_ids: list[int]
+    num_generated: int  # the output index this row samples
+    controls: RowControls | None = None
+    constraint: None = None  # a constrained sequence carries no drafts
 
 
-def output_indexes(generated: list[int], drafts: list[list[int]]) -> list[int]:
-    """The output index each expanded row samples (`expand`'s rows, each with its state's num_generated):
-    row j of a drafted sequence samples the token j after its next one."""
-    offsets = [j for d in drafts for j in range(len(d) + 1)]
-    return [g + j for g, j in zip(generated, offsets)]
+def expand(states: list, drafts: list[list[int]], vocab_size: int, eos_token_ids: Sequence[int],
+           device: torch.device) -> list:
+    """The sampling batch's rows: each sequence without drafts itself, a drafted one as a `DraftRow` per
+    scored row."""
+    rows: list = []
+    for st, d in zip(states, drafts):
+        if not d:
+            rows.append(st)
+            continue
+        if st.sampling.uses_logits_controls and st.controls is None:
+            st.controls = build_row_controls(st.sampling, st.token_ids, st.num_generated, vocab_size, eos_token_ids,
+                                             device)
+        for j in range(len(d) + 1):
+            rows.append(DraftRow(st.sampling, st.token_ids, st.num_generated + j,
+                                 None if st.controls is None else with_tokens(st.controls, d[:j])))
+    return rows
+
+
+def with_tokens(controls: RowControls, tokens: list[int]) -> RowControls:
+    """A copy of a sequence's controls that has also generated `tokens`."""
+    copy = RowControls(controls.bias, controls.hold_back,
+                       None if controls.counts is None else controls.counts.clone(),
+                       None if controls.seen is None else controls.seen.clone())
+    for t in tokens:
+        copy.record(t)
+    return copy
 
 
 @dataclass
@@ -114,6 +146,9 @@ def settle(states: list[DraftedState], drafts: list[list[int]], starts: list[int
     outcome = DraftOutcome([], [], [])
     for st, d, start, stop in zip(states, drafts, starts, starts[1:]):
         verdict = verify_greedy(row_tokens[start:stop], d)  # no drafts: the row's own token
+        if d and st.controls is not None:  # the batch recorded a drafted sequence's rows in their copies
+            for t in verdict.tokens:
+                st.controls.record(t)
         st.token_ids.extend(verdict.tokens)
         st.num_generated += len(verdict.tokens)
         outcome.token_ids.append(verdict.tokens[-1])

@@ -360,11 +360,9 @@ class ModelRunner:
     def _sample(self, step: StepInputs, logits: torch.Tensor) -> SampledTokens:
         """The sampling sequences' next tokens (rank 0's on every rank), appended to them."""
         sampled = [step.states[i] for i in step.sample_idx]
-        rows = sampled if step.drafts is None else draft_rows.expand(sampled, step.drafts)  # drafted: once a row
-        batch = build_sampling_batch(rows, logits.shape[-1], self.model_config.eos_token_ids, self.device,
-                                     self.vocabulary)
-        if step.drafts is not None:  # a drafted sequence's row j samples its output token num_generated + j
-            batch.generated_index = draft_rows.output_indexes(batch.generated_index, step.drafts)
+        eos, vocab = self.model_config.eos_token_ids, logits.shape[-1]  # a drafted sequence: one row per position
+        rows = sampled if step.drafts is None else draft_rows.expand(sampled, step.drafts, vocab, eos, self.device)
+        batch = build_sampling_batch(rows, vocab, eos, self.device, self.vocabulary)
         tokens, logprobs = sample(logits, batch)
         tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
         token_list = tokens.tolist()

@@ -156,9 +156,10 @@ NOTES = """\
   where outputs repeat their input (rewriting or continuing a passage or a code file, extracting,
   agent loops); each sequence adapts (a proposal at most one longer than what it last kept; one
   whose drafts all fail waits 2-64 decodes, and none proposes while the worker's measured step cost
-  says the batch is compute-bound for its acceptance). Requests with logits controls (penalties,
-  logit_bias, min_tokens, min_p) or a constraint decode one token a step as without it in this
-  version; a draft model is not served yet.
+  says the batch is compute-bound for its acceptance). Penalties, logit_bias, min_tokens, min_p and
+  logprobs apply at every drafted position as if one token were decoded at a time; constrained
+  requests (structured output) decode one token a step as without it in this version; a draft model
+  is not served yet.
   While a running decode's text repeats (its last tokens have occurred before), the next step is
   not planned ahead of the one in flight (`async_scheduling`): lookups need the real last token.
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with

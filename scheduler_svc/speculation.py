@@ -11,9 +11,9 @@ prefix-cache registration never sees a rejected one, and the blocks allocated pa
 are freed then (`KVCacheManager.trim`, the worker trimming its table the same way). A step with drafts
 is not planned ahead of (overlap.py assumes one token per decode).
 
-Eligible today: samples without logits controls (penalties, logit_bias, min_tokens, min_p) or a constraint,
-greedy or sampled with temperature, top-k and top-p, logprobs too (each kept draft's from its own row); the
-others decode one token a step, unchanged.
+Eligible today: every sample but a constrained one (structured output), greedy or sampled, with logits
+controls and logprobs (each position sampled with its own history: gpu_worker/draft_rows.py); constrained
+ones decode one token a step, unchanged.
 
 Adaptive, so that it does not cost throughput. Per sequence: after a drafted decode that kept `a` drafts,
 its next proposal is at most a + 1 tokens long (growing back by one per success); one that kept none also
@@ -35,9 +35,9 @@ from scheduler_svc.step_cost import StepCostModel
 
 
 def eligible(sampling: Sampling) -> bool:
-    """Whether a sample's decodes may carry proposals: none of its rows' sampling depends on the tokens before
-    it (logits controls, constraints: draft_rows.py samples every row alike)."""
-    return not sampling.uses_sampler_controls
+    """Whether a sample's decodes may carry proposals: not a constrained one (its grammar's matcher would have
+    to be rolled back past rejected drafts)."""
+    return sampling.constraint is None
 
 
 class Speculator:

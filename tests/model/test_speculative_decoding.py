@@ -85,3 +85,26 @@ def test_seeded_sampling_gives_the_same_tokens_with_drafts(tiny_llama_dir: Path)
     assert drafted == plain
     speculator = engine.scheduler.speculator
     assert speculator is not None and speculator.num_accepted > 0
+
+
+def test_logits_controls_see_each_positions_own_history(tiny_llama_dir: Path) -> None:
+    """Penalties, logit_bias and min_tokens with drafts: row j of a drafted decode is controlled as if the
+    drafts before it were generated, so outputs equal those without speculation. (Lookup drafts come from the
+    sequence's own tokens, so a run of kept drafts rarely changes a penalty here; the rows' own histories are
+    pinned by tests/unit/gpu_worker/test_draft_rows.py.)"""
+    variants = [dict(frequency_penalty=0.3, presence_penalty=0.1), dict(repetition_penalty=1.1),
+                dict(logit_bias={7: 2.0, 11: -5.0}), dict(min_tokens=8, stop_token_ids=[23, 5])]
+
+    def outputs(**overrides) -> tuple[list[list[int]], InferenceEngine]:
+        engine = InferenceEngine(Config(model=str(tiny_llama_dir), dtype="float32", block_size=5, **overrides).validate())
+        ids = [engine.submit_request(p, GenerationParams(max_tokens=40, temperature=0.0, **variants[i % 4]))
+               for i, p in enumerate(repetitive_prompts())]
+        done = {r.request_id: r for r in engine.run()}
+        assert engine.get_memory_stats().used_blocks == 0
+        return [done[i].output_token_ids for i in ids], engine
+
+    plain, _ = outputs()
+    drafted, engine = outputs(**NGRAM)
+    assert drafted == plain
+    speculator = engine.scheduler.speculator
+    assert speculator is not None and speculator.num_accepted > 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpu_worker import draft_rows
+from gpu_worker.logits_processors import RowControls
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.errors import ExecutionError
 from hetero_common.sampling import Sampling, resolve
@@ -24,15 +25,29 @@ class State:
     num_generated: int = 0
     num_computed: int = 0
     block_table: np.ndarray = field(default_factory=lambda: np.arange(8, dtype=np.int32))
+    controls: RowControls | None = None
 
 
 def test_a_drafted_sequence_scores_its_last_k_plus_one_rows() -> None:
     qo_indptr = torch.tensor([0, 5, 6, 10])  # a prompt chunk of 5 (no sample), a decode, a decode with 3 drafts
     rows, starts = draft_rows.logits_rows(qo_indptr, [1, 2], [[], [7, 8, 9]])
     assert rows.tolist() == [5, 6, 7, 8, 9] and starts == [0, 1, 5]
-    assert draft_rows.expand(["a", "b"], [[], [7, 8, 9]]) == ["a", "b", "b", "b", "b"]
-    assert draft_rows.output_indexes([4, 10, 10, 10, 10], [[], [7, 8, 9]]) == [4, 10, 11, 12, 13]
     assert [draft_rows.sequence_of_row(starts, r) for r in range(5)] == [0, 1, 1, 1, 1]
+
+
+def test_each_row_of_a_drafted_sequence_samples_its_own_output_index_with_its_own_history() -> None:
+    penalised = resolve(common_pb2.SamplingParams(temperature=0.0, frequency_penalty=0.5, repetition_penalty=1.2,
+                                                  min_tokens=6))
+    plain, drafted = State([1, 2], num_generated=4), State([1, 2, 3], sampling=penalised, num_generated=4)
+    rows = draft_rows.expand([plain, drafted], [[], [7, 7, 9]], 16, [0], torch.device("cpu"))
+    assert rows[0] is plain and [r.num_generated for r in rows[1:]] == [4, 5, 6, 7]
+    assert drafted.controls is not None and drafted.controls.counts is not None
+    assert [float(r.controls.counts[7]) for r in rows[1:]] == [0.0, 1.0, 2.0, 2.0]  # d_1..d_j counted in row j
+    assert [bool(r.controls.seen[9]) for r in rows[1:]] == [False, False, False, True]
+    assert float(drafted.controls.counts[7]) == 0.0  # the sequence's own: what it keeps, after the step
+    draft_rows.settle([plain, drafted], [[], [7, 7, 9]], [0, 1, 5], [5, 7, 7, 4, 0], block_size=4)
+    assert float(drafted.controls.counts[7]) == 2.0 and float(drafted.controls.counts[4]) == 1.0
+    assert not bool(drafted.controls.seen[9])
 
 
 def test_a_sequence_keeps_the_matching_drafts_then_its_own_token_and_drops_blocks_past_its_tokens() -> None:
@@ -60,7 +75,7 @@ def test_kept_drafts_logprobs_come_from_their_own_rows() -> None:
 
 def test_drafts_the_scheduler_would_not_send_are_refused() -> None:
     draft_rows.check_drafts(3, GREEDY, True, [5, 6], end=12, known=10)
-    with pytest.raises(ExecutionError, match="depends on its tokens"):
-        draft_rows.check_drafts(3, resolve(common_pb2.SamplingParams(presence_penalty=0.5)), True, [5], 11, 10)
+    with pytest.raises(ExecutionError, match="constrained or not sampled"):
+        draft_rows.check_drafts(3, GREEDY, False, [5], 11, 10)
     with pytest.raises(ExecutionError, match="drafts follow the last token"):
         draft_rows.check_drafts(3, GREEDY, True, [5, 6], end=11, known=10)

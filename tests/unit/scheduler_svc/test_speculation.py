@@ -28,12 +28,11 @@ def sequence(tokens: list[int], **params) -> Sequence:
     return seq
 
 
-def test_samples_whose_rows_sample_alike_are_eligible() -> None:
+def test_every_sample_but_a_constrained_one_is_eligible() -> None:
     assert eligible(resolve(common_pb2.SamplingParams(temperature=0.0)))
-    assert eligible(resolve(common_pb2.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3)))
-    assert not eligible(resolve(common_pb2.SamplingParams(temperature=0.7, min_p=0.1)))
-    assert eligible(resolve(common_pb2.SamplingParams(temperature=0.0, logprobs=2)))
-    assert not eligible(resolve(common_pb2.SamplingParams(temperature=0.0, presence_penalty=0.5)))
+    assert eligible(resolve(common_pb2.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3, min_p=0.1)))
+    assert eligible(resolve(common_pb2.SamplingParams(temperature=0.0, logprobs=2, presence_penalty=0.5)))
+    assert not eligible(resolve(common_pb2.SamplingParams(temperature=0.0, json_object=True)))
 
 
 def test_drafts_stay_within_the_budget_max_tokens_and_the_free_blocks() -> None:
