@@ -7,6 +7,12 @@ unconstrained rows share one batched sampler and a step without a constrained ro
 sampling, each matcher consumes its row's token. Once a constraint is complete the matcher allows
 only EOS, so the sample ends with EOS and the scheduler finishes it with FINISH_REASON_STOP.
 
+A speculative decode's rows (gpu_worker/draft_rows.py) share their sequence's matcher: row j's mask is the
+one after the drafts d_1..d_j, computed by consuming them and rolling the matcher back, and after the step
+the matcher consumes what the sequence kept (`advance_drafted`), so a rejected draft never advances the
+grammar. A row past a draft the grammar refuses allows every token: verification stops before it (the row
+before masks that draft out).
+
 A matcher is built at a sequence's first sampled step on this worker from its token ids and
 `num_generated`: it replays the generated tokens, which is what a recompute preemption or an n > 1
 fork needs (they arrive as new sequences carrying prompt + generated ids). A swapped-out sequence keeps
@@ -97,12 +103,47 @@ def build_row_constraint(spec: ConstraintSpec, token_ids: Sequence[int], num_gen
 
 
 class ConstrainedSequence(Protocol):
-    """What the worker keeps per sequence (gpu_worker.runner.SequenceState)."""
+    """What the worker keeps per sequence (gpu_worker.runner.SequenceState), or a drafted row
+    (draft_rows.DraftRow, whose `draft_prefix` lists the drafts before it)."""
 
     sampling: Sampling
     token_ids: list[int]
     num_generated: int
     constraint: RowConstraint | None
+
+
+def ensure_constraint(st: ConstrainedSequence, vocabulary: GuidanceVocabulary | None) -> RowConstraint:
+    """The sequence's matcher, built at its first constrained step on this worker."""
+    if st.constraint is None:
+        if vocabulary is None:
+            raise ValueError("constrained rows need llguidance's vocabulary (GuidanceVocabulary)")
+        st.constraint = build_row_constraint(st.sampling.constraint, st.token_ids, st.num_generated,  # type: ignore[arg-type]
+                                             vocabulary)
+    return st.constraint
+
+
+def advance_drafted(rc: RowConstraint, kept: list[int]) -> None:
+    """A drafted sequence's matcher consumes the tokens the sequence kept after verification, up to its EOS: the
+    rows past a kept EOS were sampled unmasked, and the scheduler ends the sample at that EOS (a constrained
+    sample cannot ignore it)."""
+    for token in kept:
+        if rc.error or rc.matcher.is_stopped():
+            return
+        if not rc.matcher.consume_token(token):
+            rc.fail(f"token {token} was refused: {rc.matcher.get_error()}")
+
+
+def _fill_mask(rc: RowConstraint, prefix: list[int] | None, word: torch.Tensor) -> bool:
+    """The row's mask into `word` (llguidance.torch's fill_next_token_bitmask, without importing torch.compile),
+    after the drafts in `prefix`; False when the grammar refuses one of them (the row is never reached)."""
+    consumed = rc.matcher.try_consume_tokens(prefix) if prefix else 0
+    if prefix and consumed < len(prefix):
+        rc.matcher.rollback(consumed)
+        return False
+    rc.matcher.unsafe_compute_mask_ptr(word.data_ptr(), word.numel() * word.element_size())
+    if consumed:
+        rc.matcher.rollback(consumed)
+    return True
 
 
 def unpack_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
@@ -122,6 +163,7 @@ class ConstraintMasks:
     rows: torch.Tensor  # int64 [R]
     allowed: torch.Tensor  # bool [R, V]
     row_states: list[tuple[int, RowConstraint]] = field(default_factory=list)  # (batch row, its matcher)
+    drafted_rows: frozenset[int] = frozenset()  # rows of drafted sequences: advanced after verification
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits with every disallowed token of the constrained rows at -inf (a new tensor: the input
@@ -133,6 +175,8 @@ class ConstraintMasks:
         """Each matcher consumes its row's token; returns (batch row, error) of the samples that failed."""
         failed = []
         for row, rc in self.row_states:
+            if row in self.drafted_rows:
+                continue
             if not rc.error and not rc.matcher.consume_token(token_ids[row]):
                 rc.fail(f"token {token_ids[row]} was refused: {rc.matcher.get_error()}")
             if rc.error:
@@ -150,28 +194,28 @@ def build_constraint_masks(states: Sequence[ConstrainedSequence], candidates: Se
         return None
     if vocabulary is None:  # a caller that forgot it must not sample constrained rows unconstrained
         raise ValueError("constrained rows need llguidance's vocabulary (GuidanceVocabulary)")
-    row_states = []
-    for i in rows:
-        st = states[i]
-        if st.constraint is None:
-            st.constraint = build_row_constraint(st.sampling.constraint, st.token_ids, st.num_generated,  # type: ignore[arg-type]
-                                                 vocabulary)
-        row_states.append((i, st.constraint))
+    row_states = [(i, ensure_constraint(states[i], vocabulary)) for i in rows]
+    prefixes = [getattr(states[i], "draft_prefix", None) for i in rows]
     tokenizer = vocabulary.tokenizer
     words = (tokenizer.vocab_size + 31) // 32 if tokenizer is not None else (width + 31) // 32
     bitmask = torch.zeros(len(rows), words, dtype=torch.int32)
+    unreached = set()  # drafted rows past a draft the grammar refuses
     for j, (_, rc) in enumerate(row_states):
         if not rc.error:
-            word = bitmask[j]  # llguidance.torch's fill_next_token_bitmask, without importing torch.compile
-            rc.matcher.unsafe_compute_mask_ptr(word.data_ptr(), word.numel() * word.element_size())
+            if not _fill_mask(rc, prefixes[j], bitmask[j]):
+                unreached.add(j)
             if rc.matcher.is_error():
                 rc.fail(f"computing the token mask failed: {rc.matcher.get_error()}")
     allowed = unpack_bitmask(bitmask, width)
     any_allowed = allowed.any(dim=1).tolist()
     for j, (_, rc) in enumerate(row_states):
+        if prefixes[j] and (j in unreached or not any_allowed[j]):  # a draft row past a refused draft or the end
+            allowed[j] = True
+            continue
         if not rc.error and not any_allowed[j]:
             rc.fail(f"no token of the model's vocabulary ({width} ids) can continue the constraint")
         if rc.error:
             allowed[j] = True  # sample anything: the row's token is replaced by the failure marker
+    drafted = frozenset(i for i, prefix in zip(rows, prefixes) if prefix is not None)
     return ConstraintMasks(rows=torch.tensor(rows, dtype=torch.int64).to(device), allowed=allowed.to(device),
-                           row_states=row_states)
+                           row_states=row_states, drafted_rows=drafted)

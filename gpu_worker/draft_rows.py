@@ -10,8 +10,9 @@ those of decoding without speculation, the same bits where the kernels are row i
 docs/configuration.md), and unseeded ones follow the same distribution. For a proposer without a
 distribution (n-gram lookup) this keeps a draft x with probability p(x), what the rejection rule of
 speculative_verify.verify_sampled keeps too, so nothing is lost by matching. Logits controls (penalties,
-logit_bias, min_tokens) see each row's own history (`DraftRow`); a constrained sample carries no drafts (its
-matcher would have to be rolled back); a kept draft's logprobs are its own row's (`pack`).
+logit_bias, min_tokens) see each row's own history (`DraftRow`), and so does a constraint: row j is masked
+by the grammar's state after d_1..d_j, and the matcher consumes only what the sequence keeps
+(gpu_worker/constrained.py); a kept draft's logprobs are its own row's (`pack`).
 
 After the step the sequence holds its kept drafts and its own token; the K/V of the kept drafts is computed,
 that of the rejected ones is left in slots the next tokens overwrite, and the blocks past the sequence's
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from gpu_worker.constrained import GuidanceVocabulary, RowConstraint, advance_drafted, ensure_constraint
 from gpu_worker.logits_processors import RowControls, build_row_controls
 from gpu_worker.sampler import top_logprobs
 from gpu_worker.speculative_verify import verify_greedy
@@ -43,14 +45,14 @@ class DraftedState(Protocol):  # runner.SequenceState's fields used here
     num_computed: int
     block_table: np.ndarray
     controls: RowControls | None
+    constraint: RowConstraint | None
 
 
-def check_drafts(seq_id: int, sampling: Sampling, sample: bool, drafts: Sequence[int], end: int, known: int) -> None:
-    """A plan's drafts are for samples without a constraint, on a sampled row that computes the sequence's last
-    token and the drafts (`end`: its computed length after the step; `known`: its tokens)."""
-    if not sample or sampling.constraint is not None:
-        raise ExecutionError(f"sequence {seq_id} has draft tokens but is constrained or not sampled: the "
-                             "scheduler proposes only for others (scheduler_svc/speculation.eligible)")
+def check_drafts(seq_id: int, sample: bool, drafts: Sequence[int], end: int, known: int) -> None:
+    """A plan's drafts are for a sampled row that computes the sequence's last token and the drafts (`end`: its
+    computed length after the step; `known`: its tokens)."""
+    if not sample:
+        raise ExecutionError(f"sequence {seq_id} has draft tokens but is not sampled this step")
     if end != known + len(drafts):
         raise ExecutionError(f"sequence {seq_id} has {len(drafts)} draft tokens, but the step computes up to {end} "
                              f"of its {known} tokens: drafts follow the last token")
@@ -79,13 +81,14 @@ class DraftRow:
     token_ids: list[int]
     num_generated: int  # the output index this row samples
     controls: RowControls | None = None
-    constraint: None = None  # a constrained sequence carries no drafts
+    constraint: RowConstraint | None = None  # the sequence's matcher, masked as after `draft_prefix`
+    draft_prefix: list[int] | None = None  # d_1..d_j
 
 
 def expand(states: list, drafts: list[list[int]], vocab_size: int, eos_token_ids: Sequence[int],
-           device: torch.device) -> list:
+           device: torch.device, vocabulary: GuidanceVocabulary | None = None) -> list:
     """The sampling batch's rows: each sequence without drafts itself, a drafted one as a `DraftRow` per
-    scored row."""
+    scored row. `vocabulary`: llguidance's (constrained sequences)."""
     rows: list = []
     for st, d in zip(states, drafts):
         if not d:
@@ -94,9 +97,10 @@ def expand(states: list, drafts: list[list[int]], vocab_size: int, eos_token_ids
         if st.sampling.uses_logits_controls and st.controls is None:
             st.controls = build_row_controls(st.sampling, st.token_ids, st.num_generated, vocab_size, eos_token_ids,
                                              device)
+        constraint = ensure_constraint(st, vocabulary) if st.sampling.constraint is not None else None
         for j in range(len(d) + 1):
             rows.append(DraftRow(st.sampling, st.token_ids, st.num_generated + j,
-                                 None if st.controls is None else with_tokens(st.controls, d[:j])))
+                                 None if st.controls is None else with_tokens(st.controls, d[:j]), constraint, d[:j]))
     return rows
 
 
@@ -115,6 +119,7 @@ class DraftOutcome:
     token_ids: list[int]  # each sequence's last emitted token
     rows: list[int]  # the scored row that token came from (its logprobs, its top alternatives)
     accepted: list[list[int]]  # each sequence's kept drafts
+    failures: list[tuple[int, str]] = field(default_factory=list)  # (sequence, error) of the drafted constrained samples that failed
 
 
 def pack(result: worker_pb2.StepResult, outcome: DraftOutcome, logits: torch.Tensor, logprobs: torch.Tensor | None,
@@ -144,11 +149,15 @@ def settle(states: list[DraftedState], drafts: list[list[int]], starts: list[int
     """Each sequence's tokens from its rows' choices: appended to it, its computed count and block table brought
     to what it holds now (every token but the last computed; blocks past its tokens dropped)."""
     outcome = DraftOutcome([], [], [])
-    for st, d, start, stop in zip(states, drafts, starts, starts[1:]):
+    for i, (st, d, start, stop) in enumerate(zip(states, drafts, starts, starts[1:])):
         verdict = verify_greedy(row_tokens[start:stop], d)  # no drafts: the row's own token
         if d and st.controls is not None:  # the batch recorded a drafted sequence's rows in their copies
             for t in verdict.tokens:
                 st.controls.record(t)
+        if d and st.constraint is not None:  # the batch left a drafted sequence's matcher as it was
+            advance_drafted(st.constraint, verdict.tokens)
+            if st.constraint.error:
+                outcome.failures.append((i, st.constraint.error))
         st.token_ids.extend(verdict.tokens)
         st.num_generated += len(verdict.tokens)
         outcome.token_ids.append(verdict.tokens[-1])

@@ -303,7 +303,7 @@ class ModelRunner:
                     spans.append(span)
             chunk = state.token_ids[state.num_computed:end]
             if s.draft_token_ids:  # computed after the last token; the plan's count includes them
-                draft_rows.check_drafts(s.seq_id, state.sampling, s.sample, s.draft_token_ids, end, len(state.token_ids))
+                draft_rows.check_drafts(s.seq_id, s.sample, s.draft_token_ids, end, len(state.token_ids))
                 drafted[len(states)] = list(s.draft_token_ids)
                 chunk = chunk + drafted[len(states)]
             inputs.append(chunk)
@@ -361,7 +361,8 @@ class ModelRunner:
         """The sampling sequences' next tokens (rank 0's on every rank), appended to them."""
         sampled = [step.states[i] for i in step.sample_idx]
         eos, vocab = self.model_config.eos_token_ids, logits.shape[-1]  # a drafted sequence: one row per position
-        rows = sampled if step.drafts is None else draft_rows.expand(sampled, step.drafts, vocab, eos, self.device)
+        rows = (sampled if step.drafts is None
+                else draft_rows.expand(sampled, step.drafts, vocab, eos, self.device, self.vocabulary))
         batch = build_sampling_batch(rows, vocab, eos, self.device, self.vocabulary)
         tokens, logprobs = sample(logits, batch)
         tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
@@ -369,7 +370,8 @@ class ModelRunner:
         failures = batch.record(token_list)  # a failed constraint: the scheduler fails that sample alone
         if step.drafts is not None and step.row_starts is not None:  # rows to sequences, drafts kept or not
             drafted = draft_rows.settle(sampled, step.drafts, step.row_starts, token_list, self.block_size)  # type: ignore[arg-type]
-            failures = [(draft_rows.sequence_of_row(step.row_starts, row), error) for row, error in failures]
+            failures = [(draft_rows.sequence_of_row(step.row_starts, row), error)
+                        for row, error in failures] + drafted.failures
             return SampledTokens(sampled, drafted.token_ids, logprobs, failures, drafted)
         for st, tok in zip(sampled, token_list):
             st.token_ids.append(tok)

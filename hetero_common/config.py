@@ -50,7 +50,7 @@ class Config:
     speculative_method: str = field(default="none", metadata=doc(
         "speculative decoding: `none`, or `ngram` (prompt lookup: the tokens that followed the last "
         "prompt_lookup_min..max tokens where they occurred before in the sequence, verified by the model in "
-        "the same step; every sample but a constrained one, which decodes as usual)"))
+        "the same step; every sample, structured output included)"))
     num_speculative_tokens: int = field(default=4, metadata=doc("tokens proposed per sequence and step at most"))
     prompt_lookup_min: int = field(default=2, metadata=doc("`ngram`: the shortest suffix matched"))
     prompt_lookup_max: int = field(default=4, metadata=doc("`ngram`: the longest suffix matched (tried first)"))

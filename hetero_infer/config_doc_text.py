@@ -147,7 +147,7 @@ NOTES = """\
 - **`async_scheduling`**: output is the same token for token as one step at a time; a sequence
   that ends with EOS or a stop id has one token computed in vain.
 - **`speculative_method`** `ngram` (prompt lookup; figures in docs/performance.md, "Speculative
-  decoding"): a greedy decode proposes up to `num_speculative_tokens` tokens that followed its last
+  decoding"): a decode proposes up to `num_speculative_tokens` tokens that followed its last
   `prompt_lookup_max` down to `prompt_lookup_min` tokens where those occurred before in the same
   sequence; the step computes them with the decode's token, samples every position as decoding one
   token at a time would (a seeded row with its own output index's noise) and keeps the drafts equal
@@ -157,9 +157,9 @@ NOTES = """\
   agent loops); each sequence adapts (a proposal at most one longer than what it last kept; one
   whose drafts all fail waits 2-64 decodes, and none proposes while the worker's measured step cost
   says the batch is compute-bound for its acceptance). Penalties, logit_bias, min_tokens, min_p and
-  logprobs apply at every drafted position as if one token were decoded at a time; constrained
-  requests (structured output) decode one token a step as without it in this version; a draft model
-  is not served yet.
+  logprobs apply at every drafted position as if one token were decoded at a time, and so does
+  structured output (each position is masked by the grammar's state after the drafts before it; the
+  grammar advances only by the tokens kept); a draft model is not served yet.
   While a running decode's text repeats (its last tokens have occurred before), the next step is
   not planned ahead of the one in flight (`async_scheduling`): lookups need the real last token.
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with

@@ -30,7 +30,7 @@ from scheduler_svc.preemption import preemption_victim
 from scheduler_svc.request_limits import RequestLimits
 from scheduler_svc.request_table import RequestTable
 from scheduler_svc.sequence import Sequence, SequenceStatus
-from scheduler_svc.speculation import Speculator, eligible
+from scheduler_svc.speculation import Speculator
 from scheduler_svc.stats import pool_stats
 from scheduler_svc.step_plan import SMALL_VARINTS, PlanWriter, WorkerOutbox, plan_needs_worker
 from scheduler_svc.swapped_queue import SwappedQueue
@@ -102,7 +102,7 @@ class Scheduler:
         self._limits.check_blocks(len(prompt_token_ids), sampling.n)
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
                        cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority,
-                       speculative=self.speculator is not None and eligible(sampling))
+                       speculative=self.speculator is not None)
         self._next_seq_id += 1
         self._results.watch_stop_ids(sampling.stop_token_ids)
         self._table.add(seq)

@@ -11,9 +11,9 @@ prefix-cache registration never sees a rejected one, and the blocks allocated pa
 are freed then (`KVCacheManager.trim`, the worker trimming its table the same way). A step with drafts
 is not planned ahead of (overlap.py assumes one token per decode).
 
-Eligible today: every sample but a constrained one (structured output), greedy or sampled, with logits
-controls and logprobs (each position sampled with its own history: gpu_worker/draft_rows.py); constrained
-ones decode one token a step, unchanged.
+Every sample may carry drafts: greedy or sampled, with logits controls, logprobs and structured output (each
+position is sampled with its own history and its grammar's state after the drafts before it, and the matcher
+consumes only what is kept: gpu_worker/draft_rows.py).
 
 Adaptive, so that it does not cost throughput. Per sequence: after a drafted decode that kept `a` drafts,
 its next proposal is at most a + 1 tokens long (growing back by one per success); one that kept none also
@@ -26,18 +26,11 @@ from __future__ import annotations
 
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
-from hetero_common.sampling import Sampling
 from scheduler_svc.draft_state import DraftState
 from scheduler_svc.kv_cache_manager import CopiedBlock, KVCacheManager
 from scheduler_svc.ngram_proposer import NgramIndex
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step_cost import StepCostModel
-
-
-def eligible(sampling: Sampling) -> bool:
-    """Whether a sample's decodes may carry proposals: not a constrained one (its grammar's matcher would have
-    to be rolled back past rejected drafts)."""
-    return sampling.constraint is None
 
 
 class Speculator:

@@ -1,12 +1,14 @@
 """Speculative decoding (`--speculative-method ngram`) through the whole stack (gateway, scheduler, worker:
 separate processes, the tiny model): the same requests give the same streams as without it, token for token,
 over gRPC (greedy with and without stop ids, n = 2, logprobs, seeded sampling, a tight batch, repeating prompts
-whose drafts are kept) and HTTP with the official `openai` client (a stop string inside the output); the
+whose drafts are kept, structured output whose text repeats: a regex, greedy and seeded, and a JSON Schema)
+and HTTP with the official `openai` client (a stop string inside the output); the
 drafts were proposed and some kept (the Prometheus counters); no KV block is left in use. And with a worker
 SIGKILLed mid-stream, every stream is the undisturbed one."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -17,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.testing.stack import free_port, run_stack
 from hetero_infer.testing.stack_requests import service_stats, wait_for_idle
+from tests.helpers.oracle import make_prompts
 from tests.stack.test_overlap_stack import requests, stream_all
 from tests.stack.test_resilience import killer, run_streams, stack_flags, worker_pid
 from tests.stack.test_resilience import requests as resilience_requests
@@ -32,6 +35,18 @@ def repeating(count: int) -> list[inference_pb2.GenerateRequest]:
     return [inference_pb2.GenerateRequest(request_id=f"rep{i}", prompt_token_ids=inference_pb2.TokenIds(ids=span[i:] + span * 3),
                                           params=common_pb2.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
             for i in range(count)]
+
+
+def constrained() -> list[inference_pb2.GenerateRequest]:
+    """Structured output whose text repeats, so that lookups propose inside the grammar (and the grammar
+    refuses some drafts)."""
+    colors = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 8, "maxItems": 8}
+    specs = [dict(regex=r"(the city ){6}[a-z]{1,4}", temperature=0.0),
+             dict(regex=r"(cat|dog)( (cat|dog)){12}", temperature=0.9, seed=5),
+             dict(json_schema=json.dumps(colors), temperature=0.0)]
+    return [inference_pb2.GenerateRequest(request_id=f"c{i}", prompt_token_ids=inference_pb2.TokenIds(ids=make_prompts()[3]),
+                                          params=common_pb2.SamplingParams(max_tokens=80, **spec))
+            for i, spec in enumerate(specs)]
 
 
 def gauges(url: str) -> dict[str, float]:
@@ -51,7 +66,7 @@ def http_answers(url: str) -> list[tuple[str, str]]:
 
 @slow
 def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Path) -> None:
-    results, answers = {}, {}
+    results, structured, answers = {}, {}, {}
     stop_id = None
     for method in ("none", "ngram"):
         flags = SPECULATION if method == "ngram" else ()
@@ -62,6 +77,10 @@ def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Pa
                 probe.params.ignore_eos = True
                 stop_id = [t for m in stack.inference.Generate(probe, timeout=60) for t in m.token_ids][6]
             results[method] = stream_all(stack, requests(stop_id) + repeating(3))
+            before = gauges(stack.http_url)
+            structured[method] = stream_all(stack, constrained())
+            kept = gauges(stack.http_url)["hetero_spec_decode_accepted_tokens"] - before["hetero_spec_decode_accepted_tokens"]
+            assert kept > 0 if method == "ngram" else kept == 0
             answers[method] = http_answers(stack.http_url)
             assert wait_for_idle(stack).used_blocks == 0
             counts = gauges(stack.http_url)
@@ -73,6 +92,8 @@ def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Pa
     assert len(results["ngram"]) == 12  # 8 requests, one with n = 2, and 3 repeating ones
     assert results["ngram"][("r1", 0)][2] == common_pb2.FINISH_REASON_STOP
     assert results["ngram"] == results["none"]
+    assert structured["ngram"] == structured["none"]
+    assert all(finish == common_pb2.FINISH_REASON_STOP for _, _, finish in structured["ngram"].values())
     assert answers["ngram"] == answers["none"] and answers["ngram"][1][1] == "stop"
 
 

@@ -5,14 +5,17 @@ model's width, EOS once complete, replay after preemption, a failing row); the c
 from __future__ import annotations
 
 import json
+import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from gateway.command_bridge import refuse_logits_controls
+from gpu_worker import draft_rows
 from hetero_common.tokenizer import load_tokenizer
 from gateway.validation import prepare
 from gpu_worker.constrained import (GuidanceVocabulary, RowConstraint, build_constraint_masks, unpack_bitmask)
@@ -207,3 +210,54 @@ def test_a_model_vocabulary_narrower_than_the_tokenizer_is_served(text_tokenizer
     masks = build_constraint_masks([row], [0], 300, vocabulary, torch.device("cpu"))
     assert masks is not None and masks.allowed.shape == (1, 300) and not row.constraint.error
     assert vocabulary.tokenizer.vocab_size == 384 and bool(masks.allowed.any())
+
+
+# --- drafted rows (speculative decoding: gpu_worker/draft_rows.py) ---
+
+
+@dataclass
+class DraftedRow(Row):
+    """A worker sequence as draft_rows reads it."""
+
+    num_computed: int = 0
+    block_table: object = None
+
+
+def decode_one_at_a_time(params: common_pb2.SamplingParams, vocabulary: GuidanceVocabulary,
+                         logits_at: torch.Tensor) -> list[int]:
+    row = Row(resolve(params), [1])
+    while row.token_ids[-1] != EOS or len(row.token_ids) == 1:
+        choose([row], vocabulary, logits_at[row.num_generated][None].clone())
+    return row.token_ids[1:]
+
+
+def decode_with_drafts(params: common_pb2.SamplingParams, vocabulary: GuidanceVocabulary, logits_at: torch.Tensor,
+                       reference: list[int], rng: random.Random) -> list[int]:
+    """The sample's tokens up to its EOS. Each step proposes up to 4 drafts: the reference's next tokens, some replaced by random ids (most of
+    which the grammar refuses); every row's logits are those of the output index it samples."""
+    st = DraftedRow(resolve(params), [1], block_table=np.arange(64, dtype=np.int32))
+    while EOS not in st.token_ids[1:]:
+        drafts = [t if rng.random() < 0.7 else rng.randrange(MODEL_VOCAB)
+                  for t in reference[st.num_generated:st.num_generated + rng.randrange(5)]]
+        rows = draft_rows.expand([st], [drafts], MODEL_VOCAB, [EOS], torch.device("cpu"), vocabulary)
+        batch = build_sampling_batch(rows, MODEL_VOCAB, [EOS], torch.device("cpu"), vocabulary)
+        tokens, _ = sample(logits_at[st.num_generated:st.num_generated + len(drafts) + 1].clone(), batch)
+        assert batch.record(tokens.tolist()) == []
+        st.num_computed = len(st.token_ids) + len(drafts)
+        outcome = draft_rows.settle([st], [drafts], [0, len(rows)], tokens.tolist(), block_size=4)
+        assert outcome.failures == []
+    out = st.token_ids[1:]
+    return out[:out.index(EOS) + 1]  # the rows past a kept EOS are sampled unmasked; the scheduler stops there
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_drafted_constrained_rows_give_what_decoding_one_token_at_a_time_gives(temperature, vocabulary,
+                                                                              text_tokenizer) -> None:
+    """Row j is masked as after d_1..d_j, a refused draft fails nothing, and the matcher keeps only what is
+    kept: with the same logits per output index, the outputs are the same tokens."""
+    params = common_pb2.SamplingParams(regex=r"[a-z]{2,5}\.\d", temperature=temperature, seed=11)
+    logits_at = torch.randn(16, MODEL_VOCAB, generator=torch.Generator().manual_seed(5)) * 4
+    reference = decode_one_at_a_time(params, vocabulary, logits_at)
+    assert re.fullmatch(r"[a-z]{2,5}\.\d", text_tokenizer.decode(reference[:-1]))
+    for seed in range(6):
+        assert decode_with_drafts(params, vocabulary, logits_at, reference, random.Random(seed)) == reference

@@ -26,6 +26,7 @@ class State:
     num_computed: int = 0
     block_table: np.ndarray = field(default_factory=lambda: np.arange(8, dtype=np.int32))
     controls: RowControls | None = None
+    constraint: None = None
 
 
 def test_a_drafted_sequence_scores_its_last_k_plus_one_rows() -> None:
@@ -74,8 +75,8 @@ def test_kept_drafts_logprobs_come_from_their_own_rows() -> None:
 
 
 def test_drafts_the_scheduler_would_not_send_are_refused() -> None:
-    draft_rows.check_drafts(3, GREEDY, True, [5, 6], end=12, known=10)
-    with pytest.raises(ExecutionError, match="constrained or not sampled"):
-        draft_rows.check_drafts(3, GREEDY, False, [5], 11, 10)
+    draft_rows.check_drafts(3, True, [5, 6], end=12, known=10)
+    with pytest.raises(ExecutionError, match="not sampled"):
+        draft_rows.check_drafts(3, False, [5], 11, 10)
     with pytest.raises(ExecutionError, match="drafts follow the last token"):
-        draft_rows.check_drafts(3, GREEDY, True, [5, 6], end=11, known=10)
+        draft_rows.check_drafts(3, True, [5, 6], end=11, known=10)

@@ -9,7 +9,7 @@ from hetero_common.sampling import resolve
 from scheduler_svc.kv_cache_manager import KVCacheManager
 from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.draft_state import MAX_BACK_OFF, DraftState
-from scheduler_svc.speculation import Speculator, eligible
+from scheduler_svc.speculation import Speculator
 from scheduler_svc.step_cost import StepCostModel
 from scheduler_svc.ngram_proposer import NgramIndex
 
@@ -26,13 +26,6 @@ def sequence(tokens: list[int], **params) -> Sequence:
     seq = Sequence(0, "r", list(tokens), len(tokens), resolve(p), p, speculative=True, status=SequenceStatus.DECODE)
     seq.num_computed = len(tokens) - 1
     return seq
-
-
-def test_every_sample_but_a_constrained_one_is_eligible() -> None:
-    assert eligible(resolve(common_pb2.SamplingParams(temperature=0.0)))
-    assert eligible(resolve(common_pb2.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3, min_p=0.1)))
-    assert eligible(resolve(common_pb2.SamplingParams(temperature=0.0, logprobs=2, presence_penalty=0.5)))
-    assert not eligible(resolve(common_pb2.SamplingParams(temperature=0.0, json_object=True)))
 
 
 def test_drafts_stay_within_the_budget_max_tokens_and_the_free_blocks() -> None:
