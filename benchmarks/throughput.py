@@ -44,7 +44,7 @@ from benchmarks.roofline import (  # noqa: E402
     MatmulRates, cpu_description, cpu_line, flop_per_token, measure_matmul_rates)
 from benchmarks.workload import Result, make_prompts, round_order  # noqa: E402
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint  # noqa: E402
-from gpu_worker.runner import resolve_dtype  # noqa: E402
+from gpu_worker.model_build import resolve_dtype  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402

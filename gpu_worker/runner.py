@@ -18,21 +18,20 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
-from gpu_worker.cpu.gguf_serving import gguf_blocks_kept, log_gguf_serving
-from gpu_worker.cpu.packed_linear import prepack_supported
+from gpu_worker.cpu.gguf_serving import gguf_blocks_kept
 from gpu_worker.cpu.worker_setup import (allocate_cpu_kv_cache, choose_cpu_dtype, configure_cpu_threads,
-                                         plan_c_linear, resolve_cpu_dtype, row_invariance_unavailable)
+                                         row_invariance_unavailable)
 from gpu_worker.cuda_graphs import DecodeGraphs
 from gpu_worker.cuda_setup import prepare_cuda_worker
 from gpu_worker import draft_rows
+from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_dtype import kv_cache_torch_dtype
 from gpu_worker.kv_suspension import KVSuspension
-from gpu_worker.model import LlamaModel, linear_shapes
+from gpu_worker.model_build import build_model, resolve_device, resolve_dtype
 from gpu_worker.logits_processors import RowControls
 from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
 from gpu_worker.sampler import build_sampling_batch, sample, top_logprobs
 from gpu_worker.tensor_parallel import TensorParallel
-from gpu_worker.weight_quantization import quantized_weights
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ExecutionError
@@ -54,6 +53,7 @@ class SequenceState:
     prompt_logprobs: int | None = None  # alternatives per prompt position to score (gpu_worker/prompt_logprobs.py)
     controls: RowControls | None = None  # logits controls' state, built at the first sampled step (logits_processors)
     constraint: RowConstraint | None = None  # the constraint's matcher, built at the first sampled step (constrained)
+    draft_computed: int = -1  # tokens whose draft-model K/V is cached (draft_model.py); -1: new
 
 
 @dataclass
@@ -84,20 +84,6 @@ class SampledTokens:
     drafted: draft_rows.DraftOutcome | None = None  # with drafts: the drafts kept, the rows the tokens came from
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, hidden_size: int = 0, prepack: bool = True,
-                  cpu_kernels: str = "auto") -> torch.dtype:
-    """`auto`: bfloat16 on CUDA; on a CPU, bfloat16 where its matrix products are faster (cpu.worker_setup)."""
-    if device.type == "cpu":
-        return resolve_cpu_dtype(name, hidden_size, prepack, cpu_kernels)[0]
-    return torch.bfloat16 if name == "auto" else getattr(torch, name)
-
-
 class ModelRunner:
     def __init__(self, config: Config, tp: TensorParallel = TensorParallel()) -> None:
         self.config = config
@@ -112,18 +98,24 @@ class ModelRunner:
         self.dtype = self._choose_dtype(threads)
         self.block_size = config.block_size
         self.max_positions = min(config.max_model_len, self.model_config.max_position_embeddings)
-        self.model = self._build_model(weights)
+        self.model, self.c_linear = build_model(config, self.model_config, weights, self.device, self.dtype,
+                                                self.max_positions, tp)
         del weights  # the checkpoint's tensors go before the KV cache is sized (the model keeps what it uses)
         self.kv_dtype = kv_cache_torch_dtype(config, self.dtype, self.device, self.model_config.head_dim)
         row = kv_row_bytes(self.kv_dtype, self.model_config.head_dim)  # fp8: half bfloat16's, so twice the blocks
         self.bytes_per_block = (self.model_config.num_hidden_layers * 2 * self.block_size * self.model.num_kv_heads
                                 * row)  # this rank's share of the KV heads
+        self.drafter = (DraftModel(config, self.model_config, self.device, self.dtype, self.max_positions)
+                        if config.speculative_method == "draft" else None)
+        self.bytes_per_block += self.drafter.bytes_per_block if self.drafter is not None else 0  # sized together
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":  # the KV cache is sized from free memory after a warm-up pass
             self._prepare_cuda()
         else:
             self.num_blocks, self.attention, self.kv_cache = allocate_cpu_kv_cache(
                 config, self.model, self.model_config.head_dim, self.kv_dtype, self.bytes_per_block)
+        if self.drafter is not None:  # its K/V in as many blocks
+            self.drafter.allocate(self.num_blocks)
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
         self.vocabulary = GuidanceVocabulary(self._tokenizer_json, self.model_config.eos_token_ids,
                                              self.model_config.vocab_size)
@@ -140,20 +132,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             return choose_cpu_dtype(self.config, self.model_config.hidden_size, self.tp, threads)
         return resolve_dtype(self.config.dtype, self.device)
-
-    def _build_model(self, weights: dict[str, torch.Tensor]) -> LlamaModel:
-        """The model on this device, its linear weights packed where the CPU's products want them (`c_linear`:
-        through the C kernel)."""
-        config = self.config
-        prepack = config.weight_prepack and prepack_supported(self.device, self.dtype)
-        self.c_linear, c_linear_amx, c_linear_max_rows = plan_c_linear(
-            self.dtype, prepack, config.cpu_kernels, linear_shapes(self.model_config, self.tp), config.deterministic)
-        model = LlamaModel(self.model_config, weights, self.device, self.dtype, self.max_positions, self.tp,
-                           prepack=prepack, native_linear=self.c_linear, native_linear_max_rows=c_linear_max_rows,
-                           native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch",
-                           **quantized_weights(config, self.device, self.dtype, self.c_linear))
-        log_gguf_serving(weights, model)
-        return model
 
     def _prepare_cuda(self) -> None:
         """The attention backend, the KV cache sized from the memory left after a warm-up pass, the decode graphs."""
@@ -226,10 +204,13 @@ class ModelRunner:
                 raise ExecutionError(f"step {plan.step_id}: sequence {swap.seq_id} has no swapped blocks of that count")
             swap_in_blocks(self.kv_cache, host, torch.tensor(list(swap.block_ids), device=self.device))
             state.block_table = np.asarray(swap.block_ids, dtype=np.int32)
+            state.draft_computed = 0  # the draft model's K/V stayed behind (draft_model.py)
         if plan.block_copies:
             src = torch.tensor([c.src for c in plan.block_copies], device=self.device)
             dst = torch.tensor([c.dst for c in plan.block_copies], device=self.device)
             copy_blocks(self.kv_cache, src, dst)
+            if self.drafter is not None:
+                self.drafter.copy_blocks(src, dst)
         for new in plan.new_sequences:
             self.sequences[new.seq_id] = SequenceState(list(new.token_ids), resolve(new.params), new.num_generated,
                                                        prompt_logprobs=wanted(new.params, new.num_generated))
@@ -248,6 +229,8 @@ class ModelRunner:
         if self._suspension.mode:
             return 0
         self.kv_cache, released = self._suspension.suspend(mode, self.kv_cache, self.graphs is not None)
+        if self.drafter is not None:
+            self.drafter.suspend(mode)
         if released:  # CUDA graphs captured the cache's address: dropped now, captured again on resume
             self.graphs = None
             if self.device.type == "cuda":
@@ -257,6 +240,8 @@ class ModelRunner:
 
     def resume_kv_cache(self) -> None:
         self.kv_cache, mode = self._suspension.resume(self.kv_cache)
+        if self.drafter is not None:
+            self.drafter.resume(self.sequences.values())
         if mode in ("offload", "recompute") and self._suspension.recapture_graphs:
             from gpu_worker.cuda_setup import capture_decode_graphs
 
@@ -292,8 +277,11 @@ class ModelRunner:
         spans: list[PromptSpan] = []  # prompt positions whose logprobs are asked for
         row_offset = 0  # this sequence's first row in the step's flattened tokens (the sum of qo_lens so far)
         drafted: dict[int, list[int]] = {}  # plan index -> the entry's speculative drafts (draft_rows.py)
-        for s in plan.scheduled:
-            state, end = self._update_sequence(plan, s)
+        updated = [self._update_sequence(plan, s) for s in plan.scheduled]
+        if self.drafter is not None:  # the draft model's proposals into the entries that ask for them
+            self.drafter.propose(plan.scheduled, [st for st, _ in updated], [end for _, end in updated], self.tp,
+                                 self.vocabulary)
+        for s, (state, end) in zip(plan.scheduled, updated):
             if state.prompt_logprobs is not None:
                 span = prompt_span(s.seq_id, state.prompt_logprobs, state.token_ids, state.num_generated,
                                    state.num_computed, s.num_tokens, row_offset)
@@ -338,7 +326,8 @@ class ModelRunner:
             raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} has {state.num_computed} cached tokens, "
                                  f"the plan says {s.num_cached_tokens}")
         end = state.num_computed + s.num_tokens
-        if end > len(state.token_ids) + len(s.draft_token_ids) or end > len(state.block_table) * self.block_size:
+        drafts = len(s.draft_token_ids) + (s.num_draft_model_tokens if self.drafter is not None else 0)
+        if end > len(state.token_ids) + drafts or end > len(state.block_table) * self.block_size:
             raise ExecutionError(f"step {plan.step_id}: sequence {s.seq_id} cannot compute tokens up to {end} "
                                  f"({len(state.token_ids)} known, {len(state.block_table)} blocks)")
         return state, end

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import grpc
 import structlog
 
-from gpu_worker.runner import ModelRunner, resolve_device
+from gpu_worker.model_build import resolve_device
+from gpu_worker.runner import ModelRunner
 from gpu_worker.tensor_parallel import Command, TensorParallel
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config

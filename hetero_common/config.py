@@ -48,12 +48,15 @@ class Config:
         "overlap: plan and send step N+1 while the worker computes step N (`scheduler_svc/overlap.py`); "
         "false = plan each step after the last one's result"))
     speculative_method: str = field(default="none", metadata=doc(
-        "speculative decoding: `none`, or `ngram` (prompt lookup: the tokens that followed the last "
-        "prompt_lookup_min..max tokens where they occurred before in the sequence, verified by the model in "
-        "the same step; every sample, structured output included)"))
+        "speculative decoding: `none`; `ngram` (prompt lookup: the tokens that followed the last "
+        "prompt_lookup_min..max tokens where they occurred before in the sequence); or `draft` (a smaller model, "
+        "`speculative_model`, proposes them greedily in the worker). Proposals are verified by the model in the "
+        "same step; every sample, structured output included"))
     num_speculative_tokens: int = field(default=4, metadata=doc("tokens proposed per sequence and step at most"))
     prompt_lookup_min: int = field(default=2, metadata=doc("`ngram`: the shortest suffix matched"))
     prompt_lookup_max: int = field(default=4, metadata=doc("`ngram`: the longest suffix matched (tried first)"))
+    speculative_model: str = field(default="", metadata=doc(
+        "`draft`: the draft model (a directory or a .gguf file, like `model`) with the served model's tokenizer"))
     routing_policy: str = field(default="round_robin", metadata=doc(
         "which replica a new request goes to: `round_robin`, `longest_prefix` (most leading full prompt blocks "
         "already routed there) or `first_prefix_block`; load breaks ties"))
@@ -221,8 +224,10 @@ class Config:
                "or a long prompt could never be scheduled")
         _check(self.max_prefill_chunk_tokens >= 0, "max_prefill_chunk_tokens", self.max_prefill_chunk_tokens,
                "must be >= 0 (0 = only the max_total_tokens budget caps a prompt chunk)")
-        _check(self.speculative_method in ("none", "ngram"), "speculative_method", self.speculative_method,
-               "must be none or ngram (a draft model is not served yet)")
+        _check(self.speculative_method in ("none", "ngram", "draft"), "speculative_method", self.speculative_method,
+               "must be none, ngram or draft")
+        _check(bool(self.speculative_model) == (self.speculative_method == "draft"), "speculative_model",
+               self.speculative_model, "is the draft model of speculative_method draft: set both or neither")
         _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", self.num_speculative_tokens, "must be in 1..16")
         _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min", self.prompt_lookup_min,
                f"must be in 1..prompt_lookup_max ({self.prompt_lookup_max})")

@@ -159,9 +159,20 @@ NOTES = """\
   says the batch is compute-bound for its acceptance). Penalties, logit_bias, min_tokens, min_p and
   logprobs apply at every drafted position as if one token were decoded at a time, and so does
   structured output (each position is masked by the grammar's state after the drafts before it; the
-  grammar advances only by the tokens kept); a draft model is not served yet.
+  grammar advances only by the tokens kept).
   While a running decode's text repeats (its last tokens have occurred before), the next step is
   not planned ahead of the one in flight (`async_scheduling`): lookups need the real last token.
+- **`speculative_method`** `draft`: `speculative_model` (a directory or a .gguf file with the served
+  model's tokenizer; a wider padded vocabulary is cut to the served one) runs on every worker, in the
+  served dtype and `quantization`, and proposes greedily, within the grammar for structured output;
+  the proposals are verified as above, so outputs are the served model's whatever the draft says.
+  Its K/V sits in its own cache tensor in the same blocks as the served model's: each block's bytes
+  count both when `kv_cache_memory_gb` or `gpu_memory_utilization` is divided into blocks, so the
+  pool has fewer blocks. It costs a draft forward over every computed token (prompts too) plus
+  `num_speculative_tokens` - 1 one-token passes per drafted step: it pays when the draft is much
+  cheaper than the served model and agrees with it often. With tensor parallelism every rank runs
+  the whole draft and rank 0's proposals are used. A swapped-out sequence's or a suspended
+  cache's draft K/V is recomputed from the tokens. Steps that carry drafts are never planned ahead.
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with
   `hetero-infer worker --tp-rank R`, all with the same config and rank 0's `worker_address`,
   and point the scheduler at rank 0 alone; rank 0 serves the TCP store (gloo on the CPU, NCCL

@@ -196,16 +196,16 @@ class Scheduler:
             if n == 0:
                 continue  # planned ahead, and the token in flight ends it by length (overlap.py)
             if n <= token_budget:  # allocate_slots: _reserve's first try, made here (most decodes need no more)
-                copies, drafts = (self.speculator.allocate(seq, token_budget, self.kv_cache)  # type: ignore[union-attr]
-                                  if seq.speculative and n == 1 else (allocate_slots(seq, n), ()))
+                copies, drafts, asked = (self.speculator.allocate(seq, token_budget, self.kv_cache)  # type: ignore[union-attr]
+                                         if seq.speculative and n == 1 else (allocate_slots(seq, n), (), 0))
                 if copies is not None or self._reserve(seq, n):
                     if copies:
                         self._outbox.copy_blocks(seq, copies)
                     seq.last_scheduled_step = step_id
                     scheduled.append((seq, n))
-                    writer.entry(seq, n, drafts)
+                    writer.entry(seq, n, drafts, asked)
                     seq_budget -= 1
-                    token_budget -= n + len(drafts)
+                    token_budget -= n + len(drafts) + asked
             room = room_at_sync = min(seq_budget, token_budget)
         return seq_budget - (room_at_sync - room), token_budget - (room_at_sync - room), prompts_seen
 

@@ -2,10 +2,12 @@
 proposals, the proposals (scheduler_svc/ngram_proposer.py), and the counts.
 
 A decode with proposals d_1..d_k is scheduled as 1 + k tokens (its last token, then the drafts) and its entry
-carries them (ScheduledSequence.draft_token_ids); it is written on the general path, never the fast one. The
-worker samples the k + 1 positions as decoding one at a time would and keeps the longest prefix of drafts
+carries them (ScheduledSequence.draft_token_ids), or, with a draft model (`draft`), how many the worker's
+draft model is to propose (num_draft_model_tokens: gpu_worker/draft_model.py); it is written on the general
+path, never the fast one. The worker samples the k + 1 positions as decoding one at a time would and keeps the longest prefix of drafts
 equal to those samples, then its own token (gpu_worker/draft_rows.py), so the output is token for token what
-decoding without speculation gives (greedy; seeded sampling; unseeded, the same distribution). Only the token certainly computed counts as computed when the step is counted
+decoding without speculation gives (greedy; seeded sampling; unseeded, the same distribution). Only the
+token certainly computed counts as computed when the step is counted
 (overlap.StepInFlight.count); the kept drafts are counted as the result is read (result_reader.py), so
 prefix-cache registration never sees a rejected one, and the blocks allocated past the sequence's tokens
 are freed then (`KVCacheManager.trim`, the worker trimming its table the same way). A step with drafts
@@ -37,9 +39,10 @@ class Speculator:
     """The proposals for each decode, and how many were proposed and kept (the scheduler's metrics)."""
 
     __slots__ = ("max_drafts", "min_n", "max_n", "max_model_len", "num_proposed", "num_accepted", "num_drafted_rows",
-                 "cost")
+                 "cost", "draft_model")
 
     def __init__(self, config: Config, max_model_len: int) -> None:
+        self.draft_model = config.speculative_method == "draft"  # proposals from the worker's draft model
         self.max_drafts = config.num_speculative_tokens
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
@@ -48,45 +51,46 @@ class Speculator:
         self.num_drafted_rows = 0  # decodes that carried drafts
         self.cost = StepCostModel()  # what drafts cost the worker's steps at the current batch
 
-    def drafts(self, seq: Sequence, token_budget: int, kv_cache: KVCacheManager) -> list[int]:
-        """Proposals for a `speculative` decode computing its last token this step: at most `token_budget`, no
-        more than its max_tokens and max_model_len leave room for (the step emits up to 1 + k tokens), and
-        only where the free blocks hold them (drafts never preempt anyone)."""
+    def drafts(self, seq: Sequence, token_budget: int, kv_cache: KVCacheManager) -> tuple[list[int], int]:
+        """Proposals for a `speculative` decode computing its last token this step: (n-gram drafts, or how many
+        the worker's draft model is to propose). At most `token_budget`, no more than its max_tokens and
+        max_model_len leave room for (the step emits up to 1 + k tokens), and only where the free blocks hold
+        them (drafts never preempt anyone)."""
         if seq.awaiting_token:
-            return []
+            return [], 0
         token_ids = seq.token_ids
         state = self._state(seq)
         num = len(token_ids)
         room = min(state.max_drafts, token_budget, seq.last_len - num, self.max_model_len - 1 - num)
         if room <= 0 or num < state.resume_at or state.acceptance <= self.cost.threshold():
-            return []
-        index = state.index
-        if len(index) > num:  # never: token ids only grow (a placeholder is never indexed)
-            index.truncate(num)
-        index.extend(token_ids[len(index):])
-        drafts = index.propose(room)
-        state.drafted_at, state.proposed = num, len(drafts)
-        if drafts and not kv_cache.can_grow(seq, 1 + len(drafts)):
-            return []
-        if drafts:
-            self.num_proposed += len(drafts)
-            self.num_drafted_rows += 1
-        return drafts
+            return [], 0
+        drafts: list[int] = []
+        if not self.draft_model:
+            state.index.extend(token_ids[len(state.index):])
+            drafts = state.index.propose(room)
+        count = room if self.draft_model else len(drafts)
+        state.drafted_at, state.proposed = num, count
+        if not count or not kv_cache.can_grow(seq, 1 + count):
+            return [], 0
+        self.num_proposed += count
+        self.num_drafted_rows += 1
+        return drafts, count - len(drafts)
 
     def allocate(self, seq: Sequence, token_budget: int,
-                 kv_cache: KVCacheManager) -> tuple[list[CopiedBlock] | None, list[int]]:
+                 kv_cache: KVCacheManager) -> tuple[list[CopiedBlock] | None, list[int], int]:
         """A `speculative` decode's blocks, for its last token and its drafts, within `token_budget` tokens:
         (the copies to make, or None when the pool is short (for the caller to preempt for the token alone),
-        the drafts). Drafts never preempt anyone: where copy-on-write finds no block for them, they are dropped
-        and the blocks taken for them freed."""
-        drafts = self.drafts(seq, token_budget - 1, kv_cache)
-        copies = kv_cache.allocate_slots(seq, 1 + len(drafts))
-        if copies is None and drafts:
+        the n-gram drafts, how many the draft model proposes). Drafts never preempt anyone: where copy-on-write
+        finds no block for them, they are dropped and the blocks taken for them freed."""
+        drafts, asked = self.drafts(seq, token_budget - 1, kv_cache)
+        count = len(drafts) + asked
+        copies = kv_cache.allocate_slots(seq, 1 + count)
+        if copies is None and count:
             kv_cache.trim(seq, seq.num_computed + 1)
-            self.num_proposed -= len(drafts)
+            self.num_proposed -= count
             self.num_drafted_rows -= 1
-            drafts = []
-        return copies, drafts
+            drafts, asked = [], 0
+        return copies, drafts, asked
 
     def wants_drafts(self, running: list[Sequence]) -> bool:
         """Whether a running decode may propose in the next step: then it is not planned ahead of the step in
@@ -96,6 +100,8 @@ class Speculator:
             if seq.speculative and not seq.awaiting_token:
                 state = self._state(seq)
                 if len(seq.token_ids) + 1 >= state.resume_at and state.acceptance > threshold:
+                    if self.draft_model:  # it proposes at every decode
+                        return True
                     state.index.extend(seq.token_ids[len(state.index):])
                     if state.index.propose(1):  # its text repeats here: the next token likely continues it
                         return True

@@ -51,6 +51,7 @@ _SAMPLE_TRUE = _tag(worker_pb2.ScheduledSequence, "sample", _VARINT) + b"\x01"
 _NUM_CACHED = _tag(worker_pb2.ScheduledSequence, "num_cached_tokens", _VARINT)
 _NEW_BLOCK_IDS = _tag(worker_pb2.ScheduledSequence, "new_block_ids", _LENGTH_DELIMITED)
 _DRAFT_TOKEN_IDS = _tag(worker_pb2.ScheduledSequence, "draft_token_ids", _LENGTH_DELIMITED)
+_DRAFT_MODEL_TOKENS = _tag(worker_pb2.ScheduledSequence, "num_draft_model_tokens", _VARINT)
 _PLAN_SCHEDULED = _tag(worker_pb2.StepPlan, "scheduled", _LENGTH_DELIMITED)
 _PLAN_NEW_SEQUENCE = _tag(worker_pb2.StepPlan, "new_sequences", _LENGTH_DELIMITED)
 _NEW_SEQ_ID = _tag(worker_pb2.NewSequence, "seq_id", _VARINT)
@@ -76,7 +77,7 @@ def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int
 
 
 def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KVCacheManager | None,
-                drafts: list[int] | tuple[()] = ()) -> None:
+                drafts: list[int] | tuple[()] = (), model_drafts: int = 0) -> None:
     """One `scheduled` entry's wire bytes, appended to `parts` (for a sequence not on the worker yet, its
     `new_sequences` entry first: the plan parses them into their own field, in order).
 
@@ -87,16 +88,18 @@ def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KV
     num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
     (`decode_head` + num_cached_tokens' varint) without coming here; anything that changes the sequence's
     blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `WorkerOutbox.release`).
-    `drafts`: speculative proposals after the sequence's last token (speculation.py), computed with it; a
-    `speculative` sequence's decodes are never armed (its next one may carry drafts)."""
+    `drafts`: speculative proposals after the sequence's last token (speculation.py), computed with it;
+    `model_drafts`: how many the worker's draft model is to propose instead. A `speculative` sequence's decodes
+    are never armed (its next one may carry drafts)."""
     token_ids = seq.token_ids
     if not seq.on_worker:
         parts += new_sequence_bytes(seq)
         seq.on_worker = True
     num_computed, table = seq.num_computed, seq.block_table
     sample = num_computed + num_tokens == len(token_ids)
-    if seq.pending_edits or len(table) > seq.num_blocks_sent or not sample or not num_computed or drafts:
-        body = _entry_bytes(seq, num_tokens, sample, drafts)
+    if (seq.pending_edits or len(table) > seq.num_blocks_sent or not sample or not num_computed or drafts
+            or model_drafts):
+        body = _entry_bytes(seq, num_tokens, sample, drafts, model_drafts)
         parts += (_PLAN_SCHEDULED, varint(len(body)), body)
     else:  # a decode in blocks the worker has: seq_id, num_tokens, sample = true, num_cached_tokens
         parts += (decode_head(seq.seq_id, num_computed, num_tokens), varint(num_computed))
@@ -134,22 +137,23 @@ def decode_head(seq_id: int, num_computed: int, num_tokens: int) -> bytes:
     return b"".join((_PLAN_SCHEDULED, varint(size), _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE, _NUM_CACHED))
 
 
-def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool, drafts: list[int] | tuple[()] = ()) -> bytes:
+def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool, drafts: list[int] | tuple[()] = (),
+                 model_drafts: int = 0) -> bytes:
     """Any other entry: new blocks, a prompt chunk, table edits (copy-on-write). Written by hand too, but
     for table edits (rare: a message); a message per entry cost three times as much (one per admission
     and per block a sequence fills)."""
     new_blocks = seq.block_table[seq.num_blocks_sent:]
     if seq.pending_edits:
-        entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens + len(drafts), sample=sample,
-                                             new_block_ids=new_blocks, num_cached_tokens=seq.num_computed,
-                                             draft_token_ids=drafts)
+        entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens + len(drafts) + model_drafts,
+                                             sample=sample, new_block_ids=new_blocks, num_cached_tokens=seq.num_computed,
+                                             draft_token_ids=drafts, num_draft_model_tokens=model_drafts)
         for index, block_id in seq.pending_edits:
             entry.block_table_edits.add(index=index, block_id=block_id)
         seq.pending_edits.clear()
         return entry.SerializeToString()
     parts = [_SEQ_ID, varint(seq.seq_id)] if seq.seq_id else []  # in number order, empty fields left out (as protobuf)
     if num_tokens:
-        parts += (_NUM_TOKENS, varint(num_tokens + len(drafts)))
+        parts += (_NUM_TOKENS, varint(num_tokens + len(drafts) + model_drafts))
     if new_blocks:
         packed = b"".join([varint(b) for b in new_blocks])
         parts += (_NEW_BLOCK_IDS, varint(len(packed)), packed)
@@ -160,6 +164,8 @@ def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool, drafts: list[int]
     if drafts:
         packed = b"".join([varint(t) for t in drafts])
         parts += (_DRAFT_TOKEN_IDS, varint(len(packed)), packed)
+    if model_drafts:
+        parts += (_DRAFT_MODEL_TOKENS, varint(model_drafts))
     return b"".join(parts)
 
 
@@ -239,11 +245,11 @@ class PlanWriter:
         self.swap_ins: list[worker_pb2.SwapBlocks] = []
         self.drafted: list[Sequence] = []  # the sequences whose entries carry speculative drafts
 
-    def entry(self, seq: Sequence, num_tokens: int, drafts: list[int] | tuple[()] = ()) -> None:
-        """Schedule the sequence's next `num_tokens` tokens (their blocks allocated; and `drafts` after them),
-        arming its fast path."""
-        write_entry(self.parts, seq, num_tokens, self.kv_cache, drafts)
-        if drafts:
+    def entry(self, seq: Sequence, num_tokens: int, drafts: list[int] | tuple[()] = (), model_drafts: int = 0) -> None:
+        """Schedule the sequence's next `num_tokens` tokens (their blocks allocated; and `drafts` after them, or
+        `model_drafts` from the worker's draft model), arming its fast path."""
+        write_entry(self.parts, seq, num_tokens, self.kv_cache, drafts, model_drafts)
+        if drafts or model_drafts:
             self.drafted.append(seq)
 
     def swap_in(self, seq: Sequence) -> None:

@@ -60,13 +60,14 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
-    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "sample", "num_cached_tokens", "draft_token_ids", "block_table_edits")
+    __slots__ = ("seq_id", "num_tokens", "new_block_ids", "sample", "num_cached_tokens", "draft_token_ids", "num_draft_model_tokens", "block_table_edits")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_MODEL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TABLE_EDITS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     num_tokens: int
@@ -74,8 +75,9 @@ class ScheduledSequence(_message.Message):
     sample: bool
     num_cached_tokens: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_model_tokens: int
     block_table_edits: _containers.RepeatedCompositeFieldContainer[BlockTableEdit]
-    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., block_table_edits: _Optional[_Iterable[_Union[BlockTableEdit, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[int] = ..., num_tokens: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., sample: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., num_draft_model_tokens: _Optional[int] = ..., block_table_edits: _Optional[_Iterable[_Union[BlockTableEdit, _Mapping]]] = ...) -> None: ...
 
 class BlockTableEdit(_message.Message):
     __slots__ = ("index", "block_id")

@@ -171,3 +171,24 @@ def make_random_llama(directory: Path, *, hidden: int, intermediate: int, layers
         "torch_dtype": str(dtype).removeprefix("torch.")}))
     make_tokenizer(directory)
     return directory
+
+
+def make_noisy_copy(source: Path, directory: Path, noise: float, seed: int = 0) -> Path:
+    """`source`'s checkpoint with Gaussian noise added to every tensor (`noise` times that tensor's standard
+    deviation), its tokenizer and config copied: a draft model that agrees with `source` on some tokens and
+    not on others (speculative decoding's tests)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.suffix != ".safetensors" and item.is_file():
+            shutil.copy(item, directory / item.name)
+    generator = torch.Generator().manual_seed(seed)
+    for shard in source.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        noisy = {name: (t + noise * t.float().std() * torch.randn(t.shape, generator=generator)).to(t.dtype)
+                 if t.numel() > 1 else t for name, t in tensors.items()}
+        save_file(noisy, str(directory / shard.name), metadata={"format": "pt"})
+    return directory

@@ -1,4 +1,4 @@
-"""Speculative decoding (`--speculative-method ngram`) through the whole stack (gateway, scheduler, worker:
+"""Speculative decoding (`--speculative-method ngram`, and `draft` with a noisy copy of the model) through the whole stack (gateway, scheduler, worker:
 separate processes, the tiny model): the same requests give the same streams as without it, token for token,
 over gRPC (greedy with and without stop ids, n = 2, logprobs, seeded sampling, a tight batch, repeating prompts
 whose drafts are kept, structured output whose text repeats: a regex, greedy and seeded, and a JSON Schema)
@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.testing.stack import free_port, run_stack
+from hetero_infer.testing.tiny_models import make_noisy_copy
 from hetero_infer.testing.stack_requests import service_stats, wait_for_idle
 from tests.helpers.oracle import make_prompts
 from tests.stack.test_overlap_stack import requests, stream_all
@@ -27,6 +28,15 @@ from tests.stack.test_resilience import requests as resilience_requests
 slow = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default
 SPECULATION = ("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min", "1")
+
+
+@pytest.fixture(scope="module")
+def method_flags(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, ...]]:
+    """Each speculative method's flags; `draft` proposes with a noisy copy of the served model (some drafts
+    kept, some not)."""
+    draft = make_noisy_copy(tiny_llama_dir, tmp_path_factory.mktemp("noisy-draft"), noise=0.2)
+    return {"none": (), "ngram": SPECULATION,
+            "draft": ("--speculative-method", "draft", "--speculative-model", str(draft), "--num-speculative-tokens", "3")}
 
 
 def repeating(count: int) -> list[inference_pb2.GenerateRequest]:
@@ -65,12 +75,11 @@ def http_answers(url: str) -> list[tuple[str, str]]:
 
 
 @slow
-def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Path) -> None:
+def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Path, method_flags) -> None:
     results, structured, answers = {}, {}, {}
     stop_id = None
-    for method in ("none", "ngram"):
-        flags = SPECULATION if method == "ngram" else ()
-        with run_stack(tiny_llama_dir, *flags, "--max-batch-size", "4", "--block-size", "4") as stack:
+    for method in ("none", "ngram", "draft"):
+        with run_stack(tiny_llama_dir, *method_flags[method], "--max-batch-size", "4", "--block-size", "4") as stack:
             if stop_id is None:  # a token the greedy stream of prompt 1 produces mid-way
                 probe = requests(0)[1]
                 probe.params.ClearField("stop_token_ids")
@@ -80,30 +89,35 @@ def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Pa
             before = gauges(stack.http_url)
             structured[method] = stream_all(stack, constrained())
             kept = gauges(stack.http_url)["hetero_spec_decode_accepted_tokens"] - before["hetero_spec_decode_accepted_tokens"]
-            assert kept > 0 if method == "ngram" else kept == 0
+            assert kept > 0 if method != "none" else kept == 0
             answers[method] = http_answers(stack.http_url)
             assert wait_for_idle(stack).used_blocks == 0
             counts = gauges(stack.http_url)
-            if method == "ngram":
+            if method != "none":
                 assert counts["hetero_spec_decode_draft_tokens"] > 0
                 assert 0 < counts["hetero_spec_decode_accepted_tokens"] <= counts["hetero_spec_decode_draft_tokens"]
             else:
                 assert counts["hetero_spec_decode_draft_tokens"] == 0
-    assert len(results["ngram"]) == 12  # 8 requests, one with n = 2, and 3 repeating ones
-    assert results["ngram"][("r1", 0)][2] == common_pb2.FINISH_REASON_STOP
-    assert results["ngram"] == results["none"]
-    assert structured["ngram"] == structured["none"]
-    assert all(finish == common_pb2.FINISH_REASON_STOP for _, _, finish in structured["ngram"].values())
-    assert answers["ngram"] == answers["none"] and answers["ngram"][1][1] == "stop"
+    assert len(results["none"]) == 12  # 8 requests, one with n = 2, and 3 repeating ones
+    assert results["none"][("r1", 0)][2] == common_pb2.FINISH_REASON_STOP
+    assert all(finish == common_pb2.FINISH_REASON_STOP for _, _, finish in structured["none"].values())
+    assert answers["none"][1][1] == "stop"
+    for method in ("ngram", "draft"):
+        assert results[method] == results["none"], method
+        assert structured[method] == structured["none"], method
+        assert answers[method] == answers["none"], method
 
 
 @slow
-def test_a_replica_killed_mid_stream_changes_no_speculated_stream(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_replica_killed_mid_stream_changes_no_speculated_stream(tiny_llama_dir: Path, method_flags, method) -> None:
     """Two replicas speculating; one worker SIGKILLed mid-stream: its sequences are recomputed on the other
-    (their n-gram state rebuilt from their tokens) and every stream, greedy and seeded, is the undisturbed one."""
+    (their n-gram state, or their draft model's K/V, rebuilt from their tokens) and every stream, greedy and
+    seeded, is the undisturbed one."""
     addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     streams = resilience_requests(greedy=16, seeded=8)
-    with run_stack(tiny_llama_dir, *stack_flags(addresses, "--restart-workers", "false", *SPECULATION)) as stack:
+    flags = stack_flags(addresses, "--restart-workers", "false", *method_flags[method])
+    with run_stack(tiny_llama_dir, *flags) as stack:
         reference = run_streams(stack, streams=streams)
         assert all(code is None for _, code in reference.values())
         victim = worker_pid(addresses[1])

@@ -17,7 +17,8 @@ REPEATING = [5, 6, 7, 8] * 6  # every suffix has occurred before
 
 
 def speculator(**overrides) -> Speculator:
-    config = Config(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, **overrides).validate()
+    settings = {"speculative_method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, **overrides}
+    config = Config(**settings).validate()
     return Speculator(config, max_model_len=64)
 
 
@@ -30,12 +31,24 @@ def sequence(tokens: list[int], **params) -> Sequence:
 
 def test_drafts_stay_within_the_budget_max_tokens_and_the_free_blocks() -> None:
     spec, kv = speculator(), KVCacheManager(64, 4, False, cache_freed_blocks=False)
-    assert spec.drafts(sequence(REPEATING), 10, kv) == [5, 6, 7, 8]
-    assert spec.drafts(sequence(REPEATING), 2, kv) == [5, 6]  # the step's token budget
-    assert spec.drafts(sequence(REPEATING, max_tokens=3), 10, kv) == [5, 6]  # 2 drafts + its own token: 3 tokens
-    assert spec.drafts(sequence(REPEATING, max_tokens=1), 10, kv) == []
-    assert spec.drafts(sequence(REPEATING), 10, KVCacheManager(1, 4, False, cache_freed_blocks=False)) == []
+    assert spec.drafts(sequence(REPEATING), 10, kv)[0] == [5, 6, 7, 8]
+    assert spec.drafts(sequence(REPEATING), 2, kv)[0] == [5, 6]  # the step's token budget
+    assert spec.drafts(sequence(REPEATING, max_tokens=3), 10, kv)[0] == [5, 6]  # 2 drafts + its own token: 3 tokens
+    assert spec.drafts(sequence(REPEATING, max_tokens=1), 10, kv)[0] == []
+    assert spec.drafts(sequence(REPEATING), 10, KVCacheManager(1, 4, False, cache_freed_blocks=False)) == ([], 0)
     assert spec.num_proposed == 4 + 2 + 2 and spec.num_drafted_rows == 3
+
+
+def test_a_draft_model_is_asked_for_as_many_drafts_under_the_same_bounds() -> None:
+    spec = speculator(speculative_method="draft", speculative_model="unused")
+    kv = KVCacheManager(64, 4, False, cache_freed_blocks=False)
+    no_repeats = list(range(30))  # nothing to look up: the draft model proposes anyway
+    assert spec.drafts(sequence(no_repeats), 10, kv) == ([], 4)
+    assert spec.drafts(sequence(no_repeats), 2, kv) == ([], 2)
+    assert spec.drafts(sequence(no_repeats, max_tokens=3), 10, kv) == ([], 2)
+    assert spec.drafts(sequence(no_repeats, max_tokens=1), 10, kv) == ([], 0)
+    assert spec.drafts(sequence(no_repeats), 10, KVCacheManager(1, 4, False, cache_freed_blocks=False)) == ([], 0)
+    assert spec.num_proposed == 4 + 2 + 2 and spec.wants_drafts([sequence(no_repeats)])
 
 
 def test_a_proposal_grows_back_one_per_success_and_failures_back_off() -> None:
@@ -54,13 +67,13 @@ def test_a_proposal_grows_back_one_per_success_and_failures_back_off() -> None:
 def test_a_backed_off_sequence_proposes_nothing_until_it_resumes() -> None:
     spec, kv = speculator(), KVCacheManager(64, 4, False, cache_freed_blocks=False)
     seq = sequence(REPEATING)
-    assert spec.drafts(seq, 10, kv)
+    assert spec.drafts(seq, 10, kv)[0]
     assert seq.drafting is not None
     seq.drafting.kept(0, len(seq.token_ids), 4)
-    assert spec.drafts(seq, 10, kv) == []
+    assert spec.drafts(seq, 10, kv)[0] == []
     seq.token_ids += [5, 6]  # two decodes later (2 = the first back-off)
     seq.num_computed = len(seq.token_ids) - 1
-    assert spec.drafts(seq, 10, kv) == [7]
+    assert spec.drafts(seq, 10, kv)[0] == [7]
 
 
 def test_the_step_cost_fit_and_the_acceptance_a_batch_needs() -> None:
@@ -80,14 +93,14 @@ def test_the_step_cost_fit_and_the_acceptance_a_batch_needs() -> None:
 def test_a_sequence_below_the_steps_threshold_proposes_nothing() -> None:
     spec, kv = speculator(), KVCacheManager(64, 4, False, cache_freed_blocks=False)
     seq = sequence(REPEATING)
-    assert spec.drafts(seq, 10, kv)
+    assert spec.drafts(seq, 10, kv)[0]
     assert seq.drafting is not None
     seq.drafting.kept(1, len(seq.token_ids), 4)  # 1 of 4 kept: acceptance (1 + 0.25) / 2
     assert abs(seq.drafting.acceptance - 0.625) < 1e-9
     for step, tokens in enumerate([1, 8, 64, 16]):
         spec.planned(step, tokens, num_running=60)
         spec.cost.observe(step, 0.010 + 0.001 * tokens)  # batch 60: 60 / 70 of a step grows with its tokens
-    assert spec.drafts(seq, 10, kv) == []
+    assert spec.drafts(seq, 10, kv)[0] == []
 
 
 def test_a_step_is_not_planned_ahead_of_while_a_running_decode_has_a_lookup_match() -> None:

@@ -1,0 +1,194 @@
+"""The draft model of speculative decoding (config `speculative_method: draft`, `speculative_model`; the
+scheduler's side: scheduler_svc/speculation.py, the verification: draft_rows.py).
+
+A smaller model with the served model's tokenizer runs in the same worker and proposes, greedily, the
+tokens the plan asks for (ScheduledSequence.num_draft_model_tokens); the step then scores them as it scores
+n-gram drafts, so outputs are those of the served model alone whatever the draft proposes.
+
+Its K/V lives in its own cache tensor laid out in the same blocks as the served model's: a sequence's block
+table addresses both, so the scheduler's pool owns and frees the draft's K/V with the sequence's (each block's
+bytes count both when the pool is sized), copy-on-write copies both, and a rejected draft's slots are simply
+overwritten later. What the draft's cache holds is tracked per sequence (`draft_computed`). Each step, before
+the served model runs, the draft model computes every scheduled sequence's confirmed tokens that its cache
+lacks (a prompt chunk as the served model does; for a decode, the token it computes, and a kept draft it did
+not see), and the last row of each sequence asked for drafts proposes d_1; then one token per pass proposes
+d_2..d_k (their K/V written where the sequence's next tokens go, and kept if the served model keeps them).
+A constrained sample's proposals follow its grammar: each is masked by the matcher's state after the drafts
+before it (gpu_worker/constrained.py), as the served model's rows will be.
+
+Draft K/V that is lost (swapped out, suspended) or never written (a prefix-cache hit on blocks computed while
+it lagged) is only a worse proposal, never a different output: the draft catches up from what it knows is
+cached (0 after a swap or a resume), and trusts a prefix-cache hit. With tensor parallelism every rank runs
+the whole draft model and takes rank 0's proposals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import structlog
+import torch
+
+from gpu_worker.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.constrained import GuidanceVocabulary, RowConstraint, build_constraint_masks, ensure_constraint
+from gpu_worker.draft_rows import DraftRow
+from gpu_worker.kv_dtype import kv_cache_torch_dtype
+from gpu_worker.model_build import build_model
+from gpu_worker.tensor_parallel import TensorParallel
+from hetero.v1 import worker_pb2
+from hetero_common.config import Config
+from hetero_common.errors import ConfigError
+from hetero_common.sampling import Sampling
+from kernels.attention_backend import create_attention_backend
+from kernels.cache_ops import allocate_kv_cache, copy_blocks, kv_row_bytes
+from kernels.page_table import PageTable
+
+log = structlog.get_logger("gpu_worker.draft_model")
+
+
+class DraftedSequence(Protocol):  # runner.SequenceState's fields used here
+    token_ids: list[int]
+    sampling: Sampling
+    num_generated: int
+    num_computed: int
+    block_table: np.ndarray
+    constraint: RowConstraint | None
+    draft_computed: int  # tokens whose draft K/V is in the cache; -1: new (its cached prefix is trusted)
+
+
+class DraftModel:
+    """The draft model, its K/V cache (allocated once the served model's pool is sized) and its proposals."""
+
+    def __init__(self, config: Config, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 max_positions: int) -> None:
+        path = Path(config.speculative_model)
+        if not path.exists():
+            raise ConfigError(f"config key 'speculative_model' = {config.speculative_model!r}: no such file or "
+                              "directory; give a model directory (HF safetensors) or a .gguf file")
+        self.model_config, weights = load_checkpoint(path)
+        self.model, _ = build_model(config, self.model_config, weights, device, dtype, max_positions, TensorParallel())
+        del weights
+        mc = self.model_config
+        # Proposals are ids of the served vocabulary: a draft padded wider never proposes past it.
+        self.vocab_size = min(mc.vocab_size, target.vocab_size)
+        if mc.vocab_size != target.vocab_size:
+            log.warning("the draft model's vocabulary differs from the served model's; it must share its tokenizer",
+                        draft_vocab=mc.vocab_size, served_vocab=target.vocab_size)
+        self.device, self.block_size, self.config = device, config.block_size, config
+        self.kv_dtype = kv_cache_torch_dtype(config, dtype, device, mc.head_dim)
+        self.bytes_per_block = (mc.num_hidden_layers * 2 * self.block_size * self.model.num_kv_heads
+                                * kv_row_bytes(self.kv_dtype, mc.head_dim))
+        self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
+                                                  self.model.num_kv_heads, mc.head_dim, device, dtype=dtype,
+                                                  kv_dtype=self.kv_dtype)
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+        log.info("draft model loaded", model=str(path), layers=mc.num_hidden_layers, hidden_size=mc.hidden_size,
+                 kv_bytes_per_block=self.bytes_per_block)
+
+    def allocate(self, num_blocks: int) -> None:
+        """Its K/V cache, in as many blocks as the served model's."""
+        mc = self.model_config
+        self.num_blocks = num_blocks
+        self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks, self.block_size, self.model.num_kv_heads,
+                                          mc.head_dim, self.kv_dtype, self.device, self.attention.kv_layout)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: the draft's K/V of the copied blocks too."""
+        if self.kv_cache is not None:
+            copy_blocks(self.kv_cache, src, dst)
+
+    def suspend(self, mode: str) -> None:
+        """The served model's cache is suspended: `offload` and `recompute` release the draft's (it is
+        recomputed from the tokens after `resume`), `persist` keeps it."""
+        if mode in ("offload", "recompute"):
+            self.kv_cache = None
+
+    def resume(self, sequences: Iterable[DraftedSequence]) -> None:
+        if self.kv_cache is None:
+            self.allocate(self.num_blocks)
+            for st in sequences:
+                st.draft_computed = 0
+
+    @torch.inference_mode()
+    def propose(self, entries: Sequence[worker_pb2.ScheduledSequence], states: Sequence[DraftedSequence],
+                ends: Sequence[int], tp: TensorParallel, vocabulary: GuidanceVocabulary | None = None) -> None:
+        """Each entry's draft_token_ids, as many as its num_draft_model_tokens (`ends`: each sequence's computed
+        length after the step, the drafts included; its block table already holds their slots). `vocabulary`:
+        llguidance's (constrained samples)."""
+        asked = [s.num_draft_model_tokens for s in entries]
+        confirmed = [end - k for end, k in zip(ends, asked)]
+        drafts = self._catch_up(states, confirmed, asked, vocabulary)
+        for j in range(1, max(asked, default=0)):  # d_{j+1} from d_j, one token per sequence
+            active = [i for i, k in enumerate(asked) if k > j]
+            table = PageTable.build([states[i].block_table for i in active], np.ones(len(active), dtype=np.int64),
+                                    np.asarray([confirmed[i] + j for i in active]), self.block_size)
+            rows = [self._row(states[i], drafts[i], vocabulary) for i in active]
+            tokens = self._propose_from(table, np.asarray([drafts[i][-1] for i in active]), list(range(len(active))),
+                                        rows, vocabulary)
+            for i, t in zip(active, tokens):
+                drafts[i].append(t)
+        flat = [t for i in range(len(entries)) for t in drafts.get(i, ())]
+        if tp.enabled and flat:  # every rank verifies rank 0's proposals
+            flat = tp.broadcast_tokens(torch.tensor(flat, dtype=torch.int64, device=self.device)).tolist()
+        start = 0
+        for i, (entry, state) in enumerate(zip(entries, states)):
+            if asked[i]:
+                entry.draft_token_ids.extend(flat[start:start + asked[i]])
+                start += asked[i]
+                # d_1..d_{k-1} went in as inputs: their K/V counts once the served model keeps them
+                state.draft_computed = confirmed[i] + asked[i] - 1
+
+    def _catch_up(self, states: Sequence[DraftedSequence], confirmed: list[int], asked: list[int],
+                  vocabulary: GuidanceVocabulary | None) -> dict[int, list[int]]:
+        """The first pass: every sequence's confirmed tokens the draft's cache lacks (at least the last one of a
+        sequence asked for drafts); returns d_1 of each of those, by index."""
+        tables, qo_lens, kv_lens, chunks, asking = [], [], [], [], []
+        for i, (st, end, k) in enumerate(zip(states, confirmed, asked)):
+            # what the draft holds, no more than what the served model holds (it keeps only accepted drafts)
+            start = st.num_computed if st.draft_computed < 0 else min(st.draft_computed, st.num_computed)
+            if k:
+                start = min(start, end - 1)
+            st.draft_computed = end
+            if end > start:
+                tables.append(st.block_table)
+                qo_lens.append(end - start)
+                kv_lens.append(end)
+                chunks.append(st.token_ids[start:end])
+                if k:
+                    asking.append((i, len(chunks) - 1))
+        if not chunks:
+            return {}
+        table = PageTable.build(tables, np.asarray(qo_lens), np.asarray(kv_lens), self.block_size)
+        flat = np.fromiter((t for chunk in chunks for t in chunk), dtype=np.int64, count=table.num_tokens)
+        last_rows = table.qo_indptr[1:].to(torch.int64) - 1
+        rows = [self._row(states[i], [], vocabulary) for i, _ in asking]
+        first = self._propose_from(table, flat, [int(last_rows[row]) for _, row in asking], rows, vocabulary)
+        return {i: [t] for (i, _), t in zip(asking, first)}
+
+    @staticmethod
+    def _row(st: DraftedSequence, prefix: list[int], vocabulary: GuidanceVocabulary | None) -> DraftRow:
+        """The sampler's view of a sequence after the drafts `prefix` (its grammar's state: draft_rows.DraftRow)."""
+        constraint = ensure_constraint(st, vocabulary) if st.sampling.constraint is not None else None
+        return DraftRow(st.sampling, st.token_ids, st.num_generated + len(prefix), None, constraint, list(prefix))
+
+    def _propose_from(self, table: PageTable, token_ids: np.ndarray, picked: list[int], rows: list[DraftRow],
+                      vocabulary: GuidanceVocabulary | None) -> list[int]:
+        """One forward of the draft model over `table`'s tokens (their K/V written into its cache); the greedy
+        next token after each of the `picked` rows, within its grammar where `rows` has one."""
+        positions, slots = table.token_positions()
+        self.attention.plan(table)
+        hidden = self.model.hidden_states(
+            torch.from_numpy(token_ids).to(self.device), torch.from_numpy(positions).to(self.device),
+            torch.from_numpy(slots).to(self.device), self.kv_cache, self.attention)
+        if not picked:
+            return []
+        logits = self.model.logits(hidden[torch.tensor(picked, device=self.device)])[:, :self.vocab_size]
+        constrained = [i for i, row in enumerate(rows) if row.sampling.constraint is not None]
+        if constrained:
+            masks = build_constraint_masks(rows, constrained, self.vocab_size, vocabulary, self.device)
+            logits = masks.apply(logits.float()) if masks is not None else logits
+        return logits.argmax(dim=-1).tolist()
