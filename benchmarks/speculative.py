@@ -1,8 +1,13 @@
-"""Speculative decoding (issue 40) against plain decoding on the in-process engine, in one run, the two
+"""Speculative decoding (issue 40) against plain decoding on the in-process engine, in one run, the arms
 alternating per round (same model, same prompts, greedy, EOS ignored):
 
     python benchmarks/speculative.py [--model M] [--rounds 3] [--new-tokens 128] [--requests 64]
                                      [--num-speculative-tokens 4] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
+                                     [--methods ngram,draft] [--draft-model DIR | --draft-layers 6]
+
+Arms: `none`, then each of `--methods`. `draft` proposes with `--draft-model`, or, with none given, with the
+served model's first `--draft-layers` layers (its final norm and LM head kept: an early-exit draft written
+to a temporary directory, the only draft with the same tokenizer that an offline machine has).
 
 Three workloads:
 - `copy`, batch 1: a passage of this repository (a source file's opening, a section of the docs), then its
@@ -13,15 +18,17 @@ Three workloads:
   prompt less. Printed: output tokens per second. Speculation must not cost throughput here.
 - `random`, `--requests` at once: benchmarks/throughput.py's random prompts (16-256 tokens). A small model
   answers random tokens by looping, which lookups catch: printed, but not a workload "without repetition".
-For each, the `ngram` arm's acceptance (kept drafts / proposed), its mean tokens per drafted decode (1 + kept /
+For each speculative arm, its acceptance (kept drafts / proposed), its mean tokens per drafted decode (1 + kept /
 decodes with drafts), and whether its outputs equal the plain arm's token for token.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +39,7 @@ from benchmarks.roofline import cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts, round_order  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
+from hetero_common.model_files import resolve_model_path  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
 from hetero_infer.testing.prompts import ORACLE_PROMPTS  # noqa: E402
 
@@ -46,6 +54,26 @@ def copy_prompts(engine: InferenceEngine, chars: int = 1600, again: int = 300) -
         text = (ROOT / name).read_text()[:chars]
         prompts.append(engine.tokenizer.encode(text + "\n\n" + text[:again]))
     return prompts
+
+
+def early_exit_draft(model: str | None, layers: int, directory: Path) -> Path:
+    """The served model's first `layers` layers, its embeddings, final norm and LM head, as a Hugging Face
+    directory (bfloat16 safetensors)."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import save_file
+
+    from gpu_worker.checkpoint import load_checkpoint
+
+    mc, weights = load_checkpoint(resolve_model_path(model))
+    kept = {name: t.to(torch.bfloat16).contiguous() for name, t in weights.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
+    save_file(kept, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = {k: v for k, v in dataclasses.asdict(mc).items() if k not in ("architecture", "eos_token_ids", "attention_bias")}
+    config.update(model_type=mc.architecture, num_hidden_layers=layers, eos_token_id=list(mc.eos_token_ids))
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
 
 
 def chat_prompts(engine: InferenceEngine, count: int) -> list[list[int]]:
@@ -84,13 +112,23 @@ def main() -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--methods", default="ngram", help="speculative arms, comma-separated: ngram, draft")
+    parser.add_argument("--draft-model", default=None, help="`draft`'s model (default: an early-exit draft)")
+    parser.add_argument("--draft-layers", type=int, default=6, help="the early-exit draft's layers")
     args = parser.parse_args()
     configure_logging("warning")
-    base = Config(model=args.model, max_batch_size=max(args.requests, 32)).validate()
-    ngram = Config(model=args.model, max_batch_size=max(args.requests, 32), speculative_method="ngram",
-                   num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
-                   prompt_lookup_max=args.prompt_lookup_max).validate()
-    engines = {"none": InferenceEngine(base), "ngram": InferenceEngine(ngram)}
+    methods = args.methods.split(",")
+    common = dict(model=args.model, max_batch_size=max(args.requests, 32))
+    speculative = dict(num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
+                       prompt_lookup_max=args.prompt_lookup_max)
+    engines = {"none": InferenceEngine(Config(**common).validate())}
+    scratch = tempfile.TemporaryDirectory()
+    for method in methods:
+        extra = {}
+        if method == "draft":
+            extra["speculative_model"] = args.draft_model or str(early_exit_draft(args.model, args.draft_layers,
+                                                                                  Path(scratch.name)))
+        engines[method] = InferenceEngine(Config(**common, **speculative, speculative_method=method, **extra).validate())
     copy = copy_prompts(engines["none"])
     batches = {"chat": chat_prompts(engines["none"], args.requests), "random": make_prompts(args.requests, 16, 256)}
     for engine in engines.values():  # warm-up: the kernels' first calls, the allocator
@@ -98,11 +136,12 @@ def main() -> int:
     print(cpu_line())
     print(f"copy: {len(copy)} passages of {min(map(len, copy))}-{max(map(len, copy))} tokens, batch 1; chat and "
           f"random: {args.requests} requests at once; {args.new_tokens} greedy tokens each; {args.rounds} alternating "
-          f"rounds, medians; ngram k={args.num_speculative_tokens}, n={args.prompt_lookup_min}..{args.prompt_lookup_max}")
+          f"rounds, medians; k={args.num_speculative_tokens}, ngram n={args.prompt_lookup_min}..{args.prompt_lookup_max}"
+          + (f", draft {args.draft_model or f'the first {args.draft_layers} layers'}" if "draft" in methods else ""))
     workloads = ["copy", *batches]
     figures: dict[str, dict[str, list[float]]] = {w: {name: [] for name in engines} for w in workloads}
     outputs: dict[str, dict[str, list[list[int]]]] = {name: {w: [] for w in workloads} for name in engines}
-    stats: dict[str, list[int]] = {w: [0, 0, 0] for w in workloads}  # proposed, kept, drafted decodes
+    stats = {name: {w: [0, 0, 0] for w in workloads} for name in methods}  # proposed, kept, drafted decodes
     for r in range(args.rounds):
         for name in round_order(list(engines), r):
             engine = engines[name]
@@ -122,18 +161,20 @@ def main() -> int:
                     outputs[name][workload].extend(toks)
                 if spec:
                     after = (spec.num_proposed, spec.num_accepted, spec.num_drafted_rows)
-                    stats[workload] = [s + a - b for s, a, b in zip(stats[workload], after, before)]
+                    stats[name][workload] = [s + a - b for s, a, b in zip(stats[name][workload], after, before)]
             print(f"  round {r + 1} {name:>6}: " + ", ".join(f"{w} {figures[w][name][-1]:.2f}" for w in workloads), flush=True)
-    print(f"{'workload':<10}{'none':>14}{'ngram':>14}{'ratio':>8}  acceptance     tokens/drafted decode  same output")
+    print(f"{'workload':<10}{'arm':<7}{'none':>14}{'arm':>14}{'ratio':>8}  acceptance     tokens/drafted decode  same output")
     for workload in workloads:
         unit = "ms/token" if workload == "copy" else "tok/s"
-        none_v, ngram_v = (statistics.median(figures[workload][name]) for name in ("none", "ngram"))
-        proposed, kept, rows = stats[workload]
-        same = outputs["none"][workload] == outputs["ngram"][workload]
-        acceptance = f"{kept / proposed:.0%} of {proposed}" if proposed else "no proposals"
-        per_row = f"{1 + kept / rows:.2f}" if rows else "-"
-        print(f"{workload:<10}{none_v:>8.2f} {unit:<5}{ngram_v:>8.2f} {unit:<5}{ngram_v / none_v:>6.2f}x  "
-              f"{acceptance:<15}{per_row:>8}{'':>15}{'yes' if same else 'NO'}")
+        none_v = statistics.median(figures[workload]["none"])
+        for name in methods:
+            arm_v = statistics.median(figures[workload][name])
+            proposed, kept, rows = stats[name][workload]
+            same = outputs["none"][workload] == outputs[name][workload]
+            acceptance = f"{kept / proposed:.0%} of {proposed}" if proposed else "no proposals"
+            per_row = f"{1 + kept / rows:.2f}" if rows else "-"
+            print(f"{workload:<10}{name:<7}{none_v:>8.2f} {unit:<5}{arm_v:>8.2f} {unit:<5}{arm_v / none_v:>6.2f}x  "
+                  f"{acceptance:<15}{per_row:>8}{'':>15}{'yes' if same else 'NO'}")
     return 0
 
 

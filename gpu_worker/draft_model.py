@@ -8,22 +8,23 @@ n-gram drafts, so outputs are those of the served model alone whatever the draft
 Its K/V lives in its own cache tensor laid out in the same blocks as the served model's: a sequence's block
 table addresses both, so the scheduler's pool owns and frees the draft's K/V with the sequence's (each block's
 bytes count both when the pool is sized), copy-on-write copies both, and a rejected draft's slots are simply
-overwritten later. What the draft's cache holds is tracked per sequence (`draft_computed`). Each step, before
-the served model runs, the draft model computes every scheduled sequence's confirmed tokens that its cache
-lacks (a prompt chunk as the served model does; for a decode, the token it computes, and a kept draft it did
-not see), and the last row of each sequence asked for drafts proposes d_1; then one token per pass proposes
-d_2..d_k (their K/V written where the sequence's next tokens go, and kept if the served model keeps them).
+overwritten later. What the draft's cache holds is tracked per sequence (`draft_computed`). When a sequence
+is asked for drafts, before the served model runs, the draft model first computes its confirmed tokens that
+its cache lacks (the prompt at its first drafted decode, the tokens of decodes that carried no drafts, a
+kept draft it did not see, and at least the last token), whose last row proposes d_1, all such sequences in
+one pass; then one token per pass proposes d_2..d_k (their K/V written where the sequence's next tokens go,
+and kept if the served model keeps them). A sequence that does not draft costs the draft model nothing.
 A constrained sample's proposals follow its grammar: each is masked by the matcher's state after the drafts
 before it (gpu_worker/constrained.py), as the served model's rows will be.
 
-Draft K/V that is lost (swapped out, suspended) or never written (a prefix-cache hit on blocks computed while
-it lagged) is only a worse proposal, never a different output: the draft catches up from what it knows is
-cached (0 after a swap or a resume), and trusts a prefix-cache hit. With tensor parallelism every rank runs
-the whole draft model and takes rank 0's proposals.
+Draft K/V that is lost (swapped out, suspended) is recomputed from the tokens, as is a new sequence's whole
+prompt (prefix-cache hits are not trusted: the blocks may have been computed by sequences that never
+drafted). With tensor parallelism every rank runs the whole draft model and takes rank 0's proposals.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -56,7 +57,7 @@ class DraftedSequence(Protocol):  # runner.SequenceState's fields used here
     num_computed: int
     block_table: np.ndarray
     constraint: RowConstraint | None
-    draft_computed: int  # tokens whose draft K/V is in the cache; -1: new (its cached prefix is trusted)
+    draft_computed: int  # tokens whose draft K/V is in the cache
 
 
 class DraftModel:
@@ -115,11 +116,14 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, entries: Sequence[worker_pb2.ScheduledSequence], states: Sequence[DraftedSequence],
-                ends: Sequence[int], tp: TensorParallel, vocabulary: GuidanceVocabulary | None = None) -> None:
+                ends: Sequence[int], tp: TensorParallel, vocabulary: GuidanceVocabulary | None = None) -> float:
         """Each entry's draft_token_ids, as many as its num_draft_model_tokens (`ends`: each sequence's computed
         length after the step, the drafts included; its block table already holds their slots). `vocabulary`:
-        llguidance's (constrained samples)."""
+        llguidance's (constrained samples). Returns the seconds it took (StepResult.draft_seconds)."""
         asked = [s.num_draft_model_tokens for s in entries]
+        if not any(asked):
+            return 0.0
+        started = time.perf_counter()
         confirmed = [end - k for end, k in zip(ends, asked)]
         drafts = self._catch_up(states, confirmed, asked, vocabulary)
         for j in range(1, max(asked, default=0)):  # d_{j+1} from d_j, one token per sequence
@@ -141,33 +145,30 @@ class DraftModel:
                 start += asked[i]
                 # d_1..d_{k-1} went in as inputs: their K/V counts once the served model keeps them
                 state.draft_computed = confirmed[i] + asked[i] - 1
+        return time.perf_counter() - started
 
     def _catch_up(self, states: Sequence[DraftedSequence], confirmed: list[int], asked: list[int],
                   vocabulary: GuidanceVocabulary | None) -> dict[int, list[int]]:
-        """The first pass: every sequence's confirmed tokens the draft's cache lacks (at least the last one of a
-        sequence asked for drafts); returns d_1 of each of those, by index."""
-        tables, qo_lens, kv_lens, chunks, asking = [], [], [], [], []
-        for i, (st, end, k) in enumerate(zip(states, confirmed, asked)):
-            # what the draft holds, no more than what the served model holds (it keeps only accepted drafts)
-            start = st.num_computed if st.draft_computed < 0 else min(st.draft_computed, st.num_computed)
-            if k:
-                start = min(start, end - 1)
-            st.draft_computed = end
-            if end > start:
-                tables.append(st.block_table)
-                qo_lens.append(end - start)
-                kv_lens.append(end)
-                chunks.append(st.token_ids[start:end])
-                if k:
-                    asking.append((i, len(chunks) - 1))
-        if not chunks:
+        """The first pass, over the sequences asked for drafts: the confirmed tokens the draft's cache lacks,
+        their last one at least; returns d_1 of each, by index."""
+        asking = [i for i, k in enumerate(asked) if k]
+        if not asking:
             return {}
-        table = PageTable.build(tables, np.asarray(qo_lens), np.asarray(kv_lens), self.block_size)
-        flat = np.fromiter((t for chunk in chunks for t in chunk), dtype=np.int64, count=table.num_tokens)
-        last_rows = table.qo_indptr[1:].to(torch.int64) - 1
-        rows = [self._row(states[i], [], vocabulary) for i, _ in asking]
-        first = self._propose_from(table, flat, [int(last_rows[row]) for _, row in asking], rows, vocabulary)
-        return {i: [t] for (i, _), t in zip(asking, first)}
+        starts = []
+        for i in asking:
+            st = states[i]
+            # what the draft holds, no more than what the served model holds (it keeps only accepted drafts),
+            # and at least the last token, whose logits propose d_1
+            starts.append(min(st.draft_computed, st.num_computed, confirmed[i] - 1))
+            st.draft_computed = confirmed[i]
+        table = PageTable.build([states[i].block_table for i in asking],
+                                np.asarray([confirmed[i] - start for i, start in zip(asking, starts)]),
+                                np.asarray([confirmed[i] for i in asking]), self.block_size)
+        flat = np.fromiter((t for i, start in zip(asking, starts) for t in states[i].token_ids[start:confirmed[i]]),
+                           dtype=np.int64, count=table.num_tokens)
+        last_rows = (table.qo_indptr[1:].to(torch.int64) - 1).tolist()
+        rows = [self._row(states[i], [], vocabulary) for i in asking]
+        return {i: [t] for i, t in zip(asking, self._propose_from(table, flat, last_rows, rows, vocabulary))}
 
     @staticmethod
     def _row(st: DraftedSequence, prefix: list[int], vocabulary: GuidanceVocabulary | None) -> DraftRow:

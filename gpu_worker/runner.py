@@ -53,7 +53,7 @@ class SequenceState:
     prompt_logprobs: int | None = None  # alternatives per prompt position to score (gpu_worker/prompt_logprobs.py)
     controls: RowControls | None = None  # logits controls' state, built at the first sampled step (logits_processors)
     constraint: RowConstraint | None = None  # the constraint's matcher, built at the first sampled step (constrained)
-    draft_computed: int = -1  # tokens whose draft-model K/V is cached (draft_model.py); -1: new
+    draft_computed: int = 0  # tokens whose draft-model K/V is cached (draft_model.py)
 
 
 @dataclass
@@ -71,6 +71,7 @@ class StepInputs:
     logits_rows: torch.Tensor  # int64: their last rows in the flattened tokens (a drafted one's last k + 1)
     drafts: list[list[int]] | None = None  # per sampling sequence, its speculative drafts; None: none in the step
     row_starts: list[int] | None = None  # with drafts: where each sampling sequence's rows start (draft_rows.py)
+    draft_seconds: float = 0.0  # the draft model's proposing (draft_model.py)
 
 
 @dataclass
@@ -266,7 +267,7 @@ class ModelRunner:
             sampled = self._sample(step, logits)
             self._pack(plan, step, sampled, logits, result)
         self.steps += 1
-        result.forward_seconds = time.perf_counter() - started
+        result.forward_seconds, result.draft_seconds = time.perf_counter() - started, step.draft_seconds
         return result
 
     def _prepare(self, plan: worker_pb2.StepPlan) -> StepInputs:
@@ -278,9 +279,8 @@ class ModelRunner:
         row_offset = 0  # this sequence's first row in the step's flattened tokens (the sum of qo_lens so far)
         drafted: dict[int, list[int]] = {}  # plan index -> the entry's speculative drafts (draft_rows.py)
         updated = [self._update_sequence(plan, s) for s in plan.scheduled]
-        if self.drafter is not None:  # the draft model's proposals into the entries that ask for them
-            self.drafter.propose(plan.scheduled, [st for st, _ in updated], [end for _, end in updated], self.tp,
-                                 self.vocabulary)
+        draft_seconds = 0.0 if self.drafter is None else self.drafter.propose(  # into the entries that ask for them
+            plan.scheduled, [st for st, _ in updated], [end for _, end in updated], self.tp, self.vocabulary)
         for s, (state, end) in zip(plan.scheduled, updated):
             if state.prompt_logprobs is not None:
                 span = prompt_span(s.seq_id, state.prompt_logprobs, state.token_ids, state.num_generated,
@@ -307,7 +307,8 @@ class ModelRunner:
         drafts = [drafted.get(i, []) for i in sample_idx] if drafted else None
         rows, starts = (draft_rows.logits_rows(table.qo_indptr, sample_idx, drafts) if drafts is not None
                         else (table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1, None))
-        return StepInputs(states, qo_lens, spans, table, positions, slots, flat_inputs, sample_idx, rows, drafts, starts)
+        return StepInputs(states, qo_lens, spans, table, positions, slots, flat_inputs, sample_idx, rows, drafts, starts,
+                          draft_seconds)
 
     def _update_sequence(self, plan: worker_pb2.StepPlan,
                          s: worker_pb2.ScheduledSequence) -> tuple[SequenceState, int]:

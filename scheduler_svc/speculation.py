@@ -120,7 +120,8 @@ class Speculator:
                result: worker_pb2.StepResult) -> None:
         """After a step's result is read: the blocks of the drafts the worker rejected freed (the worker drops
         them from its tables by the same rule), the kept ones counted, the step's time measured."""
-        self.cost.observe(result.step_id, result.forward_seconds)
+        model_drafts = sum(seq.drafting.proposed for seq in drafted if seq.drafting is not None) if self.draft_model else 0
+        self.cost.observe(result.step_id, result.forward_seconds, result.draft_seconds, model_drafts)
         for seq in drafted:
             if not seq.status.finished and seq.drafting is not None:
                 kv_cache.trim(seq, len(seq.token_ids))

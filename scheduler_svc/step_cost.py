@@ -9,6 +9,10 @@ draft tokens, a fraction alpha of them kept, makes B + alpha * D tokens in a + b
 in a + b * B: the drafts pay when alpha > b * B / (a + b * B), the share of the step that grows with its
 tokens (`threshold`). At batch 1 on a memory-bound device that share is small and nearly any draft pays; as
 the batch grows towards compute-bound it nears 1 and only drafts that are nearly always kept still pay.
+
+A draft model's proposals cost time too (StepResult.draft_seconds, left out of the fit): d seconds per draft
+token, a running average, and the drafts pay when alpha > (b + d) * B / (a + b * B). A draft model that costs
+much and agrees little is asked for nothing.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ MIN_SPREAD = 2.0  # tokens: the fit waits for steps of different sizes (their st
 class StepCostModel:
     """The fit of recent steps' times to their token counts, and the acceptance a draft needs at a batch size."""
 
-    __slots__ = ("_planned", "_samples", "a", "b", "batch")
+    __slots__ = ("_planned", "_samples", "a", "b", "batch", "draft_per_token")
 
     def __init__(self) -> None:
         self._planned: OrderedDict[int, int] = OrderedDict()  # step id -> tokens, until its result comes
         self._samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (tokens, seconds)
         self.a = self.b = 0.0  # seconds per step, seconds per token; 0, 0: not fitted yet
         self.batch = 1  # sequences running when the last step was planned: the next step's batch, about
+        self.draft_per_token = 0.0  # a draft model's seconds per proposed token, a running average
 
     def planned(self, step_id: int, num_tokens: int, num_running: int) -> None:
         self._planned[step_id] = num_tokens
@@ -36,11 +41,15 @@ class StepCostModel:
             self._planned.popitem(last=False)
         self.batch = max(1, num_running)
 
-    def observe(self, step_id: int, seconds: float) -> None:
+    def observe(self, step_id: int, seconds: float, draft_seconds: float = 0.0, model_drafts: int = 0) -> None:
+        """A step's result: its time, of which `draft_seconds` proposing `model_drafts` tokens with a draft model."""
+        if model_drafts:
+            per_token = draft_seconds / model_drafts
+            self.draft_per_token = 0.7 * self.draft_per_token + 0.3 * per_token if self.draft_per_token else per_token
         tokens = self._planned.pop(step_id, None)
         if tokens is None or seconds <= 0:
             return
-        self._samples.append((tokens, seconds))
+        self._samples.append((tokens, seconds - draft_seconds))
         n = len(self._samples)
         mean_x = sum(x for x, _ in self._samples) / n
         mean_y = sum(y for _, y in self._samples) / n
@@ -54,4 +63,4 @@ class StepCostModel:
     def threshold(self) -> float:
         """The fraction of drafts that must be kept for drafting to pay at the current batch (0 before a fit)."""
         grows = self.b * self.batch
-        return grows / (self.a + grows) if grows > 0 else 0.0
+        return (grows + self.draft_per_token * self.batch) / (self.a + grows) if grows > 0 else 0.0

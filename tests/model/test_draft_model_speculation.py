@@ -51,7 +51,7 @@ def test_the_served_model_as_its_own_draft_keeps_every_draft(tiny_llama_dir: Pat
     out, engine = run(tiny_llama_dir, tiny_llama_dir, **overrides)
     assert out == reference
     speculator = engine.scheduler.speculator
-    assert speculator is not None and speculator.num_proposed > 40
+    assert speculator is not None and speculator.num_proposed > 10
     assert speculator.num_accepted == speculator.num_proposed
     if "preemption_mode" in overrides:
         assert engine.scheduler.num_preemptions > 0

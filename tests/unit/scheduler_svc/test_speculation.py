@@ -90,6 +90,17 @@ def test_the_step_cost_fit_and_the_acceptance_a_batch_needs() -> None:
     assert abs(cost.b - 0.001) < 1e-9
 
 
+def test_a_draft_models_time_raises_the_acceptance_drafts_need() -> None:
+    """Its seconds are left out of the fit and counted per draft token: (b + d) * B / (a + b * B)."""
+    cost = StepCostModel()
+    for step, tokens in enumerate([1, 4, 8, 16, 32, 64, 3, 40]):  # each step also drafted 4 tokens in 2 ms
+        cost.planned(step, tokens, num_running=1)
+        cost.observe(step, 0.010 + 0.001 * tokens + 0.002, draft_seconds=0.002, model_drafts=4)
+    assert abs(cost.a - 0.010) < 1e-9 and abs(cost.b - 0.001) < 1e-9
+    assert abs(cost.draft_per_token - 0.0005) < 1e-5
+    assert abs(cost.threshold() - 0.0015 / 0.011) < 1e-4  # more than the 1 / 11 a free proposer needs
+
+
 def test_a_sequence_below_the_steps_threshold_proposes_nothing() -> None:
     spec, kv = speculator(), KVCacheManager(64, 4, False, cache_freed_blocks=False)
     seq = sequence(REPEATING)
