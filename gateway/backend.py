@@ -26,6 +26,8 @@ class SampleOutput:
     generated_tokens: int = 0  # tokens this message accounts for
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (the request's, not a sum)
     queue_seconds: float = 0.0  # scheduler arrival to first admission; read with the first tokens
+    draft_tokens: int = 0  # speculative drafts proposed for this message's tokens
+    accepted_draft_tokens: int = 0  # of those, kept
 
 
 class Backend(Protocol):

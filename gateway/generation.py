@@ -128,6 +128,8 @@ class Generation:
                     calls[response.index].apply(response)
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, output.cached_prompt_tokens)
                 usage.completion_tokens += output.generated_tokens
+                usage.speculative_draft_tokens += output.draft_tokens
+                usage.speculative_accepted_tokens += output.accepted_draft_tokens
                 timer.on_tokens(output.generated_tokens, output.queue_seconds)
                 if is_finished(response.finish_reason):
                     running.discard(response.index)

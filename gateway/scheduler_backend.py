@@ -91,7 +91,8 @@ class SchedulerBackend:
                     del streams[event.index]
                     if n > 1 and response.stop_reason and streams:  # only this sample ends
                         await self._abort_sample(prepared.request_id, event.index)
-                yield SampleOutput(response, generated, event.cached_prompt_tokens, event.queue_seconds)
+                yield SampleOutput(response, generated, event.cached_prompt_tokens, event.queue_seconds,
+                                   event.draft_tokens, event.accepted_draft_tokens)
                 if not streams:
                     return
 

@@ -115,6 +115,8 @@ def merge_events(event: scheduler_pb2.TokenEvent, later: scheduler_pb2.TokenEven
     merged.token_timestamps.extend(later.token_timestamps)
     merged.logprobs.extend(later.logprobs)
     merged.top_logprobs.extend(later.top_logprobs)
+    merged.draft_tokens += later.draft_tokens
+    merged.accepted_draft_tokens += later.accepted_draft_tokens
     merged.position = later.position
     merged.finish_reason = later.finish_reason
     merged.error = later.error

@@ -116,17 +116,21 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, entries: Sequence[worker_pb2.ScheduledSequence], states: Sequence[DraftedSequence],
-                ends: Sequence[int], tp: TensorParallel, vocabulary: GuidanceVocabulary | None = None) -> float:
+                ends: Sequence[int], tp: TensorParallel,
+                vocabulary: GuidanceVocabulary | None = None) -> tuple[float, float]:
         """Each entry's draft_token_ids, as many as its num_draft_model_tokens (`ends`: each sequence's computed
         length after the step, the drafts included; its block table already holds their slots). `vocabulary`:
-        llguidance's (constrained samples). Returns the seconds it took (StepResult.draft_seconds)."""
+        llguidance's (constrained samples). Returns (the seconds it took, those that proposing alone takes once
+        the draft has caught up: StepResult.draft_seconds and draft_proposal_seconds)."""
         asked = [s.num_draft_model_tokens for s in entries]
         if not any(asked):
-            return 0.0
+            return 0.0, 0.0
         started = time.perf_counter()
         confirmed = [end - k for end, k in zip(ends, asked)]
-        drafts = self._catch_up(states, confirmed, asked, vocabulary)
+        drafts, caught_up = self._catch_up(states, confirmed, asked, vocabulary)
+        first_pass, passes = time.perf_counter() - started, []
         for j in range(1, max(asked, default=0)):  # d_{j+1} from d_j, one token per sequence
+            began = time.perf_counter()
             active = [i for i, k in enumerate(asked) if k > j]
             table = PageTable.build([states[i].block_table for i in active], np.ones(len(active), dtype=np.int64),
                                     np.asarray([confirmed[i] + j for i in active]), self.block_size)
@@ -135,6 +139,7 @@ class DraftModel:
                                         rows, vocabulary)
             for i, t in zip(active, tokens):
                 drafts[i].append(t)
+            passes.append(time.perf_counter() - began)
         flat = [t for i in range(len(entries)) for t in drafts.get(i, ())]
         if tp.enabled and flat:  # every rank verifies rank 0's proposals
             flat = tp.broadcast_tokens(torch.tensor(flat, dtype=torch.int64, device=self.device)).tolist()
@@ -145,15 +150,18 @@ class DraftModel:
                 start += asked[i]
                 # d_1..d_{k-1} went in as inputs: their K/V counts once the served model keeps them
                 state.draft_computed = confirmed[i] + asked[i] - 1
-        return time.perf_counter() - started
+        if caught_up:  # the first pass also computed prompts or lagging tokens: counted as a one-token pass
+            first_pass = sum(passes) / len(passes) if passes else first_pass / caught_up
+        return time.perf_counter() - started, first_pass + sum(passes)
 
     def _catch_up(self, states: Sequence[DraftedSequence], confirmed: list[int], asked: list[int],
-                  vocabulary: GuidanceVocabulary | None) -> dict[int, list[int]]:
+                  vocabulary: GuidanceVocabulary | None) -> tuple[dict[int, list[int]], float]:
         """The first pass, over the sequences asked for drafts: the confirmed tokens the draft's cache lacks,
-        their last one at least; returns d_1 of each, by index."""
+        their last one at least. Returns (d_1 of each, by index; when it computed more than 2 tokens a sequence,
+        how many times a one-token pass's tokens it computed, else 0)."""
         asking = [i for i, k in enumerate(asked) if k]
         if not asking:
-            return {}
+            return {}, 0.0
         starts = []
         for i in asking:
             st = states[i]
@@ -168,7 +176,9 @@ class DraftModel:
                            dtype=np.int64, count=table.num_tokens)
         last_rows = (table.qo_indptr[1:].to(torch.int64) - 1).tolist()
         rows = [self._row(states[i], [], vocabulary) for i in asking]
-        return {i: [t] for i, t in zip(asking, self._propose_from(table, flat, last_rows, rows, vocabulary))}
+        first = self._propose_from(table, flat, last_rows, rows, vocabulary)
+        caught_up = table.num_tokens / len(asking) if table.num_tokens > 2 * len(asking) else 0.0
+        return {i: [t] for i, t in zip(asking, first)}, caught_up
 
     @staticmethod
     def _row(st: DraftedSequence, prefix: list[int], vocabulary: GuidanceVocabulary | None) -> DraftRow:

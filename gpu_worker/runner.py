@@ -71,7 +71,7 @@ class StepInputs:
     logits_rows: torch.Tensor  # int64: their last rows in the flattened tokens (a drafted one's last k + 1)
     drafts: list[list[int]] | None = None  # per sampling sequence, its speculative drafts; None: none in the step
     row_starts: list[int] | None = None  # with drafts: where each sampling sequence's rows start (draft_rows.py)
-    draft_seconds: float = 0.0  # the draft model's proposing (draft_model.py)
+    draft_seconds: tuple[float, float] = (0.0, 0.0)  # the draft model's: in all, proposing alone (draft_model.py)
 
 
 @dataclass
@@ -267,7 +267,8 @@ class ModelRunner:
             sampled = self._sample(step, logits)
             self._pack(plan, step, sampled, logits, result)
         self.steps += 1
-        result.forward_seconds, result.draft_seconds = time.perf_counter() - started, step.draft_seconds
+        result.forward_seconds = time.perf_counter() - started
+        result.draft_seconds, result.draft_proposal_seconds = step.draft_seconds
         return result
 
     def _prepare(self, plan: worker_pb2.StepPlan) -> StepInputs:
@@ -279,7 +280,7 @@ class ModelRunner:
         row_offset = 0  # this sequence's first row in the step's flattened tokens (the sum of qo_lens so far)
         drafted: dict[int, list[int]] = {}  # plan index -> the entry's speculative drafts (draft_rows.py)
         updated = [self._update_sequence(plan, s) for s in plan.scheduled]
-        draft_seconds = 0.0 if self.drafter is None else self.drafter.propose(  # into the entries that ask for them
+        draft_seconds = (0.0, 0.0) if self.drafter is None else self.drafter.propose(  # into the entries that ask for them
             plan.scheduled, [st for st, _ in updated], [end for _, end in updated], self.tp, self.vocabulary)
         for s, (state, end) in zip(plan.scheduled, updated):
             if state.prompt_logprobs is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetero_common.config_presets import PRESETS  # noqa: F401 (part of this module's interface)
 from hetero_common.config_sections import (  # noqa: F401 (the sections are part of this module's interface)
     BackendConfig, CommandConfig, ServingConfig, TLSConfig, TokenizerConfig, doc)
 from hetero_common.errors import ConfigError
@@ -57,6 +58,9 @@ class Config:
     prompt_lookup_max: int = field(default=4, metadata=doc("`ngram`: the longest suffix matched (tried first)"))
     speculative_model: str = field(default="", metadata=doc(
         "`draft`: the draft model (a directory or a .gguf file, like `model`) with the served model's tokenizer"))
+    speculative_adaptive: bool = field(default=True, metadata=doc(
+        "adapt proposals to what they keep and cost (shorter after misses, a back-off, none where the measured "
+        "step cost says they do not pay); false: every decode proposes num_speculative_tokens (measurements)"))
     routing_policy: str = field(default="round_robin", metadata=doc(
         "which replica a new request goes to: `round_robin`, `longest_prefix` (most leading full prompt blocks "
         "already routed there) or `first_prefix_block`; load breaks ties"))
@@ -385,16 +389,3 @@ class Config:
 def _check(ok: bool, key: str, value: object, rule: str) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}' = {value!r} {rule}")
-
-
-# The seed's named presets (CONFIGURATION.md, "Configuration Presets").
-PRESETS: dict[str, dict[str, Any]] = {
-    "low_latency": dict(block_size=16, max_num_blocks=512, max_batch_size=8, max_num_seqs=64,
-                        max_model_len=1024, max_total_tokens=1024, memory_threshold=0.8),
-    "high_throughput": dict(block_size=32, max_num_blocks=4096, max_batch_size=128, max_num_seqs=1024,
-                            max_model_len=4096, max_total_tokens=16384, memory_threshold=0.95),
-    "memory_constrained": dict(block_size=16, max_num_blocks=256, max_batch_size=16, max_num_seqs=128,
-                               max_model_len=1024, max_total_tokens=2048, memory_threshold=0.85),
-    "long_context": dict(block_size=32, max_num_blocks=2048, max_batch_size=16, max_num_seqs=64,
-                         max_model_len=8192, max_total_tokens=8192, memory_threshold=0.9),
-}

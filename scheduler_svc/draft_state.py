@@ -22,9 +22,14 @@ class DraftState:
     misses: int = 0  # drafted decodes in a row that kept none
     resume_at: int = 0  # the token count before which it proposes nothing
 
+    def drafted_for(self, num_tokens: int) -> bool:
+        """Whether drafts were sent for the decode of the sequence's `num_tokens`-th token."""
+        return self.proposed > 0 and self.drafted_at == num_tokens
+
     def kept(self, num_kept: int, num_tokens: int, limit: int) -> None:
         """A drafted decode kept `num_kept` drafts; the sequence now holds `num_tokens` tokens."""
         self.acceptance = 0.5 * self.acceptance + 0.5 * num_kept / max(self.proposed, 1)
+        self.proposed = 0  # settled
         self.max_drafts = min(limit, num_kept + 1)
         self.misses = 0 if num_kept else self.misses + 1
         if self.misses:

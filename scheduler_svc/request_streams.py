@@ -155,4 +155,6 @@ def token_event(out: TokenOutput, position: int) -> scheduler_pb2.TokenEvent:
         event.prompt_logprobs.extend(out.prompt_logprobs)
     if out.prompt_top_logprobs:
         event.prompt_top_logprobs.extend(out.prompt_top_logprobs)
+    if out.draft_tokens:
+        event.draft_tokens, event.accepted_draft_tokens = out.draft_tokens, out.accepted_drafts
     return event

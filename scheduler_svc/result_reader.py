@@ -108,7 +108,10 @@ class ResultReader:
                     step.outputs.add(TokenOutput(seq.request_id, finish_reason=ERROR, index=seq.index,
                                                  error=f"this sample failed on the worker: {failures[seq_id]}"))
                 continue
-            if kept:
+            # a decode drafted in this step, kept drafts or not (a sequence whose drafted step was lost, recomputed
+            # since, is no decode when its length comes round again)
+            if kept or (kept is not None and seq.status is DECODE and seq.drafting is not None
+                        and seq.drafting.drafted_for(len(seq.token_ids))):
                 self._read_drafted_row(seq, kept, token, i, rows, step, first_kept - len(kept))
             else:
                 self._read_row(seq, token, i, rows, step)
@@ -131,7 +134,10 @@ class ResultReader:
             reason = finish_reason(seq, t, self.eos_token_ids, self.max_model_len)
             if reason:
                 break
-        step.outputs.add(rows.output(seq, token, row, step.outputs.timestamp, reason, emitted, first_kept, len(kept)))
+        out = rows.output(seq, token, row, step.outputs.timestamp, reason, emitted, first_kept, len(kept))
+        if seq.drafting is not None:  # the request's usage counts its drafts (Usage.speculative_*)
+            out.draft_tokens, out.accepted_drafts = seq.drafting.proposed, len(kept)
+        step.outputs.add(out)
         if reason:
             step.ends.append((seq, reason, COMPLETED, True))
 

@@ -21,7 +21,9 @@ Adaptive, so that it does not cost throughput. Per sequence: after a drafted dec
 its next proposal is at most a + 1 tokens long (growing back by one per success); one that kept none also
 waits 2, 4, 8 ... up to 64 decodes before it proposes again (draft_state.py). Per step: a sequence proposes
 only while the share of its drafts it keeps (a running average) exceeds the share the step's cost needs,
-which grows with the batch as the worker's steps turn compute-bound (step_cost.py, measured).
+which grows with the batch as the worker's steps turn compute-bound, and with what a draft model's tokens
+cost (step_cost.py, measured). Until that cost is measured, one sequence a step drafts with a draft model.
+`speculative_adaptive: false` turns all of this off: every decode proposes num_speculative_tokens.
 """
 
 from __future__ import annotations
@@ -39,17 +41,19 @@ class Speculator:
     """The proposals for each decode, and how many were proposed and kept (the scheduler's metrics)."""
 
     __slots__ = ("max_drafts", "min_n", "max_n", "max_model_len", "num_proposed", "num_accepted", "num_drafted_rows",
-                 "cost", "draft_model")
+                 "cost", "draft_model", "adaptive", "_rows_before_step")
 
     def __init__(self, config: Config, max_model_len: int) -> None:
         self.draft_model = config.speculative_method == "draft"  # proposals from the worker's draft model
         self.max_drafts = config.num_speculative_tokens
+        self.adaptive = config.speculative_adaptive
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_model_len = max_model_len
         self.num_proposed = 0  # draft tokens sent to the worker
         self.num_accepted = 0  # of those, kept
         self.num_drafted_rows = 0  # decodes that carried drafts
         self.cost = StepCostModel()  # what drafts cost the worker's steps at the current batch
+        self._rows_before_step = 0  # num_drafted_rows when the step being planned began
 
     def drafts(self, seq: Sequence, token_budget: int, kv_cache: KVCacheManager) -> tuple[list[int], int]:
         """Proposals for a `speculative` decode computing its last token this step: (n-gram drafts, or how many
@@ -61,17 +65,21 @@ class Speculator:
         token_ids = seq.token_ids
         state = self._state(seq)
         num = len(token_ids)
-        room = min(state.max_drafts, token_budget, seq.last_len - num, self.max_model_len - 1 - num)
-        if room <= 0 or num < state.resume_at or state.acceptance <= self.cost.threshold():
+        limit = state.max_drafts if self.adaptive else self.max_drafts
+        room = min(limit, token_budget, seq.last_len - num, self.max_model_len - 1 - num)
+        if room <= 0:
             return [], 0
+        if self.adaptive and (num < state.resume_at or state.acceptance <= self.cost.threshold() or (
+                self.draft_model and not self.cost.measured() and self.num_drafted_rows > self._rows_before_step)):
+            return [], 0  # (a draft model: one probe a step until what its tokens cost is measured)
         drafts: list[int] = []
         if not self.draft_model:
             state.index.extend(token_ids[len(state.index):])
             drafts = state.index.propose(room)
         count = room if self.draft_model else len(drafts)
-        state.drafted_at, state.proposed = num, count
         if not count or not kv_cache.can_grow(seq, 1 + count):
             return [], 0
+        state.drafted_at, state.proposed = num, count
         self.num_proposed += count
         self.num_drafted_rows += 1
         return drafts, count - len(drafts)
@@ -89,6 +97,7 @@ class Speculator:
             kv_cache.trim(seq, seq.num_computed + 1)
             self.num_proposed -= count
             self.num_drafted_rows -= 1
+            self._state(seq).proposed = 0
             drafts, asked = [], 0
         return copies, drafts, asked
 
@@ -99,7 +108,7 @@ class Speculator:
         for seq in running:
             if seq.speculative and not seq.awaiting_token:
                 state = self._state(seq)
-                if len(seq.token_ids) + 1 >= state.resume_at and state.acceptance > threshold:
+                if not self.adaptive or (len(seq.token_ids) + 1 >= state.resume_at and state.acceptance > threshold):
                     if self.draft_model:  # it proposes at every decode
                         return True
                     state.index.extend(seq.token_ids[len(state.index):])
@@ -115,13 +124,15 @@ class Speculator:
     def planned(self, step_id: int, num_tokens: int, num_running: int) -> None:
         """A step was planned: its tokens, for its cost once its result says how long it took."""
         self.cost.planned(step_id, num_tokens, num_running)
+        self._rows_before_step = self.num_drafted_rows
 
     def settle(self, drafted: list[Sequence], num_accepted: int, kv_cache: KVCacheManager,
                result: worker_pb2.StepResult) -> None:
         """After a step's result is read: the blocks of the drafts the worker rejected freed (the worker drops
         them from its tables by the same rule), the kept ones counted, the step's time measured."""
         model_drafts = sum(seq.drafting.proposed for seq in drafted if seq.drafting is not None) if self.draft_model else 0
-        self.cost.observe(result.step_id, result.forward_seconds, result.draft_seconds, model_drafts)
+        self.cost.observe(result.step_id, result.forward_seconds, result.draft_seconds, result.draft_proposal_seconds,
+                          model_drafts)
         for seq in drafted:
             if not seq.status.finished and seq.drafting is not None:
                 kv_cache.trim(seq, len(seq.token_ids))

@@ -11,8 +11,9 @@ tokens (`threshold`). At batch 1 on a memory-bound device that share is small an
 the batch grows towards compute-bound it nears 1 and only drafts that are nearly always kept still pay.
 
 A draft model's proposals cost time too (StepResult.draft_seconds, left out of the fit): d seconds per draft
-token, a running average, and the drafts pay when alpha > (b + d) * B / (a + b * B). A draft model that costs
-much and agrees little is asked for nothing.
+token once it has caught up with its sequences (draft_proposal_seconds; a sequence's prompt at its first
+drafted decode is a one-time cost), a running average, and the drafts pay when
+alpha > (b + d) * B / (a + b * B). A draft model that costs much and agrees little is asked for nothing.
 """
 
 from __future__ import annotations
@@ -41,10 +42,12 @@ class StepCostModel:
             self._planned.popitem(last=False)
         self.batch = max(1, num_running)
 
-    def observe(self, step_id: int, seconds: float, draft_seconds: float = 0.0, model_drafts: int = 0) -> None:
-        """A step's result: its time, of which `draft_seconds` proposing `model_drafts` tokens with a draft model."""
+    def observe(self, step_id: int, seconds: float, draft_seconds: float = 0.0, proposal_seconds: float = 0.0,
+                model_drafts: int = 0) -> None:
+        """A step's result: its time, of which `draft_seconds` a draft model's, `proposal_seconds` of those what
+        proposing `model_drafts` tokens costs once it has caught up (StepResult.draft_proposal_seconds)."""
         if model_drafts:
-            per_token = draft_seconds / model_drafts
+            per_token = proposal_seconds / model_drafts
             self.draft_per_token = 0.7 * self.draft_per_token + 0.3 * per_token if self.draft_per_token else per_token
         tokens = self._planned.pop(step_id, None)
         if tokens is None or seconds <= 0:
@@ -59,6 +62,10 @@ class StepCostModel:
         b = sum((x - mean_x) * (y - mean_y) for x, y in self._samples) / n / var_x
         self.b = max(b, 0.0)
         self.a = max(mean_y - self.b * mean_x, 0.0)
+
+    def measured(self) -> bool:
+        """Whether the fit and a draft model's cost are known (a proposer without a model costs nothing)."""
+        return self.b > 0 and self.draft_per_token > 0
 
     def threshold(self) -> float:
         """The fraction of drafts that must be kept for drafting to pay at the current batch (0 before a fit)."""

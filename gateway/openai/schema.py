@@ -182,12 +182,20 @@ def chat_logprobs(parts: list[inference_pb2.GenerateResponse]) -> dict[str, Any]
     return {"content": content}
 
 
-def usage(per_request: list[common_pb2.Usage]) -> dict[str, int]:
+def usage(per_request: list[common_pb2.Usage]) -> dict[str, Any]:
     """The sum over the prompts' requests. Each request's usage counts its prompt once and the
-    tokens of all its n samples, as OpenAI counts them."""
+    tokens of all its n samples, as OpenAI counts them. With speculative decoding, the drafts proposed
+    are in completion_tokens_details as OpenAI's predicted outputs report theirs: accepted and rejected."""
     prompt_tokens = sum(u.prompt_tokens for u in per_request)
     completion = sum(u.completion_tokens for u in per_request)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    answer: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                              "total_tokens": prompt_tokens + completion}
+    drafted = sum(u.speculative_draft_tokens for u in per_request)
+    if drafted:
+        accepted = sum(u.speculative_accepted_tokens for u in per_request)
+        answer["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                               "rejected_prediction_tokens": drafted - accepted}
+    return answer
 
 
 def envelope(kind: Literal["text_completion", "chat.completion", "chat.completion.chunk"], request_id: str,

@@ -17,7 +17,8 @@ from hetero_infer.testing.tiny_models import make_noisy_copy, make_tiny_llama
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy
 from tests.model.test_speculative_decoding import repetitive_prompts, sampled
 
-DRAFT = {"speculative_method": "draft", "num_speculative_tokens": 3}
+# Always proposing: these tests are about outputs and the draft's K/V, whatever drafting costs on this machine.
+DRAFT = {"speculative_method": "draft", "num_speculative_tokens": 3, "speculative_adaptive": False}
 PREEMPTING = {"block_size": 4, "max_num_blocks": 24, "memory_threshold": 1.0}
 
 
@@ -51,7 +52,7 @@ def test_the_served_model_as_its_own_draft_keeps_every_draft(tiny_llama_dir: Pat
     out, engine = run(tiny_llama_dir, tiny_llama_dir, **overrides)
     assert out == reference
     speculator = engine.scheduler.speculator
-    assert speculator is not None and speculator.num_proposed > 10
+    assert speculator is not None and speculator.num_proposed > 40
     assert speculator.num_accepted == speculator.num_proposed
     if "preemption_mode" in overrides:
         assert engine.scheduler.num_preemptions > 0
@@ -67,13 +68,13 @@ def test_a_noisy_draft_gives_the_served_models_outputs_under_preemption(tiny_lla
     assert engine.scheduler.num_preemptions > 0
 
 
-def test_a_draft_with_random_weights_changes_nothing(tiny_llama_dir: Path, reference,
+def test_a_draft_with_random_weights_changes_nothing_and_stops_proposing(tiny_llama_dir: Path, reference,
                                                      tmp_path_factory: pytest.TempPathFactory) -> None:
     garbage = make_tiny_llama(tmp_path_factory.mktemp("garbage-draft"), seed=7)
-    out, engine = run(tiny_llama_dir, garbage, block_size=5)
+    out, engine = run(tiny_llama_dir, garbage, block_size=5, speculative_adaptive=True)
     assert out == reference
     speculator = engine.scheduler.speculator
-    assert speculator is not None and speculator.num_proposed > 0
+    assert speculator is not None and 0 < speculator.num_proposed < 40  # adaptive: misses back off
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_a_draft_model(tiny_llama_dir: Path, noisy_draft: Path) -> None:

@@ -33,10 +33,11 @@ SPECULATION = ("--speculative-method", "ngram", "--num-speculative-tokens", "3",
 @pytest.fixture(scope="module")
 def method_flags(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, ...]]:
     """Each speculative method's flags; `draft` proposes with a noisy copy of the served model (some drafts
-    kept, some not)."""
+    kept, some not), at every decode (not adaptive: what it costs the tiny model does not matter here)."""
     draft = make_noisy_copy(tiny_llama_dir, tmp_path_factory.mktemp("noisy-draft"), noise=0.2)
     return {"none": (), "ngram": SPECULATION,
-            "draft": ("--speculative-method", "draft", "--speculative-model", str(draft), "--num-speculative-tokens", "3")}
+            "draft": ("--speculative-method", "draft", "--speculative-model", str(draft), "--num-speculative-tokens", "3",
+                      "--speculative-adaptive", "false")}
 
 
 def repeating(count: int) -> list[inference_pb2.GenerateRequest]:
@@ -57,6 +58,16 @@ def constrained() -> list[inference_pb2.GenerateRequest]:
     return [inference_pb2.GenerateRequest(request_id=f"c{i}", prompt_token_ids=inference_pb2.TokenIds(ids=make_prompts()[3]),
                                           params=common_pb2.SamplingParams(max_tokens=80, **spec))
             for i, spec in enumerate(specs)]
+
+
+def speculation_usage(stack) -> tuple[tuple[int, int], object]:
+    """A repeating request's final usage over gRPC (drafts proposed, kept) and over HTTP (its
+    completion_tokens_details: OpenAI's accepted and rejected prediction tokens)."""
+    usage = stack.inference.Complete(repeating(1)[0], timeout=60).usage
+    client = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    details = client.completions.create(model=MODEL, prompt="the city the city the city the city", max_tokens=24,
+                                        temperature=0).usage.completion_tokens_details
+    return (usage.speculative_draft_tokens, usage.speculative_accepted_tokens), details
 
 
 def gauges(url: str) -> dict[str, float]:
@@ -91,6 +102,12 @@ def test_speculation_gives_the_same_streams_as_plain_decoding(tiny_llama_dir: Pa
             kept = gauges(stack.http_url)["hetero_spec_decode_accepted_tokens"] - before["hetero_spec_decode_accepted_tokens"]
             assert kept > 0 if method != "none" else kept == 0
             answers[method] = http_answers(stack.http_url)
+            (drafted, accepted), details = speculation_usage(stack)
+            if method == "none":
+                assert drafted == accepted == 0 and details is None
+            else:
+                assert 0 < accepted <= drafted
+                assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
             assert wait_for_idle(stack).used_blocks == 0
             counts = gauges(stack.http_url)
             if method != "none":

@@ -66,6 +66,12 @@ def test_queued_events_of_one_sample_go_out_as_one() -> None:
     assert merged.finish_reason == common_pb2.FINISH_REASON_LENGTH and merged.cached_prompt_tokens == 4
 
 
+def test_merged_events_sum_their_speculative_draft_counts() -> None:
+    (merged,) = drain([ev(0, 5), ev(1, 6, draft_tokens=3, accepted_draft_tokens=1),
+                       ev(2, 7, draft_tokens=2, accepted_draft_tokens=2, finish=common_pb2.FINISH_REASON_LENGTH)])
+    assert (merged.draft_tokens, merged.accepted_draft_tokens) == (5, 3)
+
+
 def test_no_merge_across_samples_or_past_an_end_or_into_an_error() -> None:
     events = drain([ev(0, 5, index=0), ev(1, 6, index=1), ev(2, 7, index=1, finish=common_pb2.FINISH_REASON_STOP),
                     ev(3, 8, index=0), ev(4, 9, index=0, finish=common_pb2.FINISH_REASON_ERROR, error="boom")], samples=2)

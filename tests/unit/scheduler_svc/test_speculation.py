@@ -40,7 +40,7 @@ def test_drafts_stay_within_the_budget_max_tokens_and_the_free_blocks() -> None:
 
 
 def test_a_draft_model_is_asked_for_as_many_drafts_under_the_same_bounds() -> None:
-    spec = speculator(speculative_method="draft", speculative_model="unused")
+    spec = speculator(speculative_method="draft", speculative_model="unused", speculative_adaptive=False)
     kv = KVCacheManager(64, 4, False, cache_freed_blocks=False)
     no_repeats = list(range(30))  # nothing to look up: the draft model proposes anyway
     assert spec.drafts(sequence(no_repeats), 10, kv) == ([], 4)
@@ -49,6 +49,15 @@ def test_a_draft_model_is_asked_for_as_many_drafts_under_the_same_bounds() -> No
     assert spec.drafts(sequence(no_repeats, max_tokens=1), 10, kv) == ([], 0)
     assert spec.drafts(sequence(no_repeats), 10, KVCacheManager(1, 4, False, cache_freed_blocks=False)) == ([], 0)
     assert spec.num_proposed == 4 + 2 + 2 and spec.wants_drafts([sequence(no_repeats)])
+
+
+def test_a_draft_model_probes_with_one_sequence_a_step_until_its_cost_is_measured() -> None:
+    spec = speculator(speculative_method="draft", speculative_model="unused")
+    kv = KVCacheManager(64, 4, False, cache_freed_blocks=False)
+    assert spec.drafts(sequence(list(range(30))), 10, kv) == ([], 4)
+    assert spec.drafts(sequence(list(range(30))), 10, kv) == ([], 0)  # the same step
+    spec.planned(1, 10, num_running=2)
+    assert spec.drafts(sequence(list(range(30))), 10, kv) == ([], 4)  # the next one
 
 
 def test_a_proposal_grows_back_one_per_success_and_failures_back_off() -> None:
@@ -91,11 +100,12 @@ def test_the_step_cost_fit_and_the_acceptance_a_batch_needs() -> None:
 
 
 def test_a_draft_models_time_raises_the_acceptance_drafts_need() -> None:
-    """Its seconds are left out of the fit and counted per draft token: (b + d) * B / (a + b * B)."""
+    """Its seconds are left out of the fit, and those of proposing (not catching up) counted per draft token:
+    (b + d) * B / (a + b * B)."""
     cost = StepCostModel()
     for step, tokens in enumerate([1, 4, 8, 16, 32, 64, 3, 40]):  # each step also drafted 4 tokens in 2 ms
         cost.planned(step, tokens, num_running=1)
-        cost.observe(step, 0.010 + 0.001 * tokens + 0.002, draft_seconds=0.002, model_drafts=4)
+        cost.observe(step, 0.010 + 0.001 * tokens + 0.003, draft_seconds=0.003, proposal_seconds=0.002, model_drafts=4)
     assert abs(cost.a - 0.010) < 1e-9 and abs(cost.b - 0.001) < 1e-9
     assert abs(cost.draft_per_token - 0.0005) < 1e-5
     assert abs(cost.threshold() - 0.0015 / 0.011) < 1e-4  # more than the 1 / 11 a free proposer needs
@@ -123,3 +133,27 @@ def test_a_step_is_not_planned_ahead_of_while_a_running_decode_has_a_lookup_matc
     plain = sequence(REPEATING)
     plain.speculative = False
     assert not spec.wants_drafts([plain])
+
+
+def test_a_sequence_whose_drafted_step_was_lost_gets_its_recomputed_token() -> None:
+    """Its draft state still says "drafted at this length" when its recompute samples at that length, in a
+    step where another decode carries drafts: the token is read as a plain row's, not dropped."""
+    from tests.helpers.scheduler_driver import answer, make, params
+
+    settings = dict(speculative_method="draft", speculative_model="unused", speculative_adaptive=False,
+                    num_speculative_tokens=3, async_scheduling=False)
+    lost, survivor = make(**settings), make(**settings)
+    lost.add_request("s", [1, 2, 3], params(max_tokens=10))
+    lost.process_result(answer(lost.schedule()))
+    assert lost.schedule().scheduled[0].num_draft_model_tokens == 3  # in flight when its worker dies
+    (moved,) = lost.take_all_for_recompute()
+    survivor.add_request("t", [4, 5, 6], params(max_tokens=10))
+    survivor.process_result(answer(survivor.schedule()))
+    survivor.adopt(moved)
+    plan = survivor.schedule()
+    asked = {s.seq_id: s.num_draft_model_tokens for s in plan.scheduled}
+    assert asked[moved.seq_id] == 0 and max(asked.values()) == 3
+    result = answer(plan)
+    result.num_accepted_drafts.extend(0 for _ in result.seq_ids)
+    outputs = {o.request_id: list(o.token_ids) for o in survivor.process_result(result)}
+    assert outputs["s"] == [7] and moved.token_ids == [1, 2, 3, 7, 7]
