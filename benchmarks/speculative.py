@@ -3,7 +3,7 @@ alternating per round (same model, same prompts, greedy, EOS ignored):
 
     python benchmarks/speculative.py [--model M] [--rounds 3] [--new-tokens 128] [--requests 64]
                                      [--num-speculative-tokens 4] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
-                                     [--methods ngram,draft] [--draft-model DIR | --draft-layers 6]
+                                     [--methods ngram,draft] [--draft-model DIR | --draft-layers 6] [--not-adaptive]
 
 Arms: `none`, then each of `--methods`. `draft` proposes with `--draft-model`, or, with none given, with the
 served model's first `--draft-layers` layers (its final norm and LM head kept: an early-exit draft written
@@ -115,12 +115,14 @@ def main() -> int:
     parser.add_argument("--methods", default="ngram", help="speculative arms, comma-separated: ngram, draft")
     parser.add_argument("--draft-model", default=None, help="`draft`'s model (default: an early-exit draft)")
     parser.add_argument("--draft-layers", type=int, default=6, help="the early-exit draft's layers")
+    parser.add_argument("--not-adaptive", action="store_true",
+                        help="speculative_adaptive false: every decode proposes (a proposer's own acceptance)")
     args = parser.parse_args()
     configure_logging("warning")
     methods = args.methods.split(",")
     common = dict(model=args.model, max_batch_size=max(args.requests, 32))
     speculative = dict(num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
-                       prompt_lookup_max=args.prompt_lookup_max)
+                       prompt_lookup_max=args.prompt_lookup_max, speculative_adaptive=not args.not_adaptive)
     engines = {"none": InferenceEngine(Config(**common).validate())}
     scratch = tempfile.TemporaryDirectory()
     for method in methods:

@@ -78,7 +78,7 @@ class DraftModel:
         if mc.vocab_size != target.vocab_size:
             log.warning("the draft model's vocabulary differs from the served model's; it must share its tokenizer",
                         draft_vocab=mc.vocab_size, served_vocab=target.vocab_size)
-        self.device, self.block_size, self.config = device, config.block_size, config
+        self.device, self.block_size = device, config.block_size
         self.kv_dtype = kv_cache_torch_dtype(config, dtype, device, mc.head_dim)
         self.bytes_per_block = (mc.num_hidden_layers * 2 * self.block_size * self.model.num_kv_heads
                                 * kv_row_bytes(self.kv_dtype, mc.head_dim))

@@ -18,7 +18,7 @@ class DraftState:
     max_drafts: int  # its next proposal's length at most
     drafted_at: int = 0  # its token count when its last drafts were sent
     proposed: int = 0  # how many those were
-    acceptance: float = 1.0  # the share of its drafts it keeps, a running average (optimistic at first)
+    acceptance: float = 1.0  # the share of its drafts it keeps, a running average (from 1.0 or a prior)
     misses: int = 0  # drafted decodes in a row that kept none
     resume_at: int = 0  # the token count before which it proposes nothing
 

@@ -22,7 +22,8 @@ its next proposal is at most a + 1 tokens long (growing back by one per success)
 waits 2, 4, 8 ... up to 64 decodes before it proposes again (draft_state.py). Per step: a sequence proposes
 only while the share of its drafts it keeps (a running average) exceeds the share the step's cost needs,
 which grows with the batch as the worker's steps turn compute-bound, and with what a draft model's tokens
-cost (step_cost.py, measured). Until that cost is measured, one sequence a step drafts with a draft model.
+cost (step_cost.py, measured). Until that cost is measured, one sequence a step drafts with a draft model, and
+a new sequence starts from the share recent drafts kept (one in EXPLORE from 1.0).
 `speculative_adaptive: false` turns all of this off: every decode proposes num_speculative_tokens.
 """
 
@@ -36,12 +37,14 @@ from scheduler_svc.ngram_proposer import NgramIndex
 from scheduler_svc.sequence import Sequence
 from scheduler_svc.step_cost import StepCostModel
 
+EXPLORE = 16  # with a draft model, one new sequence in this many starts optimistic
+
 
 class Speculator:
     """The proposals for each decode, and how many were proposed and kept (the scheduler's metrics)."""
 
     __slots__ = ("max_drafts", "min_n", "max_n", "max_model_len", "num_proposed", "num_accepted", "num_drafted_rows",
-                 "cost", "draft_model", "adaptive", "_rows_before_step")
+                 "cost", "draft_model", "adaptive", "acceptance", "_rows_before_step", "_num_states")
 
     def __init__(self, config: Config, max_model_len: int) -> None:
         self.draft_model = config.speculative_method == "draft"  # proposals from the worker's draft model
@@ -54,6 +57,8 @@ class Speculator:
         self.num_drafted_rows = 0  # decodes that carried drafts
         self.cost = StepCostModel()  # what drafts cost the worker's steps at the current batch
         self._rows_before_step = 0  # num_drafted_rows when the step being planned began
+        self.acceptance = 1.0  # the share of drafts kept, a running average over drafted steps
+        self._num_states = 0  # sequences that have had a draft state
 
     def drafts(self, seq: Sequence, token_budget: int, kv_cache: KVCacheManager) -> tuple[list[int], int]:
         """Proposals for a `speculative` decode computing its last token this step: (n-gram drafts, or how many
@@ -118,7 +123,13 @@ class Speculator:
 
     def _state(self, seq: Sequence) -> DraftState:
         if seq.drafting is None:
-            seq.drafting = DraftState(NgramIndex(self.min_n, self.max_n), self.max_drafts)
+            # A draft model's first proposal costs a pass over the prompt: a new sequence starts from what recent
+            # drafts kept, but one in EXPLORE from the optimistic 1.0, so that a workload it suits is found.
+            # (Lookups cost nothing to try: every sequence starts optimistic.)
+            self._num_states += 1
+            explore = not self.draft_model or self._num_states % EXPLORE == 1
+            seq.drafting = DraftState(NgramIndex(self.min_n, self.max_n), self.max_drafts,
+                                      acceptance=1.0 if explore else self.acceptance)
         return seq.drafting
 
     def planned(self, step_id: int, num_tokens: int, num_running: int) -> None:
@@ -130,9 +141,11 @@ class Speculator:
                result: worker_pb2.StepResult) -> None:
         """After a step's result is read: the blocks of the drafts the worker rejected freed (the worker drops
         them from its tables by the same rule), the kept ones counted, the step's time measured."""
-        model_drafts = sum(seq.drafting.proposed for seq in drafted if seq.drafting is not None) if self.draft_model else 0
+        proposed = sum(seq.drafting.proposed for seq in drafted if seq.drafting is not None)
         self.cost.observe(result.step_id, result.forward_seconds, result.draft_seconds, result.draft_proposal_seconds,
-                          model_drafts)
+                          proposed if self.draft_model else 0)
+        if proposed:
+            self.acceptance = 0.8 * self.acceptance + 0.2 * num_accepted / proposed
         for seq in drafted:
             if not seq.status.finished and seq.drafting is not None:
                 kv_cache.trim(seq, len(seq.token_ids))

@@ -56,7 +56,7 @@ class PaperWorker:
         for new in plan.new_sequences:
             self.seqs[new.seq_id] = {"tokens": list(new.token_ids), "table": [], "computed": -1}
         result = worker_pb2.StepResult(step_id=plan.step_id)
-        drafted = any(s.draft_token_ids for s in plan.scheduled)
+        drafted = any(s.draft_token_ids or s.num_draft_model_tokens for s in plan.scheduled)
         for s in plan.scheduled:
             st_ = self.seqs[s.seq_id]
             for e in s.block_table_edits:
@@ -69,7 +69,7 @@ class PaperWorker:
             for pos in range(s.num_cached_tokens):  # what attention would read
                 assert self.kv[table[pos // self.bs]][pos % self.bs] == tokens[pos], f"seq {s.seq_id} pos {pos}"
             end = s.num_cached_tokens + s.num_tokens
-            drafts = list(s.draft_token_ids)
+            drafts = list(s.draft_token_ids) or self.propose(tokens, s.seq_id, s.num_draft_model_tokens)
             assert end == len(tokens) + len(drafts) if drafts else end <= len(tokens)
             for pos, token in zip(range(s.num_cached_tokens, end), tokens[s.num_cached_tokens:] + drafts):
                 self.kv[table[pos // self.bs]][pos % self.bs] = token
@@ -90,6 +90,16 @@ class PaperWorker:
                     result.num_accepted_drafts.append(len(kept))
                     result.accepted_draft_ids.extend(kept)
         return result
+
+    @classmethod
+    def propose(cls, tokens: list[int], seq_id: int, count: int) -> list[int]:
+        """The paper draft model's `count` proposals: the model's own choices, but wrong at every third
+        position, so that runs of drafts are kept and cut at every place."""
+        drafts: list[int] = []
+        for j in range(count):
+            token = cls.choose(tokens + drafts, seq_id)
+            drafts.append(token if (len(tokens) + j) % 3 else 3 + (token - 2) % 5)
+        return drafts
 
     @staticmethod
     def choose(tokens: list[int], seq_id: int) -> int:
@@ -133,9 +143,10 @@ ops = st.one_of(
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(operations=st.lists(ops, max_size=40), policy=st.sampled_from(["lru", "ref_zero"]),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), chunk=st.sampled_from([0, 3]),
-       drafts=st.integers(0, 3))
-def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode, caching, chunk, drafts) -> None:
-    speculation = {"speculative_method": "ngram", "num_speculative_tokens": drafts, "prompt_lookup_min": 1} if drafts else {}
+       drafts=st.integers(0, 3), method=st.sampled_from(["ngram", "draft"]))
+def test_random_interleavings_keep_the_pool_consistent(operations, policy, mode, caching, chunk, drafts, method) -> None:
+    speculation = ({"speculative_method": method, "num_speculative_tokens": drafts, "prompt_lookup_min": 1,
+                    "speculative_model": "paper" if method == "draft" else ""} if drafts else {})
     config = Config(dtype="float32", block_size=BLOCK, max_total_tokens=12, max_batch_size=6, memory_threshold=1.0,
                     enable_prefix_caching=caching, prefix_caching_eviction_policy=policy, preemption_mode=mode,
                     max_prefill_chunk_tokens=chunk, **speculation).validate()

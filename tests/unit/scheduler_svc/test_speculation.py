@@ -157,3 +157,21 @@ def test_a_sequence_whose_drafted_step_was_lost_gets_its_recomputed_token() -> N
     result.num_accepted_drafts.extend(0 for _ in result.seq_ids)
     outputs = {o.request_id: list(o.token_ids) for o in survivor.process_result(result)}
     assert outputs["s"] == [7] and moved.token_ids == [1, 2, 3, 7, 7]
+
+
+def test_with_a_draft_model_new_sequences_start_from_what_recent_drafts_kept() -> None:
+    from hetero.v1 import worker_pb2
+    from scheduler_svc.speculation import EXPLORE
+
+    spec = speculator(speculative_method="draft", speculative_model="unused")
+    kv = KVCacheManager(64, 4, False, cache_freed_blocks=False)
+    first = sequence(list(range(30)))
+    assert spec.drafts(first, 10, kv) == ([], 4)  # the first one explores
+    spec.settle([first], 0, kv, worker_pb2.StepResult())  # and keeps none of them
+    assert spec.acceptance == 0.8
+    starts = []
+    for _ in range(EXPLORE):
+        seq = sequence(list(range(30)))
+        spec.drafts(seq, 10, kv)
+        starts.append(seq.drafting.acceptance)
+    assert starts.count(1.0) == 1 and all(a == 0.8 for a in starts if a != 1.0)
