@@ -93,3 +93,25 @@ def test_a_draft_model_that_is_missing_is_a_config_error(tiny_llama_dir: Path, t
         Config(model=str(tiny_llama_dir), speculative_model=str(tiny_llama_dir)).validate()
     with pytest.raises(ConfigError, match="'speculative_model' = .*no such file"):
         InferenceEngine(Config(model=str(tiny_llama_dir), **DRAFT, speculative_model=str(tmp_path / "none")).validate())
+
+
+@pytest.mark.parametrize("mode", ["persist", "offload", "recompute"])
+def test_the_draft_keeps_every_draft_across_a_suspend(tiny_llama_dir: Path, reference, mode: str) -> None:
+    """`offload` and `recompute` drop the draft's K/V: after the resume it is recomputed from the tokens, so
+    the served model as its own draft still keeps every draft."""
+    config = Config(model=str(tiny_llama_dir), dtype="float32", **DRAFT, speculative_model=str(tiny_llama_dir),
+                    block_size=4).validate()
+    engine = InferenceEngine(config)
+    params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [engine.submit_request(p, params) for p in repetitive_prompts()]
+    done = {}
+    for _ in range(4):
+        done.update({r.request_id: r for r in engine.step()})
+    assert (engine.suspend(mode) > 0) == (mode != "persist")
+    engine.resume()
+    done.update({r.request_id: r for r in engine.run()})
+    assert [done[i].output_token_ids for i in ids] == reference
+    speculator = engine.scheduler.speculator
+    assert speculator is not None and speculator.num_proposed > 40
+    assert speculator.num_accepted == speculator.num_proposed
+    assert engine.get_memory_stats().used_blocks == 0

@@ -62,3 +62,17 @@ def test_tp2_suspend_releases_every_rank_and_streams_continue(tiny_llama_dir: Pa
         assert results[6] == tp1[0]
         assert len(results[7]) == 200 and results[7][:NEW_TOKENS] == tp1[1]
         assert wait_for_idle(stack).used_blocks == 0
+
+
+def test_tp2_with_a_draft_model_matches_tp1(tiny_llama_dir: Path) -> None:
+    """Speculative decoding with a draft model under tensor parallelism: every rank runs the whole draft and
+    verifies rank 0's proposals; the served model as its own draft keeps them, and the tokens are TP 1's."""
+    prompts = make_prompts()
+    tp1 = engine_greedy(tiny_llama_dir, prompts, block_size=5)
+    with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--tensor-parallel-size", "2",
+                   "--worker-address", f"127.0.0.1:{free_port()}", "--log-level", "warning",
+                   "--speculative-method", "draft", "--speculative-model", str(tiny_llama_dir),
+                   "--num-speculative-tokens", "3", "--speculative-adaptive", "false") as stack:
+        assert generate_concurrently(stack, prompts, NEW_TOKENS, 120) == tp1
+        stats = wait_for_idle(stack)
+        assert stats.used_blocks == 0 and 0 < stats.spec_accepted_tokens == stats.spec_draft_tokens
