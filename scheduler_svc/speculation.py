@@ -4,11 +4,12 @@ proposals, the proposals (scheduler_svc/ngram_proposer.py), and the counts.
 A decode with proposals d_1..d_k is scheduled as 1 + k tokens (its last token, then the drafts) and its entry
 carries them (ScheduledSequence.draft_token_ids), or, with a draft model (`draft`), how many the worker's
 draft model is to propose (num_draft_model_tokens: gpu_worker/draft_model.py); it is written on the general
-path, never the fast one. The worker samples the k + 1 positions as decoding one at a time would and keeps the longest prefix of drafts
-equal to those samples, then its own token (gpu_worker/draft_rows.py), so the output is token for token what
-decoding without speculation gives (greedy; seeded sampling; unseeded, the same distribution). Only the
-token certainly computed counts as computed when the step is counted
-(overlap.StepInFlight.count); the kept drafts are counted as the result is read (result_reader.py), so
+path, never the fast one. The worker samples the k + 1 positions as decoding one at a time would and keeps the
+longest prefix of drafts equal to those samples, then its own token (gpu_worker/draft_rows.py), so the output
+is token for token what decoding without speculation gives (greedy; seeded sampling; unseeded, the same
+distribution: for a proposer that picks its drafts, greedily or by lookup, keeping a draft x exactly when the
+sample is x is the rejection rule of Leviathan et al.). Only the token certainly computed counts as computed
+when the step is counted (overlap.StepInFlight.count); the kept drafts are counted as the result is read (result_reader.py), so
 prefix-cache registration never sees a rejected one, and the blocks allocated past the sequence's tokens
 are freed then (`KVCacheManager.trim`, the worker trimming its table the same way). A step with drafts
 is not planned ahead of (overlap.py assumes one token per decode).

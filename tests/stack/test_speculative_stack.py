@@ -1,10 +1,10 @@
-"""Speculative decoding (`--speculative-method ngram`, and `draft` with a noisy copy of the model) through the whole stack (gateway, scheduler, worker:
-separate processes, the tiny model): the same requests give the same streams as without it, token for token,
-over gRPC (greedy with and without stop ids, n = 2, logprobs, seeded sampling, a tight batch, repeating prompts
-whose drafts are kept, structured output whose text repeats: a regex, greedy and seeded, and a JSON Schema)
-and HTTP with the official `openai` client (a stop string inside the output); the
-drafts were proposed and some kept (the Prometheus counters); no KV block is left in use. And with a worker
-SIGKILLed mid-stream, every stream is the undisturbed one."""
+"""Speculative decoding (`--speculative-method ngram`, and `draft` with a noisy copy of the model) through the
+whole stack (gateway, scheduler, worker: separate processes, the tiny model): the same requests give the same
+streams as without it, token for token, over gRPC (greedy with and without stop ids, n = 2, logprobs, seeded
+sampling, a tight batch, repeating prompts whose drafts are kept, structured output whose text repeats: a
+regex, greedy and seeded, and a JSON Schema) and HTTP with the official `openai` client (a stop string inside
+the output); the drafts were proposed and some kept (the Prometheus counters and each request's usage); no KV
+block is left in use. And with a worker SIGKILLed mid-stream, every stream is the undisturbed one."""
 
 from __future__ import annotations
 
