@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from gpu_worker.checkpoint import ModelConfig
 from gpu_worker.gguf_blocks import GGUFBlocks
+from gpu_worker.lora_slots import LoraBatch
 from gpu_worker.cpu import fused_ops
 from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, pack_weight
@@ -247,11 +248,12 @@ class LlamaModel:
         return linear_float32(normed, self.lm_head)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      kv_cache: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+                      kv_cache: torch.Tensor, attention: AttentionBackend, lora: LoraBatch | None = None) -> torch.Tensor:
         """Run all layers over T flattened tokens; return the last layer's output [T, hidden]
-        (before the final norm). Callers pick the rows that need logits (`logits`)."""
+        (before the final norm). Callers pick the rows that need logits (`logits`). `lora`: the step's
+        LoRA adapters, added after each product (gpu_worker/lora_slots.py)."""
         if self.fused:
-            return self._hidden_states_fused(input_ids, positions, slots, kv_cache, attention)
+            return self._hidden_states_fused(input_ids, positions, slots, kv_cache, attention, lora)
         c = self.config
         t = input_ids.shape[0]
         hidden = self._embed(input_ids)
@@ -260,22 +262,33 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer["input_norm"])
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
             # RoPE on q and k together: one pass over their [T, Hq + Hkv, D] view instead of two.
             qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim), cos, sin)
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
             attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
             attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
             # Residual adds in place: `hidden` is this forward's own buffer (embedding output).
-            hidden.add_(self.tp.all_reduce(linear(attn, layer["o"])))
+            hidden.add_(self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o")))
             x = self._rms_norm(hidden, layer["post_norm"])
-            gate_up = linear(x, layer["gate_up"])
+            gate_up = self._linear(x, layer["gate_up"], lora, i, "gate_up")
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate, inplace=True).mul_(up)  # SiLU(gate) * up written over gate: no new buffer
-            hidden.add_(self.tp.all_reduce(linear(act, layer["down"])))
+            hidden.add_(self.tp.all_reduce(self._linear(act, layer["down"], lora, i, "down")))
         return hidden
 
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: PackedWeight, lora: LoraBatch | None, layer: int, group: str) -> torch.Tensor:
+        """x's product with a layer's weight, plus the step's LoRA deltas of that product."""
+        y = linear(x, weight)
+        if lora is not None:
+            lora.add(layer, group, x, y)
+        return y
+
     def _hidden_states_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                             kv_cache: torch.Tensor, attention: AttentionBackend) -> torch.Tensor:
+                             kv_cache: torch.Tensor, attention: AttentionBackend,
+                             lora: LoraBatch | None = None) -> torch.Tensor:
         """`hidden_states` with the element-wise passes as C kernels (bfloat16 CPU): each residual add is
         fused into the next RMSNorm, RoPE rotates q and k in place in the q/k/v buffer."""
         c = self.config
@@ -297,7 +310,7 @@ class LlamaModel:
             positions = positions.contiguous()
             k_rows, v_rows = hnd_rows(slots.to(torch.int64), kv_heads, kv_cache[0].shape[3])
             apart_prompts = attention.apart_prompts()
-            if (self.c_layers and not apart_prompts
+            if (self.c_layers and not apart_prompts and lora is None
                     and (self.c_layers_max_rows is None or t <= self.c_layers_max_rows)):  # from C
                 hidden.add_(self.c_layers.run(hidden, positions, kv_cache, k_rows, v_rows, plan.rows,
                                               plan.pages, plan.kv_lens, attention.scale, attention.prompt_tiles))
@@ -305,6 +318,8 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
             if plan is not None:
                 attn = attention_block(qkv, heads, kv_heads, dim, positions, self.cos, self.sin, kv_cache[i], k_rows,
                                        v_rows, plan.rows, plan.pages, plan.kv_lens, attention.scale,
@@ -317,8 +332,10 @@ class LlamaModel:
                 v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
                 attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
                 attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
-            x = fused_ops.add_rms_norm(hidden, self.tp.all_reduce(linear(attn, layer["o"])), layer["post_norm"], eps)
-            delta = self.tp.all_reduce(linear(fused_ops.silu_mul(linear(x, layer["gate_up"])), layer["down"]))
+            o = self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o"))
+            x = fused_ops.add_rms_norm(hidden, o, layer["post_norm"], eps)
+            act = fused_ops.silu_mul(self._linear(x, layer["gate_up"], lora, i, "gate_up"))
+            delta = self.tp.all_reduce(self._linear(act, layer["down"], lora, i, "down"))
         if delta is not None:
             hidden.add_(delta)
         return hidden

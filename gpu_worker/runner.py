@@ -27,6 +27,7 @@ from gpu_worker import draft_rows
 from gpu_worker.draft_model import DraftModel
 from gpu_worker.kv_dtype import kv_cache_torch_dtype
 from gpu_worker.kv_suspension import KVSuspension
+from gpu_worker.lora_slots import load_lora_slots
 from gpu_worker.model_build import build_model, resolve_device, resolve_dtype
 from gpu_worker.logits_processors import RowControls
 from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
@@ -54,6 +55,7 @@ class SequenceState:
     controls: RowControls | None = None  # logits controls' state, built at the first sampled step (logits_processors)
     constraint: RowConstraint | None = None  # the constraint's matcher, built at the first sampled step (constrained)
     draft_computed: int = 0  # tokens whose draft-model K/V is cached (draft_model.py)
+    lora_slot: int = 0  # its LoRA adapter's slot (lora_slots.py); 0: the base model
 
 
 @dataclass
@@ -117,6 +119,7 @@ class ModelRunner:
                 config, self.model, self.model_config.head_dim, self.kv_dtype, self.bytes_per_block)
         if self.drafter is not None:  # its K/V in as many blocks
             self.drafter.allocate(self.num_blocks)
+        self.loras = load_lora_slots(config, self.model_config, self.device, self.dtype)  # None: no adapters
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
         self.vocabulary = GuidanceVocabulary(self._tokenizer_json, self.model_config.eos_token_ids,
                                              self.model_config.vocab_size)
@@ -213,8 +216,12 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.copy_blocks(src, dst)
         for new in plan.new_sequences:
+            if new.lora_slot and not (self.loras and self.loras.has(new.lora_slot)):
+                raise ExecutionError(f"step {plan.step_id}: sequence {new.seq_id} asks for LoRA slot {new.lora_slot}, "
+                                     "which holds no adapter on this worker")
             self.sequences[new.seq_id] = SequenceState(list(new.token_ids), resolve(new.params), new.num_generated,
-                                                       prompt_logprobs=wanted(new.params, new.num_generated))
+                                                       prompt_logprobs=wanted(new.params, new.num_generated),
+                                                       lora_slot=new.lora_slot)
 
     def _state(self, plan: worker_pb2.StepPlan, seq_id: int) -> SequenceState:
         state = self.sequences.get(seq_id)
@@ -337,12 +344,13 @@ class ModelRunner:
     def _run_model(self, step: StepInputs, result: worker_pb2.StepResult) -> torch.Tensor:
         """The sampled rows' logits: a CUDA graph's replay for a decode-only step that one fits, else an eager
         forward, which also scores the asked-for prompt positions (into `result`, on rank 0)."""
-        if self.graphs is not None and not step.spans and self.graphs.can_run(step.table):
+        lora = self.loras.batch(np.repeat([st.lora_slot for st in step.states], step.qo_lens)) if self.loras else None
+        if self.graphs is not None and not step.spans and lora is None and self.graphs.can_run(step.table):
             return self.graphs.run(step.table, step.flat_inputs, step.positions)[step.logits_rows.to(self.device)]
         self.attention.plan(step.table)
         hidden = self.model.hidden_states(
             torch.from_numpy(step.flat_inputs).to(self.device), torch.from_numpy(step.positions).to(self.device),
-            torch.from_numpy(step.slots).to(self.device), self.kv_cache, self.attention)
+            torch.from_numpy(step.slots).to(self.device), self.kv_cache, self.attention, lora)
         logits = self.model.logits(hidden[step.logits_rows.to(self.device)])
         if step.spans and self.tp.rank == 0:  # only rank 0's result goes back
             result.prompt_logprobs.extend(score(self.model, hidden, step.spans))

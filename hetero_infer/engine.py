@@ -21,7 +21,8 @@ from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
-from hetero_common.errors import ValidationError
+from hetero_common.errors import ModelNotFoundError, ValidationError
+from hetero_common.lora_modules import lora_cache_salt, parse_lora_modules
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from scheduler_svc.scheduler import Scheduler, StepOutputs, plan_needs_worker
 
@@ -109,10 +110,12 @@ class InferenceEngine:
         self.last_step_outputs = StepOutputs()  # tokens of the latest step (benchmarks time them)
 
     def submit_request(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
-                       request_id: str | None = None, chat: bool = False, cache_salt: str = "") -> str:
-        """Queue a prompt (text, chat-formatted text or token ids); return its request id.
+                       request_id: str | None = None, chat: bool = False, cache_salt: str = "",
+                       lora: str = "") -> str:
+        """Queue a prompt (text, chat-formatted text or token ids); return its request id. `lora`: the name of
+        an adapter of `lora_modules` to serve it with ("" = the base model).
 
-        Raises ValidationError for bad input, like the gateway does.
+        Raises ValidationError for bad input, like the gateway does (ModelNotFoundError: an unknown adapter).
         """
         request_id = request_id or f"engine-{next(self._ids)}"
         request = inference_pb2.GenerateRequest(request_id=request_id, params=(params or GenerationParams()).to_proto())
@@ -123,11 +126,23 @@ class InferenceEngine:
         else:
             request.prompt_token_ids.ids.extend(prompt)
         prepared = prepare(request, self.tokenizer, "", self.scheduler.max_model_len, request_id)
-        self.scheduler.add_request(request_id, prepared.prompt_token_ids, request.params, cache_salt)
+        slot = self._lora_slot(lora)
+        self.scheduler.add_request(request_id, prepared.prompt_token_ids, request.params,
+                                   lora_cache_salt(cache_salt, lora), lora_slot=slot)
         for index in range(prepared.sampling.n):
             self._pending[(request_id, index)] = _Pending(
                 prepared.prompt_token_ids, TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling))
         return request_id
+
+    def _lora_slot(self, name: str) -> int:
+        """The worker slot of the adapter `name` (0: the base model)."""
+        if not name:
+            return 0
+        names = [n for n, _ in parse_lora_modules(self.config.lora_modules, self.config.max_loras)]
+        if name not in names:
+            raise ModelNotFoundError(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(names) or 'none'}",
+                                     "lora")
+        return names.index(name) + 1
 
     def abort(self, request_id: str) -> list[CompletedRequest]:
         if self.scheduler.abort(request_id):

@@ -44,6 +44,7 @@ class Sequence:
     params: common_pb2.SamplingParams  # forwarded to the worker as given
     index: int = 0  # which sample of the request (n > 1)
     cache_salt: str = ""
+    lora_slot: int = 0  # the LoRA adapter it is served with, by worker slot (0: the base model)
     priority: int = 0  # lower is admitted first and preempted last (vLLM's convention)
     pending_forks: int = 0  # samples still to fork from this one once its prompt is computed
     status: SequenceStatus = SequenceStatus.PENDING
@@ -132,7 +133,8 @@ def fork_sample(parent: Sequence, index: int, seq_id: int, block_size: int) -> S
     params.ClearField("prompt_logprobs")  # sample 0 carries them; the worker scores no prompt token for this one
     prompt_blocks = blocks_for(parent.prompt_len, block_size)
     return Sequence(seq_id, parent.request_id, parent.token_ids[:parent.prompt_len], parent.prompt_len, parent.sampling,
-                    params, index=index, cache_salt=parent.cache_salt, priority=parent.priority, status=SequenceStatus.DECODE,
+                    params, index=index, cache_salt=parent.cache_salt, lora_slot=parent.lora_slot, priority=parent.priority,
+                    status=SequenceStatus.DECODE,
                     block_table=parent.block_table[:prompt_blocks], num_computed=parent.prompt_len - 1,
                     block_hashes=list(parent.block_hashes), speculative=parent.speculative,
                     num_registered=min(parent.num_registered, (parent.prompt_len - 1) // block_size),

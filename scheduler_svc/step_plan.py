@@ -58,6 +58,7 @@ _NEW_SEQ_ID = _tag(worker_pb2.NewSequence, "seq_id", _VARINT)
 _NEW_TOKEN_IDS = _tag(worker_pb2.NewSequence, "token_ids", _LENGTH_DELIMITED)  # packed fixed32
 _NEW_PARAMS = _tag(worker_pb2.NewSequence, "params", _LENGTH_DELIMITED)
 _NEW_NUM_GENERATED = _tag(worker_pb2.NewSequence, "num_generated", _VARINT)
+_NEW_LORA_SLOT = _tag(worker_pb2.NewSequence, "lora_slot", _VARINT)
 _DECODE_TAG_BYTES = len(_SEQ_ID) + len(_NUM_TOKENS) + len(_SAMPLE_TRUE) + len(_NUM_CACHED)
 
 
@@ -125,6 +126,8 @@ def new_sequence_bytes(seq: Sequence) -> tuple[bytes, ...]:
     body += (_NEW_TOKEN_IDS, varint(len(ids)), ids, _NEW_PARAMS, varint(len(params)), params)  # params: always set
     if num_generated:
         body += (_NEW_NUM_GENERATED, varint(num_generated))
+    if seq.lora_slot:
+        body += (_NEW_LORA_SLOT, varint(seq.lora_slot))
     entry = b"".join(body)
     return _PLAN_NEW_SEQUENCE, varint(len(entry)), entry
 

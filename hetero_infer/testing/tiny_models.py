@@ -192,3 +192,23 @@ def make_noisy_copy(source: Path, directory: Path, noise: float, seed: int = 0) 
                  if t.numel() > 1 else t for name, t in tensors.items()}
         save_file(noisy, str(directory / shard.name), metadata={"format": "pt"})
     return directory
+
+
+def make_lora_adapter(base: Path, directory: Path, rank: int, targets: list[str], seed: int = 0,
+                      alpha: float = 16.0, rslora: bool = False) -> Path:
+    """A PEFT LoRA adapter for the model in `base` with random A and B (B non-zero, unlike a fresh PEFT
+    adapter's), saved as PEFT saves one (adapter_config.json, adapter_model.safetensors)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # init_lora_weights=False draws both; scale B so the adapter changes greedy tokens
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(4.0)
+    peft_model.save_pretrained(str(directory))
+    return directory
