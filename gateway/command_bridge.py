@@ -227,6 +227,9 @@ class CommandBridgeBackend:
             raise ValidationError("params.prompt_logprobs is not served by the command_bridge backend")
         refuse_logits_controls(prepared.sampling)
         refuse_tools_and_constraints(request)
+        if prepared.adapter:
+            raise ValidationError(f"model {prepared.adapter!r} is a LoRA adapter, which the command_bridge backend "
+                                  "does not serve", "model")
         prompt, sampling = bridge_prompt(request, self.tokenizer), prepared.sampling
         for index in range(sampling.n):
             if index and sampling.seed is not None:

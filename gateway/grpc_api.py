@@ -76,7 +76,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Tokenize(self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> inference_pb2.TokenizeResponse:
         g = self.generation
         try:
-            check_model(request.model, g.model_name)
+            check_model(request.model, g.model_name, g.adapters)
             return await g.tokenizer_pool.run(tokenization.tokenize_request, g.tokenizer, request, g.max_model_len,
                                               chars=tokenization.tokenize_request_chars(request))
         except HeteroError as exc:
@@ -86,7 +86,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Detokenize(self, request: inference_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> inference_pb2.DetokenizeResponse:
         try:
-            check_model(request.model, self.generation.model_name)
+            check_model(request.model, self.generation.model_name, self.generation.adapters)
             text = tokenization.detokenize(self.generation.tokenizer, list(request.token_ids),
                                            request.include_special_tokens, param="token_ids")
         except HeteroError as exc:
@@ -116,7 +116,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                        has_chat_template=bool(t.chat_template), eos_token_ids=list(t.eos_token_ids))
         if t.bos_token_id is not None:
             card.bos_token_id = t.bos_token_id
-        return inference_pb2.ListModelsResponse(models=[card])
+        cards = [card]
+        for adapter in g.adapters:  # each LoRA adapter: the base model's card under its name
+            cards.append(inference_pb2.ModelCard())
+            cards[-1].CopyFrom(card)
+            cards[-1].id = adapter
+        return inference_pb2.ListModelsResponse(models=cards)
 
     async def GetServerInfo(self, request: inference_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ServerInfo:
         try:

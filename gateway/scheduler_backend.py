@@ -126,7 +126,8 @@ class SchedulerBackend:
                         state.pending.clear()
                         submit = scheduler_pb2.SubmitRequest(
                             request_id=rid, prompt_token_ids=prepared.prompt_token_ids, params=params,
-                            cache_salt=cache_salt, priority=priority, follower_id=follow.follower_id)
+                            cache_salt=cache_salt, priority=priority, follower_id=follow.follower_id,
+                            lora_adapter=prepared.adapter)
                         call = self.scheduler.Submit(
                             submit, timeout=None if deadline is None else max(0.001, deadline - loop.time()))
                         _report_end(call, queue)

@@ -3,6 +3,7 @@ sampling parameters (gateway only)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetero_common.tokenizer import TextTokenizer
@@ -20,11 +21,14 @@ class PreparedRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
+    adapter: str = ""  # the LoRA adapter `model` named ("" = the base model)
 
 
-def check_model(requested: str, served: str) -> None:
-    if requested and requested != served:
-        raise ModelNotFoundError(f"model {requested!r} is not served here; this server serves {served!r} (see ListModels)",
+def check_model(requested: str, served: str, adapters: Sequence[str] = ()) -> None:
+    """`requested` names the served model or one of its LoRA adapters (or is empty: the served model)."""
+    if requested and requested != served and requested not in adapters:
+        names = ", ".join([repr(served), *(repr(a) for a in adapters)])
+        raise ModelNotFoundError(f"model {requested!r} is not served here; this server serves {names} (see ListModels)",
                                  "model")
 
 
@@ -108,11 +112,12 @@ def prompt_token_ids(request: inference_pb2.GenerateRequest, tokenizer: TextToke
 
 
 def prepare(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, served_model: str, max_model_len: int,
-            request_id: str) -> PreparedRequest:
-    """Validate every field; raise ValidationError naming the first bad one."""
+            request_id: str, adapters: Sequence[str] = ()) -> PreparedRequest:
+    """Validate every field; raise ValidationError naming the first bad one. `adapters`: the LoRA adapters'
+    names, which `model` may name."""
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise ValidationError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
-    check_model(request.model, served_model)
+    check_model(request.model, served_model, adapters)
     sampling = validate(request.params, tokenizer.vocab_size)
     if sampling.constraint is not None:  # compiled against the served vocabulary, once more in the worker
         validate_constraint(request.params, tokenizer.guidance)
@@ -121,4 +126,4 @@ def prepare(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, se
         count = len(ids)
         del ids  # not kept alive by the traceback of the refusal
         raise too_long(str(count), max_model_len)
-    return PreparedRequest(request_id, ids, sampling)
+    return PreparedRequest(request_id, ids, sampling, request.model if request.model in adapters else "")

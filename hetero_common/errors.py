@@ -40,8 +40,9 @@ class ValidationError(HeteroError):
 
 
 class ModelNotFoundError(ValidationError):
-    """An unknown model name: a bad request field over gRPC, 404 over HTTP (as OpenAI answers)."""
+    """An unknown model or LoRA adapter name: NOT_FOUND over gRPC, 404 over HTTP (as OpenAI answers)."""
 
+    grpc_code = grpc.StatusCode.NOT_FOUND
     http_status = 404
 
 

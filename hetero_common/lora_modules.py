@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from hetero_common.errors import ConfigError
+from hetero_common.errors import ConfigError, ModelNotFoundError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
 
@@ -36,3 +36,14 @@ def lora_cache_salt(cache_salt: str, adapter: str) -> str:
     """The prefix-cache salt of a request served with `adapter`: two adapters (or an adapter and the base
     model) never share KV blocks of the same prompt."""
     return f"{cache_salt}\x1flora:{adapter}" if adapter else cache_salt
+
+
+def lora_slot(lora_modules: str, max_loras: int, adapter: str) -> int:
+    """The worker slot of the adapter named `adapter` (0: the base model); ModelNotFoundError if none is."""
+    if not adapter:
+        return 0
+    names = [name for name, _ in parse_lora_modules(lora_modules, max_loras)]
+    if adapter not in names:
+        raise ModelNotFoundError(f"LoRA adapter {adapter!r} is not loaded; loaded: {', '.join(names) or 'none'}",
+                                 "model")
+    return names.index(adapter) + 1

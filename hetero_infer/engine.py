@@ -21,8 +21,8 @@ from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
-from hetero_common.errors import ModelNotFoundError, ValidationError
-from hetero_common.lora_modules import lora_cache_salt, parse_lora_modules
+from hetero_common.errors import ValidationError
+from hetero_common.lora_modules import lora_cache_salt, lora_slot
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from scheduler_svc.scheduler import Scheduler, StepOutputs, plan_needs_worker
 
@@ -126,23 +126,13 @@ class InferenceEngine:
         else:
             request.prompt_token_ids.ids.extend(prompt)
         prepared = prepare(request, self.tokenizer, "", self.scheduler.max_model_len, request_id)
-        slot = self._lora_slot(lora)
+        slot = lora_slot(self.config.lora_modules, self.config.max_loras, lora)
         self.scheduler.add_request(request_id, prepared.prompt_token_ids, request.params,
                                    lora_cache_salt(cache_salt, lora), lora_slot=slot)
         for index in range(prepared.sampling.n):
             self._pending[(request_id, index)] = _Pending(
                 prepared.prompt_token_ids, TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling))
         return request_id
-
-    def _lora_slot(self, name: str) -> int:
-        """The worker slot of the adapter `name` (0: the base model)."""
-        if not name:
-            return 0
-        names = [n for n, _ in parse_lora_modules(self.config.lora_modules, self.config.max_loras)]
-        if name not in names:
-            raise ModelNotFoundError(f"LoRA adapter {name!r} is not loaded; loaded: {', '.join(names) or 'none'}",
-                                     "lora")
-        return names.index(name) + 1
 
     def abort(self, request_id: str) -> list[CompletedRequest]:
         if self.scheduler.abort(request_id):

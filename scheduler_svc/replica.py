@@ -23,6 +23,7 @@ import structlog
 from hetero.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.grpc_server import internal_channel
+from hetero_common.lora_modules import lora_cache_salt, lora_slot
 from hetero_common.retry import is_transient, retrying
 from scheduler_svc.scheduler import Scheduler, StepOutputs, TokenOutput, plan_needs_worker
 from scheduler_svc.sequence import Sequence
@@ -105,7 +106,10 @@ class Replica:
 
     def _validated(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
         seq = self._require_core().add_request(request.request_id, list(request.prompt_token_ids), request.params,
-                                               request.cache_salt, request.priority)
+                                               lora_cache_salt(request.cache_salt, request.lora_adapter),
+                                               request.priority,
+                                               lora_slot(self.config.lora_modules, self.config.max_loras,
+                                                         request.lora_adapter))
         seq.deadline = deadline
         return seq
 

@@ -189,9 +189,11 @@ class HttpApi:
     async def models(self) -> dict[str, Any]:
         g = self.generation
         t = g.tokenizer
-        return {"object": "list", "data": [{"id": g.model_name, "object": "model", "created": 0, "owned_by": "hetero-infer",
-                                            "max_model_len": g.max_model_len, "vocab_size": t.vocab_size,
-                                            "eos_token_ids": list(t.eos_token_ids), "bos_token_id": t.bos_token_id}]}
+        card = {"object": "model", "created": 0, "owned_by": "hetero-infer", "max_model_len": g.max_model_len,
+                "vocab_size": t.vocab_size, "eos_token_ids": list(t.eos_token_ids), "bos_token_id": t.bos_token_id}
+        # The base model, then each LoRA adapter a request's `model` may name (`parent`: vLLM's field).
+        return {"object": "list", "data": [{"id": g.model_name, **card, "root": g.model_name, "parent": None}]
+                + [{"id": name, **card, "root": g.model_name, "parent": g.model_name} for name in g.adapters]}
 
     # ------------------------------------------------------------------ generation
 
@@ -219,7 +221,7 @@ class HttpApi:
                    for i, ps in parts.items()]
         for choice in choices if shaping else []:
             shaping.completion_choice(choice, choice["index"])  # type: ignore[union-attr]
-        answer = oa.envelope("text_completion", rid, self.generation.model_name, choices)
+        answer = oa.envelope("text_completion", rid, requests[0].model or self.generation.model_name, choices)
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
@@ -244,7 +246,7 @@ class HttpApi:
                     "logprobs": oa.chat_logprobs(ps)} for i, ps in parts.items()]
         for choice in choices if shaping else []:
             shaping.chat_choice(choice, choice["index"])  # type: ignore[union-attr]
-        answer = oa.envelope("chat.completion", rid, self.generation.model_name, choices)
+        answer = oa.envelope("chat.completion", rid, requests[0].model or self.generation.model_name, choices)
         answer["usage"] = oa.usage(usages)
         return JSONResponse(answer)
 
@@ -275,7 +277,8 @@ class HttpApi:
         except HeteroError:
             await events.aclose()
             raise
-        created, model, chat = int(time.time()), self.generation.model_name, kind == "chat.completion.chunk"
+        created, chat = int(time.time()), kind == "chat.completion.chunk"
+        model = requests[0].model or self.generation.model_name  # the base model or the adapter it names
         offsets: dict[int, int] = collections.defaultdict(int)
 
         def chunks(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> list[dict[str, Any]]:

@@ -79,7 +79,7 @@ class TokenizerRoutes:
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
         """The answer's JSON is rendered with it, off the loop when large: a Response, which FastAPI sends as is."""
         g = self.generation
-        check_model(body.model or "", g.model_name)
+        check_model(body.model or "", g.model_name, g.adapters)
         if body.messages is None:
             return await g.tokenizer_pool.run(_tokenize, g.tokenizer, body, None, g.max_model_len,
                                               chars=len(body.prompt or ""))
@@ -91,7 +91,7 @@ class TokenizerRoutes:
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, str]:
         g = self.generation
-        check_model(body.model or "", g.model_name)
+        check_model(body.model or "", g.model_name, g.adapters)
         return {"prompt": tokenization.detokenize(g.tokenizer, body.tokens)}
 
     async def tokenizer_info(self) -> dict[str, Any]:
