@@ -177,12 +177,14 @@ NOTES = """\
   `adapter_model.safetensors`; targets among q/k/v/o and gate/up/down, rank up to `max_lora_rank`,
   `lora_alpha` scaling or rsLoRA) loaded on every worker at start, slot i + 1 the i-th, at most
   `max_loras`. An adapter that asks for anything else (DoRA, biases, per-module ranks,
-  `modules_to_save`, shapes of another base model) is refused at start with an error naming it. The
-  in-process engine's `submit_request(..., lora=NAME)` serves a request with one; one step mixes
-  sequences of different adapters and of the base model, each product adding each adapter's
-  delta on its own rows (an adapter costs its own rank). Prefix-cache blocks are never shared
-  between adapters. Not yet: the gRPC/HTTP request field, loading at run time, tensor
-  parallelism (refused), CUDA graphs for steps with an adapter (they run eagerly).
+  `modules_to_save`, shapes of another base model) is refused at start with an error naming it. A
+  request's `model` (gRPC `GenerateRequest.model`, HTTP's `model`) names the adapter that serves it
+  (the in-process engine: `submit_request(..., lora=NAME)`); ListModels and `/v1/models` list them;
+  an unknown name is NOT_FOUND / 404. One step mixes sequences of different adapters and of the
+  base model, each product adding each adapter's delta on its own rows (an adapter costs its own
+  rank). Prefix-cache blocks are never shared between adapters. Not yet: loading and unloading
+  at run time, tensor parallelism (refused), CUDA graphs for steps with an adapter (they run
+  eagerly), the command bridge (refused).
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with
   `hetero-infer worker --tp-rank R`, all with the same config and rank 0's `worker_address`,
   and point the scheduler at rank 0 alone; rank 0 serves the TCP store (gloo on the CPU, NCCL
