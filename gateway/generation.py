@@ -145,7 +145,8 @@ class Generation:
                     break  # an Abort that landed before the backend knew the request: end it here
         if running and prepared.request_id in self.active.aborted:  # closing the backend's stream ended it downstream
             for index in sorted(running):
-                response = inference_pb2.GenerateResponse(request_id=prepared.request_id, model=self.model_name,
+                response = inference_pb2.GenerateResponse(request_id=prepared.request_id,
+                                                          model=prepared.adapter or self.model_name,
                                                           index=index, finish_reason=common_pb2.FINISH_REASON_ABORT)
                 if index == max(running):
                     self._close_usage(response, usage, timer)

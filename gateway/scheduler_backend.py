@@ -80,7 +80,7 @@ class SchedulerBackend:
                 stream = streams.get(event.index)
                 if stream is None:
                     continue  # this sample already ended (stop string) before its abort landed
-                response = self._response(prepared.request_id, event, stream, request.params)
+                response = self._response(prepared.request_id, event, stream, request.params, prepared.adapter)
                 generated = len(response.token_ids)  # a stop string within a merged event: up to it
                 if scoring:
                     drop_generated(response)
@@ -166,15 +166,16 @@ class SchedulerBackend:
             log.warning("could not abort a stopped sample", index=index, error=exc.details())
 
     def _response(self, request_id: str, event: scheduler_pb2.TokenEvent, stream: TextStream,
-                  params: common_pb2.SamplingParams) -> inference_pb2.GenerateResponse:
-        """One scheduler event as a client message: new text, and the finish reason when it ends."""
+                  params: common_pb2.SamplingParams, adapter: str = "") -> inference_pb2.GenerateResponse:
+        """One scheduler event as a client message: new text, and the finish reason when it ends (`adapter`: the
+        LoRA adapter serving it, its `model`)."""
         if event.finish_reason == common_pb2.FINISH_REASON_ERROR:
             raise ExecutionError(event.error or "generation failed")
         delta = stream.push_until_stop(list(event.token_ids))
         if delta.used_tokens is not None and delta.used_tokens < len(event.token_ids):
             event = _first_tokens(event, delta.used_tokens)  # the ones after the stop string are not the answer's
         response = inference_pb2.GenerateResponse(
-            request_id=request_id, text=delta.text, token_ids=event.token_ids, model=self.model_name,
+            request_id=request_id, text=delta.text, token_ids=event.token_ids, model=adapter or self.model_name,
             backend=NAME, index=event.index)
         if params.track_generated_token_events:
             response.token_timestamps.extend(event.token_timestamps)

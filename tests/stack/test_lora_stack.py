@@ -43,6 +43,7 @@ def test_requests_name_adapters_and_get_peft_tokens_over_grpc_and_http(tiny_llam
 
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(complete, range(len(prompts))))
+        assert [a.model for a in answers[:4]] == [MODEL, *ADAPTERS]
         for name in names:
             mine = [i for i in range(len(prompts)) if names[i % 4] == name]
             assert [list(answers[i].token_ids) for i in mine] == peft_greedy(
