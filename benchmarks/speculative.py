@@ -25,7 +25,6 @@ decodes with drafts), and whether its outputs equal the plain arm's token for to
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -59,21 +58,13 @@ def copy_prompts(engine: InferenceEngine, chars: int = 1600, again: int = 300) -
 def early_exit_draft(model: str | None, layers: int, directory: Path) -> Path:
     """The served model's first `layers` layers, its embeddings, final norm and LM head, as a Hugging Face
     directory (bfloat16 safetensors)."""
-    import dataclasses
-
-    import torch
-    from safetensors.torch import save_file
-
     from gpu_worker.checkpoint import load_checkpoint
+    from hetero_infer.testing.checkpoints import save_checkpoint
 
     mc, weights = load_checkpoint(resolve_model_path(model))
-    kept = {name: t.to(torch.bfloat16).contiguous() for name, t in weights.items()
+    kept = {name: t for name, t in weights.items()
             if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers}
-    save_file(kept, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = {k: v for k, v in dataclasses.asdict(mc).items() if k not in ("architecture", "eos_token_ids", "attention_bias")}
-    config.update(model_type=mc.architecture, num_hidden_layers=layers, eos_token_id=list(mc.eos_token_ids))
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return save_checkpoint(mc, kept, directory, num_hidden_layers=layers)
 
 
 def chat_prompts(engine: InferenceEngine, count: int) -> list[list[int]]:
