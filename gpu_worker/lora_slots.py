@@ -1,11 +1,13 @@
 """LoRA adapters held in fixed slots on the worker, and one step's batched LoRA products (issue 41).
 
 A step may mix sequences of several adapters and of the base model. Each of the model's linear products (the
-fused q/k/v, o, the fused gate/up, down) is followed by `LoraBatch.add`: for each adapter present, its rows of
-the product's input are shrunk once by the adapter's A matrices of that product's targets stacked ([n, r] per
-target) and expanded by each target's B (its scaling folded in) into that target's slice of the output. That
-is S-LoRA's segmented product grouped by adapter, in torch: an adapter costs its own rank, not
-`max_lora_rank`, and a step without adapters pays nothing (no batch is built).
+fused q/k/v, o, the fused gate/up, down) is followed by `LoraBatch.add`, which adds every adapter's delta to its
+own rows in two batched products, as Punica's and S-LoRA's kernels do: the rows are gathered per adapter
+(padded to the adapter with the most rows), shrunk by the adapters' A matrices of that product's targets
+stacked ([adapters, in, rank]) and expanded by their B matrices (scaling folded in, each target's block in
+its columns of the product's output), then added back where they came from. Ranks are padded to the largest
+among the adapters in the step, not to `max_lora_rank`; a step without adapters pays nothing (no batch is
+built), and one whose rows all use one adapter takes two plain products.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("
 
 @dataclass
 class GroupWeights:
-    """One adapter's share of one product in one layer: A of its targets stacked, and per target the slice of
-    the product's output it adds to, its rows of the shrunk input, and its B (scaled)."""
+    """One adapter's share of one product in one layer: A of its targets stacked, and B with each target's
+    block in that target's columns of the product's output (zeros elsewhere), scaled."""
 
-    a: torch.Tensor  # [sum of ranks, in]
-    parts: list[tuple[slice, slice, torch.Tensor]]  # (output columns, shrunk columns, B [out, rank])
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [out, rank]
 
 
 def load_lora_slots(config: Config, model_config: ModelConfig, device: torch.device,
@@ -54,6 +56,8 @@ class LoraSlots:
         self.config, self.max_loras, self.device, self.dtype = config, max_loras, device, dtype
         self._slots: dict[int, dict[tuple[int, str], GroupWeights]] = {}
         self.names: dict[int, str] = {}
+        # Per set of adapters in a step, their weights stacked for the batched products (a few sets kept).
+        self._stacks: dict[tuple[int, ...], dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         if not 1 <= slot <= self.max_loras:
@@ -61,56 +65,88 @@ class LoraSlots:
         groups: dict[tuple[int, str], GroupWeights] = {}
         for layer in range(self.config.num_hidden_layers):
             for group, targets in GROUPS.items():
-                a_parts, parts, column, rank = [], [], 0, 0
-                for target in targets:
-                    out = target_shape(self.config, target)[0]
-                    pair = adapter.weights.get((layer, target))
-                    if pair is not None:
-                        a, b = pair
-                        a_parts.append(a)
-                        parts.append((slice(column, column + out), slice(rank, rank + a.shape[0]),
-                                      (b * adapter.scaling).to(self.device, self.dtype)))
-                        rank += a.shape[0]
-                    column += out
-                if a_parts:
-                    groups[(layer, group)] = GroupWeights(torch.cat(a_parts).to(self.device, self.dtype), parts)
+                outs = [target_shape(self.config, target)[0] for target in targets]
+                present = [(t, adapter.weights[(layer, target)]) for t, target in enumerate(targets)
+                           if (layer, target) in adapter.weights]
+                if not present:
+                    continue
+                a = torch.cat([pair[0] for _, pair in present])
+                b = torch.zeros(sum(outs), a.shape[0])
+                rank = 0
+                for t, (_, target_b) in present:
+                    column = sum(outs[:t])
+                    b[column:column + outs[t], rank:rank + target_b.shape[1]] = target_b * adapter.scaling
+                    rank += target_b.shape[1]
+                groups[(layer, group)] = GroupWeights(a.to(self.device, self.dtype), b.to(self.device, self.dtype))
         self._slots[slot] = groups
         self.names[slot] = adapter.name
+        self._stacks.clear()
 
     def unload(self, slot: int) -> None:
         self._slots.pop(slot, None)
         self.names.pop(slot, None)
+        self._stacks.clear()
 
     def has(self, slot: int) -> bool:
         return slot in self._slots
 
     def batch(self, row_slots: np.ndarray) -> LoraBatch | None:
         """The step's LoRA work for its flattened tokens' slots (0: base), or None when no row has an adapter."""
-        present = [int(s) for s in np.unique(row_slots) if s]
+        present = tuple(int(s) for s in np.unique(row_slots) if s)
         if not present:
             return None
-        if len(present) == 1 and bool((row_slots == present[0]).all()):
-            return LoraBatch([(self._slots[present[0]], None)])
-        return LoraBatch([(self._slots[s], torch.from_numpy(np.flatnonzero(row_slots == s)).to(self.device))
-                          for s in present])
+        stacks = self._stacked(present)
+        rows = [np.flatnonzero(row_slots == s) for s in present]
+        if len(present) == 1 and len(rows[0]) == len(row_slots):
+            return LoraBatch(stacks, None)
+        width = max(len(r) for r in rows)
+        gather = np.zeros((len(present), width), dtype=np.int64)  # padding gathers row 0; it is never added back
+        for j, r in enumerate(rows):
+            gather[j, :len(r)] = r
+        flat = gather.reshape(-1)
+        real = np.concatenate([j * width + np.arange(len(r)) for j, r in enumerate(rows)])
+        gather_t, real_t, rows_t = (torch.from_numpy(a).to(self.device) for a in (flat, real, flat[real]))
+        return LoraBatch(stacks, (gather_t, real_t, rows_t, len(present), width))
+
+    def _stacked(self, present: tuple[int, ...]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """Per (layer, product) the adapters' A as [n, in, rank] and B as [n, rank, out], ranks zero-padded."""
+        if present in self._stacks:
+            return self._stacks[present]
+        stacks = {}
+        for key in {k for s in present for k in self._slots[s]}:
+            parts = [self._slots[s].get(key) for s in present]
+            rank = max(p.a.shape[0] for p in parts if p is not None)
+            ref = next(p for p in parts if p is not None)
+            a = torch.zeros(len(present), ref.a.shape[1], rank, device=self.device, dtype=self.dtype)
+            b = torch.zeros(len(present), rank, ref.b.shape[0], device=self.device, dtype=self.dtype)
+            for j, p in enumerate(parts):
+                if p is not None:
+                    a[j, :, :p.a.shape[0]] = p.a.t()
+                    b[j, :p.a.shape[0], :] = p.b.t()
+            stacks[key] = (a, b)
+        if len(self._stacks) >= 8:
+            self._stacks.pop(next(iter(self._stacks)))
+        self._stacks[present] = stacks
+        return stacks
 
 
 class LoraBatch:
-    """One step's adapters and their rows (None: every row)."""
+    """One step's adapters: their stacked weights, and where their rows are (None: one adapter, every row;
+    else the gather index [n * width], the real rows' places in it, those rows, n and width)."""
 
-    def __init__(self, groups: list[tuple[dict[tuple[int, str], GroupWeights], torch.Tensor | None]]) -> None:
-        self.groups = groups
+    def __init__(self, stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+                 rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None) -> None:
+        self.stacks, self.rows = stacks, rows
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y (the product of x in `group` of `layer`) += each adapter's delta on its rows."""
-        for weights, rows in self.groups:
-            w = weights.get((layer, group))
-            if w is None:
-                continue
-            shrunk = (x if rows is None else x.index_select(0, rows)) @ w.a.t()
-            for columns, ranks, b in w.parts:
-                delta = shrunk[:, ranks] @ b.t()
-                if rows is None:
-                    y[:, columns] += delta
-                else:
-                    y[:, columns].index_add_(0, rows, delta)
+        weights = self.stacks.get((layer, group))
+        if weights is None:
+            return
+        a, b = weights
+        if self.rows is None:
+            y += (x @ a[0]) @ b[0]
+            return
+        gather, real, rows, n, width = self.rows
+        delta = torch.bmm(torch.bmm(x.index_select(0, gather).view(n, width, -1), a), b)
+        y.index_add_(0, rows, delta.view(n * width, -1).index_select(0, real))
