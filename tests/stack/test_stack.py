@@ -117,7 +117,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(stack: Stack, field: str
     for call in (lambda r: list(stack.inference.Generate(r)), stack.inference.Complete):
         with pytest.raises(grpc.RpcError) as info:
             call(request_msg)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # an unknown model (or LoRA adapter) is NOT_FOUND, as HTTP's 404
+        assert info.value.code() == (grpc.StatusCode.NOT_FOUND if field == "model" else grpc.StatusCode.INVALID_ARGUMENT)
         assert field in info.value.details()
     # ... and the service keeps serving.
     assert stack.inference.Complete(inference_pb2.GenerateRequest(prompt="hi", params=greedy(2))).usage.completion_tokens == 2
