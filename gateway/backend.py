@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
 from gateway.validation import PreparedRequest
-from hetero.v1 import inference_pb2
+from hetero.v1 import common_pb2, inference_pb2
 
 
 @dataclass
@@ -31,6 +31,9 @@ class SampleOutput:
 
 
 class Backend(Protocol):
+    # Requests may name LoRA adapters (`model`); the backend says which exist, and refuses the others.
+    serves_lora: bool
+
     async def max_model_len(self) -> int | None:
         """The served model's context length, when the backend knows it (asked once, at start)."""
         ...
@@ -48,4 +51,17 @@ class Backend(Protocol):
     async def abort(self, request_id: str) -> bool:
         """End a request in flight by its (scheduler) request id; its stream's last message then has
         finish_reason ABORT. False when the backend has no such request."""
+        ...
+
+    async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
+        """The LoRA adapters loaded now (none for a backend that serves none)."""
+        ...
+
+    async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                                timeout: float | None) -> common_pb2.LoraAdapter:
+        ...
+
+    async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                  timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
+        """Answers once the requests using the adapter have finished (new ones are refused at once)."""
         ...

@@ -24,7 +24,8 @@ from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest, render_chat
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import BackendConfig
-from hetero_common.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError
+from hetero_common.errors import (CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError,
+                                  ModelNotFoundError, ValidationError)
 from hetero_common.sampling import Sampling, sample_seed
 
 log = structlog.get_logger("gateway.command_bridge")
@@ -219,6 +220,20 @@ class CommandBridgeBackend:
 
     async def abort(self, request_id: str) -> bool:
         return self.bridge.abort(request_id)
+
+    serves_lora = False
+
+    async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
+        return []
+
+    async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                                timeout: float | None) -> common_pb2.LoraAdapter:
+        raise ValidationError("the command_bridge backend serves no LoRA adapters (serving.backend.kind: scheduler does)")
+
+    async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                  timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
+        raise ModelNotFoundError(f"no LoRA adapter named {request.name!r} is loaded: the command_bridge backend "
+                                 "serves none", "name")
 
     async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
                        timeout: float | None) -> AsyncIterator[SampleOutput]:

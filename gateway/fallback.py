@@ -13,7 +13,7 @@ import structlog
 
 from gateway.backend import Backend, SampleOutput
 from gateway.validation import PreparedRequest
-from hetero.v1 import inference_pb2
+from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import UnavailableError
 
 log = structlog.get_logger("gateway.fallback")
@@ -23,6 +23,18 @@ class FallbackBackend:
     def __init__(self, primary: Backend, fallback: Backend) -> None:
         self.primary = primary
         self.fallback = fallback
+        self.serves_lora = primary.serves_lora  # adapters are the primary's; the bridge refuses them
+
+    async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
+        return await self.primary.lora_adapters()
+
+    async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                                timeout: float | None) -> common_pb2.LoraAdapter:
+        return await self.primary.load_lora_adapter(request, timeout)
+
+    async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                  timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
+        return await self.primary.unload_lora_adapter(request, timeout)
 
     async def max_model_len(self) -> int | None:
         return await self.primary.max_model_len()

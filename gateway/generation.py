@@ -24,11 +24,10 @@ from hetero_common.tokenizer import TextTokenizer
 from gateway.tool_stream import ToolCallStream, tool_request
 from gateway.heap_trim import HeapTrimmer
 from gateway.tokenizer_pool import INLINE_CHARS, TokenizerPool
-from gateway.validation import PreparedRequest, input_chars, prepare, refuse_unfitting
+from gateway.validation import PreparedRequest, check_model, input_chars, prepare, refuse_unfitting
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError
-from hetero_common.lora_modules import parse_lora_modules
 from hetero_common.finish_reasons import NOT_FINISHED, finish_reason_name, is_finished
 
 log = structlog.get_logger("gateway.generation")
@@ -39,8 +38,6 @@ class Generation:
         self.tokenizer = tokenizer
         self.backend = backend
         self.model_name = config.serving.model_name
-        # The LoRA adapters a request's `model` may name (loaded on every worker at start).
-        self.adapters = tuple(name for name, _ in parse_lora_modules(config.lora_modules, config.max_loras))
         self.max_model_len = config.max_model_len  # refined from the backend at start
         self.max_concurrent_requests = config.serving.max_concurrent_requests
         self.metrics = GatewayMetrics()
@@ -101,7 +98,7 @@ class Generation:
         self.heap_trimmer.release_later(chars)
         refuse_unfitting(request, self.tokenizer, self.max_model_len)
         prepared = await self.tokenizer_pool.run(prepare, request, self.tokenizer, self.model_name, self.max_model_len,
-                                                 request_id, self.adapters, chars=max(chars, INLINE_CHARS) if constrained else chars)
+                                                 request_id, self.backend.serves_lora, chars=max(chars, INLINE_CHARS) if constrained else chars)
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
         n = prepared.sampling.n
         finish, backend = NOT_FINISHED, ""
@@ -174,3 +171,8 @@ class Generation:
             (aborted if local or any(f is True for f in found) else not_found).append(client_id)
         log.info("abort", aborted=aborted, not_found=not_found)
         return aborted, not_found
+
+    async def check_model(self, requested: str) -> None:
+        """`requested` (Tokenize's and Detokenize's `model`) is empty, the served model or a loaded LoRA adapter."""
+        if requested and requested != self.model_name:
+            check_model(requested, self.model_name, [a.name for a in await self.backend.lora_adapters()])

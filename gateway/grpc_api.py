@@ -11,7 +11,7 @@ import structlog
 
 from gateway import tokenization
 from gateway.generation import Generation
-from gateway.validation import MAX_REQUEST_ID_LEN, check_model
+from gateway.validation import MAX_REQUEST_ID_LEN
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common import __version__
 from hetero_common.errors import HeteroError, ValidationError
@@ -76,7 +76,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Tokenize(self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> inference_pb2.TokenizeResponse:
         g = self.generation
         try:
-            check_model(request.model, g.model_name, g.adapters)
+            await g.check_model(request.model)
             return await g.tokenizer_pool.run(tokenization.tokenize_request, g.tokenizer, request, g.max_model_len,
                                               chars=tokenization.tokenize_request_chars(request))
         except HeteroError as exc:
@@ -86,7 +86,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Detokenize(self, request: inference_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> inference_pb2.DetokenizeResponse:
         try:
-            check_model(request.model, self.generation.model_name, self.generation.adapters)
+            await self.generation.check_model(request.model)
             text = tokenization.detokenize(self.generation.tokenizer, list(request.token_ids),
                                            request.include_special_tokens, param="token_ids")
         except HeteroError as exc:
@@ -117,11 +117,40 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if t.bos_token_id is not None:
             card.bos_token_id = t.bos_token_id
         cards = [card]
-        for adapter in g.adapters:  # each LoRA adapter: the base model's card under its name
+        try:
+            adapters = await g.backend.lora_adapters()
+        except HeteroError as exc:
+            end_call(context, exc)
+            return inference_pb2.ListModelsResponse()
+        for adapter in adapters:  # each LoRA adapter: the base model's card under its name
             cards.append(inference_pb2.ModelCard())
             cards[-1].CopyFrom(card)
-            cards[-1].id = adapter
+            cards[-1].id = adapter.name
         return inference_pb2.ListModelsResponse(models=cards)
+
+    async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.LoraAdapter:
+        try:
+            return await self.generation.backend.load_lora_adapter(request, context.time_remaining())
+        except HeteroError as exc:
+            end_call(context, exc)
+            return common_pb2.LoraAdapter()
+
+    async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoraAdapterResponse:
+        try:
+            return await self.generation.backend.unload_lora_adapter(request, context.time_remaining())
+        except HeteroError as exc:
+            end_call(context, exc)
+            return common_pb2.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(self, request: common_pb2.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> common_pb2.ListLoraAdaptersResponse:
+        try:
+            return common_pb2.ListLoraAdaptersResponse(adapters=await self.generation.backend.lora_adapters())
+        except HeteroError as exc:
+            end_call(context, exc)
+            return common_pb2.ListLoraAdaptersResponse()
 
     async def GetServerInfo(self, request: inference_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext) -> inference_pb2.ServerInfo:
         try:

@@ -25,13 +25,18 @@ from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config
-from hetero_common.errors import ExecutionError, HeteroError, UnavailableError, from_grpc_error
+from hetero_common.errors import (ExecutionError, HeteroError, LoraAdapterExistsError, LoraSlotsFullError,
+                                  ModelNotFoundError, UnavailableError, from_grpc_error)
 from hetero_common.finish_reasons import is_finished
 from hetero_common.grpc_server import internal_channel
 from hetero_common.retry import retrying
 
 log = structlog.get_logger("gateway.scheduler_backend")
 NAME = "scheduler"
+# What the scheduler's LoRA management answers mean (scheduler_svc/lora_manager.py).
+_LORA_ERRORS = {grpc.StatusCode.ALREADY_EXISTS: LoraAdapterExistsError,
+                grpc.StatusCode.FAILED_PRECONDITION: LoraSlotsFullError,
+                grpc.StatusCode.NOT_FOUND: ModelNotFoundError}
 
 
 class SchedulerBackend:
@@ -52,6 +57,32 @@ class SchedulerBackend:
         except grpc.aio.AioRpcError as exc:
             raise from_grpc_error(exc, "scheduler") from exc
         raise AssertionError("unreachable")
+
+    serves_lora = True
+
+    async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
+        try:
+            async for attempt in retrying(self.config):
+                with attempt:
+                    answer = await self.scheduler.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), timeout=10)
+                    return list(answer.adapters)
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc_error(exc, "scheduler") from exc
+        raise AssertionError("unreachable")
+
+    async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                                timeout: float | None) -> common_pb2.LoraAdapter:
+        try:  # not retried: a load that reached the scheduler and is retried would find its own name taken
+            return await self.scheduler.LoadLoraAdapter(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc_error(exc, "scheduler", _LORA_ERRORS) from exc
+
+    async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                  timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
+        try:
+            return await self.scheduler.UnloadLoraAdapter(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc_error(exc, "scheduler", _LORA_ERRORS) from exc
 
     async def max_model_len(self) -> int | None:
         try:

@@ -112,12 +112,14 @@ def prompt_token_ids(request: inference_pb2.GenerateRequest, tokenizer: TextToke
 
 
 def prepare(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, served_model: str, max_model_len: int,
-            request_id: str, adapters: Sequence[str] = ()) -> PreparedRequest:
-    """Validate every field; raise ValidationError naming the first bad one. `adapters`: the LoRA adapters'
-    names, which `model` may name."""
+            request_id: str, serves_lora: bool = False) -> PreparedRequest:
+    """Validate every field; raise ValidationError naming the first bad one. `serves_lora`: `model` may name a
+    LoRA adapter, which the backend then looks up (NOT_FOUND there when none of that name is loaded)."""
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise ValidationError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
-    check_model(request.model, served_model, adapters)
+    adapter = request.model if serves_lora and request.model not in ("", served_model) else ""
+    if not adapter:
+        check_model(request.model, served_model)
     sampling = validate(request.params, tokenizer.vocab_size)
     if sampling.constraint is not None:  # compiled against the served vocabulary, once more in the worker
         validate_constraint(request.params, tokenizer.guidance)
@@ -126,4 +128,4 @@ def prepare(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, se
         count = len(ids)
         del ids  # not kept alive by the traceback of the refusal
         raise too_long(str(count), max_model_len)
-    return PreparedRequest(request_id, ids, sampling, request.model if request.model in adapters else "")
+    return PreparedRequest(request_id, ids, sampling, adapter)

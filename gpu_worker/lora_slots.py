@@ -8,6 +8,11 @@ stacked ([adapters, in, rank]) and expanded by their B matrices (scaling folded 
 its columns of the product's output), then added back where they came from. Ranks are padded to the largest
 among the adapters in the step, not to `max_lora_rank`; a step without adapters pays nothing (no batch is
 built), and one whose rows all use one adapter takes two plain products.
+
+Slots are filled at start (`lora_modules`) and at run time (`LoadLora`, between steps); the scheduler decides
+which slot holds what and never loads into a slot a sequence still uses. With tensor parallelism each rank
+holds its share, split as the layer it adds to is: B by output rows for the column-parallel q/k/v and
+gate/up, A by input columns for the row-parallel o and down (whose partial sums the layer's all-reduce adds).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 
 from gpu_worker.checkpoint import ModelConfig
 from gpu_worker.lora_adapter import LoraAdapter, load_lora_adapter, target_shape
+from gpu_worker.tensor_parallel import TensorParallel
+from hetero.v1 import common_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ExecutionError
 from hetero_common.lora_modules import parse_lora_modules
@@ -26,6 +33,7 @@ from hetero_common.lora_modules import parse_lora_modules
 # Each of the model's products and the targets its output holds, in order.
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # the others are column-parallel (tensor_parallel.py)
 
 
 @dataclass
@@ -37,37 +45,47 @@ class GroupWeights:
     b: torch.Tensor  # [out, rank]
 
 
-def load_lora_slots(config: Config, model_config: ModelConfig, device: torch.device,
-                    dtype: torch.dtype) -> LoraSlots | None:
-    """The adapters of `lora_modules`, slot i + 1 the i-th; None when there are none."""
-    modules = parse_lora_modules(config.lora_modules, config.max_loras)
-    if not modules:
-        return None
-    slots = LoraSlots(model_config, config.max_loras, device, dtype)
-    for slot, (name, path) in enumerate(modules, start=1):
-        slots.load(slot, load_lora_adapter(name, path, model_config, config.max_lora_rank))
+def load_lora_slots(config: Config, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    tp: TensorParallel) -> LoraSlots:
+    """The worker's slots, holding the adapters of `lora_modules` (slot i + 1 the i-th)."""
+    slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, device, dtype, tp)
+    for slot, (name, path) in enumerate(parse_lora_modules(config.lora_modules, config.max_loras), start=1):
+        slots.load(slot, name, path)
     return slots
 
 
 class LoraSlots:
     """The adapters loaded on this worker by slot (1..max_loras; 0 is the base model)."""
 
-    def __init__(self, config: ModelConfig, max_loras: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.config, self.max_loras, self.device, self.dtype = config, max_loras, device, dtype
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel) -> None:
+        self.config, self.max_loras, self.max_rank, self.device, self.dtype, self.tp = (
+            config, max_loras, max_rank, device, dtype, tp)
         self._slots: dict[int, dict[tuple[int, str], GroupWeights]] = {}
-        self.names: dict[int, str] = {}
+        self._infos: dict[int, common_pb2.LoraAdapter] = {}
         # Per set of adapters in a step, their weights stacked for the batched products (a few sets kept).
         self._stacks: dict[tuple[int, ...], dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def load(self, slot: int, adapter: LoraAdapter) -> None:
+    def load(self, slot: int, name: str, path: str) -> common_pb2.LoraAdapter:
+        """Read the adapter in `path` into `slot` (what it held goes); LoraAdapterError leaves the slot as it was."""
         if not 1 <= slot <= self.max_loras:
             raise ExecutionError(f"LoRA slot {slot} is outside 1..max_loras ({self.max_loras})")
+        adapter = load_lora_adapter(name, path, self.config, self.max_rank)
+        self._slots[slot] = self._group_weights(adapter)
+        self._infos[slot] = common_pb2.LoraAdapter(name=name, path=str(path), rank=adapter.rank, slot=slot,
+                                                   target_modules=sorted(adapter.targets))
+        self._stacks.clear()
+        return self._infos[slot]
+
+    def _group_weights(self, adapter: LoraAdapter) -> dict[tuple[int, str], GroupWeights]:
+        """Per (layer, product): this rank's A of the product's targets stacked, and its B in block form."""
         groups: dict[tuple[int, str], GroupWeights] = {}
         for layer in range(self.config.num_hidden_layers):
             for group, targets in GROUPS.items():
-                outs = [target_shape(self.config, target)[0] for target in targets]
-                present = [(t, adapter.weights[(layer, target)]) for t, target in enumerate(targets)
-                           if (layer, target) in adapter.weights]
+                outs = [target_shape(self.config, target)[0] // (1 if target in ROW_PARALLEL else self.tp.size)
+                        for target in targets]
+                present = [(t, self._shard(target, *adapter.weights[(layer, target)]))
+                           for t, target in enumerate(targets) if (layer, target) in adapter.weights]
                 if not present:
                     continue
                 a = torch.cat([pair[0] for _, pair in present])
@@ -78,14 +96,22 @@ class LoraSlots:
                     b[column:column + outs[t], rank:rank + target_b.shape[1]] = target_b * adapter.scaling
                     rank += target_b.shape[1]
                 groups[(layer, group)] = GroupWeights(a.to(self.device, self.dtype), b.to(self.device, self.dtype))
-        self._slots[slot] = groups
-        self.names[slot] = adapter.name
-        self._stacks.clear()
+        return groups
+
+    def _shard(self, target: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of one target's A [rank, in] and B [out, rank], split as its layer is."""
+        if target in ROW_PARALLEL:
+            return self.tp.columns(a), b
+        return a, self.tp.rows(b)
 
     def unload(self, slot: int) -> None:
         self._slots.pop(slot, None)
-        self.names.pop(slot, None)
+        self._infos.pop(slot, None)
         self._stacks.clear()
+
+    def loaded(self) -> list[common_pb2.LoraAdapter]:
+        """What each filled slot holds (WorkerInfo.lora_adapters)."""
+        return [self._infos[slot] for slot in sorted(self._infos)]
 
     def has(self, slot: int) -> bool:
         return slot in self._slots

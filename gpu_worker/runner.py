@@ -119,7 +119,7 @@ class ModelRunner:
                 config, self.model, self.model_config.head_dim, self.kv_dtype, self.bytes_per_block)
         if self.drafter is not None:  # its K/V in as many blocks
             self.drafter.allocate(self.num_blocks)
-        self.loras = load_lora_slots(config, self.model_config, self.device, self.dtype)  # None: no adapters
+        self.loras = load_lora_slots(config, self.model_config, self.device, self.dtype, tp)
         # llguidance's tokenizer of the served vocabulary, built at the first constrained request.
         self.vocabulary = GuidanceVocabulary(self._tokenizer_json, self.model_config.eos_token_ids,
                                              self.model_config.vocab_size)
@@ -182,7 +182,7 @@ class ModelRunner:
             block_size=self.block_size, num_blocks=self.num_blocks, device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."), attention_backend=self.attention.name,
             kv_cache_bytes=self.num_blocks * self.bytes_per_block * self.tp.size,
-            pid=os.getpid(), tensor_parallel_size=self.tp.size,
+            pid=os.getpid(), tensor_parallel_size=self.tp.size, lora_adapters=self.loras.loaded(),
         )
 
     def _apply_diffs(self, plan: worker_pb2.StepPlan) -> None:
@@ -216,7 +216,7 @@ class ModelRunner:
             if self.drafter is not None:
                 self.drafter.copy_blocks(src, dst)
         for new in plan.new_sequences:
-            if new.lora_slot and not (self.loras and self.loras.has(new.lora_slot)):
+            if new.lora_slot and not self.loras.has(new.lora_slot):
                 raise ExecutionError(f"step {plan.step_id}: sequence {new.seq_id} asks for LoRA slot {new.lora_slot}, "
                                      "which holds no adapter on this worker")
             self.sequences[new.seq_id] = SequenceState(list(new.token_ids), resolve(new.params), new.num_generated,
@@ -344,7 +344,7 @@ class ModelRunner:
     def _run_model(self, step: StepInputs, result: worker_pb2.StepResult) -> torch.Tensor:
         """The sampled rows' logits: a CUDA graph's replay for a decode-only step that one fits, else an eager
         forward, which also scores the asked-for prompt positions (into `result`, on rank 0)."""
-        lora = self.loras.batch(np.repeat([st.lora_slot for st in step.states], step.qo_lens)) if self.loras else None
+        lora = self.loras.batch(np.repeat([st.lora_slot for st in step.states], step.qo_lens))
         if self.graphs is not None and not step.spans and lora is None and self.graphs.can_run(step.table):
             return self.graphs.run(step.table, step.flat_inputs, step.positions)[step.logits_rows.to(self.device)]
         self.attention.plan(step.table)

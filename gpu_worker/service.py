@@ -5,7 +5,7 @@ which runs every forward pass: measured on the 2-core CPU path, the same decode 
 ~40% slower when torch runs it from a secondary thread. One model thread also serializes
 the steps, so no lock is needed around the runner.
 
-Tensor parallel: rank 0 serves gRPC and broadcasts each plan, suspend and resume to the other
+Tensor parallel: rank 0 serves gRPC and broadcasts each plan, suspend, resume and LoRA load to the other
 ranks before running it; the other ranks serve nothing and run every command they receive.
 """
 
@@ -188,13 +188,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._on_model_thread("resume", lambda: self._on_every_rank(("resume", "")), context)
         return worker_pb2.ResumeKVCacheResponse()
 
+    def LoadLora(self, request: worker_pb2.LoadLoraRequest, context: grpc.ServicerContext) -> common_pb2.LoraAdapter:
+        # Between two steps, on every rank: no step ever sees a slot half filled.
+        self._on_model_thread(f"load LoRA {request.name!r}", lambda: self._on_every_rank(
+            ("lora_load", request.SerializeToString())), context)
+        return next(a for a in self.runner.loras.loaded() if a.slot == request.slot)
+
+    def UnloadLora(self, request: worker_pb2.UnloadLoraRequest,
+                   context: grpc.ServicerContext) -> worker_pb2.UnloadLoraResponse:
+        self._on_model_thread(f"unload LoRA slot {request.slot}", lambda: self._on_every_rank(
+            ("lora_unload", request.SerializeToString())), context)
+        return worker_pb2.UnloadLoraResponse()
+
 
 def run_cache_command(runner: ModelRunner, command: Command) -> int:
-    """A suspend (returns the bytes released) or a resume (returns 0) on this rank."""
+    """A command for every rank other than a step: a suspend (returns the bytes released), a resume, or a
+    LoRA slot filled or emptied (return 0)."""
     kind, payload = command
     if kind == "suspend":
         return runner.suspend_kv_cache(str(payload))
-    runner.resume_kv_cache()
+    if kind == "lora_load":
+        load = worker_pb2.LoadLoraRequest.FromString(payload)  # type: ignore[arg-type]
+        runner.loras.load(load.slot, load.name, load.path)
+    elif kind == "lora_unload":
+        runner.loras.unload(worker_pb2.UnloadLoraRequest.FromString(payload).slot)  # type: ignore[arg-type]
+    else:
+        runner.resume_kv_cache()
     return 0
 
 

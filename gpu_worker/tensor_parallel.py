@@ -21,7 +21,8 @@ from gpu_worker.tp_rendezvous import init_method, prepare_gloo
 from hetero_common.errors import ConfigError
 
 # What rank 0 sends the other ranks, in the order it runs them: ("step", serialized StepPlan),
-# ("suspend", mode) or ("resume", ""). Every rank runs each one on its own shard.
+# ("suspend", mode), ("resume", ""), ("lora_load" | "lora_unload", serialized request). Every rank runs each
+# one on its own shard.
 Command = tuple[str, bytes | str]
 
 # A rank that died leaves the others blocked in a collective: fail instead of hanging for 30 min.

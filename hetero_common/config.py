@@ -246,8 +246,7 @@ class Config:
     def _validate_worker(self) -> None:
         _check(1 <= self.max_loras <= 256, "max_loras", self.max_loras, "must be in 1..256")
         _check(1 <= self.max_lora_rank <= 1024, "max_lora_rank", self.max_lora_rank, "must be in 1..1024")
-        _check(not parse_lora_modules(self.lora_modules, self.max_loras) or self.tensor_parallel_size == 1,
-               "lora_modules", self.lora_modules, "is not served with tensor_parallel_size > 1 yet")
+        parse_lora_modules(self.lora_modules, self.max_loras)  # ConfigError naming the bad entry
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                "must be auto, cpu, cuda or cuda:N")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,

@@ -100,6 +100,20 @@ class DuplicateRequestError(HeteroError):
     http_status = 409
 
 
+class LoraAdapterExistsError(HeteroError):
+    """A LoRA adapter of that name is loaded already (load it with `replace` to swap it)."""
+
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
+class LoraSlotsFullError(HeteroError):
+    """Every one of the workers' `max_loras` slots holds an adapter (or one still finishing its requests)."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409
+
+
 # --- deadlines, and the command bridge program failing ---
 
 class DeadlineExceededError(HeteroError):
@@ -136,14 +150,17 @@ _FROM_GRPC: dict[grpc.StatusCode, type[HeteroError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
 }
 
 
-def from_grpc_error(error: grpc.RpcError, service: str) -> HeteroError:
-    """Turn a downstream RpcError back into the typed error it stands for."""
+def from_grpc_error(error: grpc.RpcError, service: str,
+                    classes: dict[grpc.StatusCode, type[HeteroError]] | None = None) -> HeteroError:
+    """Turn a downstream RpcError back into the typed error it stands for (`classes`: a call's own mapping,
+    where a status code means something more precise for it)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = error.details() if hasattr(error, "details") else str(error)
-    cls = _FROM_GRPC.get(code, ExecutionError)
+    cls = (classes or {}).get(code) or _FROM_GRPC.get(code, ExecutionError)
     if cls is UnavailableError:
         return UnavailableError(f"{service} is unavailable ({details}); check that it is running and its address is right")
     return cls(details or f"{service} failed with {code.name}")

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import re
 
-from hetero_common.errors import ConfigError, ModelNotFoundError
+from hetero_common.errors import ConfigError, ModelNotFoundError, ValidationError
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,199}$")
+NAME_RULE = "must start with a letter or digit and hold at most 200 letters, digits and . _ : / -"
+
+
+def check_adapter_name(name: str, served_model: str) -> None:
+    """A name a LoRA adapter may be loaded under (LoadLoraAdapter); ValidationError naming `name` if not."""
+    if not _NAME.match(name):
+        raise ValidationError(f"name {name!r} {NAME_RULE}", "name")
+    if name == served_model:
+        raise ValidationError(f"name {name!r} is the served model's; give the adapter a name of its own", "name")
 
 
 def parse_lora_modules(value: str, max_loras: int) -> list[tuple[str, str]]:
@@ -21,8 +30,7 @@ def parse_lora_modules(value: str, max_loras: int) -> list[tuple[str, str]]:
         if not sep or not name or not path:
             raise ConfigError(f"config key 'lora_modules': entry {entry!r} must be name=path")
         if not _NAME.match(name):
-            raise ConfigError(f"config key 'lora_modules': adapter name {name!r} must start with a letter or digit "
-                              "and hold only letters, digits and . _ : / -")
+            raise ConfigError(f"config key 'lora_modules': adapter name {name!r} {NAME_RULE}")
         if any(name == known for known, _ in modules):
             raise ConfigError(f"config key 'lora_modules': adapter name {name!r} is given twice")
         modules.append((name, path))

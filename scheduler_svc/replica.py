@@ -23,23 +23,14 @@ import structlog
 from hetero.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.grpc_server import internal_channel
-from hetero_common.lora_modules import lora_cache_salt, lora_slot
-from hetero_common.retry import is_transient, retrying
+from hetero_common.lora_modules import lora_cache_salt
+from hetero_common.retry import is_transient, link_silent, retrying
+from scheduler_svc.lora_registry import LoraRegistry
+from scheduler_svc.replica_loras import WorkerLoras
 from scheduler_svc.scheduler import Scheduler, StepOutputs, TokenOutput, plan_needs_worker
 from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.replica")
-
-
-def link_silent(exc: grpc.aio.AioRpcError) -> bool:
-    """The call failed because the peer stopped answering keepalive pings, not because it closed
-    or refused the connection (gRPC core says "ping timeout"; older cores "keepalive watchdog").
-    With data in flight the kernel may say it first: gRPC sets TCP_USER_TIMEOUT to the keepalive
-    timeout, and unacknowledged data then ends the call with "recvmsg:Connection timed out (110)"
-    (seen mid-stream in tests/multihost/test_multihost.py about one cut in three: taken for a lost step, the
-    replica was retried and went down only after 3.0 s)."""
-    details = (exc.details() or "").lower()
-    return "ping timeout" in details or "keepalive" in details or "connection timed out" in details
 
 
 @dataclass
@@ -55,10 +46,12 @@ class Replica:
     """`dispatch` takes the token events of its steps; `lost` its sequences when it goes down
     (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers."""
 
-    def __init__(self, index: int, address: str, config: Config, dispatch: Callable[[StepOutputs], None],
-                 lost: Callable[[Replica, list[Sequence]], None], joined: Callable[[Replica], None],
-                 tls_server_name: str | None = None) -> None:
+    def __init__(self, index: int, address: str, config: Config, loras: LoraRegistry,
+                 dispatch: Callable[[StepOutputs], None], lost: Callable[[Replica, list[Sequence]], None],
+                 joined: Callable[[Replica], None], tls_server_name: str | None = None) -> None:
         self.index = index
+        self._loras = loras  # the service's adapters; this worker's slots follow them (replica_loras.py)
+        self._worker_loras = WorkerLoras()
         self.address = address
         self.config = config
         self._dispatch = dispatch
@@ -105,11 +98,9 @@ class Replica:
         return seq
 
     def _validated(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
+        slot, cache_key = self._loras.resolve(request.lora_adapter)
         seq = self._require_core().add_request(request.request_id, list(request.prompt_token_ids), request.params,
-                                               lora_cache_salt(request.cache_salt, request.lora_adapter),
-                                               request.priority,
-                                               lora_slot(self.config.lora_modules, self.config.max_loras,
-                                                         request.lora_adapter))
+                                               lora_cache_salt(request.cache_salt, cache_key), request.priority, slot)
         seq.deadline = deadline
         return seq
 
@@ -127,6 +118,10 @@ class Replica:
 
     def has_request(self, request_id: str) -> bool:
         return self._core is not None and request_id in self._core.requests
+
+    def lora_slots_in_use(self) -> list[int]:
+        """The LoRA slot of each request here (0: the base model)."""
+        return [seq.lora_slot for seq in self._core.requests.values()] if self._core is not None else []
 
     def _require_core(self) -> Scheduler:
         if self._core is None:
@@ -187,6 +182,8 @@ class Replica:
         num_blocks = min(self.config.max_num_blocks, info.num_blocks)
         max_model_len = min(self.config.max_model_len, info.max_position_embeddings)
         self._core = Scheduler(self.config, num_blocks, tuple(info.eos_token_ids), max_model_len)
+        self._worker_loras.joined(list(info.lora_adapters))
+        self._loras.learn(list(info.lora_adapters))
         self._reset_worker = True  # a worker that was merely unreachable may still hold old sequences
         self.up = True
         self._last_ok = time.monotonic()
@@ -281,6 +278,24 @@ class Replica:
                 self._core.resume()
         self._wake.set()
 
+    async def fill_lora_slot(self, request: worker_pb2.LoadLoraRequest) -> common_pb2.LoraAdapter:
+        """Load an adapter into a slot on this worker, between two steps; raises the worker's error."""
+        async with self._lock:
+            await self._settle()
+            return await self._worker_loras.fill(self.stub, request, self.config.worker_step_timeout_s)
+
+    async def empty_lora_slot(self, slot: int) -> None:  # between two steps
+        async with self._lock:
+            await self._settle()
+            await self._worker_loras.empty(self.stub, slot, self.config.worker_step_timeout_s)
+
+    async def _bring_loras_in_line(self) -> None:
+        """Before a step: the worker's slots as the registry has them; a worker that cannot load one goes down."""
+        try:
+            await self._worker_loras.bring_in_line(self.stub, self._loras, self.config.worker_step_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self._go_down(f"could not bring its LoRA slots in line: {exc.details()}")
+
     # ------------------------------------------------------------------ engine loop
 
     def _expire_deadlines(self) -> None:
@@ -309,6 +324,8 @@ class Replica:
                 await self._wake.wait()
                 continue
             async with self._lock:
+                if self.up and not self._worker_loras.in_line(self._loras):
+                    await self._bring_loras_in_line()
                 if not self.up:
                     continue
                 scheduled = await self._step(self._core)

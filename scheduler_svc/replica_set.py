@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,8 @@ from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError, UnavailableError
 from scheduler_svc.discovery import resolve, split_host_port, watch_dns
+from scheduler_svc.lora_manager import LoraManager
+from scheduler_svc.lora_registry import LoraRegistry
 from scheduler_svc.replica import Replica
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import StepOutputs
@@ -55,7 +58,9 @@ class ReplicaSet:
 
     def __init__(self, config: Config, dispatch: Callable[[StepOutputs], None], end_request: EndRequest) -> None:
         self.config = config
-        self.replicas = [Replica(i, address, config, dispatch, self._replica_lost, self._replica_joined)
+        registry = LoraRegistry(config.max_loras, config.serving.model_name, config.lora_modules)
+        self.loras = LoraManager(registry, self.up, self._lora_slots_in_use)
+        self.replicas = [Replica(i, address, config, registry, dispatch, self._replica_lost, self._replica_joined)
                          for i, address in enumerate(config.replica_addresses())]
         self.router = Router(config.routing_policy, config.block_size, len(self.replicas))
         self._orphans: dict[str, Orphan] = {}
@@ -112,8 +117,9 @@ class ReplicaSet:
             replica = by_address.get(address)
             if replica is None:
                 # Dialled by its IP; with internal TLS its certificate names the DNS name.
-                replica = Replica(len(self.replicas), address, self.config, self._dispatch, self._replica_lost,
-                                  self._replica_joined, tls_server_name=split_host_port(self.config.worker_dns)[0])
+                replica = Replica(len(self.replicas), address, self.config, self.loras.registry, self._dispatch,
+                                  self._replica_lost, self._replica_joined,
+                                  tls_server_name=split_host_port(self.config.worker_dns)[0])
                 replica.from_dns = True
                 self.replicas.append(replica)
                 self.router.add_replica()
@@ -154,6 +160,12 @@ class ReplicaSet:
             orphan.seqs = [s for s in orphan.seqs if index is not None and s.index != index]
             if not orphan.seqs:
                 del self._orphans[request_id]
+
+    def _lora_slots_in_use(self) -> Counter[int]:
+        """Requests per LoRA slot, on the replicas and parked (0: the base model's)."""
+        slots = Counter(slot for r in self.replicas for slot in r.lora_slots_in_use())
+        slots.update(orphan.seqs[0].lora_slot for orphan in self._orphans.values())
+        return slots
 
     def _num_waiting(self) -> int:
         return sum(r.num_waiting for r in self.up()) + len(self._orphans)

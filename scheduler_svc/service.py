@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Awaitable, Callable, TypeVar
 
 import grpc
 import structlog
@@ -29,6 +30,7 @@ from scheduler_svc.replica_set import ReplicaSet
 from scheduler_svc.request_streams import Listener, RequestStream, RequestStreams
 
 log = structlog.get_logger("scheduler_svc.service")
+T = TypeVar("T")
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # A request's own deadline is this much before the caller's gRPC deadline.
 DEADLINE_MARGIN_S = 0.1
@@ -171,6 +173,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
         return self.replica_set.stats()
+
+    async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.LoraAdapter:
+        return await _answer(context, self.replica_set.loras.load(request), common_pb2.LoraAdapter)
+
+    async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext) -> common_pb2.UnloadLoraAdapterResponse:
+        return await _answer(context, self.replica_set.loras.unload(request), common_pb2.UnloadLoraAdapterResponse)
+
+    async def ListLoraAdapters(self, request: common_pb2.ListLoraAdaptersRequest,
+                               context: grpc.aio.ServicerContext) -> common_pb2.ListLoraAdaptersResponse:
+        return self.replica_set.loras.list()
+
+
+async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T], empty: Callable[[], T]) -> T:
+    """A LoRA management call's answer; our errors, and a worker's (which name what is wrong with an
+    adapter), become the call's status."""
+    try:
+        return await call
+    except HeteroError as exc:
+        end_call(context, exc)
+    except grpc.aio.AioRpcError as exc:
+        set_status(context, exc.code(), exc.details() or exc.code().name)
+    return empty()
 
 
 async def serve_scheduler(config: Config) -> None:

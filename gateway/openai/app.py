@@ -36,6 +36,7 @@ from gateway.openai.prompt_echo import PromptShaping
 from gateway.openai.request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
 from gateway.openai.streams import merged, unless_client_gone
 from gateway.openai.structured import renamed_errors
+from gateway.openai.lora_routes import LoraRoutes
 from gateway.openai.tokenizer_routes import TokenizerRoutes
 from gateway.openai.tools import call_deltas, chat_message
 from gateway.validation import chat_chars
@@ -124,6 +125,7 @@ class HttpApi:
         self.scheduler_stats = scheduler_stats  # readiness and pool metrics are the scheduler's
         self.serving = serving or ServingConfig()  # the limits (max_request_bytes, ...) and metrics_require_key
         self.tokenizer_routes = TokenizerRoutes(generation)
+        self.lora_routes = LoraRoutes(generation)
         self.fastapi = self._build()
         limited = BodyLimitMiddleware(self.fastapi, self.serving.max_request_bytes, self.serving.http_body_timeout_s,
                                       error_body, generation.heap_trimmer.release_later)  # a large body: trim after
@@ -152,8 +154,11 @@ class HttpApi:
 
         guarded = [Depends(authorized)]
         documented = {"parameters": [OPENAPI_PARAMETER]}  # the header the middleware reads
-        tok = self.tokenizer_routes
-        for path, handler, method in (("/v1/completions", self.completions, "POST"),
+        tok, lora = self.tokenizer_routes, self.lora_routes
+        for path, handler, method in (("/v1/load_lora_adapter", lora.load, "POST"),
+                                      ("/v1/unload_lora_adapter", lora.unload, "POST"),
+                                      ("/v1/lora_adapters", lora.adapters, "GET"),
+                                      ("/v1/completions", self.completions, "POST"),
                                       ("/v1/chat/completions", self.chat_completions, "POST"),
                                       ("/v1/models", self.models, "GET"), ("/tokenize", tok.tokenize, "POST"),
                                       ("/detokenize", tok.detokenize, "POST"), ("/tokenizer_info", tok.tokenizer_info, "GET")):
@@ -193,7 +198,7 @@ class HttpApi:
                 "vocab_size": t.vocab_size, "eos_token_ids": list(t.eos_token_ids), "bos_token_id": t.bos_token_id}
         # The base model, then each LoRA adapter a request's `model` may name (`parent`: vLLM's field).
         return {"object": "list", "data": [{"id": g.model_name, **card, "root": g.model_name, "parent": None}]
-                + [{"id": name, **card, "root": g.model_name, "parent": g.model_name} for name in g.adapters]}
+                + [{"id": a.name, **card, "root": a.path, "parent": g.model_name} for a in await g.backend.lora_adapters()]}
 
     # ------------------------------------------------------------------ generation
 

@@ -15,7 +15,7 @@ from gateway.generation import Generation
 from gateway.openai.bodies import UINT32_MAX, ChatMessageBody, StrictBody
 from gateway.openai.fields import MESSAGE, Unserved, refuse_unserved
 from gateway.openai.tools import chat_of
-from gateway.validation import chat_chars, check_model, render_chat
+from gateway.validation import chat_chars, render_chat
 from hetero.v1 import inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.tokenizer import TextTokenizer
@@ -79,7 +79,7 @@ class TokenizerRoutes:
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
         """The answer's JSON is rendered with it, off the loop when large: a Response, which FastAPI sends as is."""
         g = self.generation
-        check_model(body.model or "", g.model_name, g.adapters)
+        await g.check_model(body.model or "")
         if body.messages is None:
             return await g.tokenizer_pool.run(_tokenize, g.tokenizer, body, None, g.max_model_len,
                                               chars=len(body.prompt or ""))
@@ -91,7 +91,7 @@ class TokenizerRoutes:
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, str]:
         g = self.generation
-        check_model(body.model or "", g.model_name, g.adapters)
+        await g.check_model(body.model or "")
         return {"prompt": tokenization.detokenize(g.tokenizer, body.tokens)}
 
     async def tokenizer_info(self) -> dict[str, Any]:

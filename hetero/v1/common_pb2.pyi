@@ -183,3 +183,51 @@ class ServiceStats(_message.Message):
     routing_prefix_blocks_hit: int
     num_recovered_sequences: int
     def __init__(self, num_workers: _Optional[int] = ..., num_workers_up: _Optional[int] = ..., num_deadline_exceeded: _Optional[int] = ..., num_rejected_queue_full: _Optional[int] = ..., routing_prefix_blocks_queried: _Optional[int] = ..., routing_prefix_blocks_hit: _Optional[int] = ..., num_recovered_sequences: _Optional[int] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank", "target_modules", "slot", "active_requests")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    slot: int
+    active_requests: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., slot: _Optional[int] = ..., active_requests: _Optional[int] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "replace")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    replace: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("waited_requests",)
+    WAITED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    waited_requests: int
+    def __init__(self, waited_requests: _Optional[int] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoraAdaptersResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from hetero.v1 import common_pb2 as hetero_dot_v1_dot_common__pb2
 from hetero.v1 import inference_pb2 as hetero_dot_v1_dot_inference__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -70,6 +71,21 @@ class InferenceStub:
                 request_serializer=hetero_dot_v1_dot_inference__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_inference__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/hetero.v1.Inference/LoadLoraAdapter',
+                request_serializer=hetero_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_common__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/hetero.v1.Inference/UnloadLoraAdapter',
+                request_serializer=hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/hetero.v1.Inference/ListLoraAdapters',
+                request_serializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -122,6 +138,27 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters at run time (docs/lora.md). Load refuses a name already loaded unless `replace`;
+        unload makes new requests for the name NOT_FOUND at once and answers when the requests already
+        using it have finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +196,21 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=hetero_dot_v1_dot_inference__pb2.GetServerInfoRequest.FromString,
                     response_serializer=hetero_dot_v1_dot_inference__pb2.ServerInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=hetero_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_common__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +403,87 @@ class Inference:
             '/hetero.v1.Inference/GetServerInfo',
             hetero_dot_v1_dot_inference__pb2.GetServerInfoRequest.SerializeToString,
             hetero_dot_v1_dot_inference__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Inference/LoadLoraAdapter',
+            hetero_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            hetero_dot_v1_dot_common__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Inference/UnloadLoraAdapter',
+            hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Inference/ListLoraAdapters',
+            hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+            hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

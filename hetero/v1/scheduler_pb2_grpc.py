@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from hetero.v1 import common_pb2 as hetero_dot_v1_dot_common__pb2
 from hetero.v1 import scheduler_pb2 as hetero_dot_v1_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -65,6 +66,21 @@ class SchedulerStub:
                 request_serializer=hetero_dot_v1_dot_scheduler__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_scheduler__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/hetero.v1.Scheduler/LoadLoraAdapter',
+                request_serializer=hetero_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_common__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/hetero.v1.Scheduler/UnloadLoraAdapter',
+                request_serializer=hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/hetero.v1.Scheduler/ListLoraAdapters',
+                request_serializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -115,6 +131,25 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters, as the public service has them: loaded on every worker replica, in the same slot.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +182,21 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=hetero_dot_v1_dot_scheduler__pb2.ResumeRequest.FromString,
                     response_serializer=hetero_dot_v1_dot_scheduler__pb2.ResumeResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=hetero_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_common__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -312,6 +362,87 @@ class Scheduler:
             '/hetero.v1.Scheduler/Resume',
             hetero_dot_v1_dot_scheduler__pb2.ResumeRequest.SerializeToString,
             hetero_dot_v1_dot_scheduler__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Scheduler/LoadLoraAdapter',
+            hetero_dot_v1_dot_common__pb2.LoadLoraAdapterRequest.SerializeToString,
+            hetero_dot_v1_dot_common__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Scheduler/UnloadLoraAdapter',
+            hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            hetero_dot_v1_dot_common__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Scheduler/ListLoraAdapters',
+            hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
+            hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "max_position_embeddings", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "attention_backend", "kv_cache_bytes", "pid", "tensor_parallel_size")
+    __slots__ = ("model_name", "architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "max_position_embeddings", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "attention_backend", "kv_cache_bytes", "pid", "tensor_parallel_size", "lora_adapters")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class WorkerInfo(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -45,7 +46,28 @@ class WorkerInfo(_message.Message):
     kv_cache_bytes: int
     pid: int
     tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoadLoraRequest(_message.Message):
+    __slots__ = ("slot", "name", "path")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    name: str
+    path: str
+    def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraRequest(_message.Message):
+    __slots__ = ("slot",)
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    def __init__(self, slot: _Optional[int] = ...) -> None: ...
+
+class UnloadLoraResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "params", "num_generated", "lora_slot")

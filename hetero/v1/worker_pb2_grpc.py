@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from hetero.v1 import common_pb2 as hetero_dot_v1_dot_common__pb2
 from hetero.v1 import worker_pb2 as hetero_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -55,6 +56,16 @@ class WorkerStub:
                 request_serializer=hetero_dot_v1_dot_worker__pb2.ResumeKVCacheRequest.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_worker__pb2.ResumeKVCacheResponse.FromString,
                 _registered_method=True)
+        self.LoadLora = channel.unary_unary(
+                '/hetero.v1.Worker/LoadLora',
+                request_serializer=hetero_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_common__pb2.LoraAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLora = channel.unary_unary(
+                '/hetero.v1.Worker/UnloadLora',
+                request_serializer=hetero_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -87,6 +98,19 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLora(self, request, context):
+        """Load a LoRA adapter into a slot (replacing what it held), or empty one; on every rank, between steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLora(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +133,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ResumeKVCache,
                     request_deserializer=hetero_dot_v1_dot_worker__pb2.ResumeKVCacheRequest.FromString,
                     response_serializer=hetero_dot_v1_dot_worker__pb2.ResumeKVCacheResponse.SerializeToString,
+            ),
+            'LoadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLora,
+                    request_deserializer=hetero_dot_v1_dot_worker__pb2.LoadLoraRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_common__pb2.LoraAdapter.SerializeToString,
+            ),
+            'UnloadLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLora,
+                    request_deserializer=hetero_dot_v1_dot_worker__pb2.UnloadLoraRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_worker__pb2.UnloadLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +254,60 @@ class Worker:
             '/hetero.v1.Worker/ResumeKVCache',
             hetero_dot_v1_dot_worker__pb2.ResumeKVCacheRequest.SerializeToString,
             hetero_dot_v1_dot_worker__pb2.ResumeKVCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Worker/LoadLora',
+            hetero_dot_v1_dot_worker__pb2.LoadLoraRequest.SerializeToString,
+            hetero_dot_v1_dot_common__pb2.LoraAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Worker/UnloadLora',
+            hetero_dot_v1_dot_worker__pb2.UnloadLoraRequest.SerializeToString,
+            hetero_dot_v1_dot_worker__pb2.UnloadLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,8 +30,8 @@ def test_the_keys_are_validated_with_the_rest_of_the_config() -> None:
         Config(max_lora_rank=0).validate()
     with pytest.raises(ConfigError, match="max_loras"):
         Config(max_loras=0).validate()
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
-        Config(lora_modules="a=/x", tensor_parallel_size=2).validate()
+    with pytest.raises(ConfigError, match="'lora_modules'.*must be name=path"):
+        Config(lora_modules="a").validate()
 
 
 def test_an_unknown_adapter_is_not_found_and_each_adapter_has_its_own_salt() -> None:
