@@ -1,13 +1,17 @@
-"""LoRA adapters held in fixed slots on the worker, and one step's batched LoRA products (issue 41).
+"""LoRA adapters held in fixed slots on the worker, and one step's LoRA products (issue 41).
 
 A step may mix sequences of several adapters and of the base model. Each of the model's linear products (the
 fused q/k/v, o, the fused gate/up, down) is followed by `LoraBatch.add`, which adds every adapter's delta to its
-own rows in two batched products, as Punica's and S-LoRA's kernels do: the rows are gathered per adapter
-(padded to the adapter with the most rows), shrunk by the adapters' A matrices of that product's targets
-stacked ([adapters, in, rank]) and expanded by their B matrices (scaling folded in, each target's block in
-its columns of the product's output), then added back where they came from. Ranks are padded to the largest
-among the adapters in the step, not to `max_lora_rank`; a step without adapters pays nothing (no batch is
-built), and one whose rows all use one adapter takes two plain products.
+own rows, segmented as Punica's and S-LoRA's SGMV kernels are: the rows are gathered once per step, sorted by
+adapter, and each adapter's segment is shrunk by its A and expanded by its B (scaling folded in, each target's
+block in its columns of the product's output) at the adapter's own rank, then added back where it came from.
+A step without adapters pays nothing (no batch is built); one whose rows all use one adapter skips the gather.
+
+Row invariance: a row's delta is the same bits whatever else is in the step. Each product is the packed
+oneDNN `linear` the base model uses (gpu_worker/cpu/packed_linear.py), whose rows do not depend on how many
+rows it multiplies; the gather and the scatter-add copy and add exactly. (Stacking the adapters for batched
+products, padded to the largest rank, was faster but changed a row's last bits with the step's mix of adapters,
+and greedy tokens with them.)
 
 Slots are filled at start (`lora_modules`) and at run time (`LoadLora`, between steps); the scheduler decides
 which slot holds what and never loads into a slot a sequence still uses. With tensor parallelism each rank
@@ -23,6 +27,7 @@ import numpy as np
 import torch
 
 from gpu_worker.checkpoint import ModelConfig
+from gpu_worker.cpu.packed_linear import PackedWeight, linear, pack_weight, prepack_supported
 from gpu_worker.lora_adapter import LoraAdapter, load_lora_adapter, target_shape
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import common_pb2
@@ -38,17 +43,19 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # the others are column-paral
 
 @dataclass
 class GroupWeights:
-    """One adapter's share of one product in one layer: A of its targets stacked, and B with each target's
-    block in that target's columns of the product's output (zeros elsewhere), scaled."""
+    """One adapter's share of one product in one layer, as `linear` weights: A of its targets stacked
+    [rank, in], and B [out, rank] with each target's block in that target's rows of the product's output
+    (zeros elsewhere), scaled. Packed for oneDNN on the CPU."""
 
-    a: torch.Tensor  # [rank, in]
-    b: torch.Tensor  # [out, rank]
+    a: PackedWeight
+    b: PackedWeight
 
 
 def load_lora_slots(config: Config, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                     tp: TensorParallel) -> LoraSlots:
     """The worker's slots, holding the adapters of `lora_modules` (slot i + 1 the i-th)."""
-    slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, device, dtype, tp)
+    slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, device, dtype, tp,
+                      prepack=config.weight_prepack and prepack_supported(device, dtype))
     for slot, (name, path) in enumerate(parse_lora_modules(config.lora_modules, config.max_loras), start=1):
         slots.load(slot, name, path)
     return slots
@@ -58,13 +65,12 @@ class LoraSlots:
     """The adapters loaded on this worker by slot (1..max_loras; 0 is the base model)."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, prepack: bool = False) -> None:
         self.config, self.max_loras, self.max_rank, self.device, self.dtype, self.tp = (
             config, max_loras, max_rank, device, dtype, tp)
+        self._prepack = prepack
         self._slots: dict[int, dict[tuple[int, str], GroupWeights]] = {}
         self._infos: dict[int, common_pb2.LoraAdapter] = {}
-        # Per set of adapters in a step, their weights stacked for the batched products (a few sets kept).
-        self._stacks: dict[tuple[int, ...], dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def load(self, slot: int, name: str, path: str) -> common_pb2.LoraAdapter:
         """Read the adapter in `path` into `slot` (what it held goes); LoraAdapterError leaves the slot as it was."""
@@ -74,7 +80,6 @@ class LoraSlots:
         self._slots[slot] = self._group_weights(adapter)
         self._infos[slot] = common_pb2.LoraAdapter(name=name, path=str(path), rank=adapter.rank, slot=slot,
                                                    target_modules=sorted(adapter.targets))
-        self._stacks.clear()
         return self._infos[slot]
 
     def _group_weights(self, adapter: LoraAdapter) -> dict[tuple[int, str], GroupWeights]:
@@ -95,8 +100,12 @@ class LoraSlots:
                     column = sum(outs[:t])
                     b[column:column + outs[t], rank:rank + target_b.shape[1]] = target_b * adapter.scaling
                     rank += target_b.shape[1]
-                groups[(layer, group)] = GroupWeights(a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+                groups[(layer, group)] = GroupWeights(self._weight(a), self._weight(b))
         return groups
+
+    def _weight(self, weight: torch.Tensor) -> PackedWeight:
+        weight = weight.to(self.device, self.dtype)
+        return pack_weight(weight) if self._prepack else weight
 
     def _shard(self, target: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of one target's A [rank, in] and B [out, rank], split as its layer is."""
@@ -107,7 +116,6 @@ class LoraSlots:
     def unload(self, slot: int) -> None:
         self._slots.pop(slot, None)
         self._infos.pop(slot, None)
-        self._stacks.clear()
 
     def loaded(self) -> list[common_pb2.LoraAdapter]:
         """What each filled slot holds (WorkerInfo.lora_adapters)."""
@@ -118,61 +126,42 @@ class LoraSlots:
 
     def batch(self, row_slots: np.ndarray) -> LoraBatch | None:
         """The step's LoRA work for its flattened tokens' slots (0: base), or None when no row has an adapter."""
-        present = tuple(int(s) for s in np.unique(row_slots) if s)
+        present = [int(s) for s in np.unique(row_slots) if s]
         if not present:
             return None
-        stacks = self._stacked(present)
-        rows = [np.flatnonzero(row_slots == s) for s in present]
-        if len(present) == 1 and len(rows[0]) == len(row_slots):
-            return LoraBatch(stacks, None)
-        width = max(len(r) for r in rows)
-        gather = np.zeros((len(present), width), dtype=np.int64)  # padding gathers row 0; it is never added back
-        for j, r in enumerate(rows):
-            gather[j, :len(r)] = r
-        flat = gather.reshape(-1)
-        real = np.concatenate([j * width + np.arange(len(r)) for j, r in enumerate(rows)])
-        gather_t, real_t, rows_t = (torch.from_numpy(a).to(self.device) for a in (flat, real, flat[real]))
-        return LoraBatch(stacks, (gather_t, real_t, rows_t, len(present), width))
-
-    def _stacked(self, present: tuple[int, ...]) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-        """Per (layer, product) the adapters' A as [n, in, rank] and B as [n, rank, out], ranks zero-padded."""
-        if present in self._stacks:
-            return self._stacks[present]
-        stacks = {}
-        for key in {k for s in present for k in self._slots[s]}:
-            parts = [self._slots[s].get(key) for s in present]
-            rank = max(p.a.shape[0] for p in parts if p is not None)
-            ref = next(p for p in parts if p is not None)
-            a = torch.zeros(len(present), ref.a.shape[1], rank, device=self.device, dtype=self.dtype)
-            b = torch.zeros(len(present), rank, ref.b.shape[0], device=self.device, dtype=self.dtype)
-            for j, p in enumerate(parts):
-                if p is not None:
-                    a[j, :, :p.a.shape[0]] = p.a.t()
-                    b[j, :p.a.shape[0], :] = p.b.t()
-            stacks[key] = (a, b)
-        if len(self._stacks) >= 8:
-            self._stacks.pop(next(iter(self._stacks)))
-        self._stacks[present] = stacks
-        return stacks
+        if len(present) == 1 and bool(row_slots.all()):
+            return LoraBatch([(self._slots[present[0]], 0, len(row_slots))], None)
+        order = np.argsort(row_slots, kind="stable")
+        order = order[row_slots[order] != 0]  # the adapters' rows, grouped by slot; the base model's left out
+        ends = np.cumsum([np.count_nonzero(row_slots == s) for s in present])
+        segments = [(self._slots[s], int(end - count), int(end))
+                    for s, end, count in zip(present, ends, np.diff(ends, prepend=0))]
+        return LoraBatch(segments, torch.from_numpy(order).to(self.device))
 
 
 class LoraBatch:
-    """One step's adapters: their stacked weights, and where their rows are (None: one adapter, every row;
-    else the gather index [n * width], the real rows' places in it, those rows, n and width)."""
+    """One step's adapters: per adapter its weights and its segment of the gathered rows, and the rows gathered
+    (None: every row, in order, is one adapter's)."""
 
-    def __init__(self, stacks: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-                 rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int] | None) -> None:
-        self.stacks, self.rows = stacks, rows
+    def __init__(self, segments: list[tuple[dict[tuple[int, str], GroupWeights], int, int]],
+                 rows: torch.Tensor | None) -> None:
+        self.segments, self.rows = segments, rows
 
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y (the product of x in `group` of `layer`) += each adapter's delta on its rows."""
-        weights = self.stacks.get((layer, group))
-        if weights is None:
-            return
-        a, b = weights
         if self.rows is None:
-            y += (x @ a[0]) @ b[0]
+            weights = self.segments[0][0].get((layer, group))
+            if weights is not None:
+                y += linear(linear(x, weights.a), weights.b)
             return
-        gather, real, rows, n, width = self.rows
-        delta = torch.bmm(torch.bmm(x.index_select(0, gather).view(n, width, -1), a), b)
-        y.index_add_(0, rows, delta.view(n * width, -1).index_select(0, real))
+        gathered = x.index_select(0, self.rows)
+        deltas, places = [], []
+        for slot_weights, start, end in self.segments:
+            weights = slot_weights.get((layer, group))
+            if weights is not None:
+                deltas.append(linear(linear(gathered[start:end], weights.a), weights.b))
+                places.append(self.rows[start:end])
+        if len(deltas) == len(self.segments):
+            y.index_add_(0, self.rows, torch.cat(deltas))
+        elif deltas:  # some adapters in the step leave this product alone
+            y.index_add_(0, torch.cat(places), torch.cat(deltas))

@@ -28,7 +28,7 @@ from gpu_worker.runner import ModelRunner
 from gpu_worker.tensor_parallel import Command, TensorParallel
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
-from hetero_common.errors import HeteroError, StepOrderError
+from hetero_common.errors import HeteroError, StepOrderError, ValidationError
 from hetero_common.gc_tuning import tune_gc
 from hetero_common.grpc_server import (add_health_and_reflection, bind, error_status,
                                       internal_listen_address, internal_server_options, server_credentials,
@@ -117,7 +117,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ok = True
         except Exception as exc:  # reported to the scheduler, which resets this worker's state
             ok = False
-            if not isinstance(exc, StepOrderError):
+            if isinstance(exc, ValidationError):  # e.g. a LoRA adapter refused: the caller's to fix
+                log.warning("call refused", call=item.what, error=str(exc))
+            elif not isinstance(exc, StepOrderError):
                 log.exception("call failed", call=item.what)
             if self.runner.tp.enabled and not isinstance(exc, HeteroError):
                 # A collective failed: another rank is gone and this group cannot compute any

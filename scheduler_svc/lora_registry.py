@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from hetero.v1 import common_pb2
 from hetero_common.errors import LoraAdapterExistsError, LoraSlotsFullError, ModelNotFoundError
-from hetero_common.lora_modules import check_adapter_name, parse_lora_modules
+from hetero_common.lora_modules import check_adapter_name, lora_cache_salt, parse_lora_modules
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,11 @@ class LoraRegistry:
             raise ModelNotFoundError(f"model {name!r} is neither the served model ({self.served_model!r}) nor a "
                                      f"loaded LoRA adapter (loaded: {loaded}; see ListLoraAdapters)", "model")
         return adapter.info.slot, adapter.cache_key
+
+    def place(self, adapter: str, cache_salt: str) -> tuple[int, str]:
+        """A request's slot and the prefix-cache salt its blocks are hashed with (the router's and the pool's)."""
+        slot, cache_key = self.resolve(adapter)
+        return slot, lora_cache_salt(cache_salt, cache_key)
 
     # ------------------------------------------------------------------ loading and unloading
 

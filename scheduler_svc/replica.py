@@ -23,7 +23,6 @@ import structlog
 from hetero.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.grpc_server import internal_channel
-from hetero_common.lora_modules import lora_cache_salt
 from hetero_common.retry import is_transient, link_silent, retrying
 from scheduler_svc.lora_registry import LoraRegistry
 from scheduler_svc.replica_loras import WorkerLoras
@@ -98,9 +97,9 @@ class Replica:
         return seq
 
     def _validated(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
-        slot, cache_key = self._loras.resolve(request.lora_adapter)
+        slot, cache_salt = self._loras.place(request.lora_adapter, request.cache_salt)
         seq = self._require_core().add_request(request.request_id, list(request.prompt_token_ids), request.params,
-                                               lora_cache_salt(request.cache_salt, cache_key), request.priority, slot)
+                                               cache_salt, request.priority, slot)
         seq.deadline = deadline
         return seq
 

@@ -136,7 +136,9 @@ class ReplicaSet:
             self.counters.num_rejected_queue_full += 1
             raise OverloadedError(f"the waiting queue is full ({self.config.max_queued_requests} requests, "
                                   "max_queued_requests); retry later")
-        chosen = self._choose(list(request.prompt_token_ids), request.cache_salt)
+        # The salt the pool hashes the prompt with: a LoRA adapter's blocks are its own (lora_registry.py).
+        cache_salt = self.loras.registry.place(request.lora_adapter, request.cache_salt)[1]
+        chosen = self._choose(list(request.prompt_token_ids), cache_salt)
         if chosen is not None:
             replica, block_hashes = chosen
             return replica.submit(request, deadline, block_hashes)

@@ -31,21 +31,24 @@ def adapters(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items())}
 
 
-def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]]) -> list[list[int]]:
+def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]],
+                new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """Greedy tokens of PEFT's model (the adapter over `transformers`' base), one prompt at a time."""
     if adapter is None:
-        return hf_greedy(base, prompts)
+        return hf_greedy(base, prompts, new_tokens)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32),
                                       str(adapter)).eval()
+    # EOS neither stops nor is suppressed (min_new_tokens would mask it): ignore_eos's meaning, as in hf_greedy.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 min_new_tokens=NEW_TOKENS, pad_token_id=0)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False)
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
 
