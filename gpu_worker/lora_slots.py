@@ -7,9 +7,13 @@ adapter, and each adapter's segment is shrunk by its A and expanded by its B (sc
 block in its columns of the product's output) at the adapter's own rank, then added back where it came from.
 A step without adapters pays nothing (no batch is built); one whose rows all use one adapter skips the gather.
 
-Row invariance: a row's delta is the same bits whatever else is in the step. Each product is the packed
-oneDNN `linear` the base model uses (gpu_worker/cpu/packed_linear.py), whose rows do not depend on how many
-rows it multiplies; the gather and the scatter-add copy and add exactly. (Stacking the adapters for batched
+On the CPU the C kernel of kernels/native/lora.c does a product's segments in one call, row by row, with A and
+B in float32 whatever the model's dtype; elsewhere (CUDA, or no C compiler) each segment is two `linear` calls.
+
+Row invariance: a row's delta is the same bits whatever else is in the step. The C kernel computes each row
+alone, always in the same order. The `linear` path uses the packed oneDNN product the base model uses
+(gpu_worker/cpu/packed_linear.py), whose rows do not depend on how many rows it multiplies; its gather and
+scatter-add copy and add exactly. (Stacking the adapters for batched
 products, padded to the largest rank, was faster but changed a row's last bits with the step's mix of adapters,
 and greedy tokens with them.)
 
@@ -30,6 +34,7 @@ from gpu_worker.checkpoint import ModelConfig
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, pack_weight, prepack_supported
 from gpu_worker.lora_adapter import LoraAdapter, load_lora_adapter, target_shape
 from gpu_worker.tensor_parallel import TensorParallel
+from kernels.native import lora as native_lora
 from hetero.v1 import common_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ExecutionError
@@ -45,7 +50,8 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # the others are column-paral
 class GroupWeights:
     """One adapter's share of one product in one layer, as `linear` weights: A of its targets stacked
     [rank, in], and B [out, rank] with each target's block in that target's rows of the product's output
-    (zeros elsewhere), scaled. Packed for oneDNN on the CPU."""
+    (zeros elsewhere), scaled. Packed for oneDNN on the CPU; for the C kernel, A and B transposed [rank, out],
+    in float32."""
 
     a: PackedWeight
     b: PackedWeight
@@ -65,11 +71,16 @@ class LoraSlots:
     """The adapters loaded on this worker by slot (1..max_loras; 0 is the base model)."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 tp: TensorParallel, prepack: bool = False) -> None:
+                 tp: TensorParallel, prepack: bool = False, native: bool | None = None) -> None:
         self.config, self.max_loras, self.max_rank, self.device, self.dtype, self.tp = (
             config, max_loras, max_rank, device, dtype, tp)
         self._prepack = prepack
+        # The C kernel (kernels/native/lora.c) on the CPU: every adapter of a step in one call per product.
+        self._native = native_lora.available(device, dtype) if native is None else native
         self._slots: dict[int, dict[tuple[int, str], GroupWeights]] = {}
+        self._tables: dict[tuple[int, str], native_lora.SlotTable] = {}  # the C kernel's, by (layer, product)
+        # The same for the whole-model C layers: per (layer, product) the addresses of its table's three arrays.
+        self._layer_tables = torch.zeros(config.num_hidden_layers * len(GROUPS) * 3, dtype=torch.int64)
         self._infos: dict[int, common_pb2.LoraAdapter] = {}
 
     def load(self, slot: int, name: str, path: str) -> common_pb2.LoraAdapter:
@@ -77,14 +88,17 @@ class LoraSlots:
         if not 1 <= slot <= self.max_loras:
             raise ExecutionError(f"LoRA slot {slot} is outside 1..max_loras ({self.max_loras})")
         adapter = load_lora_adapter(name, path, self.config, self.max_rank)
-        self._slots[slot] = self._group_weights(adapter)
+        self._slots[slot] = {key: (GroupWeights(a.contiguous(), b.t().contiguous()) if self._native
+                                   else GroupWeights(self._weight(a), self._weight(b)))
+                             for key, (a, b) in self._group_weights(adapter).items()}
+        self._build_tables()
         self._infos[slot] = common_pb2.LoraAdapter(name=name, path=str(path), rank=adapter.rank, slot=slot,
                                                    target_modules=sorted(adapter.targets))
         return self._infos[slot]
 
-    def _group_weights(self, adapter: LoraAdapter) -> dict[tuple[int, str], GroupWeights]:
+    def _group_weights(self, adapter: LoraAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         """Per (layer, product): this rank's A of the product's targets stacked, and its B in block form."""
-        groups: dict[tuple[int, str], GroupWeights] = {}
+        groups: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(self.config.num_hidden_layers):
             for group, targets in GROUPS.items():
                 outs = [target_shape(self.config, target)[0] // (1 if target in ROW_PARALLEL else self.tp.size)
@@ -100,8 +114,21 @@ class LoraSlots:
                     column = sum(outs[:t])
                     b[column:column + outs[t], rank:rank + target_b.shape[1]] = target_b * adapter.scaling
                     rank += target_b.shape[1]
-                groups[(layer, group)] = GroupWeights(self._weight(a), self._weight(b))
+                groups[(layer, group)] = (a, b)
         return groups
+
+    def _build_tables(self) -> None:
+        """The C kernel's pointers by slot, per product (the C path holds A and B transposed, in float32)."""
+        if self._native:
+            keys = {key for weights in self._slots.values() for key in weights}
+            self._tables = {key: native_lora.SlotTable.of(
+                {slot: (w[key].a, w[key].b) for slot, w in self._slots.items() if key in w}, self.max_loras + 1)
+                for key in keys}
+            self._layer_tables.zero_()
+            for (layer, group), table in self._tables.items():
+                at = (layer * len(GROUPS) + list(GROUPS).index(group)) * 3
+                self._layer_tables[at:at + 3] = torch.tensor(
+                    [table.a_ptrs.data_ptr(), table.bt_ptrs.data_ptr(), table.ranks.data_ptr()])
 
     def _weight(self, weight: torch.Tensor) -> PackedWeight:
         weight = weight.to(self.device, self.dtype)
@@ -116,6 +143,7 @@ class LoraSlots:
     def unload(self, slot: int) -> None:
         self._slots.pop(slot, None)
         self._infos.pop(slot, None)
+        self._build_tables()
 
     def loaded(self) -> list[common_pb2.LoraAdapter]:
         """What each filled slot holds (WorkerInfo.lora_adapters)."""
@@ -124,11 +152,14 @@ class LoraSlots:
     def has(self, slot: int) -> bool:
         return slot in self._slots
 
-    def batch(self, row_slots: np.ndarray) -> LoraBatch | None:
+    def batch(self, row_slots: np.ndarray) -> StepLora | None:
         """The step's LoRA work for its flattened tokens' slots (0: base), or None when no row has an adapter."""
         present = [int(s) for s in np.unique(row_slots) if s]
         if not present:
             return None
+        if self._native:
+            return NativeLoraBatch(self._tables, torch.from_numpy(row_slots.astype(np.int32)), self._layer_tables,
+                                   self.max_loras + 1)
         if len(present) == 1 and bool(row_slots.all()):
             return LoraBatch([(self._slots[present[0]], 0, len(row_slots))], None)
         order = np.argsort(row_slots, kind="stable")
@@ -137,6 +168,23 @@ class LoraSlots:
         segments = [(self._slots[s], int(end - count), int(end))
                     for s, end, count in zip(present, ends, np.diff(ends, prepend=0))]
         return LoraBatch(segments, torch.from_numpy(order).to(self.device))
+
+
+class NativeLoraBatch:
+    """One step's adapters for the C kernel: its rows' slots; each product is one call."""
+
+    def __init__(self, tables: dict[tuple[int, str], native_lora.SlotTable], row_slots: torch.Tensor,
+                 layer_tables: torch.Tensor, num_slots: int) -> None:
+        self.tables, self.row_slots, self.layer_tables, self.num_slots = tables, row_slots, layer_tables, num_slots
+
+    def c_arguments(self) -> tuple[int, int, int]:
+        """What the whole-model C layers take to add the deltas themselves (kernels/native/llama_layers.c)."""
+        return self.row_slots.data_ptr(), self.layer_tables.data_ptr(), self.num_slots
+
+    def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        table = self.tables.get((layer, group))
+        if table is not None:
+            native_lora.lora_add(x if x.stride(-1) == 1 else x.contiguous(), y, self.row_slots, table)
 
 
 class LoraBatch:
@@ -165,3 +213,6 @@ class LoraBatch:
             y.index_add_(0, self.rows, torch.cat(deltas))
         elif deltas:  # some adapters in the step leave this product alone
             y.index_add_(0, torch.cat(places), torch.cat(deltas))
+
+
+StepLora = LoraBatch | NativeLoraBatch  # what the model's products call `add` on

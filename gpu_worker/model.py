@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from gpu_worker.checkpoint import ModelConfig
 from gpu_worker.gguf_blocks import GGUFBlocks
-from gpu_worker.lora_slots import LoraBatch
+from gpu_worker.lora_slots import NativeLoraBatch, StepLora
 from gpu_worker.cpu import fused_ops
 from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, pack_weight
@@ -248,7 +248,7 @@ class LlamaModel:
         return linear_float32(normed, self.lm_head)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      kv_cache: torch.Tensor, attention: AttentionBackend, lora: LoraBatch | None = None) -> torch.Tensor:
+                      kv_cache: torch.Tensor, attention: AttentionBackend, lora: StepLora | None = None) -> torch.Tensor:
         """Run all layers over T flattened tokens; return the last layer's output [T, hidden]
         (before the final norm). Callers pick the rows that need logits (`logits`). `lora`: the step's
         LoRA adapters, added after each product (gpu_worker/lora_slots.py)."""
@@ -279,7 +279,7 @@ class LlamaModel:
         return hidden
 
     @staticmethod
-    def _linear(x: torch.Tensor, weight: PackedWeight, lora: LoraBatch | None, layer: int, group: str) -> torch.Tensor:
+    def _linear(x: torch.Tensor, weight: PackedWeight, lora: StepLora | None, layer: int, group: str) -> torch.Tensor:
         """x's product with a layer's weight, plus the step's LoRA deltas of that product."""
         y = linear(x, weight)
         if lora is not None:
@@ -288,7 +288,7 @@ class LlamaModel:
 
     def _hidden_states_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                              kv_cache: torch.Tensor, attention: AttentionBackend,
-                             lora: LoraBatch | None = None) -> torch.Tensor:
+                             lora: StepLora | None = None) -> torch.Tensor:
         """`hidden_states` with the element-wise passes as C kernels (bfloat16 CPU): each residual add is
         fused into the next RMSNorm, RoPE rotates q and k in place in the q/k/v buffer."""
         c = self.config
@@ -310,10 +310,10 @@ class LlamaModel:
             positions = positions.contiguous()
             k_rows, v_rows = hnd_rows(slots.to(torch.int64), kv_heads, kv_cache[0].shape[3])
             apart_prompts = attention.apart_prompts()
-            if (self.c_layers and not apart_prompts and lora is None
+            if (self.c_layers and not apart_prompts and (lora is None or isinstance(lora, NativeLoraBatch))
                     and (self.c_layers_max_rows is None or t <= self.c_layers_max_rows)):  # from C
                 hidden.add_(self.c_layers.run(hidden, positions, kv_cache, k_rows, v_rows, plan.rows,
-                                              plan.pages, plan.kv_lens, attention.scale, attention.prompt_tiles))
+                                              plan.pages, plan.kv_lens, attention.scale, attention.prompt_tiles, lora))
                 return hidden
         for i, layer in enumerate(self.layers):
             x = fused_ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)

@@ -11,6 +11,8 @@ part between its q/k/v and o products (RoPE, the K/V write, attention) in one ca
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from gpu_worker.cpu.packed_linear import DualPackedWeight
@@ -18,6 +20,9 @@ from kernels.native import lib as native_lib
 from kernels.native.decode_attention import CACHE_DTYPES, KV_KINDS
 from kernels.native.linear import NativePackedWeight
 from kernels.native.linear_gguf import GGUFPackedWeight
+
+if TYPE_CHECKING:
+    from gpu_worker.lora_slots import NativeLoraBatch
 
 
 def _addresses(tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -74,12 +79,13 @@ class CLayers:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: list[torch.Tensor] | torch.Tensor,
             k_rows: torch.Tensor, v_rows: torch.Tensor, q_rows: torch.Tensor, pages: torch.Tensor,
-            kv_lens: torch.Tensor, scale: float, tiles: bool = True) -> torch.Tensor:
+            kv_lens: torch.Tensor, scale: float, tiles: bool = True, lora: NativeLoraBatch | None = None) -> torch.Tensor:
         """hidden [T, hidden] (the embeddings, updated in place) -> the last layer's output, not yet added.
         kv_cache: the HND layer caches (their addresses are read each call: a resumed cache is a new one);
         k_rows / v_rows: kernels.cache_ops.hnd_rows of the step's slots; q_rows, pages, kv_lens: the attention
         backend's C plan for every row of the step; `tiles`: prompt chunks through the attention kernel's 16-row
-        tiles, else every row per row (the same bits, slower: for comparisons)."""
+        tiles, else every row per row (the same bits, slower: for comparisons). `lora`: the step's LoRA adapters,
+        added after each product in C (gpu_worker/lora_slots.py)."""
         caches = [kv_cache[i] for i in range(self.num_layers)]
         if not all(c.is_contiguous() and c.dtype == caches[0].dtype for c in caches) or caches[0].dtype not in CACHE_DTYPES:
             raise ValueError("the C layers take contiguous bfloat16, float8_e4m3fn or int8 layer caches")
@@ -99,7 +105,7 @@ class CLayers:
             k_rows.data_ptr(), v_rows.data_ptr(), q_rows.data_ptr(), pages.data_ptr(), pages.shape[1],
             kv_lens.data_ptr(), scale, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
             act.data_ptr(), o_out.data_ptr(), delta.data_ptr(), self.kind, int(tiles),
-            KV_KINDS[caches[0].dtype])
+            KV_KINDS[caches[0].dtype], *(lora.c_arguments() if lora is not None else (None, None, 0)))
         if rc != 0:
             raise RuntimeError(f"llama_layers_bf16 failed ({rc})")
         return delta

@@ -36,9 +36,9 @@ HEADERS = sorted(NATIVE_DIR.glob("*.h"))
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 # The attention kernels that share attention_order.h's arithmetic, the GGUF products' row tiles of 1-8
-# rows, and the int8 KV quantizer (torch's float32 operations, bit for bit): the compiler may not reassociate their sums, approximate their divisions or fuse a product into a
+# rows, the LoRA deltas (lora.c), and the int8 KV quantizer (torch's float32 operations, bit for bit): the compiler may not reassociate their sums, approximate their divisions or fuse a product into a
 # later addition, or two paths could round differently (a row's output would depend on which computed it).
-STRICT_SOURCES = {"attention_rows_bf16.c", "prompt_row_tiles.c", "linear_gguf.c", "kv_formats.c"}
+STRICT_SOURCES = {"attention_rows_bf16.c", "prompt_row_tiles.c", "linear_gguf.c", "kv_formats.c", "lora.c"}
 STRICT_FLAGS = ["-fno-associative-math", "-fno-reciprocal-math", "-ffp-contract=off"]
 
 
@@ -62,7 +62,7 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, 
     "llama_layers_bf16": (ctypes.c_int, [_p, _i32, _i32, _i32, _i32, _i32, _i32, _f32, _i32,
                                          _p, _p, _p, _p, _p, _p, _p, _p, _i32, _p, _p, _p, _p, _p,
                                          _p, _p, _i32, _p, _f32, _p, _p, _p, _p, _p, _p, _p, _i32, _i32,
-                                         _i32]),
+                                         _i32, _p, _p, _i32]),
     "linear_amx_supported": (ctypes.c_int, []),
     "linear_amx_pack": (None, [_p, _i32, _i32, _p]),
     "linear_amx": (None, [_p, _i64, _p, _p, _p, _i64, _i32, _i32, _i32]),
@@ -77,6 +77,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, 
     "kv_rows_write": (None, [_i32, _p, _p, _i64, _i32]),
     "kv_rows_read": (ctypes.c_int, [_i32, _p, _p, _i64, _i32]),
     "argmax_rows_bf16": (None, [_p, _i64, _i64, _i64, _p]),
+    "lora_add_f32": (ctypes.c_int, [_p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i32, _i32]),
+    "lora_add_bf16": (ctypes.c_int, [_p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i32, _i32]),
     "argmax_rows_f32": (None, [_p, _i64, _i64, _i64, _p]),
 }
 

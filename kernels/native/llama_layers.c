@@ -54,6 +54,8 @@ int decode_attention_bf16_rows(const uint16_t *q, int64_t q_row_stride, const in
  * chunks through the attention kernel's 16-row tiles; 0: every row per row (the same bits, slower: for
  * comparisons). kv_kind: the cache's row format (kv_formats.h), K/V rows written as kernels/cache_ops.py writes them.
  * Returns 0, or decode_attention_bf16's error. */
+int lora_add_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, int rows, const int32_t *row_slot,
+                  const int64_t *a_ptrs, const int64_t *bt_ptrs, const int32_t *ranks, int num_slots, int in, int out);
 int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_heads, int head_dim,
                          const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
                          void *layer_cache, int block_size, const int64_t *k_rows, const int64_t *v_rows,
@@ -93,6 +95,18 @@ static inline int layer_linear(int kind, const uint16_t *a, int64_t lda, const u
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* LoRA (issue 41): after product `group` (0 q/k/v, 1 o, 2 gate/up, 3 down) of layer i, each row's adapter's
+ * delta (lora.c), from lora_tables[(i * 4 + group) * 3 ..]: that product's per-slot A, Bt and rank arrays (0:
+ * no adapter in any slot adapts it). row_slot NULL: no LoRA in this step. */
+static inline int layer_lora(const int32_t *row_slot, const int64_t *lora_tables, int num_slots, int i, int group,
+                             const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int rows, int in, int out) {
+    if (row_slot == NULL) return 0;
+    const int64_t *t = lora_tables + ((int64_t)i * 4 + group) * 3;
+    if (t[0] == 0) return 0;
+    return lora_add_bf16(x, ldx, y, ldy, rows, row_slot, (const int64_t *)(intptr_t)t[0],
+                         (const int64_t *)(intptr_t)t[1], (const int32_t *)(intptr_t)t[2], num_slots, in, out);
+}
+
 static int compare_i32(const void *a, const void *b) {
     const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     return (x > y) - (x < y);
@@ -126,8 +140,9 @@ static int32_t *step_pages(int rows, const int32_t *pages, int max_pages, const 
  * inter], delta and o_out [rows, hidden].
  * k_rows / v_rows [rows * kv_heads]: the cache rows (of a layer seen as [*, head_dim]) the new K/V go
  * to. q_rows, pages [rows, max_pages], kv_lens: attention's rows (every row of the step). kind: the kernel the
- * weights are packed for (KIND_*). tiles, kv_kind: as attention_block_bf16's. Returns 0, or decode_attention_bf16's or
- * linear_gguf's error. */
+ * weights are packed for (KIND_*). tiles, kv_kind: as attention_block_bf16's. lora_row_slot, lora_tables,
+ * lora_num_slots: the step's LoRA adapters (layer_lora; NULL: none). Returns 0, or decode_attention_bf16's,
+ * linear_gguf's or lora_add_bf16's error. */
 int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads, int num_kv_heads, int head_dim,
                       int intermediate, float eps, int num_layers, const int64_t *input_norm, const int64_t *qkv,
                       const int64_t *qkv_bias, const int64_t *o, const int64_t *post_norm, const int64_t *gate_up,
@@ -136,7 +151,7 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
                       const int64_t *v_rows, const int64_t *q_rows, const int32_t *pages, int max_pages,
                       const int32_t *kv_lens, float scale, uint16_t *x, uint16_t *qkv_buf, uint16_t *attn,
                       uint16_t *gate_up_buf, uint16_t *act, uint16_t *o_out, uint16_t *delta, int kind, int tiles,
-                      int kv_kind) {
+                      int kv_kind, const int32_t *lora_row_slot, const int64_t *lora_tables, int lora_num_slots) {
     const int q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;
     /* A layer's K/V pages are prefetched during the products before its attention, as late as their K pairs
@@ -162,22 +177,34 @@ int llama_layers_bf16(uint16_t *hidden, int rows, int hidden_size, int num_heads
         int rc = layer_linear(kind, x, hidden_size, (const uint16_t *)qkv[i], (const uint16_t *)qkv_bias[i], qkv_buf,
                               qkv_width, rows, qkv_width, hidden_size, &qkv_side);
         if (rc == 0)
+            rc = layer_lora(lora_row_slot, lora_tables, lora_num_slots, i, 0, x, hidden_size, qkv_buf, qkv_width, rows,
+                            hidden_size, qkv_width);
+        if (rc == 0)
             rc = attention_block_bf16(qkv_buf, rows, num_heads, num_kv_heads, head_dim, positions, cos_table, sin_table,
                                       (void *)cache[i], block_size, k_rows, v_rows, rows, q_rows, pages, max_pages,
                                       kv_lens, scale, attn, tiles, kv_kind);
         if (rc == 0)
             rc = layer_linear(kind, attn, q_size, (const uint16_t *)o[i], NULL, o_out, hidden_size, rows, hidden_size,
                               q_size, NULL);
+        if (rc == 0)
+            rc = layer_lora(lora_row_slot, lora_tables, lora_num_slots, i, 1, attn, q_size, o_out, hidden_size, rows,
+                            q_size, hidden_size);
         if (rc == 0) {
             add_rms_norm_bf16(hidden, hidden_size, o_out, hidden_size, (const uint16_t *)post_norm[i], x, hidden_size,
                               rows, hidden_size, eps);
             rc = layer_linear(kind, x, hidden_size, (const uint16_t *)gate_up[i], NULL, gate_up_buf, 2 * intermediate,
                               rows, 2 * intermediate, hidden_size, &gate_up_side);
+            if (rc == 0)
+                rc = layer_lora(lora_row_slot, lora_tables, lora_num_slots, i, 2, x, hidden_size, gate_up_buf,
+                                2 * intermediate, rows, hidden_size, 2 * intermediate);
         }
         if (rc == 0) {
             silu_mul_bf16(gate_up_buf, 2 * intermediate, act, intermediate, rows, intermediate);
             rc = layer_linear(kind, act, intermediate, (const uint16_t *)down[i], NULL, delta, hidden_size, rows,
                               hidden_size, intermediate, &down_side);
+            if (rc == 0)
+                rc = layer_lora(lora_row_slot, lora_tables, lora_num_slots, i, 3, act, intermediate, delta, hidden_size,
+                                rows, intermediate, hidden_size);
         }
         if (rc != 0) {
             free(used);

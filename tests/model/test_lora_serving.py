@@ -13,7 +13,8 @@ import torch
 from hetero_common.config import Config
 from hetero_common.errors import ModelNotFoundError
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.tiny_models import make_lora_adapter
+from gpu_worker.cpu.worker_setup import row_invariance_unavailable
+from hetero_infer.testing.tiny_models import make_lora_adapter, make_random_llama
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
 
 ADAPTERS = {  # name -> (rank, targets, rsLoRA)
@@ -106,3 +107,24 @@ def test_an_unknown_adapter_is_not_found(tiny_llama_dir: Path, adapters) -> None
     eng = engine(tiny_llama_dir, adapters)
     with pytest.raises(ModelNotFoundError, match="LoRA adapter 'nope' is not loaded; loaded: attn8, mlp64, all16"):
         eng.submit_request([1, 2, 3], GREEDY, lora="nope")
+
+
+@pytest.mark.skipif(row_invariance_unavailable(64, 16) is not None,
+                    reason=f"bfloat16 rows are not invariant here: {row_invariance_unavailable(64, 16)}")
+def test_bfloat16_rows_get_the_same_tokens_mixed_or_alone(tmp_path: Path) -> None:
+    """bfloat16 with `deterministic`, where the C kernels take every row (head size 64, blocks of 16; the
+    whole-model C layers add each row's LoRA delta themselves): a batch mixing the adapters and the base gives
+    every sequence the tokens it gets alone."""
+    base = make_random_llama(tmp_path / "d64", hidden=256, intermediate=512, layers=3, heads=4, kv_heads=2,
+                             max_position_embeddings=1024, scale=0.3, seed=5)
+    loras = {name: make_lora_adapter(base, tmp_path / name, rank, targets, seed=i, rslora=rslora)
+             for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items())}
+    prompts = [p for seed in (0, 1) for p in make_prompts(seed=seed)]
+    choice = ["", *ADAPTERS]
+    eng = engine(base, loras, dtype="bfloat16", deterministic=True, block_size=16)
+    ids = [eng.submit_request(p, GREEDY, lora=choice[i % 4]) for i, p in enumerate(prompts)]
+    together = {r.request_id: r.output_token_ids for r in eng.run()}
+    for i, prompt in enumerate(prompts):
+        rid = eng.submit_request(prompt, GREEDY, lora=choice[i % 4])
+        assert next(r for r in eng.run() if r.request_id == rid).output_token_ids == together[ids[i]], i
+    assert eng.get_memory_stats().used_blocks == 0

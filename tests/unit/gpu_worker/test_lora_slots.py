@@ -16,6 +16,7 @@ from gpu_worker.lora_slots import GROUPS, LoraSlots
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero_infer.testing.checkpoints import write_random_lora
 from hetero_infer.testing.tiny_models import make_tiny_llama
+from kernels.native import lora as native_lora
 
 TARGET_SETS = [["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"],
                ["v_proj", "o_proj", "up_proj", "down_proj"]]
@@ -31,8 +32,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, list[P
 
 
 def slots(config: ModelConfig, adapters: list[Path], dtype: torch.dtype, tp: TensorParallel = TensorParallel(),
-          prepack: bool = True) -> LoraSlots:
-    loaded = LoraSlots(config, 4, 64, torch.device("cpu"), dtype, tp, prepack=prepack)
+          prepack: bool = True, native: bool | None = None) -> LoraSlots:
+    loaded = LoraSlots(config, 4, 64, torch.device("cpu"), dtype, tp, prepack=prepack, native=native)
     for slot, path in enumerate(adapters, start=1):
         loaded.load(slot, f"a{slot}", str(path))
     return loaded
@@ -46,10 +47,16 @@ def deltas(loaded: LoraSlots, row_slots: list[int], x: torch.Tensor, group: str,
     return y
 
 
+PATHS = [pytest.param(True, marks=pytest.mark.skipif(not native_lora.available(torch.device("cpu"), torch.float32),
+                                                     reason="no C compiler: the C kernel is not built")),
+         False]
+
+
+@pytest.mark.parametrize("native", PATHS, ids=["c-kernel", "linear"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_row_gets_its_adapters_delta_the_same_bits_in_any_step(model, dtype: torch.dtype) -> None:
+def test_each_row_gets_its_adapters_delta_the_same_bits_in_any_step(model, dtype: torch.dtype, native: bool) -> None:
     config, adapters = model
-    loaded = slots(config, adapters, dtype)
+    loaded = slots(config, adapters, dtype, native=native)
     g = torch.Generator().manual_seed(0)
     h, inter = config.hidden_size, config.intermediate_size
     for group, (width, out) in {"qkv": (h, loaded.config.num_attention_heads * config.head_dim
@@ -71,10 +78,11 @@ def test_each_row_gets_its_adapters_delta_the_same_bits_in_any_step(model, dtype
                            deltas(loaded, [0, 2], x[4:6], group, out)[1])
 
 
-def test_an_adapter_adds_scaling_times_b_a_x(model) -> None:
+@pytest.mark.parametrize("native", PATHS, ids=["c-kernel", "linear"])
+def test_an_adapter_adds_scaling_times_b_a_x(model, native: bool) -> None:
     """Against the adapter's own matrices: q_proj's block of the fused q/k/v product."""
     config, adapters = model
-    loaded = slots(config, adapters[:1], torch.float32, prepack=False)
+    loaded = slots(config, adapters[:1], torch.float32, prepack=False, native=native)
     from gpu_worker.lora_adapter import load_lora_adapter
 
     adapter = load_lora_adapter("a", adapters[0], config, 64)
@@ -88,10 +96,12 @@ def test_an_adapter_adds_scaling_times_b_a_x(model) -> None:
     assert not got[[1, 4]].any()
 
 
-def test_tensor_parallel_shares_make_the_whole_delta(model) -> None:
+@pytest.mark.parametrize("native", PATHS, ids=["c-kernel", "linear"])
+def test_tensor_parallel_shares_make_the_whole_delta(model, native: bool) -> None:
     config, adapters = model
-    whole = slots(config, adapters, torch.float32, prepack=False)
-    shares = [slots(config, adapters, torch.float32, TensorParallel(rank, 2), prepack=False) for rank in (0, 1)]
+    whole = slots(config, adapters, torch.float32, prepack=False, native=native)
+    shares = [slots(config, adapters, torch.float32, TensorParallel(rank, 2), prepack=False, native=native)
+              for rank in (0, 1)]
     rows = [1, 2, 3, 0, 1]
     g = torch.Generator().manual_seed(1)
     h, inter = config.hidden_size, config.intermediate_size

@@ -1,0 +1,219 @@
+/* LoRA deltas of one linear product for a step's rows (issue 41; gpu_worker/lora_slots.py), as Punica's
+ * SGMV computes them: row i, served by the adapter in slot s = row_slot[i] (0: the base model, nothing to
+ * add), gets y[i] += Bt_s^T (A_s x[i]), with A_s [rank, in] and Bt_s [rank, out] (B transposed, scaling
+ * folded in), both float32, at the adapter's own rank. Each slot's pointers come from tables indexed by slot
+ * (a null A: the slot leaves this product alone).
+ *
+ * Row invariance: a row's delta is computed by the same instructions in the same order whatever else is in
+ * the step (how many rows, which adapters): the shrink keeps 16 float32 accumulators over `in` and adds them
+ * in a fixed order, the expand accumulates rank by rank into a float32 row, and only then is the row added
+ * to y, once (rounded to bfloat16 for bfloat16 rows). Compiled with the strict flags (lib.py): the compiler
+ * may not reassociate these sums; fmaf is explicit, so every path fuses the same products.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#define LANES 16
+#define PARALLEL_MIN_WORK (1 << 15) /* rows * (in + out) * rank below this: one thread (the fork costs more) */
+
+static float shrink_row(const float *x, const float *a, int in) {
+    float acc[LANES] = {0};
+    int k = 0;
+    for (; k + LANES <= in; k += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(x[k + l], a[k + l], acc[l]);
+    for (int l = 0; k < in; k++, l++) acc[l] = fmaf(x[k], a[k], acc[l]);
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += acc[l];
+    return sum;
+}
+
+/* buf[0..out) = sum over r of h[r] * bt[r][.] */
+static void expand_row(const float *h, const float *bt, int rank, int out, float *buf) {
+    for (int o = 0; o < out; o++) buf[o] = 0.0f;
+    for (int r = 0; r < rank; r++) {
+        const float *row = bt + (int64_t)r * out;
+        const float hr = h[r];
+        for (int o = 0; o < out; o++) buf[o] = fmaf(hr, row[o], buf[o]);
+    }
+}
+
+static int64_t work_of(int rows, int in, int out, const int32_t *ranks, int num_slots) {
+    int max_rank = 0;
+    for (int s = 0; s < num_slots; s++) max_rank = ranks[s] > max_rank ? ranks[s] : max_rank;
+    return (int64_t)rows * (in + out) * max_rank;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define TILE 8 /* rows of one adapter done together: each weight vector loaded once for all of them */
+
+/* h[t][r] = A_r . xf[t] for the tile's rows, 16 lanes per row then _mm512_reduce_add_ps (a fixed order). */
+static void shrink_tile(const float *xf, int in, const float *a, int rank, int n, float *h) {
+    for (int r = 0; r < rank; r++) {
+        const float *ar = a + (int64_t)r * in;
+        __m512 acc[TILE];
+        for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
+        int k = 0;
+        for (; k + 16 <= in; k += 16) {
+            const __m512 w = _mm512_loadu_ps(ar + k);
+            for (int t = 0; t < n; t++) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + (int64_t)t * in + k), w, acc[t]);
+        }
+        if (k < in) {
+            const __mmask16 m = (__mmask16)((1u << (in - k)) - 1);
+            const __m512 w = _mm512_maskz_loadu_ps(m, ar + k);
+            for (int t = 0; t < n; t++)
+                acc[t] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, xf + (int64_t)t * in + k), w, acc[t]);
+        }
+        for (int t = 0; t < n; t++) h[t * 1024 + r] = _mm512_reduce_add_ps(acc[t]);
+    }
+}
+
+/* out[t][o] = sum over r (in order) of h[t][r] * bt[r][o], 16 columns at a time; then y[t] += out[t]. */
+#define EXPAND_TILE(NAME, T, ADD16)                                                                            \
+    static void NAME(const float *h, const float *bt, int rank, int out, int n, T *const *y) {               \
+        for (int o = 0; o < out; o += 16) {                                                                    \
+            const __mmask16 m = out - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (out - o)) - 1);        \
+            __m512 acc[TILE];                                                                                  \
+            for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();                                       \
+            for (int r = 0; r < rank; r++) {                                                                   \
+                const __m512 w = _mm512_maskz_loadu_ps(m, bt + (int64_t)r * out + o);                          \
+                for (int t = 0; t < n; t++) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(h[t * 1024 + r]), w, acc[t]); \
+            }                                                                                                  \
+            for (int t = 0; t < n; t++) ADD16(y[t] + o, acc[t], m);                                            \
+        }                                                                                                      \
+    }
+
+static inline void add16_f32(float *y, __m512 v, __mmask16 m) {
+    _mm512_mask_storeu_ps(y, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y), v));
+}
+static inline void add16_bf16(uint16_t *y, __m512 v, __mmask16 m) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* y + v rounded to bfloat16 as f32_to_bf16 rounds (to nearest even), 16 at a time. */
+    const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, y)), 16));
+    __m512i u = _mm512_castps_si512(_mm512_add_ps(f, v));
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    _mm256_mask_storeu_epi16(y, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+#else
+    float tmp[16];
+    _mm512_storeu_ps(tmp, v);
+    const int count = __builtin_popcount((unsigned)m);
+    for (int l = 0; l < count; l++) y[l] = f32_to_bf16(bf16_to_f32(y[l]) + tmp[l]);
+#endif
+}
+
+/* A row widened to float32 for the shrink. */
+static inline void row_f32_f32(const float *x, int in, float *xf) {
+    for (int k = 0; k < in; k++) xf[k] = x[k];
+}
+static inline void row_f32_bf16(const uint16_t *x, int in, float *xf) {
+    int k = 0;
+    for (; k + 16 <= in; k += 16) _mm512_storeu_ps(xf + k, bf16x16_to_f32(x + k));
+    for (; k < in; k++) xf[k] = bf16_to_f32(x[k]);
+}
+EXPAND_TILE(expand_tile_f32, float, add16_f32)
+EXPAND_TILE(expand_tile_bf16, uint16_t, add16_bf16)
+#endif
+
+/* x [rows, in] (row stride x_stride), y [rows, out] (row stride y_stride); a_ptrs / bt_ptrs / ranks: per slot
+ * (num_slots of them, slot 0 unused). Returns 0, -1 when an adapter's rank is over 1024 (nothing added), -2
+ * when out of memory. With AVX512 the rows of one adapter go in tiles of TILE (each row's arithmetic the same
+ * in any tile), else one at a time. */
+#if defined(__AVX512F__)
+#define LORA_ADD(NAME, T, LOAD, STORE, EXPAND, WIDEN)                                                          \
+    int NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, int rows, const int32_t *row_slot,         \
+             const int64_t *a_ptrs, const int64_t *bt_ptrs, const int32_t *ranks, int num_slots, int in,      \
+             int out) {                                                                                         \
+        for (int s = 0; s < num_slots; s++)                                                                    \
+            if (ranks[s] > 1024) return -1;                                                                    \
+        int *order = malloc(sizeof(int) * (size_t)(rows + 1));                                                 \
+        int *tiles = malloc(sizeof(int) * (size_t)(rows + 1));                                                 \
+        if (order == NULL || tiles == NULL) { free(order); free(tiles); return -2; }                           \
+        int count = 0, num_tiles = 0; /* the adapters' rows grouped by slot, and where each tile starts */    \
+        for (int s = 1; s < num_slots; s++) {                                                                  \
+            if (a_ptrs[s] == 0) continue;                                                                      \
+            int first = count;                                                                                 \
+            for (int i = 0; i < rows; i++)                                                                     \
+                if (row_slot[i] == s) order[count++] = i;                                                      \
+            for (int t = first; t < count; t += TILE) tiles[num_tiles++] = t;                                  \
+        }                                                                                                      \
+        tiles[num_tiles] = count;                                                                              \
+        int failed = 0;                                                                                        \
+        _Pragma("omp parallel if (work_of(count, in, out, ranks, num_slots) >= PARALLEL_MIN_WORK)")             \
+        {                                                                                                      \
+            float *xf = malloc(sizeof(float) * (size_t)in * TILE);                                             \
+            float *h = malloc(sizeof(float) * 1024 * TILE);                                                    \
+            if (xf == NULL || h == NULL) {                                                                     \
+                _Pragma("omp atomic write") failed = 1;                                                       \
+            }                                                                                                  \
+            _Pragma("omp for schedule(static)")                                                               \
+            for (int j = 0; j < num_tiles; j++) {                                                              \
+                if (xf == NULL || h == NULL) continue;                                                         \
+                const int start = tiles[j];                                                                    \
+                const int s = row_slot[order[start]];                                                          \
+                int n = 0;                                                                                     \
+                T *yt[TILE];                                                                                   \
+                while (n < TILE && start + n < count && row_slot[order[start + n]] == s) {                     \
+                    const int i = order[start + n];                                                            \
+                    WIDEN(x + (int64_t)i * x_stride, in, xf + (int64_t)n * in);                                \
+                    yt[n++] = y + (int64_t)i * y_stride;                                                       \
+                }                                                                                              \
+                shrink_tile(xf, in, (const float *)(intptr_t)a_ptrs[s], ranks[s], n, h);                       \
+                EXPAND(h, (const float *)(intptr_t)bt_ptrs[s], ranks[s], out, n, yt);                          \
+            }                                                                                                  \
+            free(xf);                                                                                          \
+            free(h);                                                                                           \
+        }                                                                                                      \
+        free(order);                                                                                           \
+        free(tiles);                                                                                           \
+        return failed ? -2 : 0;                                                                                \
+    }
+#else
+#define LORA_ADD(NAME, T, LOAD, STORE, EXPAND, WIDEN)                                                          \
+    int NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, int rows, const int32_t *row_slot,         \
+             const int64_t *a_ptrs, const int64_t *bt_ptrs, const int32_t *ranks, int num_slots, int in,      \
+             int out) {                                                                                         \
+        for (int s = 0; s < num_slots; s++)                                                                    \
+            if (ranks[s] > 1024) return -1;                                                                    \
+        int failed = 0;                                                                                        \
+        _Pragma("omp parallel if (work_of(rows, in, out, ranks, num_slots) >= PARALLEL_MIN_WORK)")              \
+        {                                                                                                      \
+            float h[1024];                                                                                     \
+            float *xf = malloc(sizeof(float) * (size_t)in);                                                    \
+            float *buf = malloc(sizeof(float) * (size_t)out);                                                  \
+            if (xf == NULL || buf == NULL) {                                                                   \
+                _Pragma("omp atomic write") failed = 1;                                                       \
+            }                                                                                                  \
+            _Pragma("omp for schedule(static)")                                                               \
+            for (int i = 0; i < rows; i++) {                                                                   \
+                const int s = row_slot[i];                                                                     \
+                if (xf == NULL || buf == NULL || s <= 0 || s >= num_slots || a_ptrs[s] == 0) continue;         \
+                const float *a = (const float *)(intptr_t)a_ptrs[s];                                           \
+                const float *bt = (const float *)(intptr_t)bt_ptrs[s];                                         \
+                const T *xi = x + (int64_t)i * x_stride;                                                       \
+                for (int k = 0; k < in; k++) xf[k] = LOAD(xi[k]);                                              \
+                for (int r = 0; r < ranks[s]; r++) h[r] = shrink_row(xf, a + (int64_t)r * in, in);            \
+                expand_row(h, bt, ranks[s], out, buf);                                                         \
+                T *yi = y + (int64_t)i * y_stride;                                                             \
+                for (int o = 0; o < out; o++) yi[o] = STORE(LOAD(yi[o]) + buf[o]);                             \
+            }                                                                                                  \
+            free(xf);                                                                                          \
+            free(buf);                                                                                         \
+        }                                                                                                      \
+        return failed ? -2 : 0;                                                                                \
+    }
+
+#endif
+
+#define F32_LOAD(v) (v)
+#define F32_STORE(v) (v)
+#if defined(__AVX512F__)
+LORA_ADD(lora_add_f32, float, F32_LOAD, F32_STORE, expand_tile_f32, row_f32_f32)
+LORA_ADD(lora_add_bf16, uint16_t, bf16_to_f32, f32_to_bf16, expand_tile_bf16, row_f32_bf16)
+#else
+LORA_ADD(lora_add_f32, float, F32_LOAD, F32_STORE, unused, unused)
+LORA_ADD(lora_add_bf16, uint16_t, bf16_to_f32, f32_to_bf16, unused, unused)
+#endif
