@@ -1,7 +1,9 @@
 """LoRA adapters loaded and unloaded at run time through the whole stack (issue 41, Done means 2 and 4):
 LoadLoraAdapter / UnloadLoraAdapter / ListLoraAdapters over gRPC and their HTTP routes behind the API key;
 every bad adapter and bad call gets its own clear error and the service keeps serving; 32 streams over 8
-adapters run while other adapters come and go, and none fails, mixes adapters or leaks a block."""
+adapters run while other adapters come and go, and none fails, mixes adapters or leaks a block; a worker
+SIGKILLed mid-stream with data parallelism 2 changes no stream, and its restart serves the adapters loaded
+since it started."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ import grpc
 import httpx
 import pytest
 
-from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import run_stack
-from hetero_infer.testing.stack_requests import wait_for_idle
+from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
+from hetero_infer.testing.stack import free_port, run_stack
+from hetero_infer.testing.stack_requests import service_stats, wait_for_idle
 from hetero_infer.testing.tiny_models import make_lora_adapter, make_random_llama
 from tests.helpers.oracle import NEW_TOKENS, make_prompts
 from tests.model.test_lora_serving import peft_greedy
+from tests.stack.test_resilience import killer, run_streams, stack_flags, worker_pid
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default
@@ -198,4 +201,41 @@ def test_32_streams_over_8_adapters_while_adapters_load_and_unload(tiny_llama_di
                                                              STREAM_TOKENS), name
         listed = api.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest()).adapters
         assert [a.name for a in listed] == [f"a{i}" for i in range(7)]
+        assert wait_for_idle(stack).used_blocks == 0
+
+
+def test_a_replica_killed_mid_stream_keeps_every_streams_adapter(tiny_llama_dir: Path, loras) -> None:
+    """Done means 1 under failure: two replicas, a small pool (preemption), adapters from lora_modules and one
+    loaded at run time; one worker SIGKILLed mid-stream. Its sequences are recomputed on the other replica with
+    their own adapters, and every stream is PEFT's. The restarted worker gets the adapter loaded at run time
+    before its first step, and serves it."""
+    addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    modules = f"a0={loras['a0']},a1={loras['a1']}"
+    flags = stack_flags(addresses, "--lora-modules", modules, "--max-num-blocks", "48", "--max-loras", "4")
+    prompts = [p for seed in range(2) for p in make_prompts(seed=seed)]  # 16 prompts of 1 to 50 tokens
+    names = ["", "a0", "a1", "a2"]
+    streams = [greedy(prompt, names[i % 4], STREAM_TOKENS) for i, prompt in enumerate(prompts)]
+    with run_stack(tiny_llama_dir, *flags) as stack:
+        api = stack.inference
+        api.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="a2", path=str(loras["a2"])), timeout=60)
+        victim = worker_pid(addresses[1])
+        on_progress, killed = killer(lambda: victim, after_tokens=len(streams) * 5)
+        disturbed = run_streams(stack, on_progress, streams=streams)
+        assert killed.is_set() and all(code is None for _, code in disturbed.values())
+        for name in names:
+            mine = [i for i in range(len(prompts)) if names[i % 4] == name]
+            assert [disturbed[i][0] for i in mine] == peft_greedy(
+                tiny_llama_dir, loras.get(name), [prompts[i] for i in mine], STREAM_TOKENS), name or "base"
+        assert service_stats(stack).num_recovered_sequences > 0
+        deadline = time.monotonic() + 60
+        while service_stats(stack).num_workers_up < 2:  # the supervisor restarts the killed worker
+            assert time.monotonic() < deadline, "the killed worker did not come back"
+            time.sleep(0.2)
+        assert worker_pid(addresses[1]) != victim
+        with ThreadPoolExecutor(8) as pool:  # enough at once that the restarted replica takes some
+            answers = list(pool.map(lambda p: api.Complete(greedy(p, "a2"), timeout=120), prompts[:8]))
+        assert [list(a.token_ids) for a in answers] == peft_greedy(tiny_llama_dir, loras["a2"], prompts[:8])
+        with grpc.insecure_channel(addresses[1]) as channel:  # the new worker process holds a2 in a2's slot
+            held = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10).lora_adapters
+        assert sorted(a.name for a in held) == ["a0", "a1", "a2"]
         assert wait_for_idle(stack).used_blocks == 0
