@@ -100,6 +100,7 @@ class Generation:
         prepared = await self.tokenizer_pool.run(prepare, request, self.tokenizer, self.model_name, self.max_model_len,
                                                  request_id, self.backend.serves_lora, chars=max(chars, INLINE_CHARS) if constrained else chars)
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
+        timer.adapter = prepared.adapter
         n = prepared.sampling.n
         finish, backend = NOT_FINISHED, ""
         self.active.register(request_id, [request_id])

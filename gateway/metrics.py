@@ -78,6 +78,16 @@ class GatewayMetrics:
         self.loop_lag_max = Gauge("gateway_event_loop_max_lag_seconds", "The largest such lag since the gateway started",
                                   namespace=ns, registry=r)
         self.workers_up = Gauge("workers_up", "Workers answering the scheduler", namespace=ns, registry=r)
+        # LoRA adapters (issue 41): per adapter (its name, as requests give it), and the workers' slots.
+        self.lora_requests = Counter("lora_request_success", "Finished requests served with a LoRA adapter",
+                                     ["adapter"], namespace=ns, registry=r)
+        self.lora_prompt_tokens = Counter("lora_prompt_tokens", "Prompt tokens of finished requests, per LoRA adapter",
+                                          ["adapter"], namespace=ns, registry=r)
+        self.lora_generation_tokens = Counter("lora_generation_tokens", "Generated tokens, per LoRA adapter",
+                                              ["adapter"], namespace=ns, registry=r)
+        self.lora_loaded = Gauge("lora_adapters_loaded", "LoRA adapters requests may name", namespace=ns, registry=r)
+        self.lora_slots = Gauge("lora_slots_in_use", "Worker LoRA slots holding an adapter (of max_loras)",
+                                namespace=ns, registry=r)
         self.scheduler_up = Gauge("scheduler_up", "1 when the last GetStats succeeded", namespace=ns, registry=r)
 
     def update_pool(self, pool: common_pb2.PoolStats | None, service: common_pb2.ServiceStats | None) -> None:
@@ -99,6 +109,8 @@ class GatewayMetrics:
         self.spec_accepted.set(pool.spec_accepted_tokens)
         self.spec_decodes.set(pool.spec_drafted_decodes)
         self.workers_up.set(service.num_workers_up)
+        self.lora_loaded.set(service.lora_adapters_loaded)
+        self.lora_slots.set(service.lora_slots_in_use)
 
     async def watch_loop(self) -> None:
         """Measure the event loop's lag (work that holds it, e.g. tokenizing on it) until cancelled."""
@@ -130,6 +142,7 @@ class RequestTimer:
     last_token: float | None = None
     tokens: int = 0
     done: bool = False
+    adapter: str = ""  # the LoRA adapter serving the request, once known ("" = the base model)
 
     def on_tokens(self, count: int, queue_seconds: float = 0.0) -> None:
         if not count:
@@ -142,6 +155,8 @@ class RequestTimer:
         self.last_token = now
         self.tokens += count
         self.metrics.generation_tokens.inc(count)
+        if self.adapter:
+            self.metrics.lora_generation_tokens.labels(self.adapter).inc(count)
 
     def finish(self, reason: int, usage: common_pb2.Usage) -> None:
         if self.done:
@@ -152,6 +167,9 @@ class RequestTimer:
         self.metrics.requests.labels(label).inc()
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.cached_prompt_tokens.inc(usage.cached_prompt_tokens)
+        if self.adapter:
+            self.metrics.lora_requests.labels(self.adapter).inc()
+            self.metrics.lora_prompt_tokens.labels(self.adapter).inc(usage.prompt_tokens)
         self.metrics.e2e.labels(label).observe(time.perf_counter() - self.arrival)
         if self.tokens > 1 and self.first_token is not None and self.last_token is not None:
             self.metrics.tpot.observe((self.last_token - self.first_token) / (self.tokens - 1))

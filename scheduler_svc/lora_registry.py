@@ -134,3 +134,8 @@ class LoraRegistry:
 
     def is_draining(self, slot: int) -> bool:
         return slot in self._draining
+
+    @property
+    def slots_in_use(self) -> int:
+        """Slots holding an adapter: loaded, draining, or being loaded."""
+        return len(self._loaded) + len(self._draining) + len(self._reserved)

@@ -254,7 +254,8 @@ class ReplicaSet:
             num_deadline_exceeded=self.counters.num_deadline_exceeded + sum(r.num_deadline_exceeded for r in self.replicas),
             num_rejected_queue_full=self.counters.num_rejected_queue_full,
             num_recovered_sequences=self.counters.num_recovered_sequences,
-            routing_prefix_blocks_queried=self.router.blocks_queried, routing_prefix_blocks_hit=self.router.blocks_hit)
+            routing_prefix_blocks_queried=self.router.blocks_queried, routing_prefix_blocks_hit=self.router.blocks_hit,
+            lora_adapters_loaded=len(self.loras.registry.adapters()), lora_slots_in_use=self.loras.registry.slots_in_use)
         info = next((r.info for r in self.replicas if r.info is not None), None)
         max_model_len = next((r.max_model_len for r in self.replicas if r.max_model_len is not None),
                              self.config.max_model_len)

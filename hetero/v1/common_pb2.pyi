@@ -167,7 +167,7 @@ class PoolStats(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., internal_waste: _Optional[float] = ..., steps: _Optional[int] = ..., num_swapped: _Optional[int] = ..., suspended: _Optional[bool] = ..., steps_planned_ahead: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_drafted_decodes: _Optional[int] = ...) -> None: ...
 
 class ServiceStats(_message.Message):
-    __slots__ = ("num_workers", "num_workers_up", "num_deadline_exceeded", "num_rejected_queue_full", "routing_prefix_blocks_queried", "routing_prefix_blocks_hit", "num_recovered_sequences")
+    __slots__ = ("num_workers", "num_workers_up", "num_deadline_exceeded", "num_rejected_queue_full", "routing_prefix_blocks_queried", "routing_prefix_blocks_hit", "num_recovered_sequences", "lora_adapters_loaded", "lora_slots_in_use")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_UP_FIELD_NUMBER: _ClassVar[int]
     NUM_DEADLINE_EXCEEDED_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class ServiceStats(_message.Message):
     ROUTING_PREFIX_BLOCKS_QUERIED_FIELD_NUMBER: _ClassVar[int]
     ROUTING_PREFIX_BLOCKS_HIT_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOVERED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOTS_IN_USE_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
     num_workers_up: int
     num_deadline_exceeded: int
@@ -182,7 +184,9 @@ class ServiceStats(_message.Message):
     routing_prefix_blocks_queried: int
     routing_prefix_blocks_hit: int
     num_recovered_sequences: int
-    def __init__(self, num_workers: _Optional[int] = ..., num_workers_up: _Optional[int] = ..., num_deadline_exceeded: _Optional[int] = ..., num_rejected_queue_full: _Optional[int] = ..., routing_prefix_blocks_queried: _Optional[int] = ..., routing_prefix_blocks_hit: _Optional[int] = ..., num_recovered_sequences: _Optional[int] = ...) -> None: ...
+    lora_adapters_loaded: int
+    lora_slots_in_use: int
+    def __init__(self, num_workers: _Optional[int] = ..., num_workers_up: _Optional[int] = ..., num_deadline_exceeded: _Optional[int] = ..., num_rejected_queue_full: _Optional[int] = ..., routing_prefix_blocks_queried: _Optional[int] = ..., routing_prefix_blocks_hit: _Optional[int] = ..., num_recovered_sequences: _Optional[int] = ..., lora_adapters_loaded: _Optional[int] = ..., lora_slots_in_use: _Optional[int] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "rank", "target_modules", "slot", "active_requests")

@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.testing.stack import free_port, run_stack
@@ -30,6 +31,13 @@ MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default
 KEY = "sk-lora-test"
 AUTH = [("authorization", f"Bearer {KEY}")]
 STREAM_TOKENS = 40
+
+
+def samples(url: str) -> dict[tuple[str, str], float]:
+    """/metrics as {(sample name, its adapter label or ""): value}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, s.labels.get("adapter", "")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def greedy(prompt: list[int], model: str = "", max_tokens: int = NEW_TOKENS) -> inference_pb2.GenerateRequest:
@@ -202,6 +210,11 @@ def test_32_streams_over_8_adapters_while_adapters_load_and_unload(tiny_llama_di
         listed = api.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest()).adapters
         assert [a.name for a in listed] == [f"a{i}" for i in range(7)]
         assert wait_for_idle(stack).used_blocks == 0
+        metrics = samples(stack.http_url)
+        assert metrics[("hetero_lora_request_success_total", "a0")] == 4
+        assert metrics[("hetero_lora_generation_tokens_total", "a7")] == 4 * STREAM_TOKENS
+        assert metrics[("hetero_lora_request_success_total", "a8")] == 3  # one request each round
+        assert (metrics[("hetero_lora_adapters_loaded", "")], metrics[("hetero_lora_slots_in_use", "")]) == (7, 7)
 
 
 def test_a_replica_killed_mid_stream_keeps_every_streams_adapter(tiny_llama_dir: Path, loras) -> None:
