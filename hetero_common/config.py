@@ -70,7 +70,7 @@ class Config:
         group="Worker: the model, the device, the CPU and GPU paths"))
     lora_modules: str = field(default="", metadata=doc(
         "LoRA adapters (PEFT directories) loaded at start: `name=path,name=path`; a request names one to use it"))
-    max_loras: int = field(default=4, metadata=doc("LoRA adapters a worker holds at once (its slots)"))
+    max_loras: int = field(default=4, metadata=doc("LoRA adapters held at once (the workers' slots)"))
     max_lora_rank: int = field(default=64, metadata=doc("the largest LoRA rank a worker accepts"))
     device: str = field(default="auto", metadata=doc(
         "where the worker computes: `auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`"))

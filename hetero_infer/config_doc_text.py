@@ -173,18 +173,17 @@ NOTES = """\
   cheaper than the served model and agrees with it often. With tensor parallelism every rank runs
   the whole draft and rank 0's proposals are used. A swapped-out sequence's or a suspended
   cache's draft K/V is recomputed from the tokens. Steps that carry drafts are never planned ahead.
-- **`lora_modules`** (issue 41, first part): PEFT LoRA adapters (`adapter_config.json` and
-  `adapter_model.safetensors`; targets among q/k/v/o and gate/up/down, rank up to `max_lora_rank`,
-  `lora_alpha` scaling or rsLoRA) loaded on every worker at start, slot i + 1 the i-th, at most
-  `max_loras`. An adapter that asks for anything else (DoRA, biases, per-module ranks,
-  `modules_to_save`, shapes of another base model) is refused at start with an error naming it. A
-  request's `model` (gRPC `GenerateRequest.model`, HTTP's `model`) names the adapter that serves it
-  (the in-process engine: `submit_request(..., lora=NAME)`); ListModels and `/v1/models` list them;
-  an unknown name is NOT_FOUND / 404. One step mixes sequences of different adapters and of the
-  base model, each product adding each adapter's delta on its own rows (an adapter costs its own
-  rank). Prefix-cache blocks are never shared between adapters. Not yet: loading and unloading
-  at run time, tensor parallelism (refused), CUDA graphs for steps with an adapter (they run
-  eagerly), the command bridge (refused).
+- **`lora_modules`**, **`max_loras`**, **`max_lora_rank`** (issue 41; [lora.md](lora.md)): PEFT LoRA
+  adapters loaded on every worker at start, slot i + 1 the i-th; more are loaded and unloaded at run time
+  (`LoadLoraAdapter`, `POST /v1/load_lora_adapter`). `max_loras` slots hold adapters at once, counting
+  replaced or unloaded ones still finishing their requests; `max_lora_rank` bounds an adapter's rank
+  without costing anything (a step pays its adapters' own ranks). An adapter that asks for what this
+  engine would not compute exactly (DoRA, biases, per-module ranks, `modules_to_save`, shapes of another
+  base model) is refused with an error naming it. A request's `model` names the adapter that serves it
+  (the in-process engine: `submit_request(..., lora=NAME)`, `lora_modules` only). One step mixes
+  sequences of different adapters and of the base model; prefix-cache blocks are never shared between
+  adapters; with tensor parallelism each rank holds its share. Steps with an adapter run eagerly on
+  CUDA (no CUDA graph); the command bridge serves no adapter.
 - **`tp_init_method`** (ranks of one replica on several hosts): start each rank with
   `hetero-infer worker --tp-rank R`, all with the same config and rank 0's `worker_address`,
   and point the scheduler at rank 0 alone; rank 0 serves the TCP store (gloo on the CPU, NCCL
