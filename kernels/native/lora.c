@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -50,39 +51,64 @@ static int64_t work_of(int rows, int in, int out, const int32_t *ranks, int num_
 #include <immintrin.h>
 #define TILE 8 /* rows of one adapter done together: each weight vector loaded once for all of them */
 
-/* h[t][r] = A_r . xf[t] for the tile's rows, 16 lanes per row then _mm512_reduce_add_ps (a fixed order). */
-static void shrink_tile(const float *xf, int in, const float *a, int rank, int n, float *h) {
-    for (int r = 0; r < rank; r++) {
-        const float *ar = a + (int64_t)r * in;
-        __m512 acc[TILE];
-        for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
+/* h[t][r] = A_r . xf[t] for all TILE rows of the tile (rows past the adapter's: zeros, their h unused), two ranks
+ * at a time: each (row, rank) keeps 16 lanes over `in`, then _mm512_reduce_add_ps (a fixed order). An odd last
+ * rank is paired with itself. */
+static void shrink_tile(const float *xf, int in, const float *a, int rank, float *h) {
+    const __mmask16 tail = (__mmask16)((1u << (in % 16)) - 1);
+    for (int r = 0; r < rank; r += 2) {
+        const float *a0 = a + (int64_t)r * in, *a1 = r + 1 < rank ? a0 + in : a0;
+        __m512 c0[TILE], c1[TILE];
+        for (int t = 0; t < TILE; t++) c0[t] = c1[t] = _mm512_setzero_ps();
         int k = 0;
         for (; k + 16 <= in; k += 16) {
-            const __m512 w = _mm512_loadu_ps(ar + k);
-            for (int t = 0; t < n; t++) acc[t] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + (int64_t)t * in + k), w, acc[t]);
+            const __m512 w0 = _mm512_loadu_ps(a0 + k), w1 = _mm512_loadu_ps(a1 + k);
+            for (int t = 0; t < TILE; t++) {
+                const __m512 xv = _mm512_loadu_ps(xf + (int64_t)t * in + k);
+                c0[t] = _mm512_fmadd_ps(xv, w0, c0[t]);
+                c1[t] = _mm512_fmadd_ps(xv, w1, c1[t]);
+            }
         }
         if (k < in) {
-            const __mmask16 m = (__mmask16)((1u << (in - k)) - 1);
-            const __m512 w = _mm512_maskz_loadu_ps(m, ar + k);
-            for (int t = 0; t < n; t++)
-                acc[t] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, xf + (int64_t)t * in + k), w, acc[t]);
+            const __m512 w0 = _mm512_maskz_loadu_ps(tail, a0 + k), w1 = _mm512_maskz_loadu_ps(tail, a1 + k);
+            for (int t = 0; t < TILE; t++) {
+                const __m512 xv = _mm512_maskz_loadu_ps(tail, xf + (int64_t)t * in + k);
+                c0[t] = _mm512_fmadd_ps(xv, w0, c0[t]);
+                c1[t] = _mm512_fmadd_ps(xv, w1, c1[t]);
+            }
         }
-        for (int t = 0; t < n; t++) h[t * 1024 + r] = _mm512_reduce_add_ps(acc[t]);
+        for (int t = 0; t < TILE; t++) {
+            h[t * 1024 + r] = _mm512_reduce_add_ps(c0[t]);
+            if (r + 1 < rank) h[t * 1024 + r + 1] = _mm512_reduce_add_ps(c1[t]);
+        }
     }
 }
 
-/* out[t][o] = sum over r (in order) of h[t][r] * bt[r][o], 16 columns at a time; then y[t] += out[t]. */
+static inline __mmask16 first_lanes(int count) {
+    return count >= 16 ? (__mmask16)0xFFFF : count > 0 ? (__mmask16)((1u << count) - 1) : (__mmask16)0;
+}
+
+/* out[t][o] = sum over r (in order) of h[t][r] * bt[r][o], 32 columns at a time; then y[t] += out[t] for the
+ * tile's n rows. */
 #define EXPAND_TILE(NAME, T, ADD16)                                                                            \
     static void NAME(const float *h, const float *bt, int rank, int out, int n, T *const *y) {               \
-        for (int o = 0; o < out; o += 16) {                                                                    \
-            const __mmask16 m = out - o >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (out - o)) - 1);        \
-            __m512 acc[TILE];                                                                                  \
-            for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();                                       \
+        for (int o = 0; o < out; o += 32) {                                                                    \
+            const __mmask16 m0 = first_lanes(out - o), m1 = first_lanes(out - o - 16);                         \
+            __m512 c0[TILE], c1[TILE];                                                                         \
+            for (int t = 0; t < TILE; t++) c0[t] = c1[t] = _mm512_setzero_ps();                               \
             for (int r = 0; r < rank; r++) {                                                                   \
-                const __m512 w = _mm512_maskz_loadu_ps(m, bt + (int64_t)r * out + o);                          \
-                for (int t = 0; t < n; t++) acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(h[t * 1024 + r]), w, acc[t]); \
+                const float *row = bt + (int64_t)r * out + o;                                                  \
+                const __m512 w0 = _mm512_maskz_loadu_ps(m0, row), w1 = _mm512_maskz_loadu_ps(m1, row + 16);    \
+                for (int t = 0; t < TILE; t++) {                                                               \
+                    const __m512 hb = _mm512_set1_ps(h[t * 1024 + r]);                                         \
+                    c0[t] = _mm512_fmadd_ps(hb, w0, c0[t]);                                                    \
+                    c1[t] = _mm512_fmadd_ps(hb, w1, c1[t]);                                                    \
+                }                                                                                              \
             }                                                                                                  \
-            for (int t = 0; t < n; t++) ADD16(y[t] + o, acc[t], m);                                            \
+            for (int t = 0; t < n; t++) {                                                                      \
+                ADD16(y[t] + o, c0[t], m0);                                                                    \
+                if (m1) ADD16(y[t] + o + 16, c1[t], m1);                                                       \
+            }                                                                                                  \
         }                                                                                                      \
     }
 
@@ -161,7 +187,8 @@ EXPAND_TILE(expand_tile_bf16, uint16_t, add16_bf16)
                     WIDEN(x + (int64_t)i * x_stride, in, xf + (int64_t)n * in);                                \
                     yt[n++] = y + (int64_t)i * y_stride;                                                       \
                 }                                                                                              \
-                shrink_tile(xf, in, (const float *)(intptr_t)a_ptrs[s], ranks[s], n, h);                       \
+                if (n < TILE) memset(xf + (int64_t)n * in, 0, sizeof(float) * (size_t)in * (TILE - n));       \
+                shrink_tile(xf, in, (const float *)(intptr_t)a_ptrs[s], ranks[s], h);                          \
                 EXPAND(h, (const float *)(intptr_t)bt_ptrs[s], ranks[s], out, n, yt);                          \
             }                                                                                                  \
             free(xf);                                                                                          \
