@@ -7,8 +7,9 @@ adapter, and each adapter's segment is shrunk by its A and expanded by its B (sc
 block in its columns of the product's output) at the adapter's own rank, then added back where it came from.
 A step without adapters pays nothing (no batch is built); one whose rows all use one adapter skips the gather.
 
-On the CPU the C kernel of kernels/native/lora.c does a product's segments in one call, row by row, with A and
-B in float32 whatever the model's dtype; elsewhere (CUDA, or no C compiler) each segment is two `linear` calls.
+On the CPU the C kernel of kernels/native/lora.c does a product's segments in one call, in tiles of one
+adapter's rows, with A and B in float32 (bfloat16 for a bfloat16 model on AVX512-BF16: pairwise products at
+twice the rate); elsewhere (CUDA, or no C compiler) each segment is two `linear` calls.
 
 Row invariance: a row's delta is the same bits whatever else is in the step. The C kernel computes each row
 alone, always in the same order. The `linear` path uses the packed oneDNN product the base model uses
@@ -50,8 +51,8 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # the others are column-paral
 class GroupWeights:
     """One adapter's share of one product in one layer, as `linear` weights: A of its targets stacked
     [rank, in], and B [out, rank] with each target's block in that target's rows of the product's output
-    (zeros elsewhere), scaled. Packed for oneDNN on the CPU; for the C kernel, A and B transposed [rank, out],
-    in float32."""
+    (zeros elsewhere), scaled. Packed for oneDNN on the CPU; for the C kernel, in its layouts
+    (kernels/native/lora.py `pack`)."""
 
     a: PackedWeight
     b: PackedWeight
@@ -77,10 +78,12 @@ class LoraSlots:
         self._prepack = prepack
         # The C kernel (kernels/native/lora.c) on the CPU: every adapter of a step in one call per product.
         self._native = native_lora.available(device, dtype) if native is None else native
+        self._bf16_weights = self._native and native_lora.bfloat16_weights(dtype)
         self._slots: dict[int, dict[tuple[int, str], GroupWeights]] = {}
         self._tables: dict[tuple[int, str], native_lora.SlotTable] = {}  # the C kernel's, by (layer, product)
-        # The same for the whole-model C layers: per (layer, product) the addresses of its table's three arrays.
-        self._layer_tables = torch.zeros(config.num_hidden_layers * len(GROUPS) * 3, dtype=torch.int64)
+        # The same for the whole-model C layers: per (layer, product) the addresses of its table's three arrays
+        # and the weights' kind.
+        self._layer_tables = torch.zeros(config.num_hidden_layers * len(GROUPS) * 4, dtype=torch.int64)
         self._infos: dict[int, common_pb2.LoraAdapter] = {}
 
     def load(self, slot: int, name: str, path: str) -> common_pb2.LoraAdapter:
@@ -88,7 +91,7 @@ class LoraSlots:
         if not 1 <= slot <= self.max_loras:
             raise ExecutionError(f"LoRA slot {slot} is outside 1..max_loras ({self.max_loras})")
         adapter = load_lora_adapter(name, path, self.config, self.max_rank)
-        self._slots[slot] = {key: (GroupWeights(a.contiguous(), b.t().contiguous()) if self._native
+        self._slots[slot] = {key: (GroupWeights(*native_lora.pack(a, b, self._bf16_weights)) if self._native
                                    else GroupWeights(self._weight(a), self._weight(b)))
                              for key, (a, b) in self._group_weights(adapter).items()}
         self._build_tables()
@@ -126,9 +129,9 @@ class LoraSlots:
                 for key in keys}
             self._layer_tables.zero_()
             for (layer, group), table in self._tables.items():
-                at = (layer * len(GROUPS) + list(GROUPS).index(group)) * 3
-                self._layer_tables[at:at + 3] = torch.tensor(
-                    [table.a_ptrs.data_ptr(), table.bt_ptrs.data_ptr(), table.ranks.data_ptr()])
+                at = (layer * len(GROUPS) + list(GROUPS).index(group)) * 4
+                self._layer_tables[at:at + 4] = torch.tensor(
+                    [table.a_ptrs.data_ptr(), table.bt_ptrs.data_ptr(), table.ranks.data_ptr(), int(self._bf16_weights)])
 
     def _weight(self, weight: torch.Tensor) -> PackedWeight:
         weight = weight.to(self.device, self.dtype)
@@ -159,7 +162,7 @@ class LoraSlots:
             return None
         if self._native:
             return NativeLoraBatch(self._tables, torch.from_numpy(row_slots.astype(np.int32)), self._layer_tables,
-                                   self.max_loras + 1)
+                                   self.max_loras + 1, self._bf16_weights)
         if len(present) == 1 and bool(row_slots.all()):
             return LoraBatch([(self._slots[present[0]], 0, len(row_slots))], None)
         order = np.argsort(row_slots, kind="stable")
@@ -174,8 +177,9 @@ class NativeLoraBatch:
     """One step's adapters for the C kernel: its rows' slots; each product is one call."""
 
     def __init__(self, tables: dict[tuple[int, str], native_lora.SlotTable], row_slots: torch.Tensor,
-                 layer_tables: torch.Tensor, num_slots: int) -> None:
+                 layer_tables: torch.Tensor, num_slots: int, bf16_weights: bool) -> None:
         self.tables, self.row_slots, self.layer_tables, self.num_slots = tables, row_slots, layer_tables, num_slots
+        self.bf16_weights = bf16_weights
 
     def c_arguments(self) -> tuple[int, int, int]:
         """What the whole-model C layers take to add the deltas themselves (kernels/native/llama_layers.c)."""
@@ -184,7 +188,8 @@ class NativeLoraBatch:
     def add(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         table = self.tables.get((layer, group))
         if table is not None:
-            native_lora.lora_add(x if x.stride(-1) == 1 else x.contiguous(), y, self.row_slots, table)
+            native_lora.lora_add(x if x.stride(-1) == 1 else x.contiguous(), y, self.row_slots, table,
+                                 self.bf16_weights)
 
 
 class LoraBatch:

@@ -79,6 +79,8 @@ SIGNATURES: dict[str, tuple[object, list[object]]] = {  # function -> (restype, 
     "argmax_rows_bf16": (None, [_p, _i64, _i64, _i64, _p]),
     "lora_add_f32": (ctypes.c_int, [_p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i32, _i32]),
     "lora_add_bf16": (ctypes.c_int, [_p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i32, _i32]),
+    "lora_add_bf16_dp": (ctypes.c_int, [_p, _i64, _p, _i64, _i32, _p, _p, _p, _p, _i32, _i32, _i32]),
+    "lora_bf16_dp_supported": (ctypes.c_int, []),
     "argmax_rows_f32": (None, [_p, _i64, _i64, _i64, _p]),
 }
 

@@ -56,6 +56,9 @@ int decode_attention_bf16_rows(const uint16_t *q, int64_t q_row_stride, const in
  * Returns 0, or decode_attention_bf16's error. */
 int lora_add_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, int rows, const int32_t *row_slot,
                   const int64_t *a_ptrs, const int64_t *bt_ptrs, const int32_t *ranks, int num_slots, int in, int out);
+int lora_add_bf16_dp(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, int rows,
+                     const int32_t *row_slot, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int32_t *ranks,
+                     int num_slots, int in, int out);
 int attention_block_bf16(uint16_t *qkv_buf, int rows, int num_heads, int num_kv_heads, int head_dim,
                          const int64_t *positions, const uint16_t *cos_table, const uint16_t *sin_table,
                          void *layer_cache, int block_size, const int64_t *k_rows, const int64_t *v_rows,
@@ -96,15 +99,17 @@ static inline int layer_linear(int kind, const uint16_t *a, int64_t lda, const u
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* LoRA (issue 41): after product `group` (0 q/k/v, 1 o, 2 gate/up, 3 down) of layer i, each row's adapter's
- * delta (lora.c), from lora_tables[(i * 4 + group) * 3 ..]: that product's per-slot A, Bt and rank arrays (0:
- * no adapter in any slot adapts it). row_slot NULL: no LoRA in this step. */
+ * delta (lora.c), from lora_tables[(i * 4 + group) * 4 ..]: that product's per-slot A, Bt and rank arrays (0:
+ * no adapter in any slot adapts it) and the weights' kind (0 float32: lora_add_bf16; 1 bfloat16:
+ * lora_add_bf16_dp). row_slot NULL: no LoRA in this step. */
 static inline int layer_lora(const int32_t *row_slot, const int64_t *lora_tables, int num_slots, int i, int group,
                              const uint16_t *x, int64_t ldx, uint16_t *y, int64_t ldy, int rows, int in, int out) {
     if (row_slot == NULL) return 0;
-    const int64_t *t = lora_tables + ((int64_t)i * 4 + group) * 3;
+    const int64_t *t = lora_tables + ((int64_t)i * 4 + group) * 4;
     if (t[0] == 0) return 0;
-    return lora_add_bf16(x, ldx, y, ldy, rows, row_slot, (const int64_t *)(intptr_t)t[0],
-                         (const int64_t *)(intptr_t)t[1], (const int32_t *)(intptr_t)t[2], num_slots, in, out);
+    return (t[3] ? lora_add_bf16_dp : lora_add_bf16)(x, ldx, y, ldy, rows, row_slot, (const int64_t *)(intptr_t)t[0],
+                                                     (const int64_t *)(intptr_t)t[1], (const int32_t *)(intptr_t)t[2],
+                                                     num_slots, in, out);
 }
 
 static int compare_i32(const void *a, const void *b) {

@@ -244,3 +244,134 @@ LORA_ADD(lora_add_bf16, uint16_t, bf16_to_f32, f32_to_bf16, expand_tile_bf16, ro
 LORA_ADD(lora_add_f32, float, F32_LOAD, F32_STORE, unused, unused)
 LORA_ADD(lora_add_bf16, uint16_t, bf16_to_f32, f32_to_bf16, unused, unused)
 #endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* bfloat16 rows with bfloat16 weights (a bfloat16 model on AVX512-BF16): vdpbf16ps takes two products a lane,
+ * twice the float32 kernel's. A [rank, in] bfloat16; Bt as pairs of ranks, [ceil(rank / 2)][out][2] bfloat16
+ * (the second of an odd rank's last pair zero); the shrink's sums are rounded to bfloat16 for the expand. The
+ * same per-row arithmetic in any tile, as above. */
+static void shrink_tile_dp(const uint16_t *const *xr, int in, const uint16_t *a, int rank, float *h) {
+    const __mmask32 tail = (__mmask32)((1ull << (in % 32)) - 1);
+    for (int r = 0; r < rank; r += 2) {
+        const uint16_t *a0 = a + (int64_t)r * in, *a1 = r + 1 < rank ? a0 + in : a0;
+        __m512 c0[TILE], c1[TILE];
+        for (int t = 0; t < TILE; t++) c0[t] = c1[t] = _mm512_setzero_ps();
+        int k = 0;
+        for (; k + 32 <= in; k += 32) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(a0 + k), w1 = (__m512bh)_mm512_loadu_si512(a1 + k);
+            for (int t = 0; t < TILE; t++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[t] + k);
+                c0[t] = _mm512_dpbf16_ps(c0[t], xv, w0);
+                c1[t] = _mm512_dpbf16_ps(c1[t], xv, w1);
+            }
+        }
+        if (k < in) {
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, a0 + k);
+            const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(tail, a1 + k);
+            for (int t = 0; t < TILE; t++) {
+                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, xr[t] + k);
+                c0[t] = _mm512_dpbf16_ps(c0[t], xv, w0);
+                c1[t] = _mm512_dpbf16_ps(c1[t], xv, w1);
+            }
+        }
+        for (int t = 0; t < TILE; t++) {
+            h[t * 1024 + r] = _mm512_reduce_add_ps(c0[t]);
+            if (r + 1 < rank) h[t * 1024 + r + 1] = _mm512_reduce_add_ps(c1[t]);
+        }
+    }
+}
+
+static void expand_tile_dp(const float *h, const uint16_t *btp, int rank, int out, int n, uint16_t *const *y,
+                           uint32_t *hp) {
+    const int pairs = (rank + 1) / 2;
+    for (int t = 0; t < TILE; t++)
+        for (int p = 0; p < pairs; p++) {
+            const uint32_t lo = f32_to_bf16(h[t * 1024 + 2 * p]);
+            const uint32_t hi = 2 * p + 1 < rank ? f32_to_bf16(h[t * 1024 + 2 * p + 1]) : 0;
+            hp[t * 512 + p] = lo | hi << 16;
+        }
+    for (int o = 0; o < out; o += 32) {
+        const __mmask16 m0 = first_lanes(out - o), m1 = first_lanes(out - o - 16);
+        __m512 c0[TILE], c1[TILE];
+        for (int t = 0; t < TILE; t++) c0[t] = c1[t] = _mm512_setzero_ps();
+        for (int p = 0; p < pairs; p++) {
+            const uint16_t *row = btp + ((int64_t)p * out + o) * 2;
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi32(m0, row);
+            const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi32(m1, row + 32);
+            for (int t = 0; t < TILE; t++) {
+                const __m512bh hb = (__m512bh)_mm512_set1_epi32((int)hp[t * 512 + p]);
+                c0[t] = _mm512_dpbf16_ps(c0[t], hb, w0);
+                c1[t] = _mm512_dpbf16_ps(c1[t], hb, w1);
+            }
+        }
+        for (int t = 0; t < n; t++) {
+            add16_bf16(y[t] + o, c0[t], m0);
+            if (m1) add16_bf16(y[t] + o + 16, c1[t], m1);
+        }
+    }
+}
+
+int lora_bf16_dp_supported(void) { return 1; }
+
+/* As lora_add_bf16, with bfloat16 weights in the layouts above. */
+int lora_add_bf16_dp(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, int rows,
+                     const int32_t *row_slot, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int32_t *ranks,
+                     int num_slots, int in, int out) {
+    for (int s = 0; s < num_slots; s++)
+        if (ranks[s] > 1024) return -1;
+    int *order = malloc(sizeof(int) * (size_t)(rows + 1));
+    int *tiles = malloc(sizeof(int) * (size_t)(rows + 1));
+    if (order == NULL || tiles == NULL) { free(order); free(tiles); return -2; }
+    int count = 0, num_tiles = 0;
+    for (int s = 1; s < num_slots; s++) {
+        if (a_ptrs[s] == 0) continue;
+        int first = count;
+        for (int i = 0; i < rows; i++)
+            if (row_slot[i] == s) order[count++] = i;
+        for (int t = first; t < count; t += TILE) tiles[num_tiles++] = t;
+    }
+    int failed = 0;
+#pragma omp parallel if (work_of(count, in, out, ranks, num_slots) >= 2 * PARALLEL_MIN_WORK)
+    {
+        float *h = malloc(sizeof(float) * 1024 * TILE);
+        uint32_t *hp = malloc(sizeof(uint32_t) * 512 * TILE);
+        uint16_t *zeros = calloc((size_t)in + 32, sizeof(uint16_t));
+        if (h == NULL || hp == NULL || zeros == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int j = 0; j < num_tiles; j++) {
+            if (h == NULL || hp == NULL || zeros == NULL) continue;
+            const int start = tiles[j];
+            const int s = row_slot[order[start]];
+            const uint16_t *xr[TILE];
+            uint16_t *yt[TILE];
+            int n = 0;
+            while (n < TILE && start + n < count && row_slot[order[start + n]] == s) {
+                xr[n] = x + (int64_t)order[start + n] * x_stride;
+                yt[n] = y + (int64_t)order[start + n] * y_stride;
+                n++;
+            }
+            for (int t = n; t < TILE; t++) xr[t] = zeros;
+            shrink_tile_dp(xr, in, (const uint16_t *)(intptr_t)a_ptrs[s], ranks[s], h);
+            expand_tile_dp(h, (const uint16_t *)(intptr_t)bt_ptrs[s], ranks[s], out, n, yt, hp);
+        }
+        free(h);
+        free(hp);
+        free(zeros);
+    }
+    free(order);
+    free(tiles);
+    return failed ? -2 : 0;
+}
+#else
+int lora_bf16_dp_supported(void) { return 0; }
+int lora_add_bf16_dp(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, int rows,
+                     const int32_t *row_slot, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int32_t *ranks,
+                     int num_slots, int in, int out) {
+    (void)x; (void)x_stride; (void)y; (void)y_stride; (void)rows; (void)row_slot; (void)a_ptrs; (void)bt_ptrs;
+    (void)ranks; (void)num_slots; (void)in; (void)out;
+    return -3;
+}
+#endif

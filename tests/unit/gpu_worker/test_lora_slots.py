@@ -123,3 +123,19 @@ def test_tensor_parallel_shares_make_the_whole_delta(model, native: bool) -> Non
     full = deltas(whole, rows, x, "down", h)
     summed = sum(deltas(s, rows, x[:, r * inter // 2:(r + 1) * inter // 2], "down", h) for r, s in enumerate(shares))
     torch.testing.assert_close(summed, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("native", PATHS, ids=["c-kernel", "linear"])
+def test_bfloat16_deltas_are_the_float32_ones_to_bfloat16_precision(model, native: bool) -> None:
+    """Whichever kernel a bfloat16 model gets (on AVX512-BF16, bfloat16 weights and pairwise products)."""
+    config, adapters = model
+    exact, rounded = (slots(config, adapters, dtype, native=native) for dtype in (torch.float32, torch.bfloat16))
+    g = torch.Generator().manual_seed(2)
+    rows = [1, 2, 3, 0, 3, 1, 2, 2, 1]
+    inter, h = config.intermediate_size, config.hidden_size
+    for group, width, out in (("gate_up", h, 2 * inter), ("down", inter, h)):
+        x = torch.randn(len(rows), width, generator=g).to(torch.bfloat16)
+        want = deltas(exact, rows, x.float(), group, out)
+        got = deltas(rounded, rows, x, group, out).float()
+        scale = want.abs().max()
+        assert (got - want).abs().max() <= 0.03 * scale, group
