@@ -26,7 +26,10 @@ class FallbackBackend:
         self.serves_lora = primary.serves_lora  # adapters are the primary's; the bridge refuses them
 
     async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
-        return await self.primary.lora_adapters()
+        try:
+            return await self.primary.lora_adapters()
+        except UnavailableError:  # the bridge answers for now, and it serves none
+            return await self.fallback.lora_adapters()
 
     async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest,
                                 timeout: float | None) -> common_pb2.LoraAdapter:
