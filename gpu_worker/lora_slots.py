@@ -157,6 +157,8 @@ class LoraSlots:
 
     def batch(self, row_slots: np.ndarray) -> StepLora | None:
         """The step's LoRA work for its flattened tokens' slots (0: base), or None when no row has an adapter."""
+        if not self._slots:  # nothing loaded: not even a scan of the rows
+            return None
         present = [int(s) for s in np.unique(row_slots) if s]
         if not present:
             return None

@@ -50,10 +50,12 @@ class LoraRegistry:
             return 0, ""
         adapter = self._loaded.get(name)
         if adapter is None:
-            loaded = ", ".join(repr(n) for n in sorted(self._loaded)) or "none"
             raise ModelNotFoundError(f"model {name!r} is neither the served model ({self.served_model!r}) nor a "
-                                     f"loaded LoRA adapter (loaded: {loaded}; see ListLoraAdapters)", "model")
+                                     f"loaded LoRA adapter ({self._loaded_names()})", "model")
         return adapter.info.slot, adapter.cache_key
+
+    def _loaded_names(self) -> str:
+        return "loaded: " + (", ".join(repr(n) for n in sorted(self._loaded)) or "none") + "; see ListLoraAdapters"
 
     def place(self, adapter: str, cache_salt: str) -> tuple[int, str]:
         """A request's slot and the prefix-cache salt its blocks are hashed with (the router's and the pool's)."""
@@ -100,8 +102,7 @@ class LoraRegistry:
         """New requests for `name` are NOT_FOUND from now on; its slot drains."""
         adapter = self._loaded.pop(name, None)
         if adapter is None:
-            self.resolve(name)  # raises ModelNotFoundError naming what is loaded
-            raise AssertionError  # unreachable
+            raise ModelNotFoundError(f"no LoRA adapter named {name!r} is loaded ({self._loaded_names()})", "name")
         self._draining[adapter.info.slot] = adapter
         self.version += 1
         return adapter

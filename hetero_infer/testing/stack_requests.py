@@ -14,9 +14,9 @@ def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
-def ids_request(ids: list[int], max_tokens: int, request_id: str = "") -> inference_pb2.GenerateRequest:
+def ids_request(ids: list[int], max_tokens: int, request_id: str = "", model: str = "") -> inference_pb2.GenerateRequest:
     return inference_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=inference_pb2.TokenIds(ids=ids),
-                                         params=greedy(max_tokens))
+                                         params=greedy(max_tokens), model=model)
 
 
 def pool(stack: Stack) -> common_pb2.PoolStats:
@@ -56,13 +56,15 @@ def start_streams_to_suspend(stack: Stack, results: dict[int, list[int]]) -> lis
     return threads
 
 
-def generate_concurrently(stack: Stack, prompts: list[list[int]], max_tokens: int, timeout_s: float) -> list[list[int] | None]:
-    """Each prompt's greedy tokens, all streamed at once (one thread each); None where a stream did not finish."""
+def generate_concurrently(stack: Stack, prompts: list[list[int]], max_tokens: int, timeout_s: float,
+                          model: str = "") -> list[list[int] | None]:
+    """Each prompt's greedy tokens, all streamed at once (one thread each); None where a stream did not finish.
+    `model`: a LoRA adapter to serve them with ("" = the base model)."""
     results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
-        results[i] = [t for m in stack.inference.Generate(ids_request(prompts[i], max_tokens), timeout=timeout_s)
-                      for t in m.token_ids]
+        request = ids_request(prompts[i], max_tokens, model=model)
+        results[i] = [t for m in stack.inference.Generate(request, timeout=timeout_s) for t in m.token_ids]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:

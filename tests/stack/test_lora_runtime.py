@@ -106,6 +106,7 @@ def test_load_select_replace_unload_and_every_bad_call_refused(tiny_llama_dir: P
                 grpc.StatusCode.INVALID_ARGUMENT, "path is empty")
         refused(api.UnloadLoraAdapter, common_pb2.UnloadLoraAdapterRequest(name="never"),
                 grpc.StatusCode.NOT_FOUND, "'never'")
+        refused(api.UnloadLoraAdapter, common_pb2.UnloadLoraAdapterRequest(), grpc.StatusCode.NOT_FOUND, "''")
         assert [a.name for a in api.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), metadata=AUTH).adapters] \
             == ["a0"]
 
