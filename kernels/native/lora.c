@@ -20,27 +20,6 @@
 #define LANES 16
 #define PARALLEL_MIN_WORK (1 << 15) /* rows * (in + out) * rank below this: one thread (the fork costs more) */
 
-static float shrink_row(const float *x, const float *a, int in) {
-    float acc[LANES] = {0};
-    int k = 0;
-    for (; k + LANES <= in; k += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = fmaf(x[k + l], a[k + l], acc[l]);
-    for (int l = 0; k < in; k++, l++) acc[l] = fmaf(x[k], a[k], acc[l]);
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; l++) sum += acc[l];
-    return sum;
-}
-
-/* buf[0..out) = sum over r of h[r] * bt[r][.] */
-static void expand_row(const float *h, const float *bt, int rank, int out, float *buf) {
-    for (int o = 0; o < out; o++) buf[o] = 0.0f;
-    for (int r = 0; r < rank; r++) {
-        const float *row = bt + (int64_t)r * out;
-        const float hr = h[r];
-        for (int o = 0; o < out; o++) buf[o] = fmaf(hr, row[o], buf[o]);
-    }
-}
-
 static int64_t work_of(int rows, int in, int out, const int32_t *ranks, int num_slots) {
     int max_rank = 0;
     for (int s = 0; s < num_slots; s++) max_rank = ranks[s] > max_rank ? ranks[s] : max_rank;
@@ -86,6 +65,23 @@ static void shrink_tile(const float *xf, int in, const float *a, int rank, float
 
 static inline __mmask16 first_lanes(int count) {
     return count >= 16 ? (__mmask16)0xFFFF : count > 0 ? (__mmask16)((1u << count) - 1) : (__mmask16)0;
+}
+
+/* The adapters' rows grouped by slot (order[0..count)), and where each tile of at most TILE rows of one slot
+ * starts (tiles[0..num_tiles)); the rows of slot 0 and of slots this product lacks are left out. Returns
+ * num_tiles and sets *count. */
+static int group_tiles(int rows, const int32_t *row_slot, const int64_t *a_ptrs, int num_slots, int *order,
+                       int *tiles, int *count) {
+    int num_tiles = 0;
+    *count = 0;
+    for (int s = 1; s < num_slots; s++) {
+        if (a_ptrs[s] == 0) continue;
+        const int first = *count;
+        for (int i = 0; i < rows; i++)
+            if (row_slot[i] == s) order[(*count)++] = i;
+        for (int t = first; t < *count; t += TILE) tiles[num_tiles++] = t;
+    }
+    return num_tiles;
 }
 
 /* out[t][o] = sum over r (in order) of h[t][r] * bt[r][o], 32 columns at a time; then y[t] += out[t] for the
@@ -158,15 +154,8 @@ EXPAND_TILE(expand_tile_bf16, uint16_t, add16_bf16)
         int *order = malloc(sizeof(int) * (size_t)(rows + 1));                                                 \
         int *tiles = malloc(sizeof(int) * (size_t)(rows + 1));                                                 \
         if (order == NULL || tiles == NULL) { free(order); free(tiles); return -2; }                           \
-        int count = 0, num_tiles = 0; /* the adapters' rows grouped by slot, and where each tile starts */    \
-        for (int s = 1; s < num_slots; s++) {                                                                  \
-            if (a_ptrs[s] == 0) continue;                                                                      \
-            int first = count;                                                                                 \
-            for (int i = 0; i < rows; i++)                                                                     \
-                if (row_slot[i] == s) order[count++] = i;                                                      \
-            for (int t = first; t < count; t += TILE) tiles[num_tiles++] = t;                                  \
-        }                                                                                                      \
-        tiles[num_tiles] = count;                                                                              \
+        int count;                                                                                             \
+        const int num_tiles = group_tiles(rows, row_slot, a_ptrs, num_slots, order, tiles, &count);            \
         int failed = 0;                                                                                        \
         _Pragma("omp parallel if (work_of(count, in, out, ranks, num_slots) >= PARALLEL_MIN_WORK)")             \
         {                                                                                                      \
@@ -199,6 +188,27 @@ EXPAND_TILE(expand_tile_bf16, uint16_t, add16_bf16)
         return failed ? -2 : 0;                                                                                \
     }
 #else
+static float shrink_row(const float *x, const float *a, int in) {
+    float acc[LANES] = {0};
+    int k = 0;
+    for (; k + LANES <= in; k += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(x[k + l], a[k + l], acc[l]);
+    for (int l = 0; k < in; k++, l++) acc[l] = fmaf(x[k], a[k], acc[l]);
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += acc[l];
+    return sum;
+}
+
+/* buf[0..out) = sum over r of h[r] * bt[r][.] */
+static void expand_row(const float *h, const float *bt, int rank, int out, float *buf) {
+    for (int o = 0; o < out; o++) buf[o] = 0.0f;
+    for (int r = 0; r < rank; r++) {
+        const float *row = bt + (int64_t)r * out;
+        const float hr = h[r];
+        for (int o = 0; o < out; o++) buf[o] = fmaf(hr, row[o], buf[o]);
+    }
+}
+
 #define LORA_ADD(NAME, T, LOAD, STORE, EXPAND, WIDEN)                                                          \
     int NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, int rows, const int32_t *row_slot,         \
              const int64_t *a_ptrs, const int64_t *bt_ptrs, const int32_t *ranks, int num_slots, int in,      \
@@ -322,14 +332,8 @@ int lora_add_bf16_dp(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
     int *order = malloc(sizeof(int) * (size_t)(rows + 1));
     int *tiles = malloc(sizeof(int) * (size_t)(rows + 1));
     if (order == NULL || tiles == NULL) { free(order); free(tiles); return -2; }
-    int count = 0, num_tiles = 0;
-    for (int s = 1; s < num_slots; s++) {
-        if (a_ptrs[s] == 0) continue;
-        int first = count;
-        for (int i = 0; i < rows; i++)
-            if (row_slot[i] == s) order[count++] = i;
-        for (int t = first; t < count; t += TILE) tiles[num_tiles++] = t;
-    }
+    int count;
+    const int num_tiles = group_tiles(rows, row_slot, a_ptrs, num_slots, order, tiles, &count);
     int failed = 0;
 #pragma omp parallel if (work_of(count, in, out, ranks, num_slots) >= 2 * PARALLEL_MIN_WORK)
     {
