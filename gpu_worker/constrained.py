@@ -103,7 +103,7 @@ def build_row_constraint(spec: ConstraintSpec, token_ids: Sequence[int], num_gen
 
 
 class ConstrainedSequence(Protocol):
-    """What the worker keeps per sequence (gpu_worker.runner.SequenceState), or a drafted row
+    """What the worker keeps per sequence (gpu_worker.step_io.SequenceState), or a drafted row
     (draft_rows.DraftRow, whose `draft_prefix` lists the drafts before it)."""
 
     sampling: Sampling

@@ -38,7 +38,7 @@ from hetero_common.errors import ExecutionError
 from hetero_common.sampling import Sampling
 
 
-class DraftedState(Protocol):  # runner.SequenceState's fields used here
+class DraftedState(Protocol):  # step_io.SequenceState's fields used here
     token_ids: list[int]
     sampling: Sampling
     num_generated: int

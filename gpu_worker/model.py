@@ -241,11 +241,13 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over rows of `hidden_states`: float32 logits [rows, vocab]."""
+        return linear_float32(self.final_normed(hidden), self.lm_head)
+
+    def final_normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm over rows of `hidden_states` (what the LM head reads; embeddings pool it), in dtype."""
         if self.fused:
-            normed = fused_ops.add_rms_norm(hidden.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
-        else:
-            normed = self._rms_norm(hidden, self.final_norm)
-        return linear_float32(normed, self.lm_head)
+            return fused_ops.add_rms_norm(hidden.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
+        return self._rms_norm(hidden, self.final_norm)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       kv_cache: torch.Tensor, attention: AttentionBackend, lora: StepLora | None = None) -> torch.Tensor:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
-
 import numpy as np
 import structlog
 import torch
 
-from gpu_worker.checkpoint import ModelConfig, load_checkpoint
-from gpu_worker.constrained import GuidanceVocabulary, RowConstraint
+from gpu_worker.checkpoint import load_checkpoint
+from gpu_worker.constrained import GuidanceVocabulary
 from gpu_worker.cpu.gguf_serving import gguf_blocks_kept
 from gpu_worker.cpu.worker_setup import (allocate_cpu_kv_cache, choose_cpu_dtype, configure_cpu_threads,
                                          row_invariance_unavailable)
@@ -29,62 +27,20 @@ from gpu_worker.kv_dtype import kv_cache_torch_dtype
 from gpu_worker.kv_suspension import KVSuspension
 from gpu_worker.lora_slots import load_lora_slots
 from gpu_worker.model_build import build_model, resolve_device, resolve_dtype
-from gpu_worker.logits_processors import RowControls
+from gpu_worker.pooling import PoolingEntry, pool
 from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
-from gpu_worker.sampler import build_sampling_batch, sample, top_logprobs
+from gpu_worker.sampler import build_sampling_batch, sample
+from gpu_worker.step_io import SampledTokens, SequenceState, StepInputs, pack_samples
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
-from hetero_common.sampling import Sampling, resolve
+from hetero_common.sampling import resolve
 from kernels.cache_ops import copy_blocks, kv_row_bytes, swap_in_blocks, swap_out_blocks
 from kernels.page_table import PageTable
 
 log = structlog.get_logger("gpu_worker.runner")
-
-
-@dataclass
-class SequenceState:
-    token_ids: list[int]
-    sampling: Sampling
-    num_generated: int
-    block_table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    num_computed: int = -1  # tokens whose K/V is in the cache; -1: new, take the plan's count (prefix-cache hits)
-    prompt_logprobs: int | None = None  # alternatives per prompt position to score (gpu_worker/prompt_logprobs.py)
-    controls: RowControls | None = None  # logits controls' state, built at the first sampled step (logits_processors)
-    constraint: RowConstraint | None = None  # the constraint's matcher, built at the first sampled step (constrained)
-    draft_computed: int = 0  # tokens whose draft-model K/V is cached (draft_model.py)
-    lora_slot: int = 0  # its LoRA adapter's slot (lora_slots.py); 0: the base model
-
-
-@dataclass
-class StepInputs:
-    """One step's model inputs, flattened over its scheduled sequences (ModelRunner._prepare)."""
-
-    states: list[SequenceState]  # in the plan's order
-    qo_lens: list[int]  # tokens each computes this step
-    spans: list[PromptSpan]  # prompt positions whose logprobs are asked for
-    table: PageTable
-    positions: np.ndarray  # int64 [T]: each token's position in its sequence
-    slots: np.ndarray  # int64 [T]: where each token's K/V is written
-    flat_inputs: np.ndarray  # int64 [T]: the token ids
-    sample_idx: list[int]  # the scheduled sequences that sample, by index
-    logits_rows: torch.Tensor  # int64: their last rows in the flattened tokens (a drafted one's last k + 1)
-    drafts: list[list[int]] | None = None  # per sampling sequence, its speculative drafts; None: none in the step
-    row_starts: list[int] | None = None  # with drafts: where each sampling sequence's rows start (draft_rows.py)
-    draft_seconds: tuple[float, float] = (0.0, 0.0)  # the draft model's: in all, proposing alone (draft_model.py)
-
-
-@dataclass
-class SampledTokens:
-    """The step's samples (ModelRunner._sample), in `StepInputs.sample_idx` order."""
-
-    states: list[SequenceState]
-    token_ids: list[int]
-    logprobs: torch.Tensor | None  # the sampled tokens' own, where asked for
-    failures: list[tuple[int, str]]  # (row, error) of the constrained samples that failed
-    drafted: draft_rows.DraftOutcome | None = None  # with drafts: the drafts kept, the rows the tokens came from
 
 
 class ModelRunner:
@@ -221,7 +177,7 @@ class ModelRunner:
                                      "which holds no adapter on this worker")
             self.sequences[new.seq_id] = SequenceState(list(new.token_ids), resolve(new.params), new.num_generated,
                                                        prompt_logprobs=wanted(new.params, new.num_generated),
-                                                       lora_slot=new.lora_slot)
+                                                       lora_slot=new.lora_slot, pooling=new.pooling)
 
     def _state(self, plan: worker_pb2.StepPlan, seq_id: int) -> SequenceState:
         state = self.sequences.get(seq_id)
@@ -272,7 +228,7 @@ class ModelRunner:
             state.num_computed += n
         if step.sample_idx:
             sampled = self._sample(step, logits)
-            self._pack(plan, step, sampled, logits, result)
+            pack_samples(plan, step, sampled, logits, result)
         self.steps += 1
         result.forward_seconds = time.perf_counter() - started
         result.draft_seconds, result.draft_proposal_seconds = step.draft_seconds
@@ -284,6 +240,7 @@ class ModelRunner:
         states: list[SequenceState] = []
         tables, qo_lens, kv_lens, inputs = [], [], [], []
         spans: list[PromptSpan] = []  # prompt positions whose logprobs are asked for
+        pooled: list[PoolingEntry] = []  # embedding sequences: pooled, never sampled
         row_offset = 0  # this sequence's first row in the step's flattened tokens (the sum of qo_lens so far)
         drafted: dict[int, list[int]] = {}  # plan index -> the entry's speculative drafts (draft_rows.py)
         updated = [self._update_sequence(plan, s) for s in plan.scheduled]
@@ -302,6 +259,8 @@ class ModelRunner:
                 draft_rows.check_drafts(s.seq_id, s.sample, s.draft_token_ids, end, len(state.token_ids))
                 drafted[len(states)] = list(s.draft_token_ids)
                 chunk = chunk + drafted[len(states)]
+            if state.pooling:
+                pooled.append(PoolingEntry(s.seq_id, state, row_offset, state.num_computed, s.num_tokens, s.sample))
             inputs.append(chunk)
             states.append(state)
             tables.append(state.block_table)
@@ -310,13 +269,13 @@ class ModelRunner:
             kv_lens.append(end)
         table = PageTable.build(tables, np.asarray(qo_lens), np.asarray(kv_lens), self.block_size)
         positions, slots = table.token_positions()
-        sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample]
+        sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample and not states[i].pooling]
         flat_inputs = np.fromiter((t for chunk in inputs for t in chunk), dtype=np.int64, count=table.num_tokens)
         drafts = [drafted.get(i, []) for i in sample_idx] if drafted else None
         rows, starts = (draft_rows.logits_rows(table.qo_indptr, sample_idx, drafts) if drafts is not None
                         else (table.qo_indptr[1:].to(torch.int64)[sample_idx] - 1, None))
         return StepInputs(states, qo_lens, spans, table, positions, slots, flat_inputs, sample_idx, rows, drafts, starts,
-                          draft_seconds)
+                          draft_seconds, pooled)
 
     def _update_sequence(self, plan: worker_pb2.StepPlan,
                          s: worker_pb2.ScheduledSequence) -> tuple[SequenceState, int]:
@@ -343,18 +302,24 @@ class ModelRunner:
 
     def _run_model(self, step: StepInputs, result: worker_pb2.StepResult) -> torch.Tensor:
         """The sampled rows' logits: a CUDA graph's replay for a decode-only step that one fits, else an eager
-        forward, which also scores the asked-for prompt positions (into `result`, on rank 0)."""
+        forward, which also scores the asked-for prompt positions and pools the embedding sequences' rows
+        (into `result`, on rank 0)."""
         lora = self.loras.batch(np.repeat([st.lora_slot for st in step.states], step.qo_lens))
-        if self.graphs is not None and not step.spans and lora is None and self.graphs.can_run(step.table):
+        if (self.graphs is not None and not step.spans and not step.pooled and lora is None
+                and self.graphs.can_run(step.table)):
             return self.graphs.run(step.table, step.flat_inputs, step.positions)[step.logits_rows.to(self.device)]
         self.attention.plan(step.table)
         hidden = self.model.hidden_states(
             torch.from_numpy(step.flat_inputs).to(self.device), torch.from_numpy(step.positions).to(self.device),
             torch.from_numpy(step.slots).to(self.device), self.kv_cache, self.attention, lora)
-        logits = self.model.logits(hidden[step.logits_rows.to(self.device)])
-        if step.spans and self.tp.rank == 0:  # only rank 0's result goes back
-            result.prompt_logprobs.extend(score(self.model, hidden, step.spans))
-        return logits
+        if self.tp.rank == 0:  # only rank 0's result goes back
+            if step.spans:
+                result.prompt_logprobs.extend(score(self.model, hidden, step.spans))
+            if step.pooled:
+                result.embeddings.extend(pool(self.model, hidden, step.pooled))
+        if not step.sample_idx:  # embeddings alone: no row reaches the LM head
+            return hidden[:0]
+        return self.model.logits(hidden[step.logits_rows.to(self.device)])
 
     def _sample(self, step: StepInputs, logits: torch.Tensor) -> SampledTokens:
         """The sampling sequences' next tokens (rank 0's on every rank), appended to them."""
@@ -376,23 +341,3 @@ class ModelRunner:
             st.token_ids.append(tok)
             st.num_generated += 1
         return SampledTokens(sampled, token_list, logprobs, failures)
-
-    def _pack(self, plan: worker_pb2.StepPlan, step: StepInputs, sampled: SampledTokens, logits: torch.Tensor,
-              result: worker_pb2.StepResult) -> None:
-        """The sampled tokens into `result`: their sequences, failed constraints, logprobs and top alternatives."""
-        for row, error in sampled.failures:
-            result.failures.add(seq_id=plan.scheduled[step.sample_idx[row]].seq_id, error=error)
-        result.seq_ids.extend(plan.scheduled[i].seq_id for i in step.sample_idx)
-        result.token_ids.extend(sampled.token_ids)
-        num_top, logprobs = max(st.sampling.logprobs or 0 for st in sampled.states), sampled.logprobs
-        if sampled.drafted is not None:  # the kept drafts' scores apart, then the rows of the tokens after them
-            draft_rows.pack(result, sampled.drafted, logits, logprobs, num_top)
-            logits = logits[sampled.drafted.rows]
-            logprobs = None if logprobs is None else logprobs[sampled.drafted.rows]
-        if logprobs is not None:
-            result.logprobs.extend(logprobs.tolist())
-        if num_top:
-            top_ids, top_values = top_logprobs(logits, num_top)
-            result.num_top_logprobs = top_ids.shape[1]
-            result.top_token_ids.extend(top_ids.flatten().tolist())
-            result.top_logprobs.extend(top_values.flatten().tolist())

@@ -78,9 +78,9 @@ class KVCacheManager:
 
         At most (tokens - 1) // block_size blocks: the last token is always computed (its
         logits are needed), and its block is never a shared cached one. None for a request
-        that asks for prompt logprobs (scheduler_svc/prompt_logprobs.py).
+        that asks for prompt logprobs (scheduler_svc/prompt_logprobs.py) or an embedding.
         """
-        if not self.enable_prefix_caching or seq.block_table or seq.needs_prompt_logits:
+        if not self.enable_prefix_caching or seq.block_table or seq.computes_whole_prompt:
             return []  # cached positions have no logits: prompt logprobs need all of them computed
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs
@@ -117,7 +117,7 @@ class KVCacheManager:
         seq.num_registered = len(hits)
         if seq.cached_prompt_tokens is None:  # count a prompt once, not again after a preemption
             seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
-            if self.enable_prefix_caching and not seq.needs_prompt_logits:  # only prompts looked up count
+            if self.enable_prefix_caching and not seq.computes_whole_prompt:  # only prompts looked up count
                 self.prefix_cache_queries += seq.prompt_len
                 self.prefix_cache_hits += seq.cached_prompt_tokens
         copies = self.allocate_slots(seq, num_new_tokens)  # past the cached blocks: none shared

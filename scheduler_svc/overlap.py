@@ -84,8 +84,8 @@ class StepInFlight:
             num = len(token_ids)
             if seq.num_computed == num - 1 and seq.status is DECODE:  # a fast decode (not in `entries`)
                 seq.num_computed = num
-            elif seq.num_computed != num:
-                continue  # a prompt chunk that is not the last: nothing sampled
+            elif seq.num_computed != num or seq.pooling:
+                continue  # a prompt chunk that is not the last (nothing sampled), or an embedding's (ends with it)
             token_ids.append(PLACEHOLDER)
             seq.awaiting_token = True
             seq.status = DECODE

@@ -99,7 +99,7 @@ class Replica:
     def _validated(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
         slot, cache_salt = self._loras.place(request.lora_adapter, request.cache_salt)
         seq = self._require_core().add_request(request.request_id, list(request.prompt_token_ids), request.params,
-                                               cache_salt, request.priority, slot)
+                                               cache_salt, request.priority, slot, request.pooling)
         seq.deadline = deadline
         return seq
 

@@ -24,17 +24,28 @@ class RequestLimits:
         self.max_model_len = min(max_model_len, capacity)
         self.num_blocks, self.block_size = num_blocks, block_size
 
-    def check_prompt(self, num_tokens: int) -> None:
-        """Not empty, and room for at least one token after it."""
+    def check_request(self, num_prompt_tokens: int, n: int, pooling: int = 0) -> None:
+        """The prompt, its samples and their blocks (`check_prompt`, `check_blocks`); an embedding (`pooling`)
+        generates nothing, so its prompt may fill max_model_len, and it has one sample."""
+        if pooling and n != 1:
+            raise ValidationError(f"an embedding request has one sample; params.n is {n}")
+        self.check_prompt(num_prompt_tokens, generated=0 if pooling else 1)
+        self.check_blocks(num_prompt_tokens, n, generated=0 if pooling else 1)
+
+    def check_prompt(self, num_tokens: int, generated: int = 1) -> None:
+        """Not empty, and room for the `generated` tokens after it (the first, for a generation)."""
         if not num_tokens:
             raise ValidationError("prompt_token_ids must not be empty")
-        if num_tokens >= self.max_model_len:
+        if num_tokens + generated > self.max_model_len:
+            if not generated:
+                raise ValidationError(f"input has {num_tokens} tokens; max_model_len is {self.max_model_len}: "
+                                      "shorten the input")
             raise ValidationError(f"prompt has {num_tokens} tokens; max_model_len is {self.max_model_len} "
                                   "and at least one token must be generated: shorten the prompt")
 
-    def check_blocks(self, num_prompt_tokens: int, n: int) -> None:
+    def check_blocks(self, num_prompt_tokens: int, n: int, generated: int = 1) -> None:
         """Blocks for the prompt and its first token, and one for each other sample's first (copy-on-write)."""
-        needed = blocks_for(num_prompt_tokens + 1, self.block_size) + (n - 1)
+        needed = blocks_for(num_prompt_tokens + generated, self.block_size) + (n - 1)
         if needed > self.num_blocks:
             raise ValidationError(f"prompt needs {needed} KV blocks but the pool has {self.num_blocks}; "
                                   "shorten the prompt, lower n or raise max_num_blocks")

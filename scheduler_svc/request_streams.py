@@ -157,4 +157,6 @@ def token_event(out: TokenOutput, position: int) -> scheduler_pb2.TokenEvent:
         event.prompt_top_logprobs.extend(out.prompt_top_logprobs)
     if out.draft_tokens:
         event.draft_tokens, event.accepted_draft_tokens = out.draft_tokens, out.accepted_drafts
+    if out.embedding:
+        event.embedding.extend(out.embedding)
     return event

@@ -18,7 +18,7 @@ from scheduler_svc.token_output import SampledRows, StepOutputs, TokenOutput, fi
 
 PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
 COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`
-LENGTH, ERROR = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_ERROR
+LENGTH, ERROR, STOP = common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_STOP
 
 
 class StepRead:
@@ -58,6 +58,8 @@ class ResultReader:
         at them it ends the sequence by length (what `_read_row` would find). Any other row, and every row of
         a step with logprobs, prompt logprobs or failed samples, takes the general path (`_read_row`)."""
         step = StepRead(time.time())
+        if result.embeddings:
+            _read_embeddings(result, sequences, step)
         if (result.failures or result.logprobs or result.num_top_logprobs or result.prompt_logprobs
                 or result.num_accepted_drafts):
             self._read_rows(result, sequences, step)
@@ -161,3 +163,17 @@ class ResultReader:
         step.outputs.add(rows.output(seq, token, row, step.outputs.timestamp, reason))
         if reason:
             step.ends.append((seq, reason, COMPLETED, ran))
+
+
+def _read_embeddings(result: worker_pb2.StepResult, sequences: dict[int, Sequence], step: StepRead) -> None:
+    """The embedding sequences whose prompt the step completed: each ends (STOP) with its pooled vector as its
+    one output; none samples a token."""
+    for pooled in result.embeddings:
+        seq = sequences.get(pooled.seq_id)
+        if seq is None or seq.status is not PREFILL:
+            continue  # aborted while the step ran
+        seq.first_output_sent = True
+        step.outputs.add(TokenOutput(seq.request_id, (), STOP, timestamp=step.outputs.timestamp,
+                                     queue_seconds=seq.queue_seconds or 0.0, index=seq.index,
+                                     embedding=pooled.values))
+        step.ends.append((seq, STOP, COMPLETED, True))

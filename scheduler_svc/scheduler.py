@@ -94,15 +94,15 @@ class Scheduler:
     # ---------------------------------------------------------------- requests in and out
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: common_pb2.SamplingParams,
-                    cache_salt: str = "", priority: int = 0, lora_slot: int = 0) -> Sequence:
+                    cache_salt: str = "", priority: int = 0, lora_slot: int = 0, pooling: int = 0) -> Sequence:
+        """Queue a request; `pooling` (common_pb2.Pooling): an embedding, whose prompt is computed and pooled."""
         if request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight; use a unique id per request")
-        self._limits.check_prompt(len(prompt_token_ids))
         sampling = resolve(params)
-        self._limits.check_blocks(len(prompt_token_ids), sampling.n)
+        self._limits.check_request(len(prompt_token_ids), sampling.n, pooling)
         seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
                        cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority,
-                       speculative=self.speculator is not None, lora_slot=lora_slot)
+                       speculative=self.speculator is not None and not pooling, lora_slot=lora_slot, pooling=pooling)
         self._next_seq_id += 1
         self._results.watch_stop_ids(sampling.stop_token_ids)
         self._table.add(seq)

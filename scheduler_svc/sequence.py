@@ -45,6 +45,7 @@ class Sequence:
     index: int = 0  # which sample of the request (n > 1)
     cache_salt: str = ""
     lora_slot: int = 0  # the LoRA adapter it is served with, by worker slot (0: the base model)
+    pooling: int = 0  # common_pb2.Pooling: an embedding request (prefill only, its vector pooled by the worker)
     priority: int = 0  # lower is admitted first and preempted last (vLLM's convention)
     pending_forks: int = 0  # samples still to fork from this one once its prompt is computed
     status: SequenceStatus = SequenceStatus.PENDING
@@ -105,6 +106,12 @@ class Sequence:
     def needs_prompt_logits(self) -> bool:
         """Prompt logprobs still to deliver: every prompt position must be computed (no prefix-cache hit)."""
         return needs_prompt_logits(self.params, self.index, self.first_output_sent)
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """No prefix-cache hit may stand in for a prompt position: its logprobs are asked for, or it is an
+        embedding request (a vector from another chunking would differ in its last bits)."""
+        return bool(self.pooling) or self.needs_prompt_logits
 
     @property
     def num_uncomputed(self) -> int:

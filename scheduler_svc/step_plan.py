@@ -59,6 +59,7 @@ _NEW_TOKEN_IDS = _tag(worker_pb2.NewSequence, "token_ids", _LENGTH_DELIMITED)  #
 _NEW_PARAMS = _tag(worker_pb2.NewSequence, "params", _LENGTH_DELIMITED)
 _NEW_NUM_GENERATED = _tag(worker_pb2.NewSequence, "num_generated", _VARINT)
 _NEW_LORA_SLOT = _tag(worker_pb2.NewSequence, "lora_slot", _VARINT)
+_NEW_POOLING = _tag(worker_pb2.NewSequence, "pooling", _VARINT)
 _DECODE_TAG_BYTES = len(_SEQ_ID) + len(_NUM_TOKENS) + len(_SAMPLE_TRUE) + len(_NUM_CACHED)
 
 
@@ -128,6 +129,8 @@ def new_sequence_bytes(seq: Sequence) -> tuple[bytes, ...]:
         body += (_NEW_NUM_GENERATED, varint(num_generated))
     if seq.lora_slot:
         body += (_NEW_LORA_SLOT, varint(seq.lora_slot))
+    if seq.pooling:
+        body += (_NEW_POOLING, varint(seq.pooling))
     entry = b"".join(body)
     return _PLAN_NEW_SEQUENCE, varint(len(entry)), entry
 

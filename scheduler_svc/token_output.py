@@ -23,7 +23,7 @@ class TokenOutput:
 
     __slots__ = ("request_id", "token_ids", "finish_reason", "error", "logprobs", "timestamp", "top_logprobs",
                  "queue_seconds", "index", "cached_prompt_tokens", "prompt_logprobs", "prompt_top_logprobs",
-                 "draft_tokens", "accepted_drafts")
+                 "draft_tokens", "accepted_drafts", "embedding")
     request_id: str
     token_ids: ListLike[int]  # a list of the sampled token on a token's output
     finish_reason: int
@@ -38,23 +38,24 @@ class TokenOutput:
     prompt_top_logprobs: ListLike[common_pb2.TopLogprobs]
     draft_tokens: int  # speculative drafts proposed for this output's tokens
     accepted_drafts: int  # of those, kept (among token_ids)
+    embedding: ListLike[float]  # an embedding request's pooled vector (its one output)
 
     def __init__(self, request_id: str, token_ids: ListLike[int] = (), finish_reason: int = UNSPECIFIED,
                  error: str = "", logprobs: ListLike[float] = (), timestamp: float = 0.0,
                  top_logprobs: ListLike[common_pb2.TopLogprobs] = (), queue_seconds: float = 0.0, index: int = 0,
                  cached_prompt_tokens: int = 0, prompt_logprobs: ListLike[float] = (),
                  prompt_top_logprobs: ListLike[common_pb2.TopLogprobs] = (), draft_tokens: int = 0,
-                 accepted_drafts: int = 0) -> None:
+                 accepted_drafts: int = 0, embedding: ListLike[float] = ()) -> None:
         self.request_id, self.token_ids, self.finish_reason, self.error = request_id, token_ids, finish_reason, error
         self.logprobs, self.timestamp, self.top_logprobs = logprobs, timestamp, top_logprobs
         self.queue_seconds, self.index, self.cached_prompt_tokens = queue_seconds, index, cached_prompt_tokens
         self.prompt_logprobs, self.prompt_top_logprobs = prompt_logprobs, prompt_top_logprobs
-        self.draft_tokens, self.accepted_drafts = draft_tokens, accepted_drafts
+        self.draft_tokens, self.accepted_drafts, self.embedding = draft_tokens, accepted_drafts, embedding
 
     def _fields(self) -> tuple:
         return (self.request_id, self.token_ids, self.finish_reason, self.error, self.logprobs, self.timestamp,
                 self.top_logprobs, self.queue_seconds, self.index, self.cached_prompt_tokens, self.prompt_logprobs,
-                self.prompt_top_logprobs, self.draft_tokens, self.accepted_drafts)
+                self.prompt_top_logprobs, self.draft_tokens, self.accepted_drafts, self.embedding)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TokenOutput) and self._fields() == other._fields()

@@ -52,7 +52,10 @@ class DualPackedWeight:
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether packed weights can be used for products on this device in this dtype."""
+    """Whether packed weights can be used for products on this device in this dtype. oneDNN's bfloat16 reorder
+    needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2-only CPU it raises, so bfloat16 stays unpacked there."""
+    if dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return False
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 

@@ -17,6 +17,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_DEADLINE: _ClassVar[FinishReason]
     FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
 
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_UNSPECIFIED: _ClassVar[Pooling]
+    POOLING_LAST: _ClassVar[Pooling]
+    POOLING_MEAN: _ClassVar[Pooling]
+    POOLING_CLS: _ClassVar[Pooling]
+
 class KVCacheManagementMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_CACHE_MANAGEMENT_MODE_UNSPECIFIED: _ClassVar[KVCacheManagementMode]
@@ -30,6 +37,10 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_DEADLINE: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
+POOLING_UNSPECIFIED: Pooling
+POOLING_LAST: Pooling
+POOLING_MEAN: Pooling
+POOLING_CLS: Pooling
 KV_CACHE_MANAGEMENT_MODE_UNSPECIFIED: KVCacheManagementMode
 KV_CACHE_MANAGEMENT_MODE_PERSIST: KVCacheManagementMode
 KV_CACHE_MANAGEMENT_MODE_OFFLOAD: KVCacheManagementMode

@@ -1,11 +1,21 @@
 from hetero.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class EmbeddingEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EMBEDDING_ENCODING_UNSPECIFIED: _ClassVar[EmbeddingEncoding]
+    EMBEDDING_ENCODING_FLOAT: _ClassVar[EmbeddingEncoding]
+    EMBEDDING_ENCODING_BASE64: _ClassVar[EmbeddingEncoding]
+EMBEDDING_ENCODING_UNSPECIFIED: EmbeddingEncoding
+EMBEDDING_ENCODING_FLOAT: EmbeddingEncoding
+EMBEDDING_ENCODING_BASE64: EmbeddingEncoding
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
@@ -232,3 +242,57 @@ class ServerInfo(_message.Message):
     device: str
     service: _common_pb2.ServiceStats
     def __init__(self, version: _Optional[str] = ..., model: _Optional[str] = ..., pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ..., backend: _Optional[str] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., service: _Optional[_Union[_common_pb2.ServiceStats, _Mapping]] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "token_ids", "chat")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    chat: Chat
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "model", "inputs", "pooling", "normalize", "dimensions", "encoding_format", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    pooling: _common_pb2.Pooling
+    normalize: bool
+    dimensions: int
+    encoding_format: EmbeddingEncoding
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., pooling: _Optional[_Union[_common_pb2.Pooling, str]] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., encoding_format: _Optional[_Union[EmbeddingEncoding, str]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("index", "values", "base64", "prompt_tokens")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    BASE64_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    base64: str
+    prompt_tokens: int
+    def __init__(self, index: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ..., base64: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "model", "data", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    data: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: _common_pb2.Usage
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., data: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...

@@ -86,6 +86,11 @@ class InferenceStub:
                 request_serializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
                 response_deserializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/hetero.v1.Inference/Embed',
+                request_serializer=hetero_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=hetero_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -159,6 +164,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One vector per input (docs/embeddings.md): each input's prompt is computed in the engine's steps beside
+        generation and its hidden states pooled on the worker; no token is generated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -211,6 +224,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListLoraAdapters,
                     request_deserializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.FromString,
                     response_serializer=hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=hetero_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=hetero_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -484,6 +502,33 @@ class Inference:
             '/hetero.v1.Inference/ListLoraAdapters',
             hetero_dot_v1_dot_common__pb2.ListLoraAdaptersRequest.SerializeToString,
             hetero_dot_v1_dot_common__pb2.ListLoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetero.v1.Inference/Embed',
+            hetero_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            hetero_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,18 +70,20 @@ class UnloadLoraResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "params", "num_generated", "lora_slot")
+    __slots__ = ("seq_id", "token_ids", "params", "num_generated", "lora_slot", "pooling")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOT_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
     num_generated: int
     lora_slot: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., lora_slot: _Optional[int] = ...) -> None: ...
+    pooling: _common_pb2.Pooling
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_generated: _Optional[int] = ..., lora_slot: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.Pooling, str]] = ...) -> None: ...
 
 class ScheduledSequence(_message.Message):
     __slots__ = ("seq_id", "num_tokens", "new_block_ids", "sample", "num_cached_tokens", "draft_token_ids", "num_draft_model_tokens", "block_table_edits")
@@ -150,7 +152,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., reset: _Optional[bool] = ..., swap_out: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "num_accepted_drafts", "accepted_draft_ids", "accepted_draft_logprobs", "accepted_draft_top_token_ids", "accepted_draft_top_logprobs", "draft_seconds", "draft_proposal_seconds", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "failures")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "num_accepted_drafts", "accepted_draft_ids", "accepted_draft_logprobs", "accepted_draft_top_token_ids", "accepted_draft_top_logprobs", "draft_seconds", "draft_proposal_seconds", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "failures", "embeddings")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +170,7 @@ class StepResult(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -185,7 +188,16 @@ class StepResult(_message.Message):
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     failures: _containers.RepeatedCompositeFieldContainer[SampleFailure]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., num_accepted_drafts: _Optional[_Iterable[int]] = ..., accepted_draft_ids: _Optional[_Iterable[int]] = ..., accepted_draft_logprobs: _Optional[_Iterable[float]] = ..., accepted_draft_top_token_ids: _Optional[_Iterable[int]] = ..., accepted_draft_top_logprobs: _Optional[_Iterable[float]] = ..., draft_seconds: _Optional[float] = ..., draft_proposal_seconds: _Optional[float] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ...) -> None: ...
+    embeddings: _containers.RepeatedCompositeFieldContainer[PooledEmbedding]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., num_accepted_drafts: _Optional[_Iterable[int]] = ..., accepted_draft_ids: _Optional[_Iterable[int]] = ..., accepted_draft_logprobs: _Optional[_Iterable[float]] = ..., accepted_draft_top_token_ids: _Optional[_Iterable[int]] = ..., accepted_draft_top_logprobs: _Optional[_Iterable[float]] = ..., draft_seconds: _Optional[float] = ..., draft_proposal_seconds: _Optional[float] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[PooledEmbedding, _Mapping]]] = ...) -> None: ...
+
+class PooledEmbedding(_message.Message):
+    __slots__ = ("seq_id", "values")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SampleFailure(_message.Message):
     __slots__ = ("seq_id", "error")

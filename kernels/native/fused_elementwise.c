@@ -107,7 +107,9 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t gu_stride, uint16_t *out, in
 #endif
         for (; i < n; i++) {
             float x = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(x / (1.0f + expf(-x)) * bf16_to_f32(u[i]));
+            /* exp's argument clamped: under the build's fast-math flags an infinite exp is not honoured (a
+             * gate of -200 gave NaN on AVX2 CPUs); exp(88) leaves x / (1 + e) ~ 0, as silu has it. */
+            o[i] = f32_to_bf16(x / (1.0f + expf(fminf(-x, 88.0f))) * bf16_to_f32(u[i]));
         }
     }
 }

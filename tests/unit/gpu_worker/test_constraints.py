@@ -107,7 +107,7 @@ def test_the_command_bridge_refuses_a_constraint() -> None:
 
 @dataclass
 class Row:
-    """What the sampler reads of a worker sequence (gpu_worker.runner.SequenceState)."""
+    """What the sampler reads of a worker sequence (gpu_worker.step_io.SequenceState)."""
 
     sampling: Sampling
     token_ids: list[int]

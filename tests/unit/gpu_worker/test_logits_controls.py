@@ -29,7 +29,7 @@ CPU = torch.device("cpu")
 
 @dataclass
 class Row:
-    """The worker's per-sequence state as the sampler reads it (gpu_worker.runner.SequenceState)."""
+    """The worker's per-sequence state as the sampler reads it (gpu_worker.step_io.SequenceState)."""
 
     sampling: Sampling
     token_ids: list[int]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gpu_worker.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.cpu.packed_linear import prepack_supported
 from gpu_worker.lora_slots import GROUPS, LoraSlots
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero_infer.testing.checkpoints import write_random_lora
@@ -33,6 +34,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[ModelConfig, list[P
 
 def slots(config: ModelConfig, adapters: list[Path], dtype: torch.dtype, tp: TensorParallel = TensorParallel(),
           prepack: bool = True, native: bool | None = None) -> LoraSlots:
+    prepack = prepack and prepack_supported(torch.device("cpu"), dtype)  # bfloat16 packs on AVX512 CPUs only
     loaded = LoraSlots(config, 4, 64, torch.device("cpu"), dtype, tp, prepack=prepack, native=native)
     for slot, path in enumerate(adapters, start=1):
         loaded.load(slot, f"a{slot}", str(path))
