@@ -8,6 +8,7 @@ it meters, counts usage and ends the request, whichever backend answers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as ListLike
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
@@ -28,6 +29,23 @@ class SampleOutput:
     queue_seconds: float = 0.0  # scheduler arrival to first admission; read with the first tokens
     draft_tokens: int = 0  # speculative drafts proposed for this message's tokens
     accepted_draft_tokens: int = 0  # of those, kept
+
+
+@dataclass
+class EmbeddingCall:
+    """One input of an embedding request, tokenized (gateway/embedding.py)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    pooling: int  # common_pb2.Pooling, resolved (never UNSPECIFIED)
+    priority: int = 0
+    adapter: str = ""  # the LoRA adapter `model` named ("" = the base model)
+
+
+@dataclass
+class EmbeddingOutput:
+    values: ListLike[float]  # pooled, not normalised
+    queue_seconds: float = 0.0
 
 
 class Backend(Protocol):
@@ -64,4 +82,8 @@ class Backend(Protocol):
     async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest,
                                   timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
         """Answers once the requests using the adapter have finished (new ones are refused at once)."""
+        ...
+
+    async def embed(self, call: EmbeddingCall, timeout: float | None) -> EmbeddingOutput:
+        """The input's pooled vector (raises UnsupportedError where the backend computes none)."""
         ...

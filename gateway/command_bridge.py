@@ -19,13 +19,13 @@ from typing import AsyncIterator
 
 import structlog
 
-from gateway.backend import SampleOutput
+from gateway.backend import EmbeddingCall, EmbeddingOutput, SampleOutput
 from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest, render_chat
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import BackendConfig
 from hetero_common.errors import (CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError,
-                                  ModelNotFoundError, ValidationError)
+                                  ModelNotFoundError, UnsupportedError, ValidationError)
 from hetero_common.sampling import Sampling, sample_seed
 
 log = structlog.get_logger("gateway.command_bridge")
@@ -234,6 +234,9 @@ class CommandBridgeBackend:
                                   timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
         raise ModelNotFoundError(f"no LoRA adapter named {request.name!r} is loaded: the command_bridge backend "
                                  "serves none", "name")
+
+    async def embed(self, call: EmbeddingCall, timeout: float | None) -> EmbeddingOutput:
+        raise UnsupportedError("the command_bridge backend computes no embeddings (serving.backend.kind: scheduler does)")
 
     async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
                        timeout: float | None) -> AsyncIterator[SampleOutput]:

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 import structlog
 
-from gateway.backend import Backend, SampleOutput
+from gateway.backend import Backend, EmbeddingCall, EmbeddingOutput, SampleOutput
 from gateway.validation import PreparedRequest
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import UnavailableError
@@ -38,6 +38,9 @@ class FallbackBackend:
     async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest,
                                   timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
         return await self.primary.unload_lora_adapter(request, timeout)
+
+    async def embed(self, call: EmbeddingCall, timeout: float | None) -> EmbeddingOutput:
+        return await self.primary.embed(call, timeout)  # the bridge computes no vectors
 
     async def max_model_len(self) -> int | None:
         return await self.primary.max_model_len()

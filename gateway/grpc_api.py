@@ -10,10 +10,12 @@ import grpc
 import structlog
 
 from gateway import tokenization
+from gateway.embedding import Embeddings
 from gateway.generation import Generation
 from gateway.validation import MAX_REQUEST_ID_LEN
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common import __version__
+from hetero_common.config import EmbeddingConfig
 from hetero_common.errors import HeteroError, ValidationError
 from hetero_common.finish_reasons import is_finished
 from hetero_common.grpc_server import end_call, error_status
@@ -24,8 +26,19 @@ MAX_ABORT_IDS = 1024  # request ids per Abort call
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, generation: Generation) -> None:
+    def __init__(self, generation: Generation, embeddings: Embeddings | None = None) -> None:
         self.generation = generation
+        self.embeddings = embeddings or Embeddings(EmbeddingConfig(), generation, None)
+
+    async def Embed(self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext) -> inference_pb2.EmbedResponse:
+        try:
+            return await self.embeddings.embed(request, context.time_remaining())
+        except HeteroError as exc:
+            log.info("request failed", error=exc.message, code=error_status(exc)[0].name)
+            end_call(context, exc)
+            return inference_pb2.EmbedResponse()
+        finally:
+            structlog.contextvars.unbind_contextvars("request_id")
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:

@@ -88,6 +88,15 @@ class GatewayMetrics:
         self.lora_loaded = Gauge("lora_adapters_loaded", "LoRA adapters requests may name", namespace=ns, registry=r)
         self.lora_slots = Gauge("lora_slots_in_use", "Worker LoRA slots holding an adapter (of max_loras)",
                                 namespace=ns, registry=r)
+        # Embedding requests (Embed, /v1/embeddings): a request, its inputs, their tokens, its latency.
+        self.embedding_requests = Counter("embedding_request_success", "Finished embedding requests", namespace=ns,
+                                          registry=r)
+        self.embedding_inputs = Counter("embedding_inputs", "Inputs of finished embedding requests (one vector each)",
+                                        namespace=ns, registry=r)
+        self.embedding_tokens = Counter("embedding_prompt_tokens", "Tokens of finished embedding requests' inputs",
+                                        namespace=ns, registry=r)
+        self.embedding_latency = Histogram("embedding_request_latency_seconds", "Arrival to the last vector",
+                                           namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
         self.scheduler_up = Gauge("scheduler_up", "1 when the last GetStats succeeded", namespace=ns, registry=r)
 
     def update_pool(self, pool: common_pb2.PoolStats | None, service: common_pb2.ServiceStats | None) -> None:

@@ -17,7 +17,7 @@ from typing import AsyncIterator, NoReturn
 import grpc
 import structlog
 
-from gateway.backend import SampleOutput
+from gateway.backend import EmbeddingCall, EmbeddingOutput, SampleOutput
 from gateway.prompt_logprobs import add_prompt_logprobs, add_token_logprobs, drop_generated, engine_params, scoring_only
 from gateway.scheduler_events import FollowCall, FollowStreams, SubmitEnded, can_merge, merge_events
 from gateway.text_stream import TextStream
@@ -25,14 +25,18 @@ from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config
-from hetero_common.errors import (ExecutionError, HeteroError, LoraAdapterExistsError, LoraSlotsFullError,
-                                  ModelNotFoundError, UnavailableError, from_grpc_error)
+from hetero_common.errors import (DeadlineExceededError, ExecutionError, HeteroError, LoraAdapterExistsError,
+                                  LoraSlotsFullError, ModelNotFoundError, RequestAbortedError, UnavailableError,
+                                  from_grpc_error)
 from hetero_common.finish_reasons import is_finished
 from hetero_common.grpc_server import internal_channel
 from hetero_common.retry import retrying
+from hetero_common.sampling import resolve
 
 log = structlog.get_logger("gateway.scheduler_backend")
 NAME = "scheduler"
+# An embedding's Submit: one sample, nothing sampled (the scheduler's parameters must still be valid).
+_EMBEDDING_PARAMS = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1)
 # What the scheduler's LoRA management answers mean (scheduler_svc/lora_manager.py).
 _LORA_ERRORS = {grpc.StatusCode.ALREADY_EXISTS: LoraAdapterExistsError,
                 grpc.StatusCode.FAILED_PRECONDITION: LoraSlotsFullError,
@@ -127,8 +131,23 @@ class SchedulerBackend:
                 if not streams:
                     return
 
+    async def embed(self, call: EmbeddingCall, timeout: float | None) -> EmbeddingOutput:
+        """One Submit with `pooling` set: its one event carries the vector (or says why there is none)."""
+        prepared = PreparedRequest(call.request_id, call.prompt_token_ids, resolve(_EMBEDDING_PARAMS), call.adapter)
+        async with aclosing(self._events(prepared, _EMBEDDING_PARAMS, timeout, "", call.priority, call.pooling)) as events:
+            async for event in events:
+                if event.finish_reason == common_pb2.FINISH_REASON_STOP and event.embedding:
+                    return EmbeddingOutput(event.embedding, event.queue_seconds)
+                if event.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                    raise RequestAbortedError(f"embedding request {call.request_id!r} was aborted")
+                if event.finish_reason == common_pb2.FINISH_REASON_DEADLINE:
+                    raise DeadlineExceededError(f"embedding request {call.request_id!r} passed its deadline")
+                raise ExecutionError(event.error or f"embedding request {call.request_id!r} ended without its vector")
+        raise ExecutionError(f"the scheduler ended embedding request {call.request_id!r} without an event")
+
     async def _events(self, prepared: PreparedRequest, params: common_pb2.SamplingParams,
-                      timeout: float | None = None, cache_salt: str = "", priority: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+                      timeout: float | None = None, cache_salt: str = "", priority: int = 0,
+                      pooling: int = 0) -> AsyncIterator[scheduler_pb2.TokenEvent]:
         """The scheduler's token events, from this gateway's Follow stream (scheduler_events.py);
         the request's own Submit call ends with it. Failing to reach the scheduler (before the
         first event) is retried; the scheduler treats a repeated request id as the same request
@@ -158,7 +177,7 @@ class SchedulerBackend:
                         submit = scheduler_pb2.SubmitRequest(
                             request_id=rid, prompt_token_ids=prepared.prompt_token_ids, params=params,
                             cache_salt=cache_salt, priority=priority, follower_id=follow.follower_id,
-                            lora_adapter=prepared.adapter)
+                            lora_adapter=prepared.adapter, pooling=pooling)
                         call = self.scheduler.Submit(
                             submit, timeout=None if deadline is None else max(0.001, deadline - loop.time()))
                         _report_end(call, queue)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -15,6 +16,7 @@ import uvicorn
 from gateway.auth import ApiKeyInterceptor, ApiKeys
 from gateway.backend import Backend
 from gateway.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.embedding import Embeddings
 from gateway.fallback import FallbackBackend
 from gateway.generation import Generation
 from gateway.grpc_api import SERVICE_NAME, InferenceServicer
@@ -25,7 +27,7 @@ from gateway.scheduler_backend import SchedulerBackend
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import inference_pb2_grpc
 from hetero_common.config import Config
-from hetero_common.errors import UnavailableError
+from hetero_common.errors import HeteroError, UnavailableError
 from hetero_common.gc_tuning import tune_gc
 from hetero_common.grpc_server import (add_health_and_reflection, bind, public_server_options, server_credentials,
                                       set_serving_aio, termination_signal)
@@ -41,6 +43,14 @@ def load_gateway_tokenizer(config: Config) -> TextTokenizer:
     bridge_only = backend.kind == "command_bridge" and backend.fallback == "none"
     model = None if config.tokenizer.kind == "simple" and bridge_only else resolve_model_path(config.model)
     return load_tokenizer(model, config.tokenizer.path, kind=config.tokenizer.kind)
+
+
+def served_model_path(config: Config) -> Path | None:
+    """The served model's file or directory (its embedding pooling config), where the gateway can find it."""
+    try:
+        return resolve_model_path(config.model)
+    except HeteroError:
+        return None
 
 
 def generation_backend(config: Config, tokenizer: TextTokenizer, scheduler: SchedulerBackend) -> Backend:
@@ -59,7 +69,8 @@ async def serve_gateway(config: Config) -> None:
     generation = Generation(config, tokenizer, generation_backend(config, tokenizer, scheduler))
     keys = ApiKeys.from_config(config)
     server = grpc.aio.server(options=public_server_options(config.serving), interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generation), server)
+    embeddings = Embeddings(config.serving.embedding, generation, served_model_path(config))
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generation, embeddings), server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
     await set_serving_aio(health, [SERVICE_NAME], serving=False)  # grpc's default for "" is SERVING
     address = f"{config.serving.host}:{config.serving.port}"
@@ -67,7 +78,7 @@ async def serve_gateway(config: Config) -> None:
         raise SystemExit(f"gateway: cannot bind {address}; is another process using it?")
     await server.start()
     await generation.start()
-    api = HttpApi(generation, keys, scheduler.stats, config.serving)
+    api = HttpApi(generation, keys, scheduler.stats, config.serving, embeddings)
     listeners = []  # the HTTP API, and `enable_metrics`' own /metrics
     if config.serving.http_port:
         listeners.append(await start_http_server(config, api.app, config.serving.http_port, "serving.http_port"))

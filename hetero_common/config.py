@@ -12,7 +12,7 @@ from typing import Any
 
 from hetero_common.config_presets import PRESETS  # noqa: F401 (part of this module's interface)
 from hetero_common.config_sections import (  # noqa: F401 (the sections are part of this module's interface)
-    BackendConfig, CommandConfig, ServingConfig, TLSConfig, TokenizerConfig, doc)
+    BackendConfig, CommandConfig, EmbeddingConfig, ServingConfig, TLSConfig, TokenizerConfig, doc)
 from hetero_common.errors import ConfigError
 from hetero_common.lora_modules import parse_lora_modules
 
@@ -302,12 +302,11 @@ class Config:
                f"must differ from serving.port ({self.serving.port})")
         _check(self.serving.max_concurrent_requests >= 0, "serving.max_concurrent_requests",
                self.serving.max_concurrent_requests, "must be >= 0 (0 = no limit)")
-        _check(self.serving.tokenizer_workers >= 1, "serving.tokenizer_workers", self.serving.tokenizer_workers,
-               "must be >= 1")
-        _check(self.serving.tokenizer_queue >= 0, "serving.tokenizer_queue", self.serving.tokenizer_queue, "must be >= 0")
-        _check(self.serving.stream_interval >= 1, "serving.stream_interval", self.serving.stream_interval,
-               "must be >= 1 (tokens per streamed message; 1 = every token at once)")
+        _check(self.serving.tokenizer_workers >= 1, "serving.tokenizer_workers", self.serving.tokenizer_workers, "must be >= 1")
         serving = self.serving
+        _check(serving.tokenizer_queue >= 0, "serving.tokenizer_queue", serving.tokenizer_queue, "must be >= 0")
+        _check(serving.stream_interval >= 1, "serving.stream_interval", serving.stream_interval,
+               "must be >= 1 (tokens per streamed message; 1 = every token at once)")
         _check(1024 <= serving.max_request_bytes <= 1 << 30, "serving.max_request_bytes", serving.max_request_bytes,
                "must be in 1024..1073741824 (1 KiB..1 GiB)")
         _check(serving.max_connections >= 0, "serving.max_connections", serving.max_connections, "must be >= 0 (0 = no limit)")
@@ -319,6 +318,9 @@ class Config:
                "must not hold empty keys or keys with surrounding spaces")
         _check(not self.serving.api_keys_file or Path(self.serving.api_keys_file).is_file(), "serving.api_keys_file",
                self.serving.api_keys_file, "must be an existing file (one key per line)")
+        pooling, max_inputs = serving.embedding.pooling, serving.embedding.max_inputs
+        _check(pooling in ("auto", "last", "mean", "cls"), "serving.embedding.pooling", pooling, "must be auto, last, mean or cls")
+        _check(max_inputs >= 1, "serving.embedding.max_inputs", max_inputs, "must be >= 1")
         _check(self.tokenizer.kind in ("auto", "huggingface", "gguf", "simple"), "tokenizer.kind", self.tokenizer.kind,
                "must be auto, huggingface, gguf or simple (the built-in byte-level tokenizer)")
         _check(self.tokenizer.kind != "simple" or not self.tokenizer.path, "tokenizer.path", self.tokenizer.path,
@@ -375,8 +377,7 @@ class Config:
                "must be debug, info, warning or error")
         _check(self.log_format in ("auto", "json", "console"), "log_format", self.log_format, "must be auto, json or console")
         _check(1 <= self.metrics_port <= 65535, "metrics_port", self.metrics_port, "must be a TCP port (1-65535)")
-        taken = {"serving.port": self.serving.port, "serving.http_port": self.serving.http_port}
-        for key, port in taken.items():
+        for key, port in {"serving.port": self.serving.port, "serving.http_port": self.serving.http_port}.items():
             _check(not self.enable_metrics or self.metrics_port != port, "metrics_port", self.metrics_port,
                    f"must differ from {key} ({port}) when enable_metrics is true")
 

@@ -55,6 +55,18 @@ class TLSConfig:
 
 
 @dataclass
+class EmbeddingConfig:
+    """Embedding requests (`Embed`, `/v1/embeddings`; docs/embeddings.md)."""
+
+    pooling: str = field(default="auto", metadata=doc(
+        "how a request that names none pools the final norm's hidden states: `last`, `mean` or `cls`; `auto` = the "
+        "model directory's sentence-transformers config (`modules.json`, `1_Pooling/config.json`) when it has one, "
+        "else `last` (decoder embedding models: e5-mistral, gte-Qwen2)"))
+    max_inputs: int = field(default=2048, metadata=doc(
+        "inputs one embedding request may carry (OpenAI's limit); more are refused with `INVALID_ARGUMENT` / 400"))
+
+
+@dataclass
 class ServingConfig:
     """The gateway's public surface: its ports, the model name it answers to, its backend, who may call it."""
 
@@ -106,6 +118,7 @@ class ServingConfig:
     tokenizer_queue: int = field(default=16, metadata=doc(
         "large inputs that may wait for a tokenizer thread; more are refused with `RESOURCE_EXHAUSTED` / HTTP 429 "
         "(bounds the text held waiting)"))
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig, metadata=doc("embedding requests"))
 
 
 @dataclass

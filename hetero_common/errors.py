@@ -123,6 +123,20 @@ class DeadlineExceededError(HeteroError):
     http_status = 504
 
 
+class RequestAbortedError(HeteroError):
+    """A request answered once (Embed) was aborted before it finished: by `Abort`, or by an operator."""
+
+    grpc_code = grpc.StatusCode.ABORTED
+    http_status = 409
+
+
+class UnsupportedError(HeteroError):
+    """The configured backend cannot serve this kind of request (the command bridge and embeddings)."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 400
+
+
 class CommandBridgeError(ExecutionError):
     """The command bridge program failed (non-zero exit); the message carries its stderr tail."""
 

@@ -15,16 +15,23 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
+from gateway.embedding_inputs import tokenize_inputs
 from gateway.text_stream import TextStream
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
+from hetero_common.embedding_vectors import POOLING_BY_NAME, default_pooling, finish_vector
 from hetero_common.errors import ValidationError
 from hetero_common.lora_modules import lora_cache_salt, lora_slot
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from scheduler_svc.scheduler import Scheduler, StepOutputs, plan_needs_worker
+
+
+_EMBEDDING_PARAMS = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1)  # nothing is sampled
 
 
 @dataclass
@@ -106,6 +113,9 @@ class InferenceEngine:
         self.scheduler = Scheduler(self.config, min(self.config.max_num_blocks, info.num_blocks),
                                    tuple(info.eos_token_ids), min(self.config.max_model_len, info.max_position_embeddings))
         self._pending: dict[tuple[str, int], _Pending] = {}  # (request id, sample index)
+        # Embedding requests: None until the step that pools it, then the pooled vector (`take_embedding`).
+        self._embeddings: dict[str, list[float] | None] = {}
+        self.default_pooling = default_pooling(self.config.serving.embedding.pooling, self.runner.model_path)
         self._ids = itertools.count()
         self.last_step_outputs = StepOutputs()  # tokens of the latest step (benchmarks time them)
 
@@ -134,7 +144,42 @@ class InferenceEngine:
                 prepared.prompt_token_ids, TextStream(self.tokenizer, prepared.prompt_token_ids, prepared.sampling))
         return request_id
 
+    def submit_embedding(self, text: str | Sequence[int], pooling: str = "", request_id: str | None = None,
+                         lora: str = "") -> str:
+        """Queue one input (text, or token ids) for its embedding; it runs in the same steps as generation.
+        `pooling`: last | mean | cls ("" = the model's default). The vector: `take_embedding` once it is done."""
+        request_id = request_id or f"engine-{next(self._ids)}"
+        request = inference_pb2.EmbedRequest()
+        if isinstance(text, str):
+            request.inputs.add(text=text)
+        else:
+            request.inputs.add().token_ids.ids.extend(text)
+        ids = tokenize_inputs(request, self.tokenizer, self.scheduler.max_model_len)[0]
+        slot = lora_slot(self.config.lora_modules, self.config.max_loras, lora)
+        self.scheduler.add_request(request_id, ids, _EMBEDDING_PARAMS, lora_cache_salt("", lora), lora_slot=slot,
+                                   pooling=POOLING_BY_NAME[pooling] if pooling else self.default_pooling)
+        self._embeddings[request_id] = None
+        return request_id
+
+    def take_embedding(self, request_id: str, dimensions: int = 0, normalize: bool = True) -> np.ndarray | None:
+        """The embedding of a finished `submit_embedding` (its first `dimensions` values, L2-normalised when
+        `normalize`, as the gateway answers); None while it runs."""
+        pooled = self._embeddings.get(request_id)
+        if pooled is None:
+            return None
+        del self._embeddings[request_id]
+        return finish_vector(pooled, dimensions, normalize)
+
+    def embed(self, inputs: Sequence[str | Sequence[int]], pooling: str = "", dimensions: int = 0,
+              normalize: bool = True) -> list[np.ndarray]:
+        """Embed every input (stepping the engine, with whatever else is queued, until they are done)."""
+        ids = [self.submit_embedding(text, pooling) for text in inputs]
+        while any(self._embeddings[i] is None for i in ids):
+            self.step()
+        return [self.take_embedding(i, dimensions, normalize) for i in ids]  # type: ignore[misc]
+
     def abort(self, request_id: str) -> list[CompletedRequest]:
+        self._embeddings.pop(request_id, None)
         if self.scheduler.abort(request_id):
             keys = [k for k in self._pending if k[0] == request_id]
             return [self._complete(k, common_pb2.FINISH_REASON_ABORT) for k in keys]
@@ -166,6 +211,9 @@ class InferenceEngine:
         completed = []
         self.last_step_outputs = self.scheduler.process_result(result)
         for out in self.last_step_outputs:
+            if out.request_id in self._embeddings:  # pooled (an abort leaves it None: `abort` dropped it)
+                self._embeddings[out.request_id] = list(out.embedding) if out.embedding else None
+                continue
             key = (out.request_id, out.index)
             pending = self._pending[key]
             pending.output_token_ids.extend(out.token_ids)

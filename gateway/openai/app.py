@@ -34,6 +34,8 @@ from gateway.openai.body_limit import BodyLimitMiddleware
 from gateway.openai.json_body import OTHER_VALUES, CountedJsonRoute
 from gateway.openai.prompt_echo import PromptShaping
 from gateway.openai.request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
+from gateway.openai.embedding_routes import EmbeddingRoutes
+from gateway.embedding import Embeddings
 from gateway.openai.streams import merged, unless_client_gone
 from gateway.openai.structured import renamed_errors
 from gateway.openai.lora_routes import LoraRoutes
@@ -119,13 +121,14 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 class HttpApi:
     def __init__(self, generation: Generation, keys: ApiKeys,
                  scheduler_stats: Callable[[], Awaitable[scheduler_pb2.SchedulerStats]],
-                 serving: ServingConfig | None = None) -> None:
+                 serving: ServingConfig | None = None, embeddings: Embeddings | None = None) -> None:
         self.generation = generation
         self.keys = keys
         self.scheduler_stats = scheduler_stats  # readiness and pool metrics are the scheduler's
         self.serving = serving or ServingConfig()  # the limits (max_request_bytes, ...) and metrics_require_key
         self.tokenizer_routes = TokenizerRoutes(generation)
         self.lora_routes = LoraRoutes(generation)
+        self.embedding_routes = EmbeddingRoutes(embeddings or Embeddings(self.serving.embedding, generation, None))
         self.fastapi = self._build()
         limited = BodyLimitMiddleware(self.fastapi, self.serving.max_request_bytes, self.serving.http_body_timeout_s,
                                       error_body, generation.heap_trimmer.release_later)  # a large body: trim after
@@ -160,6 +163,7 @@ class HttpApi:
                                       ("/v1/lora_adapters", lora.adapters, "GET"),
                                       ("/v1/completions", self.completions, "POST"),
                                       ("/v1/chat/completions", self.chat_completions, "POST"),
+                                      ("/v1/embeddings", self.embedding_routes.create, "POST"),
                                       ("/v1/models", self.models, "GET"), ("/tokenize", tok.tokenize, "POST"),
                                       ("/detokenize", tok.detokenize, "POST"), ("/tokenizer_info", tok.tokenizer_info, "GET")):
             app.add_api_route(path, handler, methods=[method], dependencies=guarded, openapi_extra=documented)

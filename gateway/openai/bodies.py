@@ -121,15 +121,15 @@ def _prompt_error(message: str, param: str = "prompt") -> ValidationError:
     return ValidationError(f"{param}: {message}", param)
 
 
-def _check_prompt(prompt: Any) -> Any:
-    """OpenAI's four prompt forms, checked by hand so the error names the element at fault
+def check_prompt_form(prompt: Any, param: str = "prompt") -> Any:
+    """OpenAI's four prompt forms (a completion's `prompt`, an embedding's `input`), checked by hand so the error names the element at fault
     (pydantic would report one error per form of the union)."""
     if isinstance(prompt, str):
         return prompt
     if not isinstance(prompt, list):
-        raise _prompt_error("must be a string, a list of strings, a list of token ids or a list of lists of them")
+        raise _prompt_error("must be a string, a list of strings, a list of token ids or a list of lists of them", param)
     if not prompt:
-        raise _prompt_error("must not be empty")
+        raise _prompt_error("must not be empty", param)
 
     def token_ids(ids: list[Any], where: str) -> None:
         for j, t in enumerate(ids):
@@ -139,14 +139,14 @@ def _check_prompt(prompt: Any) -> Any:
     if all(isinstance(p, str) for p in prompt):
         return prompt
     if all(type(p) is int for p in prompt):
-        token_ids(prompt, "prompt")
+        token_ids(prompt, param)
         return prompt
     if not all(isinstance(p, list) for p in prompt):
-        raise _prompt_error("a list prompt holds strings only, token ids only, or lists of token ids only")
+        raise _prompt_error("a list holds strings only, token ids only, or lists of token ids only", param)
     for i, p in enumerate(prompt):
         if not p:
-            raise _prompt_error("must not be empty", f"prompt[{i}]")
-        token_ids(p, f"prompt[{i}]")
+            raise _prompt_error("must not be empty", f"{param}[{i}]")
+        token_ids(p, f"{param}[{i}]")
     return prompt
 
 
@@ -163,7 +163,7 @@ class CompletionBody(_Body):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_form(cls, prompt: Any) -> Any:
-        return _check_prompt(prompt)
+        return check_prompt_form(prompt)
 
     @model_validator(mode="after")
     def _contract(self) -> "CompletionBody":
