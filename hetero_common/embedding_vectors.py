@@ -15,9 +15,11 @@ from hetero_common.errors import ValidationError
 
 POOLING_BY_NAME = {"last": common_pb2.POOLING_LAST, "mean": common_pb2.POOLING_MEAN, "cls": common_pb2.POOLING_CLS}
 POOLING_NAMES = {value: name for name, value in POOLING_BY_NAME.items()}
-# sentence-transformers' 1_Pooling/config.json keys, in the order they are tried.
+# sentence-transformers' 1_Pooling/config.json: `pooling_mode` (version 6) or a flag per mode (before).
+_SENTENCE_TRANSFORMERS_NAMES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
 _SENTENCE_TRANSFORMERS_MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
-                                ("pooling_mode_cls_token", "cls"))
+                                ("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", None),
+                                ("pooling_mode_mean_sqrt_len_tokens", None), ("pooling_mode_weightedmean_tokens", None))
 
 
 def model_pooling(model_path: Path) -> str | None:
@@ -33,7 +35,12 @@ def model_pooling(model_path: Path) -> str | None:
         config = json.loads((model_path / pooling.get("path", "") / "config.json").read_text())
     except (OSError, ValueError, AttributeError, TypeError):
         return None
-    chosen = [name for key, name in _SENTENCE_TRANSFORMERS_MODES if config.get(key)]
+    mode = config.get("pooling_mode")  # sentence-transformers 6: one name (or a list); before: a flag per mode
+    if mode is not None:
+        modes = [mode] if isinstance(mode, str) else list(mode) if isinstance(mode, list) else []
+        chosen = [_SENTENCE_TRANSFORMERS_NAMES.get(str(m)) for m in modes]
+    else:
+        chosen = [name for key, name in _SENTENCE_TRANSFORMERS_MODES if config.get(key)]
     return chosen[0] if len(chosen) == 1 else None
 
 
