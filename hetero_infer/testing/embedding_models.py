@@ -24,7 +24,8 @@ def make_sentence_transformers_dir(model_dir: Path, out: Path, pooling: str) -> 
     shutil.copytree(model_dir, out, dirs_exist_ok=True)
     # Plain text in, as the server takes `text` (sentence-transformers 6 would render it with the chat template).
     transformer = models.Transformer(str(model_dir), modality_config=_TEXT_ONLY, module_output_name="token_embeddings")
-    pool = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode=_MODES[pooling])
+    size = getattr(transformer, "get_embedding_dimension", None) or transformer.get_word_embedding_dimension
+    pool = models.Pooling(size(), pooling_mode=_MODES[pooling])
     with tempfile.TemporaryDirectory() as saved:
         SentenceTransformer(modules=[transformer, pool, models.Normalize()], device="cpu").save(saved)
         for name in _MODULE_FILES:

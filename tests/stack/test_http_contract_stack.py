@@ -48,7 +48,7 @@ def test_fuzzed_bodies_never_get_a_5xx(stack: Stack) -> None:
     schema = schemathesis.openapi.from_dict(document)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
-                                              "/tokenizer_info", "/v1/models"}
+                                              "/tokenizer_info", "/v1/models", "/v1/embeddings"}
     # Most bodies of the full schema carry some unserved field with a value other than its default
     # (a 400); the served subset (the schema without those fields) reaches the engine with random
     # sampling controls, n, stops and prompts.
