@@ -25,6 +25,9 @@ from hetero_common.embedding_vectors import POOLING_NAMES, default_pooling, fini
 from hetero_common.errors import HeteroError, OverloadedError
 
 log = structlog.get_logger("gateway.embedding")
+# Inputs of one request submitted at once: enough to fill the engine's steps, few enough that a request of
+# serving.embedding.max_inputs (2048 by default) never fills the scheduler's queue (max_queued_requests) alone.
+INPUTS_IN_FLIGHT = 256
 
 
 class Embeddings:
@@ -76,8 +79,17 @@ class Embeddings:
         ids = [call.request_id for call in calls]
         gen.active.register(request_id, ids)
         try:
+            window = asyncio.Semaphore(INPUTS_IN_FLIGHT)
+            loop = asyncio.get_running_loop()
+            deadline = None if timeout is None else loop.time() + timeout
+
+            async def embed_one(call: EmbeddingCall) -> EmbeddingOutput:
+                async with window:  # an input that waited here has that much less of the client's time
+                    left = None if deadline is None else max(0.001, deadline - loop.time())
+                    return await gen.backend.embed(call, left)
+
             async with asyncio.TaskGroup() as group:  # one input failing cancels the others (their blocks freed)
-                tasks = [group.create_task(gen.backend.embed(call, timeout)) for call in calls]
+                tasks = [group.create_task(embed_one(call)) for call in calls]
         except BaseExceptionGroup as group:  # the first typed error is the request's answer
             raise next((e for e in group.exceptions if isinstance(e, HeteroError)), group.exceptions[0]) from None
         finally:
