@@ -366,3 +366,14 @@ def test_tokenizer_routes_need_the_api_key_when_keys_are_on(tokenizer: TextToken
             assert c.request(method, path, json=body).status_code == 401, path
             assert c.request(method, path, json=body, headers={"authorization": "Bearer k1"}).status_code == 200, path
         assert c.get("/openapi.json").status_code == 200  # open, like the probes
+
+
+def test_embeddings_bodies_are_checked_and_the_bridge_refuses_the_rest(client: TestClient) -> None:
+    """/v1/embeddings refuses a bad body by its field before any backend is asked, and a good one with a 400
+    that says the command bridge computes no vectors (never a 5xx)."""
+    for body, param in (({"input": []}, "input"), ({"input": [-1]}, "input[0]"), ({"input": [[1], "x"]}, "input"),
+                        ({"input": "x", "dimensions": 0}, "dimensions"), ({"input": "x", "suffix": "y"}, "suffix"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format")):
+        assert_refused(post(client, "/v1/embeddings", body), param)
+    refused = post(client, "/v1/embeddings", {"input": ["hello", "world"]})
+    assert refused.status_code == 400 and "command_bridge" in refused.json()["error"]["message"]
