@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+
 import numpy as np
 import structlog
 import torch

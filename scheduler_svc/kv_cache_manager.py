@@ -81,7 +81,7 @@ class KVCacheManager:
         that asks for prompt logprobs (scheduler_svc/prompt_logprobs.py) or an embedding.
         """
         if not self.enable_prefix_caching or seq.block_table or seq.computes_whole_prompt:
-            return []  # cached positions have no logits: prompt logprobs need all of them computed
+            return []  # cached positions have no logits or pooled rows: these need all of them computed
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs
         if len(seq.block_hashes) < usable:

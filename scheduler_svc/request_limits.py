@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import structlog
 
+from hetero.v1 import common_pb2
 from hetero_common.errors import ValidationError
 from scheduler_svc.block_pool import blocks_for
 
 log = structlog.get_logger("scheduler_svc.scheduler")  # the scheduler's warning, under its name
+_POOLINGS = (0, common_pb2.POOLING_LAST, common_pb2.POOLING_MEAN, common_pb2.POOLING_CLS)  # 0: a generation
 
 
 class RequestLimits:
@@ -27,6 +29,8 @@ class RequestLimits:
     def check_request(self, num_prompt_tokens: int, n: int, pooling: int = 0) -> None:
         """The prompt, its samples and their blocks (`check_prompt`, `check_blocks`); an embedding (`pooling`)
         generates nothing, so its prompt may fill max_model_len, and it has one sample."""
+        if pooling not in _POOLINGS:
+            raise ValidationError(f"pooling {pooling} is none of LAST, MEAN or CLS")
         if pooling and n != 1:
             raise ValidationError(f"an embedding request has one sample; params.n is {n}")
         self.check_prompt(num_prompt_tokens, generated=0 if pooling else 1)

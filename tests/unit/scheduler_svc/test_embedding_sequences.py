@@ -79,3 +79,5 @@ def test_an_embedding_may_fill_max_model_len_and_has_one_sample() -> None:
         sched.add_request("long", list(range(3, 20)), params(max_tokens=1), pooling=MEAN)
     with pytest.raises(ValidationError, match="one sample"):
         sched.add_request("n2", [3, 4], params(max_tokens=1, n=2), pooling=MEAN)
+    with pytest.raises(ValidationError, match="pooling 9 is none of"):
+        sched.add_request("odd", [3, 4], params(max_tokens=1), pooling=9)
