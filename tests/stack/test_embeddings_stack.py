@@ -1,5 +1,5 @@
-"""Embeddings through the real stack (three processes, float32, the tiny Llama with sentence-transformers'
-module files, mean pooling read from them) against sentence-transformers on the same weights: gRPC `Embed`
+"""Embeddings through the real stack (gateway, scheduler and two data-parallel workers, float32, the tiny Llama
+with sentence-transformers' module files, mean pooling read from them) against sentence-transformers on the same weights: gRPC `Embed`
 and the official `openai` client's `embeddings.create` (base64 and float), chunked inputs, generations in the
 same steps, `dimensions`, the refusals (INVALID_ARGUMENT / 400 naming the field), a deadline, the metrics, and
 no KV block left behind."""
@@ -40,8 +40,10 @@ def reference(model: Path) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def stack(model: Path):
+    # Two data-parallel replicas: a request's inputs are routed over both, as generations are.
     with run_stack(model, "--block-size", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-prefill-chunk-tokens",
-                   "8", "--serving-embedding-max-inputs", str(MAX_INPUTS), "--log-level", "warning") as s:
+                   "8", "--serving-embedding-max-inputs", str(MAX_INPUTS), "--data-parallel-size", "2",
+                   "--log-level", "warning") as s:
         yield s
 
 
