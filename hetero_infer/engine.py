@@ -25,7 +25,7 @@ from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.embedding_vectors import POOLING_BY_NAME, default_pooling, finish_vector
-from hetero_common.errors import ValidationError
+from hetero_common.errors import ExecutionError, ValidationError
 from hetero_common.lora_modules import lora_cache_salt, lora_slot
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from scheduler_svc.scheduler import Scheduler, StepOutputs, plan_needs_worker
@@ -113,8 +113,8 @@ class InferenceEngine:
         self.scheduler = Scheduler(self.config, min(self.config.max_num_blocks, info.num_blocks),
                                    tuple(info.eos_token_ids), min(self.config.max_model_len, info.max_position_embeddings))
         self._pending: dict[tuple[str, int], _Pending] = {}  # (request id, sample index)
-        # Embedding requests: None until the step that pools it, then the pooled vector (`take_embedding`).
-        self._embeddings: dict[str, list[float] | None] = {}
+        # Embedding requests: None until the step that ends it, then its pooled vector or why it has none.
+        self._embeddings: dict[str, list[float] | ExecutionError | None] = {}
         self.default_pooling = default_pooling(self.config.serving.embedding.pooling, self.runner.model_path)
         self._ids = itertools.count()
         self.last_step_outputs = StepOutputs()  # tokens of the latest step (benchmarks time them)
@@ -163,20 +163,26 @@ class InferenceEngine:
 
     def take_embedding(self, request_id: str, dimensions: int = 0, normalize: bool = True) -> np.ndarray | None:
         """The embedding of a finished `submit_embedding` (its first `dimensions` values, L2-normalised when
-        `normalize`, as the gateway answers); None while it runs."""
+        `normalize`, as the gateway answers); None while it runs. Raises ExecutionError when it ended without one
+        (a failed step), ValidationError for `dimensions` over the hidden size."""
         pooled = self._embeddings.get(request_id)
         if pooled is None:
             return None
         del self._embeddings[request_id]
+        if isinstance(pooled, ExecutionError):
+            raise pooled
         return finish_vector(pooled, dimensions, normalize)
 
     def embed(self, inputs: Sequence[str | Sequence[int]], pooling: str = "", dimensions: int = 0,
               normalize: bool = True) -> list[np.ndarray]:
         """Embed every input (stepping the engine, with whatever else is queued, until they are done)."""
         ids = [self.submit_embedding(text, pooling) for text in inputs]
-        while any(self._embeddings[i] is None for i in ids):
+        while any(self._embeddings.get(i, 0) is None for i in ids) and self.has_pending_work():
             self.step()
-        return [self.take_embedding(i, dimensions, normalize) for i in ids]  # type: ignore[misc]
+        vectors = [self.take_embedding(i, dimensions, normalize) for i in ids]
+        if any(v is None for v in vectors):  # aborted, or the engine suspended, before they were done
+            raise ExecutionError("embedding requests ended before their vectors were computed")
+        return vectors  # type: ignore[return-value]
 
     def abort(self, request_id: str) -> list[CompletedRequest]:
         self._embeddings.pop(request_id, None)
@@ -211,8 +217,9 @@ class InferenceEngine:
         completed = []
         self.last_step_outputs = self.scheduler.process_result(result)
         for out in self.last_step_outputs:
-            if out.request_id in self._embeddings:  # pooled (an abort leaves it None: `abort` dropped it)
-                self._embeddings[out.request_id] = list(out.embedding) if out.embedding else None
+            if out.request_id in self._embeddings:  # its one output: the vector, or why there is none
+                self._embeddings[out.request_id] = list(out.embedding) if out.embedding else ExecutionError(
+                    out.error or f"embedding {out.request_id!r} ended ({finish_reason_name(out.finish_reason)})")
                 continue
             key = (out.request_id, out.index)
             pending = self._pending[key]
