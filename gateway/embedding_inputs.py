@@ -10,9 +10,6 @@ from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.tokenizer import TextTokenizer
 
-_POOLINGS = (common_pb2.POOLING_UNSPECIFIED, common_pb2.POOLING_LAST, common_pb2.POOLING_MEAN, common_pb2.POOLING_CLS)
-_ENCODINGS = (inference_pb2.EMBEDDING_ENCODING_UNSPECIFIED, inference_pb2.EMBEDDING_ENCODING_FLOAT,
-              inference_pb2.EMBEDDING_ENCODING_BASE64)
 
 
 @dataclass
@@ -38,9 +35,9 @@ def check_request(request: inference_pb2.EmbedRequest, limits: EmbeddingLimits) 
     if len(request.inputs) > limits.max_inputs:
         raise ValidationError(f"inputs holds {len(request.inputs)} inputs; at most {limits.max_inputs} are taken "
                               "(serving.embedding.max_inputs): split the request", "input")
-    if request.pooling not in _POOLINGS:
+    if request.pooling not in common_pb2.Pooling.values():  # proto3 enums are open: any number arrives
         raise ValidationError(f"pooling {request.pooling} is none of LAST, MEAN or CLS", "pooling")
-    if request.encoding_format not in _ENCODINGS:
+    if request.encoding_format not in inference_pb2.EmbeddingEncoding.values():
         raise ValidationError(f"encoding_format {request.encoding_format} is neither FLOAT nor BASE64", "encoding_format")
     if limits.hidden_size is not None and request.dimensions > limits.hidden_size:
         raise ValidationError(f"dimensions is {request.dimensions}; this model's embeddings have {limits.hidden_size} "

@@ -25,6 +25,7 @@ from hetero_common.tokenizer import TextTokenizer
 from gateway.validation import PreparedRequest
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config
+from hetero_common.embedding_vectors import EMBEDDING_PARAMS
 from hetero_common.errors import (DeadlineExceededError, ExecutionError, HeteroError, LoraAdapterExistsError,
                                   LoraSlotsFullError, ModelNotFoundError, RequestAbortedError, UnavailableError,
                                   from_grpc_error)
@@ -35,8 +36,6 @@ from hetero_common.sampling import resolve
 
 log = structlog.get_logger("gateway.scheduler_backend")
 NAME = "scheduler"
-# An embedding's Submit: one sample, nothing sampled (the scheduler's parameters must still be valid).
-_EMBEDDING_PARAMS = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1)
 # What the scheduler's LoRA management answers mean (scheduler_svc/lora_manager.py).
 _LORA_ERRORS = {grpc.StatusCode.ALREADY_EXISTS: LoraAdapterExistsError,
                 grpc.StatusCode.FAILED_PRECONDITION: LoraSlotsFullError,
@@ -133,8 +132,8 @@ class SchedulerBackend:
 
     async def embed(self, call: EmbeddingCall, timeout: float | None) -> EmbeddingOutput:
         """One Submit with `pooling` set: its one event carries the vector (or says why there is none)."""
-        prepared = PreparedRequest(call.request_id, call.prompt_token_ids, resolve(_EMBEDDING_PARAMS), call.adapter)
-        async with aclosing(self._events(prepared, _EMBEDDING_PARAMS, timeout, "", call.priority, call.pooling)) as events:
+        prepared = PreparedRequest(call.request_id, call.prompt_token_ids, resolve(EMBEDDING_PARAMS), call.adapter)
+        async with aclosing(self._events(prepared, EMBEDDING_PARAMS, timeout, "", call.priority, call.pooling)) as events:
             async for event in events:
                 if event.finish_reason == common_pb2.FINISH_REASON_STOP and event.embedding:
                     return EmbeddingOutput(event.embedding, event.queue_seconds)

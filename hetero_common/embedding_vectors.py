@@ -13,6 +13,9 @@ import numpy as np
 from hetero.v1 import common_pb2
 from hetero_common.errors import ValidationError
 
+# An embedding request's sampling parameters downstream: one sample, nothing sampled (the scheduler still
+# validates them as a generation's). The gateway's Submit and the in-process engine send these.
+EMBEDDING_PARAMS = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1)
 POOLING_BY_NAME = {"last": common_pb2.POOLING_LAST, "mean": common_pb2.POOLING_MEAN, "cls": common_pb2.POOLING_CLS}
 POOLING_NAMES = {value: name for name, value in POOLING_BY_NAME.items()}
 # sentence-transformers' 1_Pooling/config.json: `pooling_mode` (version 6) or a flag per mode (before).

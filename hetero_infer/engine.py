@@ -24,14 +24,11 @@ from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
-from hetero_common.embedding_vectors import POOLING_BY_NAME, default_pooling, finish_vector
+from hetero_common.embedding_vectors import EMBEDDING_PARAMS, POOLING_BY_NAME, default_pooling, finish_vector
 from hetero_common.errors import ExecutionError, ValidationError
 from hetero_common.lora_modules import lora_cache_salt, lora_slot
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from scheduler_svc.scheduler import Scheduler, StepOutputs, plan_needs_worker
-
-
-_EMBEDDING_PARAMS = common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1)  # nothing is sampled
 
 
 @dataclass
@@ -156,7 +153,7 @@ class InferenceEngine:
             request.inputs.add().token_ids.ids.extend(text)
         ids = tokenize_inputs(request, self.tokenizer, self.scheduler.max_model_len)[0]
         slot = lora_slot(self.config.lora_modules, self.config.max_loras, lora)
-        self.scheduler.add_request(request_id, ids, _EMBEDDING_PARAMS, lora_cache_salt("", lora), lora_slot=slot,
+        self.scheduler.add_request(request_id, ids, EMBEDDING_PARAMS, lora_cache_salt("", lora), lora_slot=slot,
                                    pooling=POOLING_BY_NAME[pooling] if pooling else self.default_pooling)
         self._embeddings[request_id] = None
         return request_id

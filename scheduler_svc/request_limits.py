@@ -10,7 +10,6 @@ from hetero_common.errors import ValidationError
 from scheduler_svc.block_pool import blocks_for
 
 log = structlog.get_logger("scheduler_svc.scheduler")  # the scheduler's warning, under its name
-_POOLINGS = (0, common_pb2.POOLING_LAST, common_pb2.POOLING_MEAN, common_pb2.POOLING_CLS)  # 0: a generation
 
 
 class RequestLimits:
@@ -29,7 +28,7 @@ class RequestLimits:
     def check_request(self, num_prompt_tokens: int, n: int, pooling: int = 0) -> None:
         """The prompt, its samples and their blocks (`check_prompt`, `check_blocks`); an embedding (`pooling`)
         generates nothing, so its prompt may fill max_model_len, and it has one sample."""
-        if pooling not in _POOLINGS:
+        if pooling not in common_pb2.Pooling.values():  # UNSPECIFIED (0): a generation
             raise ValidationError(f"pooling {pooling} is none of LAST, MEAN or CLS")
         if pooling and n != 1:
             raise ValidationError(f"an embedding request has one sample; params.n is {n}")
