@@ -22,7 +22,7 @@ from gateway.generation import Generation
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import EmbeddingConfig
 from hetero_common.embedding_vectors import POOLING_NAMES, default_pooling, finish_vector, to_base64
-from hetero_common.errors import HeteroError, OverloadedError
+from hetero_common.errors import HeteroError
 
 log = structlog.get_logger("gateway.embedding")
 # Inputs of one request submitted at once: enough to fill the engine's steps, few enough that a request of
@@ -49,19 +49,12 @@ class Embeddings:
         gen = self.generation
         if client_request_id is not None and client_request_id != request.request_id:
             structlog.contextvars.bind_contextvars(client_request_id=client_request_id)
-        limit = gen.max_concurrent_requests
-        try:
-            if limit and gen.in_flight >= limit:
-                raise OverloadedError(f"the gateway is serving its limit of {limit} concurrent requests "
-                                      "(serving.max_concurrent_requests); retry later")
-            gen.in_flight += 1
+        with gen.request_slot():
             try:
                 return await self._embed(request, timeout)
-            finally:
-                gen.in_flight -= 1
-        except HeteroError as exc:
-            gen.metrics.request_errors.labels(type(exc).__name__).inc()
-            raise
+            except HeteroError as exc:
+                gen.metrics.request_errors.labels(type(exc).__name__).inc()
+                raise
 
     async def _embed(self, request: inference_pb2.EmbedRequest, timeout: float | None) -> inference_pb2.EmbedResponse:
         gen = self.generation

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from contextlib import aclosing
-from typing import AsyncIterator
+from contextlib import aclosing, contextmanager
+from typing import AsyncIterator, Iterator
 
 import structlog
 
@@ -41,7 +41,7 @@ class Generation:
         self.max_model_len = config.max_model_len  # refined from the backend at start
         self.max_concurrent_requests = config.serving.max_concurrent_requests
         self.metrics = GatewayMetrics()
-        self.in_flight = 0  # generations streaming now (gRPC and HTTP), for serving.max_concurrent_requests
+        self.in_flight = 0  # requests in flight now (generations and embeddings, gRPC and HTTP): request_slot
         self.active = ActiveRequests()
         self.heap_trimmer = HeapTrimmer()  # gives back what large inputs leave in malloc's arenas (heap_trim.py)
         self.tokenizer_pool = TokenizerPool(config.serving.tokenizer_workers, config.serving.tokenizer_queue,
@@ -65,20 +65,28 @@ class Generation:
         logged with the request, and the key a public abort by id finds it under."""
         if client_request_id is not None and client_request_id != request.request_id:
             structlog.contextvars.bind_contextvars(client_request_id=client_request_id)
+        with self.request_slot():
+            timer = self.metrics.start_request()
+            try:
+                async with aclosing(self._generate(request, timer, timeout)) as responses:
+                    async for response in responses:
+                        yield response
+            except BaseException as exc:  # errors, and a client going away (GeneratorExit, CancelledError)
+                timer.fail(exc)
+                raise
+
+    @contextmanager
+    def request_slot(self) -> Iterator[None]:
+        """One of serving.max_concurrent_requests for a request's life (a generation or an embedding request,
+        gRPC or HTTP); over the limit, refused as overloaded (and counted)."""
         limit = self.max_concurrent_requests
         if limit and self.in_flight >= limit:
             self.metrics.request_errors.labels(OverloadedError.__name__).inc()
             raise OverloadedError(f"the gateway is serving its limit of {limit} concurrent requests "
                                   "(serving.max_concurrent_requests); retry later")
         self.in_flight += 1
-        timer = self.metrics.start_request()
         try:
-            async with aclosing(self._generate(request, timer, timeout)) as responses:
-                async for response in responses:
-                    yield response
-        except BaseException as exc:  # errors, and a client going away (GeneratorExit, CancelledError)
-            timer.fail(exc)
-            raise
+            yield
         finally:
             self.in_flight -= 1
 
