@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.validation import MAX_REQUEST_ID_LEN, check_model, chat_chars, render_chat
+from gateway.validation import MAX_REQUEST_ID_LEN, chat_chars, check_model, least_tokens, render_chat
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.tokenizer import TextTokenizer
@@ -90,15 +90,9 @@ def tokenize_inputs(request: inference_pb2.EmbedRequest, tokenizer: TextTokenize
 
 
 def refuse_unfitting_texts(request: inference_pb2.EmbedRequest, tokenizer: TextTokenizer, max_model_len: int) -> None:
-    """A text input that cannot make at most `max_model_len` tokens is refused before any is tokenized (its
-    characters need at least one token per `tokenizer.bound.max_chars`: hetero_common/token_bound.py)."""
-    bound = tokenizer.bound
-    if bound is None:
-        return
+    """A text input that cannot make at most `max_model_len` tokens is refused before any is tokenized."""
     for i, item in enumerate(request.inputs):
-        if item.WhichOneof("input") != "text" or bound.min_tokens(len(item.text)) <= max_model_len:
-            continue  # the common case: fits, whatever the text holds
-        tokens = bound.min_tokens(bound.chars(item.text))
+        tokens = least_tokens([item.text], tokenizer, max_model_len + 1) if item.WhichOneof("input") == "text" else 0
         if tokens > max_model_len:
             raise ValidationError(f"inputs[{i}] is at least {tokens} tokens; max_model_len is {max_model_len}: "
                                   "shorten it", "input")

@@ -75,12 +75,18 @@ def refuse_unfitting(request: inference_pb2.GenerateRequest, tokenizer: TextToke
 
 def refuse_unfitting_text(texts: list[str], tokenizer: TextTokenizer, max_model_len: int) -> None:
     """Refuse texts that, together, cannot make fewer than `max_model_len` tokens (`refuse_unfitting`)."""
-    bound = tokenizer.bound
-    if bound is None or bound.min_tokens(sum(map(len, texts))) < max_model_len:
-        return  # the common case: fits, whatever the text holds
-    tokens = bound.min_tokens(sum(map(bound.chars, texts)))
+    tokens = least_tokens(texts, tokenizer, max_model_len)
     if tokens >= max_model_len:
         raise too_long(f"at least {tokens}", max_model_len)
+
+
+def least_tokens(texts: list[str], tokenizer: TextTokenizer, limit: int) -> int:
+    """A true lower bound on the tokens `texts` make together (hetero_common/token_bound.py), worked out only
+    when their length says it may reach `limit`; 0 otherwise, and for a tokenizer with no bound."""
+    bound = tokenizer.bound
+    if bound is None or bound.min_tokens(sum(map(len, texts))) < limit:
+        return 0  # the common case: fits, whatever the text holds
+    return bound.min_tokens(sum(map(bound.chars, texts)))
 
 
 def prompt_token_ids(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer,
