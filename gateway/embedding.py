@@ -87,8 +87,9 @@ class Embeddings:
             raise next((e for e in group.exceptions if isinstance(e, HeteroError)), group.exceptions[0]) from None
         finally:
             gen.active.unregister(request_id, ids)
-        response = self._response(request, request_id, adapter, inputs, [task.result() for task in tasks])
-        self._meter(response, [task.result() for task in tasks], time.perf_counter() - started)
+        outputs = [task.result() for task in tasks]
+        response = self._response(request, request_id, adapter, inputs, outputs)
+        self._meter(response, outputs, time.perf_counter() - started)
         log.info("embedded", inputs=len(inputs), pooling=POOLING_NAMES[pooling], prompt_tokens=response.usage.prompt_tokens,
                  seconds=round(time.perf_counter() - started, 3))
         return response
@@ -98,8 +99,8 @@ class Embeddings:
         normalize = request.normalize if request.HasField("normalize") else True
         base64 = request.encoding_format == inference_pb2.EMBEDDING_ENCODING_BASE64
         response = inference_pb2.EmbedResponse(request_id=request_id, model=adapter or self.generation.model_name)
+        self.hidden_size = len(outputs[0].values)
         for index, (ids, output) in enumerate(zip(inputs, outputs)):
-            self.hidden_size = len(output.values)
             vector = finish_vector(output.values, request.dimensions, normalize)  # dimensions checked here at the latest
             item = response.data.add(index=index, prompt_tokens=len(ids))
             if base64:

@@ -6,6 +6,7 @@ no KV block left behind."""
 
 from __future__ import annotations
 
+import base64
 import threading
 from pathlib import Path
 
@@ -75,7 +76,7 @@ def test_grpc_embed_matches_sentence_transformers(stack: Stack, reference: np.nd
     request = inference_pb2.EmbedRequest(encoding_format=inference_pb2.EMBEDDING_ENCODING_BASE64)
     request.inputs.add().token_ids.ids.extend(ids)
     encoded = stack.inference.Embed(request, timeout=60).data[0]
-    assert not encoded.values and cosine(np.frombuffer(__import__("base64").b64decode(encoded.base64), "<f4"),
+    assert not encoded.values and cosine(np.frombuffer(base64.b64decode(encoded.base64), "<f4"),
                                          reference[3]) >= MIN_COSINE
 
 
