@@ -73,7 +73,7 @@ class ModelRunner:
             self._prepare_cuda()
         else:
             self.num_blocks, self.attention, self.kv_cache = allocate_cpu_kv_cache(
-                config, self.model, self.model_config.head_dim, self.kv_dtype, self.bytes_per_block)
+                config, self.model, self.model_config.head_dim, self.kv_dtype, self.bytes_per_block, self._agree)
         if self.drafter is not None:  # its K/V in as many blocks
             self.drafter.allocate(self.num_blocks)
         self.loras = load_lora_slots(config, self.model_config, self.device, self.dtype, tp)
@@ -97,9 +97,13 @@ class ModelRunner:
     def _prepare_cuda(self) -> None:
         """The attention backend, the KV cache sized from the memory left after a warm-up pass, the decode graphs."""
         cuda = prepare_cuda_worker(self.model, self.config, self.device, self.dtype, self.kv_dtype, self.block_size,
-                                   self.bytes_per_block, self.max_positions)
+                                   self.bytes_per_block, self.max_positions, self._agree)
         self.num_blocks, self.kv_cache, self.attention, self.graphs = (cuda.num_blocks, cuda.kv_cache,
                                                                        cuda.attention, cuda.graphs)
+
+    def _agree(self, own_blocks: int) -> int:
+        """The KV block count of every rank of this replica (the smallest any rank can hold)."""
+        return self.tp.agreed_kv_blocks(own_blocks, self.device)
 
     def _log_loaded(self, started: float) -> None:
         mc = self.model_config
@@ -270,6 +274,10 @@ class ModelRunner:
             kv_lens.append(end)
         table = PageTable.build(tables, np.asarray(qo_lens), np.asarray(kv_lens), self.block_size)
         positions, slots = table.token_positions()
+        if table.num_tokens and int(positions.max()) >= self.max_positions:  # checked here, on the host: CUDA's
+            # RoPE table lookup is unchecked, and a device-side assert there ends the process's CUDA context
+            raise ExecutionError(f"step {plan.step_id}: position {int(positions.max())} is beyond the model's "
+                                 f"{self.max_positions} positions (max_model_len)")
         sample_idx = [i for i, s in enumerate(plan.scheduled) if s.sample and not states[i].pooling]
         flat_inputs = np.fromiter((t for chunk in inputs for t in chunk), dtype=np.int64, count=table.num_tokens)
         drafts = [drafted.get(i, []) for i in sample_idx] if drafted else None

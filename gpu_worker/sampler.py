@@ -60,6 +60,14 @@ def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, 
     )
 
 
+def widest_sampling_batch(rows: int, device: torch.device) -> SamplingBatch:
+    """A batch that takes the sampler's largest temporaries: every row random with top-k and top-p (a sort of the
+    whole vocabulary per row) and logprobs asked for. The CUDA warm-up samples with it to measure them."""
+    return SamplingBatch(temperature=torch.ones(rows, device=device), top_k=torch.full((rows,), 50, device=device),
+                         top_p=torch.full((rows,), 0.9, device=device), seeds=[None] * rows, generated_index=[0] * rows,
+                         want_logprobs=True)
+
+
 def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
     """The generator of a seeded row's draws for the token at `index` of its output."""
     gen = torch.Generator(device=device)

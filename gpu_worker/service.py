@@ -17,12 +17,14 @@ import signal
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import grpc
 import structlog
+import torch
 
+from gpu_worker.device_map import bind_worker_device, worker_device
 from gpu_worker.model_build import resolve_device
 from gpu_worker.runner import ModelRunner
 from gpu_worker.tensor_parallel import Command, TensorParallel
@@ -247,7 +249,21 @@ def run_follower_rank(runner: ModelRunner) -> None:
                 return
 
 
-def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = None) -> None:
+def on_own_device(config: Config, tp_rank: int, local_rank: int | None) -> Config:
+    """`config` with `device` resolved to this process's own (gpu_worker/device_map.py), made current. `serve`
+    passes `local_rank` and runs data_parallel_size × tensor_parallel_size workers on this host; a worker
+    started alone runs as the only one, at its tensor-parallel rank's place."""
+    processes = 1 if local_rank is None else config.data_parallel_size * config.tensor_parallel_size
+    cuda_count = torch.cuda.device_count() if config.device != "cpu" else 0
+    device = worker_device(config.device, config.devices, tp_rank if local_rank is None else local_rank, processes,
+                           cuda_count)
+    bind_worker_device(device)
+    return replace(config, device=str(device))
+
+
+def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = None,
+                 local_rank: int | None = None) -> None:
+    config = on_own_device(config, tp_rank, local_rank)
     tp = TensorParallel.initialize(tp_rank, config.tensor_parallel_size, tp_init_file, resolve_device(config.device),
                                    config.tp_init_method)
     runner = ModelRunner(config, tp)

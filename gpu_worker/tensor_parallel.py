@@ -14,11 +14,14 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.distributed as dist
 
 from gpu_worker.tp_rendezvous import init_method, prepare_gloo
 from hetero_common.errors import ConfigError
+
+log = structlog.get_logger("gpu_worker.tensor_parallel")
 
 # What rank 0 sends the other ranks, in the order it runs them: ("step", serialized StepPlan),
 # ("suspend", mode), ("resume", ""), ("lora_load" | "lora_unload", serialized request). Every rank runs each
@@ -100,6 +103,23 @@ class TensorParallel:
         total = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(total)
         return int(total.item())
+
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        """The smallest rank's value, on every rank. Also a barrier."""
+        if not self.enabled:
+            return value
+        smallest = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        return int(smallest.item())
+
+    def agreed_kv_blocks(self, own: int, device: torch.device) -> int:
+        """The KV block count every rank allocates: the smallest any rank's memory allows. Each rank sizes its
+        own pool (its free memory, its budget) and the scheduler hands out block ids up to rank 0's report, so a
+        rank holding fewer blocks would be sent ids past its cache, which FlashInfer reads unchecked."""
+        agreed = self.min_over_ranks(own, device)
+        if agreed < own:
+            log.info("kv blocks lowered to the smallest rank's", rank=self.rank, own=own, agreed=agreed)
+        return agreed
 
     def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.enabled:

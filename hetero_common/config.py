@@ -13,6 +13,7 @@ from typing import Any
 from hetero_common.config_presets import PRESETS  # noqa: F401 (part of this module's interface)
 from hetero_common.config_sections import (  # noqa: F401 (the sections are part of this module's interface)
     BackendConfig, CommandConfig, EmbeddingConfig, ServingConfig, TLSConfig, TokenizerConfig, doc)
+from hetero_common.config_serving_checks import check_serving
 from hetero_common.errors import ConfigError
 from hetero_common.lora_modules import parse_lora_modules
 
@@ -74,6 +75,10 @@ class Config:
     max_lora_rank: int = field(default=64, metadata=doc("the largest LoRA rank a worker accepts"))
     device: str = field(default="auto", metadata=doc(
         "where the worker computes: `auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`"))
+    devices: list[str] = field(default_factory=list, metadata=doc(
+        "CUDA: the device of each worker process `serve` starts on this host, in order (replica 0's ranks, then "
+        "replica 1's, …), e.g. `[\"cuda:2\", \"cuda:3\"]`; empty = `cuda:0`, `cuda:1`, … in that order. A worker "
+        "started alone takes entry `--local-rank` (default: its `--tp-rank`)"))
     dtype: str = field(default="auto", metadata=doc(
         "the worker's compute type: `auto` = bfloat16 on GPUs and on CPUs where its products are faster (notes "
         "below), else float32; `float32` is exact (the oracle tests' mode)"))
@@ -137,6 +142,9 @@ class Config:
         "to min(max_batch_size, max_num_seqs), the largest always kept; null = the whole ladder"))
     use_cuda_graphs_for_non_decode_steps: bool = field(default=False, metadata=doc(
         "Megatron's name; only false is served (steps with prompt chunks always run eagerly here)"))
+    use_flashinfer_fused_rope: bool = field(default=True, metadata=doc(
+        "CUDA with FlashInfer: RoPE, RMSNorm with its residual add, and SiLU·mul through FlashInfer's fused "
+        "kernels (Megatron's name; here it covers all three); false = torch's separate ops"))
     serving: ServingConfig = field(default_factory=ServingConfig, metadata=doc(
         "the gateway's public surface: its ports, the model name it answers to, its backend, who may call it"))
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig, metadata=doc(
@@ -277,6 +285,10 @@ class Config:
         _check(not self.use_cuda_graphs_for_non_decode_steps, "use_cuda_graphs_for_non_decode_steps",
                self.use_cuda_graphs_for_non_decode_steps,
                "is not available in this version (only decode-only steps are captured); set it to false")
+        _check(all(name.startswith("cuda:") and name[5:].isdigit() for name in self.devices), "devices", self.devices,
+               "must list cuda:N names")
+        _check(len(set(self.devices)) == len(self.devices), "devices", self.devices,
+               "must not name a device twice (ranks sharing a GPU: NCCL refuses them)")
         method = self.tp_init_method
         _check(not method or method.startswith(("tcp://", "file://", "env://")), "tp_init_method", method,
                "must be empty (serve's rendezvous file), tcp://host:port, file:///path or env://")
@@ -286,52 +298,7 @@ class Config:
                    "must be tcp://host:port (rank 0's address and a free port)")
 
     def _validate_serving(self) -> None:
-        _check(1 <= self.serving.port <= 65535, "serving.port", self.serving.port, "must be a TCP port (1-65535)")
-        _check(bool(self.serving.model_name), "serving.model_name", self.serving.model_name, "must not be empty")
-        backend = self.serving.backend
-        _check(backend.kind in ("scheduler", "command_bridge"), "serving.backend.kind", backend.kind,
-               "must be scheduler (alias local_engine) or command_bridge")
-        _check(backend.kind != "command_bridge" or (backend.command is not None and bool(backend.command.program)),
-               "serving.backend.command.program", None, "is required when serving.backend.kind is command_bridge")
-        _check(backend.command_timeout_s > 0, "serving.backend.command_timeout_s", backend.command_timeout_s, "must be positive")
-        _check(backend.command_max_output_bytes > 0, "serving.backend.command_max_output_bytes",
-               backend.command_max_output_bytes, "must be positive")
-        _check(0 <= self.serving.http_port <= 65535, "serving.http_port", self.serving.http_port,
-               "must be a TCP port (1-65535), or 0 to disable the HTTP API")
-        _check(self.serving.http_port != self.serving.port, "serving.http_port", self.serving.http_port,
-               f"must differ from serving.port ({self.serving.port})")
-        _check(self.serving.max_concurrent_requests >= 0, "serving.max_concurrent_requests",
-               self.serving.max_concurrent_requests, "must be >= 0 (0 = no limit)")
-        _check(self.serving.tokenizer_workers >= 1, "serving.tokenizer_workers", self.serving.tokenizer_workers, "must be >= 1")
-        serving = self.serving
-        _check(serving.tokenizer_queue >= 0, "serving.tokenizer_queue", serving.tokenizer_queue, "must be >= 0")
-        _check(serving.stream_interval >= 1, "serving.stream_interval", serving.stream_interval,
-               "must be >= 1 (tokens per streamed message; 1 = every token at once)")
-        _check(1024 <= serving.max_request_bytes <= 1 << 30, "serving.max_request_bytes", serving.max_request_bytes,
-               "must be in 1024..1073741824 (1 KiB..1 GiB)")
-        _check(serving.max_connections >= 0, "serving.max_connections", serving.max_connections, "must be >= 0 (0 = no limit)")
-        _check(serving.grpc_max_concurrent_streams >= 1, "serving.grpc_max_concurrent_streams",
-               serving.grpc_max_concurrent_streams, "must be >= 1")
-        for key in ("http_keep_alive_timeout_s", "http_header_timeout_s", "http_body_timeout_s", "grpc_idle_timeout_s"):
-            _check(getattr(serving, key) > 0, f"serving.{key}", getattr(serving, key), "must be positive (seconds)")
-        _check(all(k.strip() == k and k for k in self.serving.api_keys), "serving.api_keys", "<redacted>",
-               "must not hold empty keys or keys with surrounding spaces")
-        _check(not self.serving.api_keys_file or Path(self.serving.api_keys_file).is_file(), "serving.api_keys_file",
-               self.serving.api_keys_file, "must be an existing file (one key per line)")
-        pooling, max_inputs = serving.embedding.pooling, serving.embedding.max_inputs
-        _check(pooling in ("auto", "last", "mean", "cls"), "serving.embedding.pooling", pooling, "must be auto, last, mean or cls")
-        _check(max_inputs >= 1, "serving.embedding.max_inputs", max_inputs, "must be >= 1")
-        _check(self.tokenizer.kind in ("auto", "huggingface", "gguf", "simple"), "tokenizer.kind", self.tokenizer.kind,
-               "must be auto, huggingface, gguf or simple (the built-in byte-level tokenizer)")
-        _check(self.tokenizer.kind != "simple" or not self.tokenizer.path, "tokenizer.path", self.tokenizer.path,
-               "must be null when tokenizer.kind is simple (it is built in)")
-        for kind in ("huggingface", "gguf"):  # one check per kind: each rule reads true in docs/configuration.md
-            _check(self.tokenizer.kind != kind or bool(self.tokenizer.path), "tokenizer.path", self.tokenizer.path,
-                   f"is required when tokenizer.kind is {kind}")
-        _check(self.tokenizer.kind != "gguf" or str(self.tokenizer.path).endswith(".gguf"), "tokenizer.path",
-               self.tokenizer.path, "must be a .gguf file when tokenizer.kind is gguf")
-        _check(self.tokenizer.kind != "huggingface" or not str(self.tokenizer.path).endswith(".gguf"), "tokenizer.path",
-               self.tokenizer.path, "must be a tokenizer.json (or a directory holding one) when tokenizer.kind is huggingface")
+        check_serving(self.serving, self.tokenizer, _check)
         for key in ("scheduler_address", "worker_address"):
             value = getattr(self, key)
             _check(":" in value and value.rsplit(":", 1)[1].isdigit(), key, value, "must be host:port")

@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "worker":  # set per process by `serve` for tensor-parallel ranks; not configuration
             service.add_argument("--tp-rank", type=int, default=0, help="tensor-parallel rank of this process")
             service.add_argument("--tp-init-file", default=None, help="torch.distributed rendezvous file of the group")
+            service.add_argument("--local-rank", type=int, default=None,
+                                 help="this process's place among the host's workers, which picks its GPU (config "
+                                      "devices); serve sets it; default: --tp-rank")
     health = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 = SERVING)")
     health.add_argument("address", help="host:port")
     health.add_argument("--service", default="", help="service name (default: the whole server)")
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             from gpu_worker.service import serve_worker
 
-            serve_worker(config, args.tp_rank, args.tp_init_file)
+            serve_worker(config, args.tp_rank, args.tp_init_file, args.local_rank)
         elif args.command == "scheduler":
             from scheduler_svc.service import serve_scheduler
 

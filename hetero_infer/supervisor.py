@@ -110,6 +110,10 @@ class Supervisor:
             raise ConfigError(f"config key 'tp_init_method' = {config.tp_init_method!r} serves one tensor-parallel "
                               "group; with data_parallel_size > 1 leave it empty (serve gives each replica its own "
                               "rendezvous file) or start each replica's ranks with `hetero-infer worker`")
+        processes = config.data_parallel_size * config.tensor_parallel_size
+        if config.devices and len(config.devices) < processes:
+            raise ConfigError(f"config key 'devices' = {config.devices!r} lists {len(config.devices)} devices for "
+                              f"{processes} worker processes (data_parallel_size × tensor_parallel_size); list one each")
         if config.reserved_cpus < 0:  # auto: serve runs the gateway and the scheduler on the workers' host
             config = replace(config, reserved_cpus=default_reserved_cpus(host_cores()))
             log.info("cores reserved for the services", reserved_cpus=config.reserved_cpus, host_cores=host_cores(),
@@ -134,6 +138,8 @@ class Supervisor:
         for rank in range(tp):
             cmd = [sys.executable, "-m", "hetero_infer.cli", "worker", "--config", self.config_path,
                    "--worker-address", group.address, "--supervisor-pid", str(os.getpid())]
+            # Its place among this host's workers picks its GPU (gpu_worker/device_map.py).
+            cmd += ["--local-rank", str(group.replica * tp + rank)]
             if tp > 1:  # a configured tp_init_method (read from the config file) replaces the file
                 cmd += ["--tp-rank", str(rank)] + ([] if self.config.tp_init_method else ["--tp-init-file", init_file])
             process = subprocess.Popen(cmd, env=self.worker_env)

@@ -4,7 +4,7 @@ Written against flashinfer-python 0.7.2.post1 (`BatchPrefillWithPagedKVCacheWrap
 `BatchDecodeWithPagedKVCacheWrapper`, `append_paged_kv_cache`); `flashinfer` is imported only
 when a backend object is built, so CPU machines never need it.
 
-- One shared 128 MiB float workspace for every wrapper of a worker (prefill, decode, and each
+- One shared 256 MiB float workspace for every wrapper of a worker (prefill, decode, and each
   CUDA-graph decode batch size): only one of them runs at a time.
 - `plan()` once per step: steps whose sequences all compute one token use the decode wrapper,
   any step with a prompt chunk uses the prefill wrapper (causal; FlashInfer aligns the causal
@@ -23,7 +23,9 @@ import torch
 
 from kernels.page_table import PageTable
 
-WORKSPACE_BYTES = 128 * 2**20
+# FlashInfer's scratch (split-KV partial results at large batches and long contexts): vLLM gives it 256 MiB,
+# SGLang 384 MiB. The start-up's warm-up allocates it before the KV pool is sized, so it is accounted for.
+WORKSPACE_BYTES = 256 * 2**20
 # Head sizes FlashInfer's paged kernels are instantiated for (DISPATCH_HEAD_DIM in 0.7.2).
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)

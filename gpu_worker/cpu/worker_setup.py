@@ -16,6 +16,7 @@ for the gateway and the scheduler (hetero_common/host_cores.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -134,11 +135,12 @@ def row_invariance_unavailable(head_dim: int, block_size: int) -> str | None:
     return None
 
 
-def allocate_cpu_kv_cache(config: Config, model, head_dim: int, kv_dtype: torch.dtype,
-                          bytes_per_block: int) -> tuple[int, AttentionBackend, torch.Tensor]:
+def allocate_cpu_kv_cache(config: Config, model, head_dim: int, kv_dtype: torch.dtype, bytes_per_block: int,
+                          agree: Callable[[int], int] = lambda blocks: blocks) -> tuple[int, AttentionBackend, torch.Tensor]:
     """(blocks, the attention backend, a KV cache of `kv_cache_memory_gb`, at most `max_num_blocks` blocks) for the
-    model's heads on this rank."""
-    num_blocks = max(1, min(config.max_num_blocks, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block)))
+    model's heads on this rank; `agree` turns this rank's count into the one every rank holds
+    (TensorParallel.agreed_kv_blocks)."""
+    num_blocks = agree(max(1, min(config.max_num_blocks, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))))
     # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA), unless
     # `deterministic` keeps every row on the C kernel (its per-row path and 16-row tiles: the same bits).
     attention = create_attention_backend(config.attention_backend, model.num_heads, model.num_kv_heads, head_dim,

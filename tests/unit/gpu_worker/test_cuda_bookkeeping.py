@@ -61,7 +61,7 @@ class RecordingModel:
     capture_target: FakeGraph | None = None
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(num_hidden_layers=2, head_dim=8)
+        self.config = SimpleNamespace(num_hidden_layers=2, head_dim=8, vocab_size=VOCAB)
         self.num_heads, self.num_kv_heads, self.dtype = 4, 2, torch.float32
         self.calls: list[tuple[bool, int]] = []  # (during capture, batch size)
 
@@ -144,3 +144,49 @@ def test_cuda_worker_kv_cache_takes_writes_outside_inference_mode(fake_cuda: Non
     assert not worker.kv_cache.is_inference()
     worker.kv_cache.normal_()  # raised "Inplace update to inference tensor outside InferenceMode"
     assert model.calls == [(False, 16), (False, 1)]  # the warm-up: a prompt of max_total_tokens, then a decode
+
+
+def test_headroom_sets_aside_what_the_graphs_hold() -> None:
+    """An 8B-shaped worker at batch 256 (128K vocabulary): the graphs' logits alone take about 2 GiB, which the
+    warm-up's peak does not include; the pool is sized without them."""
+    sizes = cuda_graphs.graph_batch_sizes(256)
+    headroom = cuda_setup.memory_headroom(2**30, 4096, sizes, 128_256)
+    assert headroom.graph_outputs == sum(sizes) * 128_256 * 4 and 2.0 < headroom.graph_outputs / 2**30 < 2.1
+    assert headroom.graph_activations == 2**30 // 4096 * 256  # the eager peak's share of the largest graph
+    assert headroom.graph_workspaces == len(sizes) * cuda_setup.WRAPPER_INT_WORKSPACE_BYTES
+    assert headroom.total == 2**30 + headroom.graph_outputs + headroom.graph_activations + headroom.graph_workspaces
+    assert cuda_setup.memory_headroom(2**30, 4096, [], 128_256).total == 2**30  # graphs off: the peak alone
+    gib = 2**30
+    assert cuda_setup.kv_blocks_for_memory(80 * gib, 0.9, headroom.total, gib // 8, 10**6) == \
+        (int(80 * gib * 0.9) - headroom.total) // (gib // 8)
+
+
+class GraphAttention:
+    """A backend named as FlashInfer's, so the worker plans decode graphs; its steps compute nothing."""
+
+    name, kv_layout, kv_dtype = "flashinfer", "NHD", torch.float32
+
+    def plan(self, table: PageTable) -> None:
+        pass
+
+
+def test_the_pool_is_sized_after_the_headroom_and_agreed_across_ranks(fake_cuda: None, monkeypatch) -> None:
+    """prepare_cuda_worker with a FlashInfer-named backend (graphs on): free memory less the warm-up's peak, the
+    graphs' headroom, then the ranks' agreement; the warm-up samples through the sampler's widest path."""
+    sampled: list[object] = []
+    monkeypatch.setattr(cuda_setup, "create_attention_backend", lambda *a, **k: GraphAttention())
+    monkeypatch.setattr(cuda_setup, "capture_decode_graphs", lambda *a: "captured")
+    monkeypatch.setattr(cuda_setup, "sample", lambda logits, batch: sampled.append(batch))
+    scratch = 2 * 5 * 2 * 4 * 2 * 8 * 4  # the warm-up's cache: 2 layers, 5 blocks of 4 tokens, K and V, 2 x 8 floats
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: scratch + 4096)
+    model = RecordingModel()
+    config = Config(max_total_tokens=16, max_batch_size=4, max_num_blocks=10**6).validate()
+    agreed: list[int] = []
+    worker = cuda_setup.prepare_cuda_worker(model, config, torch.device("cpu"), torch.float32, torch.float32,
+                                            block_size=4, bytes_per_block=1024, max_positions=64,
+                                            agree=lambda own: agreed.append(own) or own // 2)
+    headroom = cuda_setup.memory_headroom(4096, 16, [1, 2, 4], VOCAB)  # a peak of 4096 bytes beyond the scratch
+    own = (int(2**30 * 0.9) - headroom.total) // 1024
+    assert agreed == [own] and worker.num_blocks == own // 2 and worker.graphs == "captured"
+    assert [len(b.seeds) for b in sampled] == [4, 1]  # the prompt's sampled rows, then the decode's
+    assert all(bool((b.top_p < 1).all()) and bool((b.top_k > 0).all()) and b.want_logprobs for b in sampled)

@@ -65,3 +65,17 @@ def test_same_seed_same_output_through_the_engine(tiny_llama_dir: Path) -> None:
     first = run(1234, 0)
     assert run(1234, 3) == first
     assert run(4321, 0) != first
+
+
+def test_the_widest_batch_samples_every_row_from_its_top_50() -> None:
+    """What the CUDA warm-up measures the sampler's memory with: each row random, cut to its top 50 and top-p
+    0.9 (the sort of the whole vocabulary), logprobs asked for."""
+    from gpu_worker.sampler import widest_sampling_batch
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    batch = widest_sampling_batch(6, torch.device("cpu"))
+    tokens, logprobs = sample(logits, batch)
+    top50 = logits.topk(50, dim=-1).indices
+    assert all(int(t) in top50[i].tolist() for i, t in enumerate(tokens)) and logprobs is not None
+    assert logprobs.shape == (6,)
