@@ -6,6 +6,10 @@ hands out, so their K/V writes land nowhere that matters. Per captured size the 
 static input buffers (token ids, positions, slots) and its output logits; `plan()` runs
 outside the graph before each replay and fills the attention's fixed page-table buffers.
 Steps with a prompt chunk, or more sequences than the largest size, run eagerly.
+
+Each graph also takes every row's argmax of its logits (the greedy choice, as the sampler's
+`argmax_rows` picks it): a step whose rows are all plain greedy takes its tokens from there and
+runs no sampler kernel and builds no sampling tensor on the host's critical path.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import structlog
 import torch
 
+from kernels.native.argmax import argmax_rows
 from kernels.page_table import PageTable
 
 log = structlog.get_logger("gpu_worker.cuda_graphs")
@@ -89,6 +94,7 @@ class _Graph:
     rows: torch.Tensor  # int64 [bs]: the rows whose logits the graph computes (all of them)
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # float32 [bs, vocab]: the graph's output
+    greedy: torch.Tensor | None = None  # int64 [bs]: each row's argmax of `logits`, computed in the graph
 
     def static_inputs(self) -> tuple[torch.Tensor, ...]:
         return self.input_ids, self.positions, self.slots, self.rows
@@ -107,9 +113,11 @@ class DecodeGraphs:
         self.make_attention = make_attention
         self.graphs: dict[int, _Graph] = {}
         self.capture_seconds = 0.0
+        self._replayed: tuple[_Graph, int] | None = None  # the last replay's graph and its real batch size
 
-    def _forward(self, g: _Graph) -> torch.Tensor:
-        return self.model.forward(g.input_ids, g.positions, g.slots, self.kv_cache, g.attention, g.rows)
+    def _forward(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model.forward(g.input_ids, g.positions, g.slots, self.kv_cache, g.attention, g.rows)
+        return logits, argmax_rows(logits)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -133,7 +141,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(device).wait_stream(side)
             g.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g.graph, pool=pool):
-                g.logits = self._forward(g)
+                g.logits, g.greedy = self._forward(g)
             pool = g.graph.pool()
             self.graphs[bs] = g
         torch.cuda.synchronize(device)
@@ -160,4 +168,12 @@ class DecodeGraphs:
         g.input_ids.copy_(torch.from_numpy(ids), non_blocking=True)
         g.positions.copy_(torch.from_numpy(pos), non_blocking=True)
         g.graph.replay()
+        self._replayed = (g, b)
         return g.logits[:b]
+
+    def greedy_tokens(self) -> torch.Tensor:
+        """The last replay's greedy tokens, int64 [B]: what `argmax_rows` gives on the logits `run` returned."""
+        if self._replayed is None:
+            raise ValueError("no graph has been replayed")
+        g, b = self._replayed
+        return g.greedy[:b]

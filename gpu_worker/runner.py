@@ -316,7 +316,11 @@ class ModelRunner:
         lora = self.loras.batch(np.repeat([st.lora_slot for st in step.states], step.qo_lens))
         if (self.graphs is not None and not step.spans and not step.pooled and lora is None
                 and self.graphs.can_run(step.table)):
-            return self.graphs.run(step.table, step.flat_inputs, step.positions)[step.logits_rows.to(self.device)]
+            logits = self.graphs.run(step.table, step.flat_inputs, step.positions)  # a row per sequence, in order
+            if len(step.sample_idx) == logits.shape[0]:  # every one samples: no gather, no index copied to the device
+                step.graph_greedy = self.graphs.greedy_tokens()
+                return logits
+            return logits[step.logits_rows.to(self.device)]
         self.attention.plan(step.table)
         hidden = self.model.hidden_states(
             torch.from_numpy(step.flat_inputs).to(self.device), torch.from_numpy(step.positions).to(self.device),
@@ -337,7 +341,10 @@ class ModelRunner:
         rows = (sampled if step.drafts is None
                 else draft_rows.expand(sampled, step.drafts, vocab, eos, self.device, self.vocabulary))
         batch = build_sampling_batch(rows, vocab, eos, self.device, self.vocabulary)
-        tokens, logprobs = sample(logits, batch)
+        if step.graph_greedy is not None and step.drafts is None and batch.plain_greedy:
+            tokens, logprobs = step.graph_greedy, None  # what `sample` would return, taken in the graph
+        else:
+            tokens, logprobs = sample(logits, batch)
         tokens = self.tp.broadcast_tokens(tokens)  # every rank appends rank 0's choice
         token_list = tokens.tolist()
         failures = batch.record(token_list)  # a failed constraint: the scheduler fails that sample alone

@@ -23,15 +23,25 @@ from kernels.native.argmax import argmax_rows
 
 @dataclass
 class SamplingBatch:
-    temperature: torch.Tensor  # float32 [B]; 0 = greedy
-    top_k: torch.Tensor  # int64 [B]; 0 = off
-    top_p: torch.Tensor  # float32 [B]; 1 = off
+    """Per row, as host lists: `sample` knows without a device sync which rows are random and which cut their
+    distribution, and a step of greedy rows (the common decode) builds no device tensor for them at all."""
+
+    temperature: list[float]  # per row; 0 = greedy
+    top_k: list[int]  # per row; 0 = off
+    top_p: list[float]  # per row; 1 = off
     seeds: list[int | None]  # per row
     generated_index: list[int]  # per row: how many tokens the sequence generated before this one
     want_logprobs: bool = False
     controls: LogitsControls | None = None  # None: no row changes its logits before temperature
     min_p: torch.Tensor | None = None  # float32 [B]; None: no row uses min_p
     constraints: ConstraintMasks | None = None  # None: no row is constrained
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row takes the argmax of the model's own logits: no random row, nothing changes the logits, no
+        logprobs asked for. `sample` then returns `argmax_rows(logits)` and nothing else."""
+        return (not any(t > 0 for t in self.temperature) and self.controls is None and self.constraints is None
+                and not self.want_logprobs)
 
     def record(self, token_ids: list[int]) -> list[tuple[int, str]]:
         """After the step: count the sampled tokens of the rows with penalties and advance the constrained
@@ -47,9 +57,9 @@ def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, 
     samplings = [st.sampling for st in states]
     extra = [i for i, s in enumerate(samplings) if s.uses_sampler_controls]  # usually none: one pass, then nothing
     return SamplingBatch(
-        temperature=torch.tensor([s.temperature for s in samplings], dtype=torch.float32, device=device),
-        top_k=torch.tensor([s.top_k for s in samplings], dtype=torch.int64, device=device),
-        top_p=torch.tensor([s.top_p for s in samplings], dtype=torch.float32, device=device),
+        temperature=[s.temperature for s in samplings],
+        top_k=[s.top_k for s in samplings],
+        top_p=[s.top_p for s in samplings],
         seeds=[s.seed for s in samplings],
         generated_index=[st.num_generated for st in states],
         want_logprobs=any(s.logprobs is not None for s in samplings),
@@ -63,9 +73,8 @@ def build_sampling_batch(states: Sequence[ControlledSequence], vocab_size: int, 
 def widest_sampling_batch(rows: int, device: torch.device) -> SamplingBatch:
     """A batch that takes the sampler's largest temporaries: every row random with top-k and top-p (a sort of the
     whole vocabulary per row) and logprobs asked for. The CUDA warm-up samples with it to measure them."""
-    return SamplingBatch(temperature=torch.ones(rows, device=device), top_k=torch.full((rows,), 50, device=device),
-                         top_p=torch.full((rows,), 0.9, device=device), seeds=[None] * rows, generated_index=[0] * rows,
-                         want_logprobs=True)
+    return SamplingBatch(temperature=[1.0] * rows, top_k=[50] * rows, top_p=[0.9] * rows, seeds=[None] * rows,
+                         generated_index=[0] * rows, want_logprobs=True)
 
 
 def seeded_generator(seed: int, index: int, device: torch.device) -> torch.Generator:
@@ -88,21 +97,29 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     if batch.constraints is not None:  # after the controls, before temperature, min_p, top-k and top-p
         processed = batch.constraints.apply(processed)
     tokens = argmax_rows(processed)  # greedy rows see bias, penalties and min_tokens too
-    random_rows = torch.nonzero(batch.temperature > 0).flatten()
-    if random_rows.numel():
-        rows = random_rows.tolist()
-        scaled = processed[random_rows] / batch.temperature[random_rows, None]
+    rows = [i for i, t in enumerate(batch.temperature) if t > 0]
+    if rows:
+        device = logits.device
+        every_row = len(rows) == logits.shape[0]  # then no gather: the rows are the batch
+        index = None if every_row else torch.tensor(rows, device=device)
+        temperature = torch.tensor([batch.temperature[i] for i in rows], dtype=torch.float32, device=device)
+        scaled = (processed if index is None else processed[index]) / temperature[:, None]
         if batch.min_p is not None:
-            scaled = apply_min_p(scaled, batch.min_p[random_rows])
-        top_k, top_p = batch.top_k[random_rows], batch.top_p[random_rows]
-        if bool((top_k > 0).any() or (top_p < 1).any()):
-            scaled = _truncate(scaled, top_k, top_p)
+            scaled = apply_min_p(scaled, batch.min_p if index is None else batch.min_p[index])
+        top_k, top_p = [batch.top_k[i] for i in rows], [batch.top_p[i] for i in rows]
+        if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
+            scaled = _truncate(scaled, torch.tensor(top_k, dtype=torch.int64, device=device),
+                               torch.tensor(top_p, dtype=torch.float32, device=device))
         probs = torch.softmax(scaled, dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for j, row in enumerate(rows):
             if batch.seeds[row] is not None:
                 noise[j] = _seeded_noise(batch.seeds[row], batch.generated_index[row], probs.shape[-1], probs.device)
-        tokens[random_rows] = argmax_rows(probs / noise)
+        drawn = argmax_rows(probs / noise)
+        if index is None:
+            tokens = drawn
+        else:
+            tokens[index] = drawn
     logprobs = None
     if batch.want_logprobs:
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)

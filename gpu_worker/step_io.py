@@ -53,6 +53,7 @@ class StepInputs:
     row_starts: list[int] | None = None  # with drafts: where each sampling sequence's rows start (draft_rows.py)
     draft_seconds: tuple[float, float] = (0.0, 0.0)  # the draft model's: in all, proposing alone (draft_model.py)
     pooled: list[PoolingEntry] = field(default_factory=list)  # the embedding sequences' shares (pooling.py)
+    graph_greedy: torch.Tensor | None = None  # a graph step's greedy tokens, one per sampling sequence (cuda_graphs)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 # .flashinfer_carry/wheels.tar.xz and it was copied there with the working tree:
 #
 #   bash scripts/gpu_run.sh build    # install the carried wheels, JIT-compile FlashInfer's modules (minutes)
-#   bash scripts/gpu_run.sh tests    # the GPU tests (pytest -m gpu)
+#   bash scripts/gpu_run.sh tests    # the GPU tests (pytest -m gpu tests/gpu)
 #   bash scripts/gpu_run.sh bench [benchmark flags...]   # benchmarks/gpu_bench.py (--breakdown: a graph step's parts)
 #   bash scripts/gpu_run.sh stepcost # benchmarks/step_cost.py: the stack's step against the engine's, on the GPU
 #                                    # with a 1B-shaped model, then on this host's CPU cores with the tiny one
@@ -113,7 +113,7 @@ if [ "$what" = build ] || [ "$what" = all ]; then
     step build gpu_build.log "$PY" scripts/flashinfer_jit.py build
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    step tests gpu_tests.log "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu/test_gpu.py
+    step tests gpu_tests.log "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench gpu_bench.log "$PY" benchmarks/gpu_bench.py --json "$out/gpu_bench.json" "$@"

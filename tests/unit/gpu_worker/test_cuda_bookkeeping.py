@@ -69,7 +69,7 @@ class RecordingModel:
         self.calls.append((FakeGraph.capturing, len(input_ids)))
         if FakeGraph.capturing:
             self.capture_target.read = [weakref.ref(t) for t in (input_ids, positions, slots, kv_cache, rows)]
-        return torch.zeros(len(rows), VOCAB)
+        return torch.eye(VOCAB)[torch.arange(len(rows)) * 3 % VOCAB]  # row i's largest logit: token 3i mod VOCAB
 
 
 class FakeAttention:
@@ -130,6 +130,7 @@ def test_replay_pads_the_batch_and_works_outside_inference_mode(fake_cuda: None)
     logits = graphs.run(table, np.array([5, 6, 7]), np.array([5, 0, 2]))  # not under inference_mode
     g = graphs.graphs[4]
     assert logits.shape == (3, VOCAB) and g.attention.planned[-1].batch_size == 4
+    assert graphs.greedy_tokens().tolist() == logits.argmax(-1).tolist() == [0, 3, 6]  # taken in the graph
     assert g.input_ids.tolist() == [5, 6, 7, 0] and g.positions.tolist() == [5, 0, 2, 0]
 
 
@@ -189,4 +190,4 @@ def test_the_pool_is_sized_after_the_headroom_and_agreed_across_ranks(fake_cuda:
     own = (int(2**30 * 0.9) - headroom.total) // 1024
     assert agreed == [own] and worker.num_blocks == own // 2 and worker.graphs == "captured"
     assert [len(b.seeds) for b in sampled] == [4, 1]  # the prompt's sampled rows, then the decode's
-    assert all(bool((b.top_p < 1).all()) and bool((b.top_k > 0).all()) and b.want_logprobs for b in sampled)
+    assert all(min(b.temperature) > 0 and max(b.top_p) < 1 and min(b.top_k) > 0 and b.want_logprobs for b in sampled)

@@ -12,8 +12,8 @@ from hetero_infer.engine import GenerationParams, InferenceEngine
 
 
 def batch(n: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seeds=None, index: int = 0) -> SamplingBatch:
-    return SamplingBatch(torch.full((n,), temperature), torch.full((n,), top_k, dtype=torch.int64),
-                         torch.full((n,), top_p), seeds if seeds is not None else [None] * n, [index] * n)
+    return SamplingBatch([temperature] * n, [top_k] * n, [top_p] * n, seeds if seeds is not None else [None] * n,
+                         [index] * n)
 
 
 def test_greedy_and_degenerate_truncations_pick_the_argmax() -> None:
@@ -79,3 +79,18 @@ def test_the_widest_batch_samples_every_row_from_its_top_50() -> None:
     top50 = logits.topk(50, dim=-1).indices
     assert all(int(t) in top50[i].tolist() for i, t in enumerate(tokens)) and logprobs is not None
     assert logprobs.shape == (6,)
+
+
+def test_plain_greedy_is_a_batch_sample_answers_with_the_argmax_alone() -> None:
+    """A CUDA graph step takes such a batch's tokens from its own argmax (gpu_worker/cuda_graphs.py)."""
+    assert batch(4, temperature=0.0).plain_greedy
+    assert not batch(4, temperature=0.5).plain_greedy
+    mixed = batch(2, temperature=0.0)
+    mixed.temperature[1] = 0.7
+    assert not mixed.plain_greedy
+    asks = batch(2, temperature=0.0)
+    asks.want_logprobs = True
+    assert not asks.plain_greedy
+    logits = torch.randn(4, 50)
+    tokens, logprobs = sample(logits, batch(4, temperature=0.0))
+    assert tokens.tolist() == logits.argmax(-1).tolist() and logprobs is None

@@ -1,0 +1,98 @@
+"""The CUDA worker's own paths on a device (issue 37): greedy tokens taken inside the decode graphs, the
+position bound checked on the host, each worker process on its own GPU. Marked `gpu` and skipped without a
+CUDA device, like tests/gpu/test_gpu.py, whose small Llama these tests share."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.gpu.test_gpu import PROMPT_LENGTHS, make_gpu_llama, require_flashinfer
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device (none is visible); run scripts/gpu_run.sh on the GPU machine"),
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_gpu_llama(tmp_path_factory.mktemp("gpu_llama_paths"))
+
+
+def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, **params) -> tuple[list[list[int]], int]:
+    """(each prompt's 8 greedy tokens with decode graphs, how many steps ran the sampler)."""
+    from gpu_worker import runner as runner_module
+    from hetero_common.config import Config
+    from hetero_infer.engine import GenerationParams, InferenceEngine
+
+    sampled = [0]
+    real_sample = runner_module.sample
+
+    def counting(*args, **kwargs):
+        sampled[0] += 1
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "sample", counting)
+    config = Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16, max_total_tokens=256,
+                    attention_backend="flashinfer", enable_cuda_graphs=True).validate()
+    engine = InferenceEngine(config)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    ids = [engine.submit_request(p, GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True, **params))
+           for p in prompts]
+    done = {r.request_id: r for r in engine.run()}
+    tokens = [done[i].output_token_ids for i in ids]
+    del engine, done
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, sampled[0]
+
+
+def test_greedy_tokens_from_the_graph_equal_the_samplers(gpu_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain greedy decode steps take their tokens from the graph's own argmax and skip the sampler; a zero
+    logit bias changes no logit but sends every step through the sampler. Same tokens, exactly."""
+    require_flashinfer(64)
+    from_graph, sampler_steps = _generate(gpu_llama_dir, monkeypatch)
+    through_sampler, all_steps = _generate(gpu_llama_dir, monkeypatch, logit_bias={5: 0.0})
+    assert from_graph == through_sampler
+    print(f"steps through the sampler: {sampler_steps} (graph greedy) against {all_steps}")
+    assert sampler_steps < all_steps  # the decode steps took the graph's tokens
+
+
+def test_a_position_past_the_model_leaves_the_cuda_context_alive(gpu_llama_dir: Path) -> None:
+    """The host refuses the step before RoPE's unchecked lookup could assert on the device; the worker then
+    serves the next step."""
+    require_flashinfer(64)
+    from gpu_worker.runner import ModelRunner
+    from hetero_common.config import Config
+    from hetero_common.errors import ExecutionError
+    from tests.unit.gpu_worker.test_position_bound import _prompt_step
+
+    runner = ModelRunner(Config(model=str(gpu_llama_dir), device="cuda", dtype="bfloat16", max_model_len=32,
+                                max_total_tokens=64, attention_backend="flashinfer").validate())
+    with pytest.raises(ExecutionError, match="beyond the model's 32 positions"):
+        runner.execute(_prompt_step(1, 1, 40))
+    assert list(runner.execute(_prompt_step(2, 2, 32)).seq_ids) == [2]
+    torch.cuda.synchronize()
+
+
+def test_each_worker_process_binds_its_own_gpu() -> None:
+    from gpu_worker.service import on_own_device
+    from hetero_common.config import Config
+    from hetero_common.errors import ConfigError
+
+    count = torch.cuda.device_count()
+    config = Config(device="cuda", data_parallel_size=2).validate()
+    if count < 2:
+        with pytest.raises(ConfigError, match="sees 1 CUDA device"):
+            on_own_device(config, tp_rank=0, local_rank=1)
+    else:
+        assert on_own_device(config, tp_rank=0, local_rank=1).device == "cuda:1"
+        assert torch.cuda.current_device() == 1
+    assert on_own_device(config, tp_rank=0, local_rank=0).device == "cuda:0"
+    assert torch.cuda.current_device() == 0
