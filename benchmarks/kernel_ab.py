@@ -46,6 +46,7 @@ from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from gpu_worker.model import linear_shapes  # noqa: E402
 from gpu_worker.tensor_parallel import TensorParallel  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
+from hetero_common.device_defaults import SEED_MAX_BATCH_SIZE  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
@@ -155,7 +156,7 @@ def main() -> int:
                              [int(r) for r in args.products.split(",")], args.reps)
         return 0
     # No prefix cache: both builds compute every prompt of a round (the second would find the first's blocks).
-    engine = InferenceEngine(Config(model=args.model, max_batch_size=max(args.batch, Config().max_batch_size),
+    engine = InferenceEngine(Config(model=args.model, max_batch_size=max(args.batch, SEED_MAX_BATCH_SIZE),
                                     enable_prefix_caching=False))
     layers: CLayers | None = engine.runner.model.c_layers
     if layers is None:

@@ -183,7 +183,7 @@ def main() -> int:
           f"({args.min_prompt}-{args.max_prompt} each), {args.new_tokens} new tokens each, greedy, EOS ignored; "
           f"{batch_flop / 1e12:.2f} TFLOP of matrix products ({per_generated / 1e9:.3f} GFLOP per generated token, "
           f"{per_prompt / 1e9:.3f} per prompt token); batch-1 mode: {single} requests one after another")
-    print(f"stack and engine: dtype {config.dtype} -> {stack_dtype}, max_batch_size {config.max_batch_size}, "
+    print(f"stack and engine: dtype {config.dtype} -> {stack_dtype}, max_batch_size {config.max_batch_size or 'the device default'}, "
           f"max_total_tokens {config.max_total_tokens}")
 
     names: dict[str, str] = {}  # system -> dtype it runs

@@ -21,6 +21,7 @@ import torch
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.sampler import sample, widest_sampling_batch
 from hetero_common.config import Config
+from hetero_common.device_defaults import kv_blocks_cap, planned_batch_size
 from hetero_common.errors import ConfigError
 from kernels.attention_backend import AttentionBackend, create_attention_backend
 from kernels.cache_ops import allocate_kv_cache
@@ -77,7 +78,7 @@ def planned_graph_sizes(config: Config, attention: AttentionBackend) -> list[int
     if attention.name != "flashinfer":
         log.info("cuda graphs off", reason="decode graphs need the flashinfer backend")
         return []
-    return graph_batch_sizes(min(config.max_batch_size, config.max_num_seqs), config.num_cuda_graphs)
+    return graph_batch_sizes(min(planned_batch_size(config, "cuda"), config.max_num_seqs), config.num_cuda_graphs)
 
 
 @dataclass
@@ -131,7 +132,7 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
     attention = create_attention_backend(config.attention_backend, model.num_heads, model.num_kv_heads,
                                          mc.head_dim, device, dtype=dtype, kv_dtype=kv_dtype)
     warm_tokens = max(1, min(config.max_total_tokens, max_positions - 1))
-    rows = min(config.max_batch_size, warm_tokens)
+    rows = min(planned_batch_size(config, "cuda"), warm_tokens)
     seconds, activation = _warm_up(model, attention, warm_tokens, rows, block_size, device)
     log.info("warm-up done (includes FlashInfer JIT compilation on first use)", backend=attention.name,
              seconds=round(seconds, 2), tokens=warm_tokens, activation_mib=round(activation / 2**20, 1))
@@ -140,7 +141,7 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     own = kv_blocks_for_memory(free, config.gpu_memory_utilization, headroom.total, bytes_per_block,
-                               config.max_num_blocks)
+                               kv_blocks_cap(config, "cuda"))
     if own < 1:
         raise ConfigError(f"config key 'gpu_memory_utilization' = {config.gpu_memory_utilization}: no KV block fits "
                           f"({free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB after weights, "
@@ -165,7 +166,7 @@ def capture_decode_graphs(model, attention, kv_cache: torch.Tensor, config: Conf
     from kernels.flashinfer_backend import FlashInferGraphDecode
 
     mc = model.config
-    sizes = graph_batch_sizes(min(config.max_batch_size, config.max_num_seqs), config.num_cuda_graphs)
+    sizes = planned_graph_sizes(config, attention)
     pages_per_seq = -(-max_positions // block_size)
     kv_indices = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=kv_cache.device)
 

@@ -35,6 +35,7 @@ from gpu_worker.step_io import SampledTokens, SequenceState, StepInputs, pack_sa
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
+from hetero_common.device_defaults import step_batch_size
 from hetero_common.errors import ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import resolve
@@ -113,6 +114,9 @@ class ModelRunner:
                  c_decode_attention=getattr(self.attention, "native_decode", False) and self.dtype == torch.bfloat16,
                  c_elementwise=self.model.fused, c_linear=self.c_linear, row_invariant=self._row_invariant(),
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
+                 max_num_blocks=self.config.max_num_blocks or "unset: the device's",
+                 **dict(zip(("max_batch_size", "max_batch_size_from"),
+                            step_batch_size(self.config, self.device.type, self.num_blocks))),
                  load_seconds=round(time.perf_counter() - started, 2))
 
     def _row_invariant(self) -> bool:
@@ -143,6 +147,7 @@ class ModelRunner:
             block_size=self.block_size, num_blocks=self.num_blocks, device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."), attention_backend=self.attention.name,
             kv_cache_bytes=self.num_blocks * self.bytes_per_block * self.tp.size,
+            max_batch_size=step_batch_size(self.config, self.device.type, self.num_blocks)[0],
             pid=os.getpid(), tensor_parallel_size=self.tp.size, lora_adapters=self.loras.loaded(),
         )
 

@@ -25,7 +25,10 @@ class Config:
 
     block_size: int = field(default=16, metadata=doc(
         "tokens per KV block", group="KV cache: the paged blocks, their reuse, and what happens to them under pressure"))
-    max_num_blocks: int = field(default=1024, metadata=doc("KV blocks at most; the worker may report fewer (its memory budget)"))
+    max_num_blocks: int | None = field(default=None, metadata=doc(
+        "KV blocks at most; the worker may report fewer (its memory budget); null = the device's: on CUDA all that "
+        "`gpu_memory_utilization` leaves, on a CPU the seed's 1024 within `kv_cache_memory_gb` "
+        "(hetero_common/device_defaults.py)"))
     enable_prefix_caching: bool = field(default=True, metadata=doc("reuse the cached full KV blocks of a prompt's longest known prefix"))
     prefix_caching_eviction_policy: str = field(default="lru", metadata=doc(
         "`ref_zero`: a block leaves the cache when its last user frees it; `lru`: freed blocks stay cached until "
@@ -36,8 +39,9 @@ class Config:
     kv_cache_management_mode: str = field(default="persist", metadata=doc(
         "the KV cache during `Suspend` when the request names no mode: `persist` (kept), `offload` (to host memory) "
         "or `recompute` (freed, the sequences recomputed after `Resume`)"))
-    max_batch_size: int = field(default=32, metadata=doc(
-        "sequences computed in one engine step", group="Scheduler: admission, the per-step budgets, routing across replicas"))
+    max_batch_size: int | None = field(default=None, metadata=doc(
+        "sequences computed in one engine step; null = the device's: on CUDA min(max_num_seqs, max_total_tokens, KV "
+        "blocks), on a CPU the seed's 32 (the worker's start-up log says which)", group="Scheduler: admission, the per-step budgets, routing across replicas"))
     max_num_seqs: int = field(default=256, metadata=doc("sequences admitted (holding KV blocks) at once"))
     max_model_len: int = field(default=2048, metadata=doc("prompt + generated tokens of one sequence (capped by the model's positions)"))
     max_total_tokens: int = field(default=4096, metadata=doc(
@@ -220,7 +224,8 @@ class Config:
 
     def _validate_cache(self) -> None:
         _check(1 <= self.block_size <= 128, "block_size", self.block_size, "must be in 1..128")
-        _check(self.max_num_blocks > 0, "max_num_blocks", self.max_num_blocks, "must be positive")
+        _check(self.max_num_blocks is None or self.max_num_blocks > 0, "max_num_blocks", self.max_num_blocks,
+               "must be positive, or null for the device's")
         _check(self.prefix_caching_eviction_policy in ("ref_zero", "lru"), "prefix_caching_eviction_policy",
                self.prefix_caching_eviction_policy, "must be ref_zero or lru")
         if self.preemption_mode == "offload":  # the seed's name for swapping to host memory
@@ -231,7 +236,9 @@ class Config:
                self.kv_cache_management_mode, "must be persist, offload or recompute")
 
     def _validate_scheduler(self) -> None:
-        for key in ("max_batch_size", "max_num_seqs", "max_model_len", "max_total_tokens"):
+        _check(self.max_batch_size is None or self.max_batch_size > 0, "max_batch_size", self.max_batch_size,
+               "must be positive, or null for the device's")
+        for key in ("max_num_seqs", "max_model_len", "max_total_tokens"):
             _check(getattr(self, key) > 0, key, getattr(self, key), "must be positive")
         _check(self.max_model_len >= self.block_size, "max_model_len", self.max_model_len,
                f"must be >= block_size ({self.block_size}): context must fit blocks")

@@ -24,6 +24,7 @@ from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
+from hetero_common.device_defaults import fitted_to_worker
 from hetero_common.embedding_vectors import EMBEDDING_PARAMS, POOLING_BY_NAME, default_pooling, finish_vector
 from hetero_common.errors import ExecutionError, ValidationError
 from hetero_common.lora_modules import lora_cache_salt, lora_slot
@@ -107,6 +108,7 @@ class InferenceEngine:
         self.tokenizer = tokenizer or load_tokenizer(self.runner.model_path, self.config.tokenizer.path,
                                                      kind=self.config.tokenizer.kind)
         info = self.runner.describe()
+        self.config = fitted_to_worker(self.config, info.max_batch_size, info.num_blocks)  # unset keys: the worker's
         self.scheduler = Scheduler(self.config, min(self.config.max_num_blocks, info.num_blocks),
                                    tuple(info.eos_token_ids), min(self.config.max_model_len, info.max_position_embeddings))
         self._pending: dict[tuple[str, int], _Pending] = {}  # (request id, sample index)

@@ -3,11 +3,10 @@ queues), its engine loop, and a health watch that notices when the worker dies o
 The core is private: the replica set submits, adopts, aborts, finds and counts requests
 through the methods below, so what a core is and how it is rebuilt stays in this module.
 
-A step that fails with a transient error (UNAVAILABLE: the worker died, the connection
-reset) is never re-sent as is: the worker may have applied part of it. Instead the replica
-probes the worker (retried with backoff); if it answers, its state is reset and every
-sequence is recomputed from the tokens already produced; if not, the replica is marked
-down and its sequences go to the replica set to be recomputed elsewhere.
+A step that fails with a transient error (UNAVAILABLE: the worker died, the connection reset) is never re-sent as
+is: the worker may have applied part of it. Instead the replica probes the worker (retried with backoff); if it
+answers, its state is reset and every sequence is recomputed from the tokens already produced; if not, the replica
+is marked down and its sequences go to the replica set to be recomputed elsewhere.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import structlog
 
 from hetero.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
+from hetero_common.device_defaults import fitted_to_worker
 from hetero_common.grpc_server import internal_channel
 from hetero_common.retry import is_transient, link_silent, retrying
 from scheduler_svc.lora_registry import LoraRegistry
@@ -178,9 +178,9 @@ class Replica:
     def _join(self, info: worker_pb2.WorkerInfo) -> None:
         """A worker (new or restarted) answered Describe: a fresh pool sized from what it reports."""
         self.info = info
-        num_blocks = min(self.config.max_num_blocks, info.num_blocks)
-        max_model_len = min(self.config.max_model_len, info.max_position_embeddings)
-        self._core = Scheduler(self.config, num_blocks, tuple(info.eos_token_ids), max_model_len)
+        config = fitted_to_worker(self.config, info.max_batch_size, info.num_blocks)  # unset keys: the worker's
+        self._core = Scheduler(config, min(config.max_num_blocks, info.num_blocks), tuple(info.eos_token_ids),
+                               min(config.max_model_len, info.max_position_embeddings))
         self._worker_loras.joined(list(info.lora_adapters))
         self._loras.learn(list(info.lora_adapters))
         self._reset_worker = True  # a worker that was merely unreachable may still hold old sequences
@@ -188,7 +188,8 @@ class Replica:
         self._last_ok = time.monotonic()
         self._up_event.set()
         self._wake.set()
-        log.info("replica up", replica=self.index, address=self.address, pid=info.pid, num_blocks=num_blocks)
+        log.info("replica up", replica=self.index, address=self.address, pid=info.pid,
+                 num_blocks=self._core.kv_cache.num_blocks, max_batch_size=config.max_batch_size)
         self._joined(self)
 
     def _go_down(self, reason: str) -> None:

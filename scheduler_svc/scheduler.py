@@ -1,15 +1,14 @@
 """The core scheduler: continuous batching, one StepPlan per engine step within a token and sequence budget.
 
 `Scheduler.schedule` decides a step in four phases: the running decodes (one token each, or drafts with it:
-speculation.py), the prompts partly computed (chunked prefill), swapped-out sequences back, new requests
-admitted (lower priority value first, then arrival) while blocks stay under `memory_threshold`. When blocks
-run out, a running sequence is preempted (preemption.py); its stream neither loses nor repeats a token. A
-request with n > 1 samples forks after its prompt. `process_result` applies the worker's sampled tokens.
+speculation.py), the prompts partly computed (chunked prefill), swapped-out sequences back, new requests admitted
+(lower priority value first, then arrival) while blocks stay under `memory_threshold`. When blocks run out, a running
+sequence is preempted (preemption.py); its stream neither loses nor repeats a token. A request with n > 1 samples
+forks after its prompt. `process_result` applies the worker's sampled tokens.
 
-The Scheduler owns the queues and makes every decision; the collaborators own the rest: the blocks
-(`KVCacheManager`), the requests in flight (`RequestTable`), what the worker is to be told and the
-plan's wire bytes (step_plan.py), the step in flight (overlap.py), reading a result (`ResultReader`).
-It never touches tensors or reference counts: it decides who runs and sends block ids and counts.
+The Scheduler owns the queues and makes every decision; the collaborators own the rest: the blocks (`KVCacheManager`),
+the requests in flight (`RequestTable`), what the worker is to be told and the plan's wire bytes (step_plan.py), the
+step in flight (overlap.py), reading a result (`ResultReader`). It never touches tensors or reference counts.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import structlog
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
+from hetero_common.device_defaults import SEED_MAX_BATCH_SIZE
 from hetero_common.errors import DuplicateRequestError
 from hetero_common.sampling import resolve
 from scheduler_svc.chunked_prefill import chunk_size
@@ -47,8 +47,8 @@ _last_scheduled = attrgetter("last_scheduled_step")
 
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
-        self.config = config
-        self.block_size = config.block_size
+        self.config, self.block_size = config, config.block_size
+        self.max_batch_size = config.max_batch_size or SEED_MAX_BATCH_SIZE  # set from the worker's (replica._join)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                        cache_freed_blocks=config.prefix_caching_eviction_policy == "lru")
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -162,7 +162,7 @@ class Scheduler:
         if self.speculator is not None:  # the step's tokens, for what a token costs (step_cost.py)
             self.speculator.planned(self.step_id, self.config.max_total_tokens - token_budget, len(self.running))
         # One each for all of `running`: it is in the next decode pass's order already.
-        self._running_in_order = self.config.max_batch_size - seq_budget == len(self.running)
+        self._running_in_order = self.max_batch_size - seq_budget == len(self.running)
         return writer.plan(self.step_id, self._outbox)
 
     def _schedule_decodes(self, writer: PlanWriter, scheduled: list[tuple[Sequence, int]]) -> tuple[int, int, bool]:
@@ -174,7 +174,7 @@ class Scheduler:
         fast path: scheduled, and its entry written, with no call. `room`: the decodes the budgets still
         allow, counted down by the fast path; the budgets themselves are brought up to date by the rest."""
         step_id, write, small = self.step_id, writer.parts.extend, SMALL_VARINTS
-        seq_budget, token_budget = self.config.max_batch_size, self.config.max_total_tokens
+        seq_budget, token_budget = self.max_batch_size, self.config.max_total_tokens
         allocate_slots = self.kv_cache.allocate_slots
         room = room_at_sync = min(seq_budget, token_budget)
         prompts_seen = False

@@ -25,6 +25,7 @@ import torch
 from gpu_worker.cpu.packed_linear import linear, pack_weight, prepack_supported
 from gpu_worker.tensor_parallel import TensorParallel
 from hetero_common.config import Config
+from hetero_common.device_defaults import kv_blocks_cap
 from hetero_common.host_cores import host_cores
 from kernels.attention_backend import AttentionBackend, create_attention_backend
 from kernels.cache_ops import allocate_kv_cache
@@ -137,10 +138,12 @@ def row_invariance_unavailable(head_dim: int, block_size: int) -> str | None:
 
 def allocate_cpu_kv_cache(config: Config, model, head_dim: int, kv_dtype: torch.dtype, bytes_per_block: int,
                           agree: Callable[[int], int] = lambda blocks: blocks) -> tuple[int, AttentionBackend, torch.Tensor]:
-    """(blocks, the attention backend, a KV cache of `kv_cache_memory_gb`, at most `max_num_blocks` blocks) for the
+    """(blocks, the attention backend, a KV cache of `kv_cache_memory_gb`, at most `max_num_blocks` blocks or, unset,
+    the seed's 1024) for the
     model's heads on this rank; `agree` turns this rank's count into the one every rank holds
     (TensorParallel.agreed_kv_blocks)."""
-    num_blocks = agree(max(1, min(config.max_num_blocks, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))))
+    cap = kv_blocks_cap(config, "cpu")
+    num_blocks = agree(max(1, min(cap, int(config.kv_cache_memory_gb * 2**30 // bytes_per_block))))
     # AMX CPUs: prompt chunks attend apart (an AMX tile kernel; without it, fresh prompts through SDPA), unless
     # `deterministic` keeps every row on the C kernel (its per-row path and 16-row tiles: the same bits).
     attention = create_attention_backend(config.attention_backend, model.num_heads, model.num_kv_heads, head_dim,

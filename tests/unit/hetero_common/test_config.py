@@ -14,7 +14,9 @@ from hetero_common.errors import ConfigError
 
 def test_seed_defaults() -> None:
     c = load_config(env={})
-    assert (c.block_size, c.max_num_blocks, c.max_batch_size, c.max_num_seqs) == (16, 1024, 32, 256)
+    # Unset, the pool's cap and the step batch are the device's (hetero_common/device_defaults.py): on a CPU the
+    # seed's 1024 and 32, on CUDA what memory, max_num_seqs and the token budget allow.
+    assert (c.block_size, c.max_num_blocks, c.max_batch_size, c.max_num_seqs) == (16, None, None, 256)
     assert (c.max_model_len, c.max_total_tokens, c.memory_threshold, c.max_retry_attempts) == (2048, 4096, 0.9, 2)
     assert c.serving.backend.kind == "scheduler"
 
