@@ -20,6 +20,7 @@ import torch
 
 from gpu_worker.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from gpu_worker.sampler import sample, widest_sampling_batch
+from gpu_worker.static_kv_memory import StaticDeviceMemory
 from hetero_common.config import Config
 from hetero_common.device_defaults import kv_blocks_cap, planned_batch_size
 from hetero_common.errors import ConfigError
@@ -87,6 +88,7 @@ class CudaWorker:
     kv_cache: torch.Tensor  # num_blocks + 1 blocks: the last is the graphs' padding scratch block
     num_blocks: int
     graphs: DecodeGraphs | None
+    static_memory: StaticDeviceMemory | None = None  # the cache's, with static_kv_memory_pointers
 
 
 @torch.inference_mode()
@@ -155,10 +157,15 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
     # in-place write made outside inference mode (a test filling the cache, a swap-in from a
     # caller that is not inside `execute`), and such a write would fail on CUDA alone.
     kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks + 1, block_size, model.num_kv_heads,
-                                 mc.head_dim, kv_dtype, device, attention.kv_layout)
+                                 mc.head_dim, kv_dtype, "meta" if config.static_kv_memory_pointers else device,
+                                 attention.kv_layout)
+    static = None
+    if config.static_kv_memory_pointers:  # the same tensor over memory whose addresses outlive a suspend
+        static = StaticDeviceMemory(kv_cache.numel() * kv_cache.element_size(), device)
+        kv_cache = static.tensor(tuple(kv_cache.shape), kv_cache.dtype).zero_()
     graphs = (capture_decode_graphs(model, attention, kv_cache, config, pad_block, block_size, max_positions)
               if sizes else None)
-    return CudaWorker(attention, kv_cache, num_blocks, graphs)
+    return CudaWorker(attention, kv_cache, num_blocks, graphs, static)
 
 
 def capture_decode_graphs(model, attention, kv_cache: torch.Tensor, config: Config, pad_block: int, block_size: int,

@@ -36,7 +36,7 @@ from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
 from hetero_common.device_defaults import step_batch_size
-from hetero_common.errors import ExecutionError
+from hetero_common.errors import ConfigError, ExecutionError
 from hetero_common.model_files import resolve_model_path
 from hetero_common.sampling import resolve
 from kernels.cache_ops import copy_blocks, kv_row_bytes, swap_in_blocks, swap_out_blocks
@@ -70,9 +70,13 @@ class ModelRunner:
                         if config.speculative_method == "draft" else None)
         self.bytes_per_block += self.drafter.bytes_per_block if self.drafter is not None else 0  # sized together
         self.graphs: DecodeGraphs | None = None
+        self._suspension = KVSuspension()  # the KV cache while suspended (kv_suspension.py)
         if self.device.type == "cuda":  # the KV cache is sized from free memory after a warm-up pass
             self._prepare_cuda()
         else:
+            if config.static_kv_memory_pointers:
+                raise ConfigError("config key 'static_kv_memory_pointers' = True keeps the KV cache's CUDA addresses "
+                                  "for the decode graphs; the CPU worker has neither: set it to false")
             self.num_blocks, self.attention, self.kv_cache = allocate_cpu_kv_cache(
                 config, self.model, self.model_config.head_dim, self.kv_dtype, self.bytes_per_block, self._agree)
         if self.drafter is not None:  # its K/V in as many blocks
@@ -83,7 +87,6 @@ class ModelRunner:
                                              self.model_config.vocab_size)
         self.sequences: dict[int, SequenceState] = {}
         self.swapped: dict[int, torch.Tensor] = {}  # seq id -> its blocks in host memory (preemption by swap)
-        self._suspension = KVSuspension()  # the KV cache while suspended (kv_suspension.py)
         self.steps = 0
         self._log_loaded(started)
 
@@ -101,6 +104,7 @@ class ModelRunner:
                                    self.bytes_per_block, self.max_positions, self._agree)
         self.num_blocks, self.kv_cache, self.attention, self.graphs = (cuda.num_blocks, cuda.kv_cache,
                                                                        cuda.attention, cuda.graphs)
+        self._suspension = KVSuspension(cuda.static_memory)
 
     def _agree(self, own_blocks: int) -> int:
         """The KV block count of every rank of this replica (the smallest any rank can hold)."""
@@ -205,10 +209,10 @@ class ModelRunner:
         self.kv_cache, released = self._suspension.suspend(mode, self.kv_cache, self.graphs is not None)
         if self.drafter is not None:
             self.drafter.suspend(mode)
-        if released:  # CUDA graphs captured the cache's address: dropped now, captured again on resume
+        if self._suspension.recapture_graphs:  # they captured the cache's address: captured again on resume
             self.graphs = None
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        if released and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         log.info("kv cache suspended", mode=mode, released_bytes=released)
         return released
 

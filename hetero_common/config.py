@@ -146,6 +146,11 @@ class Config:
         "to min(max_batch_size, max_num_seqs), the largest always kept; null = the whole ladder"))
     use_cuda_graphs_for_non_decode_steps: bool = field(default=False, metadata=doc(
         "Megatron's name; only false is served (steps with prompt chunks always run eagerly here)"))
+    static_kv_memory_pointers: bool = field(default=False, metadata=doc(
+        "CUDA: the KV cache keeps its addresses through `SuspendKVCache`/`ResumeKVCache` (`offload`, `recompute`): "
+        "its memory is unmapped and mapped again at the same addresses (CUDA's virtual memory API), so the decode "
+        "graphs replay without being captured again (Megatron's name); false = the cache is freed and allocated "
+        "anew, and the graphs captured again. The CPU worker refuses true"))
     use_flashinfer_fused_rope: bool = field(default=True, metadata=doc(
         "CUDA with FlashInfer: RoPE, RMSNorm with its residual add, and SiLU·mul through FlashInfer's fused "
         "kernels (Megatron's name; here it covers all three); false = torch's separate ops"))

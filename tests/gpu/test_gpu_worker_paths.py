@@ -96,3 +96,56 @@ def test_each_worker_process_binds_its_own_gpu() -> None:
         assert torch.cuda.current_device() == 1
     assert on_own_device(config, tp_rank=0, local_rank=0).device == "cuda:0"
     assert torch.cuda.current_device() == 0
+
+
+def _suspended_midway(model_dir: Path, mode: str | None, **overrides) -> tuple[list[list[int]], object]:
+    """Each prompt's 8 greedy tokens, the KV cache suspended in `mode` (None: never) after 4 steps and resumed;
+    and the engine, to look at its runner."""
+    from hetero_common.config import Config
+    from hetero_infer.engine import GenerationParams, InferenceEngine
+
+    config = Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16, max_total_tokens=256,
+                    attention_backend="flashinfer", enable_cuda_graphs=True, **overrides).validate()
+    engine = InferenceEngine(config)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    ids = [engine.submit_request(p, GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True)) for p in prompts]
+    done = {}
+    for step in range(200):
+        if not engine.has_pending_work():
+            break
+        if step == 4 and mode is not None:
+            assert engine.suspend(mode) > 0
+            engine.resume()
+        done.update({r.request_id: r for r in engine.step()})
+    return [done[i].output_token_ids for i in ids], engine
+
+
+@pytest.mark.parametrize("mode", ["offload", "recompute"])
+def test_static_kv_pointers_replay_the_same_graphs_after_a_suspend(gpu_llama_dir: Path, mode: str) -> None:
+    """static_kv_memory_pointers: the cache's memory is released and mapped again at its addresses; the decode
+    graphs captured before the suspend replay after it, and the tokens are those of the same run with the cache
+    freed and the graphs captured again (`recompute` recomputes through prefill, which may round differently from
+    the decodes it replaces: so the reference is suspended the same way, not a run never suspended)."""
+    require_flashinfer(64)
+    plain, engine = _suspended_midway(gpu_llama_dir, None, static_kv_memory_pointers=True)
+    runner = engine.runner
+    graphs, address = runner.graphs, runner.kv_cache.data_ptr()
+    assert graphs is not None
+    free_before = torch.cuda.mem_get_info()[0]
+    released = engine.suspend(mode)
+    assert torch.cuda.mem_get_info()[0] - free_before >= released * 0.9  # the memory went back to the device
+    engine.resume()
+    assert runner.graphs is graphs and runner.kv_cache.data_ptr() == address
+    del engine, runner
+    gc.collect()
+    suspended, engine = _suspended_midway(gpu_llama_dir, mode, static_kv_memory_pointers=True)
+    del engine
+    gc.collect()
+    reference, engine = _suspended_midway(gpu_llama_dir, mode)
+    assert suspended == reference
+    if mode == "offload":  # the cache came back exactly: as if never suspended
+        assert suspended == plain
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
