@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_bench.py [--batch-sizes 1,16,64,256] [--context 1000] [--steps 30] [--breakdown]
                                    [--shape 1b|8b] [--kv-cache-dtype auto|fp8] [--quantization none|fp8]
-                                   [--json out.json]
+                                   [--compare-decode-cores] [--json out.json]
 
 Builds a Llama-shaped model of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden
 2048, 32 query / 8 KV heads of 64, MLP 8192, vocabulary 128256, tied embeddings; `--shape 8b`: Llama-3-8B's,
@@ -225,6 +225,25 @@ def mixed_step_ms(model, attention, kv: torch.Tensor, cfg: ModelConfig, context:
     return median_ms(step, steps)
 
 
+def decode_cores_us(workspace: torch.Tensor, table: PageTable, q: torch.Tensor, layer: torch.Tensor,
+                    cfg: ModelConfig, kv_dtype: torch.dtype) -> dict[str, float]:
+    """`--compare-decode-cores`: µs of one layer's decode attention through FlashInfer's CUDA-core kernel and
+    through its tensor-core (prefill-kernel) path, same table and cache (issue 37: is group 4 faster on tensor
+    cores?)."""
+    import flashinfer
+
+    timings = {}
+    for name, cores in (("cuda_cores", False), ("tensor_cores", True)):
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=cores)
+        wrapper.plan(table.kv_indptr, table.kv_indices.to(q.device), table.kv_last_page_len, cfg.num_attention_heads,
+                     cfg.num_key_value_heads, cfg.head_dim, BLOCK_SIZE, pos_encoding_mode="NONE", q_data_type=DTYPE,
+                     kv_data_type=kv_dtype)
+        for _ in range(3):
+            wrapper.run(q, layer)
+        timings[name] = cuda_time(lambda: wrapper.run(q, layer), 100) * 1e6  # noqa: B023 (called at once)
+    return timings
+
+
 def print_breakdown(rows: list[dict], steps: int) -> None:
     print(f"\nwhere a graph decode step's time goes (ms, medians of {steps} steps; the GPU waits = step - replay)")
     print(f"{'batch':>6} {'step ms':>8} {'run() host':>11} {'plan()':>8} {'replay':>8} {'read-back':>10} "
@@ -248,6 +267,10 @@ def main() -> int:
                         help="the model's shape: Llama-3.2-1B's (the default) or Llama-3-8B's")
     parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
                         help="the layers' linear weights: bf16, or float8 e4m3 with per-channel scales")
+    parser.add_argument("--compare-decode-cores", action="store_true",
+                        help="also time FlashInfer's decode attention through CUDA cores and through tensor cores for "
+                             "this shape's GQA group (the worker takes tensor cores above a group of 4); the "
+                             "tensor-core path JIT-compiles FA2's module for the head size on first use")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
@@ -390,6 +413,11 @@ def main() -> int:
             reference.run(q, ref_layer)
         torch_seconds = cuda_time(lambda: reference.run(q, ref_layer), 10)
         results["attention_us"] = {"flashinfer": fi_seconds * 1e6, "torch": torch_seconds * 1e6}
+        if args.compare_decode_cores:
+            results["decode_cores_us"] = decode_cores_us(attention.workspace, table, q, layer, cfg, kv_dtype)
+            print(f"decode attention by CUDA cores / tensor cores (group {cfg.num_attention_heads // cfg.num_key_value_heads}"
+                  f", batch {b}): {results['decode_cores_us']['cuda_cores']:.1f} / "
+                  f"{results['decode_cores_us']['tensor_cores']:.1f} us")
         print(f"decode attention, batch {b} x {args.context + 1} tokens, one layer: FlashInfer {fi_seconds * 1e6:.1f} us, "
               f"torch reference {torch_seconds * 1e6:.1f} us ({torch_seconds / fi_seconds:.1f}x)")
 
