@@ -9,7 +9,7 @@
 #                                    # with a 1B-shaped model, then on this host's CPU cores with the tiny one
 #   bash scripts/gpu_run.sh quant    # issue 39's GPU figures: fp8 weights (8B shape, batch 64) and fp8 KV
 #                                    # (1B shape, batch 256, 4k contexts), each against bf16
-#   bash scripts/gpu_run.sh all      # build, tests and bench in one call, when one call has the time
+#   bash scripts/gpu_run.sh all      # build, tests, bench and the 8B shape's bench in one call, when one call has the time
 #   bash scripts/gpu_run.sh install  # only the carried wheels (then PYTHONPATH=$(ls -d /tmp/hetero-gpu/site-*):$PWD)
 #
 # One step per device call: a cold JIT alone can take most of a 600 s call. Every step first
@@ -117,6 +117,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     step bench gpu_bench.log "$PY" benchmarks/gpu_bench.py --json "$out/gpu_bench.json" "$@"
+fi
+if [ "$what" = all ]; then  # issue 37's second shape: Llama-3.1-8B's, batch 1 and 64
+    step bench-8b gpu_bench_8b.log "$PY" benchmarks/gpu_bench.py --shape 8b --batch-sizes 1,64 --steps 20 --prompt 512 \
+        --json "$out/gpu_bench_8b.json"
 fi
 if [ "$what" = stepcost ]; then
     # FlashInfer compiles on first use what the build step did not (the 64-wide heads these models have).

@@ -22,7 +22,7 @@ from tests.helpers.import_graph import external_imports, module_files, reachable
 RUNTIME_PACKAGES = ("hetero", "hetero_common", "gateway", "scheduler_svc", "gpu_worker", "kernels", "hetero_infer")
 # What runs on the GPU machine besides the runtime: scripts/gpu_run.sh's tests, benchmarks and JIT
 # build, and the conftest pytest loads first.
-GPU_ENTRY_POINTS = ("tests.conftest", "tests.gpu.test_gpu", "tests.unit.gpu_worker.test_gpu_logic", "benchmarks.gpu_bench",
+GPU_ENTRY_POINTS = ("tests.conftest", "tests.gpu.test_gpu", "tests.gpu.test_gpu_worker_paths", "tests.unit.gpu_worker.test_gpu_logic", "benchmarks.gpu_bench",
                     "benchmarks.step_cost", "scripts.flashinfer_jit",
                     "scripts.wheel_tree")
 # Import names that no installed distribution here declares (flashinfer is an optional extra).
