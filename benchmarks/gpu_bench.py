@@ -2,9 +2,9 @@
 
     python benchmarks/gpu_bench.py [--batch-sizes 1,16,64,256] [--context 1000] [--steps 30] [--breakdown]
                                    [--shape 1b|8b] [--kv-cache-dtype auto|fp8] [--quantization none|fp8]
-                                   [--compare-decode-cores] [--json out.json]
+                                   [--compare-decode-cores] [--unfused] [--json out.json]
 
-Builds a Llama-shaped model of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden
+Builds (element-wise passes through FlashInfer's fused kernels, as the worker by default; `--unfused`: torch's ops) a Llama-shaped model of about 1.2B parameters (Llama-3.2-1B's shape: 16 layers, hidden
 2048, 32 query / 8 KV heads of 64, MLP 8192, vocabulary 128256, tied embeddings; `--shape 8b`: Llama-3-8B's,
 32 layers, hidden 4096, heads of 128, MLP 14336) with random bf16 weights on the device (nothing is downloaded), and measures, on the worker's own code
 (`LlamaModel`, the FlashInfer backend, `DecodeGraphs`):
@@ -271,6 +271,9 @@ def main() -> int:
                         help="also time FlashInfer's decode attention through CUDA cores and through tensor cores for "
                              "this shape's GQA group (the worker takes tensor cores above a group of 4); the "
                              "tensor-core path JIT-compiles FA2's module for the head size on first use")
+    parser.add_argument("--unfused", action="store_true",
+                        help="torch's separate element-wise ops instead of FlashInfer's fused kernels (config "
+                             "use_flashinfer_fused_rope false), to compare")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     args = parser.parse_args()
     kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else DTYPE
@@ -299,11 +302,13 @@ def main() -> int:
         started = time.perf_counter()
         max_positions = max(args.context + args.steps + 8, args.prompt + 8)
         model = LlamaModel(cfg, random_weights(cfg, device), device, DTYPE, max_positions,
-                           fp8_weights=args.quantization == "fp8")
+                           fp8_weights=args.quantization == "fp8", fused=not args.unfused)
+        results["elementwise"] = model.elementwise
         torch.cuda.empty_cache()
         weight_bytes = model_bytes(model)
         results["weight_bytes"] = weight_bytes
-        print(f"model: {weight_bytes / 2**30:.2f} GiB of weights ({args.quantization} linear layers) "
+        print(f"model: {weight_bytes / 2**30:.2f} GiB of weights ({args.quantization} linear layers, "
+              f"{model.elementwise} element-wise ops) "
               f"(built in {time.perf_counter() - started:.1f} s)")
 
         pages_per_seq = -(-(args.context + 1) // BLOCK_SIZE)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, p
 from gpu_worker.tensor_parallel import TensorParallel
 from kernels.attention_backend import AttentionBackend
 from kernels.cache_ops import hnd_rows
-from kernels import fp8_linear, int8_linear
+from kernels import flashinfer_fused, fp8_linear, int8_linear
 from kernels.native import linear_gguf
 from kernels.native.linear import amx_fits
 
@@ -52,6 +53,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     elif kind not in (None, "default"):
         raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
     return inv_freq
+
+
+def elementwise_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The fused element-wise kernels for this device and dtype (gpu_worker/cpu/fused_ops.py on a bfloat16 CPU,
+    kernels/flashinfer_fused.py on CUDA in bfloat16/float16), or None: torch's separate ops. Both modules have
+    `add_rms_norm` and `silu_mul` alike; their `rope_` take their own tables (LlamaModel._rope_)."""
+    if not fused:
+        return None
+    for ops in (fused_ops, flashinfer_fused):
+        if ops.available(device, dtype):
+            return ops
+    return None
 
 
 def linear_shapes(config: ModelConfig, tp: TensorParallel) -> list[tuple[int, int]]:
@@ -146,8 +159,9 @@ class LlamaModel:
         C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
         `native_linear_max_rows` (AMX CPUs), for both, the C kernel taking products of up to that many rows;
         `native_linear_amx`: the C kernel is the AMX tile one (kernels/native/linear.py's `plan` chose it).
-        `fused`: run RMSNorm, RoPE and SiLU·mul through the C kernels (gpu_worker/cpu/fused_ops.py) where they are
-        available (bfloat16 CPU). `gguf_blocks` (with `native_linear`): weights the checkpoint kept in GGUF blocks
+        `fused`: run RMSNorm (with the residual add), RoPE and SiLU·mul as one kernel each where such kernels are
+        available: the C kernels on a bfloat16 CPU (gpu_worker/cpu/fused_ops.py), FlashInfer's on CUDA
+        (kernels/flashinfer_fused.py). `gguf_blocks` (with `native_linear`): weights the checkpoint kept in GGUF blocks
         (gpu_worker/gguf_blocks.py) are computed from them (kernels/native/linear_gguf.py) where the kernel takes
         their type; others are dequantized. `int8_weights` (with `native_linear`): every other linear weight is
         quantized to int8 per block of 32 (kernels/native/linear_gguf.int8_blocks) for the same kernel. `fp8_weights`:
@@ -183,16 +197,27 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(c, max_positions, device, dtype)
         self.q_size = self.num_heads * c.head_dim
         self.kv_size = self.num_kv_heads * c.head_dim
-        self.fused = fused and fused_ops.available(device, dtype)
-        if self.fused:  # the kernel reads [max_positions, head_dim / 2] rows
-            self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+        self._choose_elementwise(fused, max_positions)
         # Every layer in one C call where each of its kernels is C and no all-reduce sits between them
         # (with dual-packed weights: for steps of up to native_linear_max_rows rows).
         one_kernel = weights_kind(self.layers) is not None  # not a mix of GGUF types, or of blocks and tensors
         self.c_layers = (CLayers(self.layers, self.cos, self.sin, self.num_heads, self.num_kv_heads, c.head_dim,
                                  c.rms_norm_eps)
-                         if self.fused and prepack and native_linear and not tp.enabled and one_kernel else None)
+                         if self.ops is fused_ops and prepack and native_linear and not tp.enabled and one_kernel
+                         else None)
         self.c_layers_max_rows = native_linear_max_rows
+
+    def _choose_elementwise(self, fused: bool, max_positions: int) -> None:
+        """The element-wise kernels (`ops`: None for torch's separate ops) and the RoPE tables they read."""
+        self.ops = elementwise_ops(fused, self.device, self.dtype)
+        self.fused = self.ops is not None
+        self.elementwise = "torch" if self.ops is None else "c" if self.ops is fused_ops else "flashinfer"
+        if self.ops is fused_ops:  # the kernel reads [max_positions, head_dim / 2] rows
+            self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+        # FlashInfer's RoPE reads one float32 [max_positions, head_dim] table, computed from float64 as the others
+        self.cos_sin = (flashinfer_fused.cos_sin_cache(*rope_tables(self.config, max_positions, self.device,
+                                                                    torch.float32))
+                        if self.ops is flashinfer_fused else None)
 
     def _layer_weights(self, place: WeightPlacer, i: int) -> dict[str, PackedWeight | None]:
         """Layer `i`'s weights on this rank."""
@@ -245,8 +270,8 @@ class LlamaModel:
 
     def final_normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm over rows of `hidden_states` (what the LM head reads; embeddings pool it), in dtype."""
-        if self.fused:
-            return fused_ops.add_rms_norm(hidden.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
+        if self.ops is not None:
+            return self.ops.add_rms_norm(hidden.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
         return self._rms_norm(hidden, self.final_norm)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -288,24 +313,34 @@ class LlamaModel:
             lora.add(layer, group, x, y)
         return y
 
+    def _rope_(self, qkv: torch.Tensor, positions: torch.Tensor) -> None:
+        """RoPE in place on the q and k heads of the q/k/v buffer, by the fused kernels' own tables."""
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.config.head_dim
+        if self.ops is flashinfer_fused:
+            flashinfer_fused.rope_(qkv, heads, kv_heads, dim, positions, self.cos_sin)
+        else:
+            fused_ops.rope_(qkv, heads + kv_heads, dim, positions, self.cos, self.sin)
+
     def _hidden_states_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                              kv_cache: torch.Tensor, attention: AttentionBackend,
                              lora: StepLora | None = None) -> torch.Tensor:
-        """`hidden_states` with the element-wise passes as C kernels (bfloat16 CPU): each residual add is
-        fused into the next RMSNorm, RoPE rotates q and k in place in the q/k/v buffer."""
+        """`hidden_states` with the element-wise passes fused (`self.ops`: the C kernels on a bfloat16 CPU,
+        FlashInfer's on CUDA): each residual add is fused into the next RMSNorm, RoPE rotates q and k in place in
+        the q/k/v buffer. The C attention plans (`native_rows`, `c_layers`) are the CPU's alone."""
         c = self.config
         t = input_ids.shape[0]
         eps, heads, kv_heads, dim = c.rms_norm_eps, self.num_heads, self.num_kv_heads, c.head_dim
         hidden = self._embed(input_ids)
         positions = positions.to(torch.int64)
-        if t and int(positions.max()) >= self.cos.shape[0]:  # the RoPE kernel reads its tables unchecked
+        if t and self.ops is fused_ops and int(positions.max()) >= self.cos.shape[0]:  # read unchecked; on CUDA
+            # the runner checks on the host (a read-back here would sync the step and break graph capture)
             raise IndexError(f"position {int(positions.max())} is beyond the model's {self.cos.shape[0]} positions")
         delta: torch.Tensor | None = None  # the last block's output, not yet added to `hidden`
         # The attention backend's C plan, when it covers every row of the step: the layers' RoPE, K/V write
         # and attention then run as one C call each (gpu_worker/cpu/c_layers.py), or, with C linear layers too,
         # every layer in one call.
         # Prompt chunks may attend apart (`apart_prompts`, AMX CPUs): after each block.
-        plan = getattr(attention, "native_rows", lambda: None)() if t else None
+        plan = getattr(attention, "native_rows", lambda: None)() if t and self.ops is fused_ops else None
         if plan is not None:
             if plan.max_page >= kv_cache[0].shape[0]:
                 raise IndexError(f"page {plan.max_page} is outside the cache's {kv_cache[0].shape[0]} blocks")
@@ -318,7 +353,7 @@ class LlamaModel:
                                               plan.pages, plan.kv_lens, attention.scale, attention.prompt_tiles, lora))
                 return hidden
         for i, layer in enumerate(self.layers):
-            x = fused_ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)
+            x = self.ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
@@ -329,14 +364,14 @@ class LlamaModel:
                 if apart_prompts:
                     attention.attend_apart_prompts(qkv, kv_cache[i], attn)
             else:
-                fused_ops.rope_(qkv, heads + kv_heads, dim, positions, self.cos, self.sin)
+                self._rope_(qkv, positions)
                 qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
                 v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
                 attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
                 attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
             o = self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o"))
-            x = fused_ops.add_rms_norm(hidden, o, layer["post_norm"], eps)
-            act = fused_ops.silu_mul(self._linear(x, layer["gate_up"], lora, i, "gate_up"))
+            x = self.ops.add_rms_norm(hidden, o, layer["post_norm"], eps)
+            act = self.ops.silu_mul(self._linear(x, layer["gate_up"], lora, i, "gate_up"))
             delta = self.tp.all_reduce(self._linear(act, layer["down"], lora, i, "down"))
         if delta is not None:
             hidden.add_(delta)

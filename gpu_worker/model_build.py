@@ -24,10 +24,16 @@ def build_model(config: Config, model_config: ModelConfig, weights: dict[str, to
         dtype, prepack, config.cpu_kernels, linear_shapes(model_config, tp), config.deterministic)
     model = LlamaModel(model_config, weights, device, dtype, max_positions, tp,
                        prepack=prepack, native_linear=c_linear, native_linear_max_rows=c_linear_max_rows,
-                       native_linear_amx=c_linear_amx, fused=config.cpu_kernels != "torch",
+                       native_linear_amx=c_linear_amx, fused=fused_elementwise(config, device),
                        **quantized_weights(config, device, dtype, c_linear))
     log_gguf_serving(weights, model)
     return model, c_linear
+
+
+def fused_elementwise(config: Config, device: torch.device) -> bool:
+    """Whether the model runs its element-wise passes fused: on CUDA by config `use_flashinfer_fused_rope`
+    (FlashInfer's kernels), on a CPU unless `cpu_kernels` is torch (the C kernels, bfloat16)."""
+    return config.use_flashinfer_fused_rope if device.type == "cuda" else config.cpu_kernels != "torch"
 
 
 def resolve_device(name: str) -> torch.device:

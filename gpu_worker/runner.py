@@ -116,7 +116,7 @@ class ModelRunner:
                  dtype=str(self.dtype).removeprefix("torch."), kv_blocks=self.num_blocks,
                  kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
                  c_decode_attention=getattr(self.attention, "native_decode", False) and self.dtype == torch.bfloat16,
-                 c_elementwise=self.model.fused, c_linear=self.c_linear, row_invariant=self._row_invariant(),
+                 elementwise=self.model.elementwise, c_linear=self.c_linear, row_invariant=self._row_invariant(),
                  kv_cache_mib=round(self.num_blocks * self.bytes_per_block / 2**20, 1),
                  max_num_blocks=self.config.max_num_blocks or "unset: the device's",
                  **dict(zip(("max_batch_size", "max_batch_size_from"),

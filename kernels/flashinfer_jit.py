@@ -9,7 +9,9 @@ own choice:
 - decode (eager and CUDA-graph, which select the same module): GQA group <= 4 -> the CUDA-core
   batch-decode module; larger groups -> tensor cores, which run FlashInfer's FA2 prefill module;
 - prefill: FA3 on sm90 (what `determine_attention_backend` answers there for bf16/fp16 without
-  FlashInfer's RoPE), FA2 elsewhere.
+  FlashInfer's RoPE), FA2 elsewhere;
+- the fused element-wise passes (kernels/flashinfer_fused.py, config `use_flashinfer_fused_rope`):
+  the `norm`, `rope` and `silu_and_mul` modules, one each whatever the shape.
 
 Two uses: `scripts/flashinfer_jit.py compile` builds each module's object files and stops
 before the link (no libcuda without a driver), so a template or API mismatch fails CI on a
@@ -110,14 +112,28 @@ def module_specs(shape: AttentionShape, capability: tuple[int, int]) -> dict[str
             "prefill": prefill(prefill_backend(shape, capability))}
 
 
+def elementwise_specs() -> dict[str, Any]:
+    """Role -> the JitSpec of the fused element-wise modules kernels/flashinfer_fused.py calls (every shape's)."""
+    from flashinfer.jit.activation import gen_act_and_mul_module
+    from flashinfer.jit.norm import gen_norm_module
+    from flashinfer.jit.rope import gen_rope_module
+
+    return {"RMSNorm and its residual add": gen_norm_module(), "RoPE": gen_rope_module(),
+            "SiLU·mul": gen_act_and_mul_module("silu")}
+
+
 def unique_specs(shapes: tuple[AttentionShape, ...], capability: tuple[int, int]) -> list[tuple[str, Any]]:
-    """(which shapes and roles use it, spec) once per distinct module, in first-use order."""
+    """(which shapes and roles use it, spec) once per distinct module, in first-use order: the attention modules
+    of each shape, then the fused element-wise ones."""
     users: dict[str, list[str]] = {}
     specs: dict[str, Any] = {}
     for shape in shapes:
         for role, spec in module_specs(shape, capability).items():
             specs.setdefault(spec.name, spec)
             users.setdefault(spec.name, []).append(f"{shape.name}: {role}")
+    for role, spec in elementwise_specs().items():
+        specs.setdefault(spec.name, spec)
+        users.setdefault(spec.name, []).append(f"every shape: {role}")
     return [("; ".join(users[name]), spec) for name, spec in specs.items()]
 
 
@@ -162,11 +178,13 @@ def build_and_load(spec: Any) -> float:
 
 def modules_built_by_steps(shape: AttentionShape) -> tuple[set[str], set[str]]:
     """On a GPU: (modules FlashInfer builds for a prefill, an eager decode and a graph-mode decode
-    step of `shape`, modules `module_specs` names for it). Run it in a fresh interpreter: FlashInfer
-    caches loaded modules per process, and a module loaded before is not built again."""
+    step of `shape`, with the fused element-wise passes of a layer (kernels/flashinfer_fused.py), modules
+    `module_specs` and `elementwise_specs` name for them). Run it in a fresh interpreter: FlashInfer caches
+    loaded modules per process, and a module loaded before is not built again."""
     import numpy as np
     from flashinfer.jit.core import JitSpecNvcc
 
+    from kernels import flashinfer_fused
     from kernels.cache_ops import allocate_kv_cache
     from kernels.flashinfer_backend import FlashInferGraphDecode, FlashInferPagedAttention
     from kernels.page_table import PageTable
@@ -194,8 +212,16 @@ def modules_built_by_steps(shape: AttentionShape) -> tuple[set[str], set[str]]:
             attention.plan(table)
             attention.write_kv(cache, new[0], new[1], torch.from_numpy(slots).to(cuda))
             attention.run(new[2], cache)
+        # A layer's element-wise passes around attention: RMSNorm with and without the residual, RoPE, SiLU·mul
+        rows = torch.randn(3, 2 * hq * d, dtype=dtype, device=cuda)
+        weight = torch.ones(2 * hq * d, dtype=dtype, device=cuda)
+        flashinfer_fused.add_rms_norm(rows, flashinfer_fused.add_rms_norm(rows, None, weight, 1e-5), weight, 1e-5)
+        qkv = torch.randn(3, (hq + 2 * hkv) * d, dtype=dtype, device=cuda)
+        table = flashinfer_fused.cos_sin_cache(torch.rand(8, d // 2, device=cuda), torch.rand(8, d // 2, device=cuda))
+        flashinfer_fused.rope_(qkv, hq, hkv, d, torch.arange(3, device=cuda), table)
+        flashinfer_fused.silu_mul(rows)
         torch.cuda.synchronize()
     finally:
         JitSpecNvcc.build_and_load = original  # type: ignore[method-assign]
     named = {spec.name for spec in module_specs(shape, torch.cuda.get_device_capability()).values()}
-    return built, named
+    return built, named | {spec.name for spec in elementwise_specs().values()}

@@ -29,20 +29,28 @@ from kernels.flashinfer_jit import (  # noqa: E402
 )
 
 
-def curand_include(cuda_home: str) -> str | None:
-    """Where cuRAND's headers are, when CUDA_HOME lacks them (None: it has them, or none found).
+# Library headers FlashInfer's modules include beyond the CUDA runtime's: FA3's CUTLASS code includes cuRAND's,
+# the norm module (kernels/flashinfer_fused.py) cuBLASLt's.
+LIBRARY_HEADERS = ("curand_kernel.h", "cublasLt.h")
 
-    FA3's CUTLASS headers include curand_kernel.h. A CUDA install with nvcc and the runtime only
-    (the CI image's) has no cuRAND; the nvidia-curand wheel ships its headers (nvidia/cu13/include)."""
-    if (Path(cuda_home) / "include" / "curand_kernel.h").exists():
-        return None
+
+def library_includes(cuda_home: str) -> list[str]:
+    """Folders holding the LIBRARY_HEADERS that CUDA_HOME lacks (none when it has them all, or none is found).
+
+    A CUDA install with nvcc and the runtime only (the CI image's) has neither library; their wheels ship the
+    headers (nvidia/cu13/include: nvidia-curand's, and cuBLAS's as scripts/cuda_headers.py unpacks them)."""
     import importlib.util
 
     spec = importlib.util.find_spec("nvidia")
-    for base in (spec.submodule_search_locations or []) if spec else []:
-        for header in sorted(Path(base).glob("*/include/curand_kernel.h")):
-            return str(header.parent)
-    return None
+    bases = [Path(b) for b in ((spec.submodule_search_locations or []) if spec else [])]
+    found: list[str] = []
+    for name in LIBRARY_HEADERS:
+        if (Path(cuda_home) / "include" / name).exists():
+            continue
+        folder = next((str(h.parent) for base in bases for h in sorted(base.glob(f"*/include/{name}"))), None)
+        if folder is not None and folder not in found:
+            found.append(folder)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,13 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     # /usr/local/bin link, where neither the CUDA headers nor libcudart are.
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
     os.environ.setdefault("MAX_JOBS", str(args.jobs))  # FlashInfer's own ninja runs read it
+    for include in library_includes(os.environ["CUDA_HOME"]):  # both here and on the GPU machine
+        os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = f"{os.environ.get('FLASHINFER_EXTRA_CUDAFLAGS', '')} -isystem {include}"
+        print(f"library headers from {include}", flush=True)
     if args.what == "compile":
         os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
         capability = arch_from_env()
-        include = curand_include(os.environ["CUDA_HOME"])
-        if include:
-            os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = f"{os.environ.get('FLASHINFER_EXTRA_CUDAFLAGS', '')} -isystem {include}"
-            print(f"cuRAND headers from {include}", flush=True)
     else:
         import torch
 

@@ -12,6 +12,8 @@ bash scripts/setup.sh --test
 # nothing here loads. nvidia-curand only for cuRAND's headers, which FA3's CUTLASS code includes.
 python -m pip install --quiet --no-deps "flashinfer-python==0.7.2.post1" "apache-tvm-ffi>=0.1.11,<0.2" \
     nvidia-ml-py ninja "nvidia-curand==10.4.0.35"
+# cuBLAS's six headers, not its libraries: FlashInfer's norm module (the fused RMSNorm) includes cublasLt.h.
+python scripts/cuda_headers.py "nvidia-cublas==13.10.0.20"
 python -m hetero_infer.protogen --check
 python -m pytest -q -m "not slow" "$@"
 python -m pytest -q -m slow --durations=10 "$@"

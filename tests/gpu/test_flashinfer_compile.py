@@ -1,7 +1,8 @@
 """FlashInfer's JIT modules for the worker, compiled without a GPU (kernels/flashinfer_jit.py).
 
 The slow test compiles every module the worker selects for the checked shapes (the default model,
-head_dim-64 and head_dim-128 Llamas, a GQA group of 7; prefill, decode, graph-mode decode) for
+head_dim-64 and head_dim-128 Llamas, a GQA group of 7; prefill, decode, graph-mode decode), and the fused
+element-wise modules (RMSNorm, RoPE, SiLU·mul: kernels/flashinfer_fused.py), for
 sm_90a up to the object files, and stops before the link (no libcuda without a driver): a
 template or API mismatch with flashinfer-python 0.7.2.post1 fails here, before a GPU is lent.
 It needs flashinfer-python (scripts/test.sh installs it) and nvcc (CUDA_HOME, default
@@ -50,7 +51,9 @@ def test_module_choice_follows_the_wrappers(monkeypatch: pytest.MonkeyPatch) -> 
     assert "dtype_q_f16" in wide["decode"].name and "head_dim_qk_128" in wide["prefill"].name
     assert not module_specs(AttentionShape("a100", 32, 8, 128), (8, 0))["prefill"].name.endswith("_sm90")
     names = [spec.name for _, spec in unique_specs(CHECKED_SHAPES, (9, 0))]
-    assert len(names) == len(set(names)) == 6  # page; decode 64, 128; FA3 prefill 64, 128; FA2 (group 7)
+    # page; decode 64, 128; FA3 prefill 64, 128; FA2 (group 7); then the fused element-wise norm, rope, silu_and_mul
+    assert len(names) == len(set(names)) == 9
+    assert names[-3:] == ["norm", "rope", "silu_and_mul"]
 
 
 @pytest.mark.slow

@@ -24,8 +24,10 @@ def gpu_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_gpu_llama(tmp_path_factory.mktemp("gpu_llama_paths"))
 
 
-def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, **params) -> tuple[list[list[int]], int]:
-    """(each prompt's 8 greedy tokens with decode graphs, how many steps ran the sampler)."""
+def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, config: dict | None = None,
+              **params) -> tuple[list[list[int]], int]:
+    """(each prompt's 8 greedy tokens with decode graphs, how many steps ran the sampler); `config`: more config
+    keys; the model's element-wise path is checked against `use_flashinfer_fused_rope`."""
     from gpu_worker import runner as runner_module
     from hetero_common.config import Config
     from hetero_infer.engine import GenerationParams, InferenceEngine
@@ -38,9 +40,10 @@ def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, **params) -> tup
         return real_sample(*args, **kwargs)
 
     monkeypatch.setattr(runner_module, "sample", counting)
-    config = Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16, max_total_tokens=256,
-                    attention_backend="flashinfer", enable_cuda_graphs=True).validate()
-    engine = InferenceEngine(config)
+    settings = Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16, max_total_tokens=256,
+                      attention_backend="flashinfer", enable_cuda_graphs=True, **(config or {})).validate()
+    engine = InferenceEngine(settings)
+    assert engine.runner.model.elementwise == ("flashinfer" if settings.use_flashinfer_fused_rope else "torch")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
     ids = [engine.submit_request(p, GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True, **params))
@@ -149,3 +152,79 @@ def test_static_kv_pointers_replay_the_same_graphs_after_a_suspend(gpu_llama_dir
     del engine
     gc.collect()
     torch.cuda.empty_cache()
+
+
+# --- the fused element-wise kernels (kernels/flashinfer_fused.py) against the unfused torch ops they replace ---
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within bf16 rounding: the fused kernels keep float32 inside and round once, torch's ops round between."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+
+
+def test_fused_rms_norm_and_its_residual_add_match_torch() -> None:
+    require_flashinfer(64)
+    from kernels import flashinfer_fused
+
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 2048, dtype=torch.bfloat16, device="cuda")
+    delta = torch.randn_like(hidden)
+    weight = torch.rand(2048, dtype=torch.bfloat16, device="cuda") + 0.5
+
+    def reference(x: torch.Tensor) -> torch.Tensor:  # LlamaModel._rms_norm
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+    _close(flashinfer_fused.add_rms_norm(hidden, None, weight, 1e-5), reference(hidden))
+    summed = hidden + delta
+    normed = flashinfer_fused.add_rms_norm(hidden, delta, weight, 1e-5)
+    _close(hidden, summed)  # the residual, added in place
+    _close(normed, reference(summed))
+
+
+def test_fused_rope_rotates_q_and_k_in_place_and_leaves_v() -> None:
+    require_flashinfer(64)
+    from gpu_worker.checkpoint import ModelConfig
+    from gpu_worker.model import rope_tables
+    from kernels import flashinfer_fused
+
+    torch.manual_seed(1)
+    heads, kv_heads, dim, rows = 32, 8, 64, 29
+    config = ModelConfig(architecture="llama", vocab_size=8, hidden_size=heads * dim, intermediate_size=8,
+                         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None, max_position_embeddings=4096,
+                         tie_word_embeddings=True, attention_bias=False, bos_token_id=None, eos_token_ids=())
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cuda")
+    positions = torch.randint(0, 4096, (rows,), device="cuda")
+    cos, sin = rope_tables(config, 4096, torch.device("cuda"), torch.float32)
+    want = qkv.clone()
+    qk = want[:, :(heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
+    c, s, x = cos[positions][:, None, :], sin[positions][:, None, :], qk.float()  # rotate-half, as model._rope
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    qk.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(torch.bfloat16))
+    flashinfer_fused.rope_(qkv, heads, kv_heads, dim, positions, flashinfer_fused.cos_sin_cache(cos, sin))
+    _close(qkv, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], want[:, (heads + kv_heads) * dim:])  # v as it was
+
+
+def test_fused_silu_mul_matches_torch() -> None:
+    require_flashinfer(64)
+    import torch.nn.functional as F
+
+    from kernels import flashinfer_fused
+
+    gate_up = torch.randn(19, 2 * 8192, dtype=torch.bfloat16, device="cuda")
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(flashinfer_fused.silu_mul(gate_up), F.silu(gate) * up)
+
+
+def test_the_model_with_fused_kernels_generates_as_without(gpu_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy generation, eager prompts and graph decodes, with use_flashinfer_fused_rope on and off: the first
+    token of every prompt equal, the rest by the agreement rule of tests/gpu/test_gpu.py (bf16 near-ties)."""
+    require_flashinfer(64)
+    fused, _ = _generate(gpu_llama_dir, monkeypatch)
+    unfused, _ = _generate(gpu_llama_dir, monkeypatch, config={"use_flashinfer_fused_rope": False})
+    assert [t[0] for t in fused] == [t[0] for t in unfused]
+    agree = sum(a == b for x, y in zip(fused, unfused) for a, b in zip(x, y))
+    total = sum(len(x) for x in unfused)
+    print(f"fused element-wise kernels vs torch's ops: agreement {agree}/{total}")
+    assert agree / total >= 0.5
