@@ -257,3 +257,53 @@ def test_jit_modules_built_are_the_ones_named_for_the_compile_check(heads: int, 
     assert done.returncode == 0, done.stderr[-4000:]
     built, named = map(set, json.loads(done.stdout.strip().splitlines()[-1]))
     assert built == named, f"built but not named: {built - named}; named but not built: {named - built}"
+
+
+def _prefill_then_graph_decode(model_dir: Path, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefill logits [5, vocab], graph-decode logits [5, vocab]) of one fixed mixed prompt step and the decode
+    step after it, in a fresh runner with config `use_flashinfer_fused_rope` = `fused`."""
+    from gpu_worker.runner import ModelRunner
+    from hetero_common.config import Config
+
+    runner = ModelRunner(Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16,
+                                max_batch_size=8, max_total_tokens=256, attention_backend="flashinfer",
+                                enable_cuda_graphs=True, use_flashinfer_fused_rope=fused).validate())
+    assert runner.model.elementwise == ("flashinfer" if fused else "torch")
+    bs, lengths = runner.block_size, np.array([1, 16, 17, 60, 150])
+    tables = [np.arange(16 * i, 16 * i + -(-(n + 1) // bs), dtype=np.int32) for i, n in enumerate(lengths)]
+    rng = np.random.default_rng(3)
+    with torch.inference_mode():
+        prompt = PageTable.build(tables, lengths, lengths, bs)
+        positions, slots = prompt.token_positions()
+        ids = rng.integers(3, runner.model_config.vocab_size, prompt.num_tokens)
+        runner.attention.plan(prompt)
+        last_rows = torch.from_numpy(np.cumsum(lengths) - 1).to(CUDA)
+        prefill = runner.model.forward(torch.from_numpy(ids).to(CUDA), torch.from_numpy(positions).to(CUDA),
+                                       torch.from_numpy(slots).to(CUDA), runner.kv_cache, runner.attention,
+                                       last_rows).float().cpu()
+        step = PageTable.build(tables, np.ones(len(lengths)), lengths + 1, bs)
+        positions, _ = step.token_positions()
+        decode = runner.graphs.run(step, rng.integers(3, runner.model_config.vocab_size, len(lengths)),
+                                   positions).float().cpu()
+    del runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return prefill, decode
+
+
+def test_fused_elementwise_kernels_match_torchs_ops_in_the_model(gpu_llama_dir: Path) -> None:
+    """The model with FlashInfer's fused RMSNorm (+ residual), RoPE and SiLU·mul against torch's separate ops
+    (`use_flashinfer_fused_rope` false), same weights and inputs: an eager prompt step and the CUDA-graph decode
+    step after it (the graphs captured the fused kernels). The two round in different places (fused: float32
+    inside, one bf16 rounding; torch: after each op), so logits agree to bf16 accuracy and the greedy token is
+    the same wherever it is not a near-tie."""
+    require_flashinfer(64)
+    fused = _prefill_then_graph_decode(gpu_llama_dir, True)
+    unfused = _prefill_then_graph_decode(gpu_llama_dir, False)
+    for name, got, want in zip(("prefill", "graph decode"), fused, unfused):
+        error = relative_error(got, want)
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05
+        print(f"{name}: fused vs unfused logits, relative error {error:.2e}; clear rows {int(clear.sum())}/{len(clear)}")
+        assert error < 2e-2, name
+        assert (got.argmax(-1) == want.argmax(-1))[clear].all(), name

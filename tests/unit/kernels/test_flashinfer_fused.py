@@ -50,3 +50,27 @@ def test_a_cpu_model_is_the_same_with_the_key_on_or_off(tiny_llama_dir: Path) ->
         request = engine.submit_request([5, 6, 7, 8], GenerationParams(max_tokens=6, temperature=0.0, ignore_eos=True))
         outputs.append({r.request_id: r.output_token_ids for r in engine.run()}[request])
     assert outputs[0] == outputs[1]
+
+
+def test_the_model_does_not_import_flashinfer_until_cuda_asks() -> None:
+    """CPU machines never need flashinfer: importing the model (and the fused module) leaves it unimported."""
+    import subprocess
+    import sys
+
+    code = "import sys, gpu_worker.model, kernels.flashinfer_fused; print('flashinfer' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[3], timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+
+
+def test_an_empty_step_launches_nothing() -> None:
+    """No rows, no kernel (a grid of no blocks is a launch error): shapes only, so CPU tensors do, and flashinfer's
+    modules are never asked for."""
+    hidden, weight = torch.empty(0, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    assert flashinfer_fused.add_rms_norm(hidden, None, weight, 1e-5).shape == (0, 8)
+    delta = torch.empty(0, 8, dtype=torch.bfloat16)
+    assert flashinfer_fused.add_rms_norm(hidden, delta, weight, 1e-5) is delta  # the normed rows go over delta
+    flashinfer_fused.rope_(torch.empty(0, 4 * 8, dtype=torch.bfloat16), 2, 1, 8, torch.empty(0, dtype=torch.int64),
+                           torch.empty(4, 8))
+    assert flashinfer_fused.silu_mul(torch.empty(0, 16, dtype=torch.bfloat16)).shape == (0, 8)
