@@ -210,7 +210,6 @@ class LlamaModel:
     def _choose_elementwise(self, fused: bool, max_positions: int) -> None:
         """The element-wise kernels (`ops`: None for torch's separate ops) and the RoPE tables they read."""
         self.ops = elementwise_ops(fused, self.device, self.dtype)
-        self.fused = self.ops is not None
         self.elementwise = "torch" if self.ops is None else "c" if self.ops is fused_ops else "flashinfer"
         if self.ops is fused_ops:  # the kernel reads [max_positions, head_dim / 2] rows
             self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
@@ -279,7 +278,7 @@ class LlamaModel:
         """Run all layers over T flattened tokens; return the last layer's output [T, hidden]
         (before the final norm). Callers pick the rows that need logits (`logits`). `lora`: the step's
         LoRA adapters, added after each product (gpu_worker/lora_slots.py)."""
-        if self.fused:
+        if self.ops is not None:
             return self._hidden_states_fused(input_ids, positions, slots, kv_cache, attention, lora)
         c = self.config
         t = input_ids.shape[0]

@@ -39,18 +39,19 @@ def planned_batch_size(config: Config, device_type: str) -> int:
 
 def step_batch_size(config: Config, device_type: str, num_blocks: int) -> tuple[int, str]:
     """(sequences one step may compute, why): `planned_batch_size`, on CUDA also at most one per block."""
+    planned = planned_batch_size(config, device_type)
     if config.max_batch_size is not None:
-        return config.max_batch_size, "configured"
+        return planned, "configured"
     if device_type == "cpu":
-        return SEED_MAX_BATCH_SIZE, "unset: the seed's on a CPU"
-    batch = max(1, min(planned_batch_size(config, device_type), num_blocks))
-    return batch, "unset: min(max_num_seqs, max_total_tokens, kv blocks) on CUDA"
+        return planned, "unset: the seed's on a CPU"
+    return max(1, min(planned, num_blocks)), "unset: min(max_num_seqs, max_total_tokens, kv blocks) on CUDA"
 
 
 def fitted_to_worker(config: Config, max_batch_size: int, num_blocks: int) -> Config:
     """The scheduler's config for a worker that reported this step batch and block count: unset keys take the
     worker's values (set ones stay as they are)."""
-    return replace(config,
-                   max_batch_size=config.max_batch_size if config.max_batch_size is not None else max_batch_size or
-                   SEED_MAX_BATCH_SIZE,
-                   max_num_blocks=config.max_num_blocks if config.max_num_blocks is not None else num_blocks)
+    if config.max_batch_size is None:  # a worker that reports none (0) predates the field: the seed's
+        config = replace(config, max_batch_size=max_batch_size or SEED_MAX_BATCH_SIZE)
+    if config.max_num_blocks is None:
+        config = replace(config, max_num_blocks=num_blocks)
+    return config
