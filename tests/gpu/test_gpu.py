@@ -100,6 +100,11 @@ def test_flashinfer_attention_matches_torch_reference(page_size: int, group: int
 
 PROMPT_LENGTHS = [1, 2, 5, 9, 16, 17, 33, 50, 120, 300]
 NEW_TOKENS = 8
+# The KV pool of every engine and runner here. Unset, `max_num_blocks` lets a CUDA pool take
+# gpu_memory_utilization of the device (hetero_common/device_defaults.py): about 125 GiB on an H200, which
+# a second engine, a cache clone or an offload to host memory cannot hold beside it. The prompts above need
+# 44 blocks of 16; tests/repo/test_gpu_pool_cap.py checks that every engine here is given a cap.
+GPU_TEST_BLOCKS = 256
 
 
 def make_gpu_llama(directory: Path, seed: int = 0) -> Path:
@@ -124,7 +129,7 @@ def _greedy(model_dir: Path, **overrides) -> list[list[int]]:
     from hetero_infer.engine import GenerationParams, InferenceEngine
 
     config = Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16, max_total_tokens=256,
-                    **overrides).validate()
+                    max_num_blocks=GPU_TEST_BLOCKS, **overrides).validate()
     engine = InferenceEngine(config)
     params = GenerationParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ids = [engine.submit_request(p, params) for p in _prompts()]
@@ -197,8 +202,8 @@ def test_cuda_graph_decode_equals_eager_decode(gpu_llama_dir: Path) -> None:
     from hetero_common.config import Config
 
     runner = ModelRunner(Config(model=str(gpu_llama_dir), device="cuda", dtype="bfloat16", block_size=16,
-                                max_batch_size=8, max_total_tokens=256, attention_backend="flashinfer",
-                                enable_cuda_graphs=True).validate())
+                                max_batch_size=8, max_total_tokens=256, max_num_blocks=GPU_TEST_BLOCKS,
+                                attention_backend="flashinfer", enable_cuda_graphs=True).validate())
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
     assert runner.kv_cache.shape[1] == runner.num_blocks + 1  # the padding scratch block
     mc, bs = runner.model_config, runner.block_size
@@ -266,8 +271,9 @@ def _prefill_then_graph_decode(model_dir: Path, fused: bool) -> tuple[torch.Tens
     from hetero_common.config import Config
 
     runner = ModelRunner(Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16,
-                                max_batch_size=8, max_total_tokens=256, attention_backend="flashinfer",
-                                enable_cuda_graphs=True, use_flashinfer_fused_rope=fused).validate())
+                                max_batch_size=8, max_total_tokens=256, max_num_blocks=GPU_TEST_BLOCKS,
+                                attention_backend="flashinfer", enable_cuda_graphs=True,
+                                use_flashinfer_fused_rope=fused).validate())
     assert runner.model.elementwise == ("flashinfer" if fused else "torch")
     bs, lengths = runner.block_size, np.array([1, 16, 17, 60, 150])
     tables = [np.arange(16 * i, 16 * i + -(-(n + 1) // bs), dtype=np.int32) for i, n in enumerate(lengths)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.test_gpu import PROMPT_LENGTHS, make_gpu_llama, require_flashinfer
+from tests.gpu.test_gpu import GPU_TEST_BLOCKS, PROMPT_LENGTHS, make_gpu_llama, require_flashinfer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,7 +41,8 @@ def _generate(model_dir: Path, monkeypatch: pytest.MonkeyPatch, config: dict | N
 
     monkeypatch.setattr(runner_module, "sample", counting)
     settings = Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16, max_total_tokens=256,
-                      attention_backend="flashinfer", enable_cuda_graphs=True, **(config or {})).validate()
+                      max_num_blocks=GPU_TEST_BLOCKS, attention_backend="flashinfer", enable_cuda_graphs=True,
+                      **(config or {})).validate()
     engine = InferenceEngine(settings)
     assert engine.runner.model.elementwise == ("flashinfer" if settings.use_flashinfer_fused_rope else "torch")
     g = torch.Generator().manual_seed(1)
@@ -77,7 +78,8 @@ def test_a_position_past_the_model_leaves_the_cuda_context_alive(gpu_llama_dir: 
     from tests.unit.gpu_worker.test_position_bound import _prompt_step
 
     runner = ModelRunner(Config(model=str(gpu_llama_dir), device="cuda", dtype="bfloat16", max_model_len=32,
-                                max_total_tokens=64, attention_backend="flashinfer").validate())
+                                max_total_tokens=64, max_num_blocks=GPU_TEST_BLOCKS,
+                                attention_backend="flashinfer").validate())
     with pytest.raises(ExecutionError, match="beyond the model's 32 positions"):
         runner.execute(_prompt_step(1, 1, 40))
     assert list(runner.execute(_prompt_step(2, 2, 32)).seq_ids) == [2]
@@ -107,8 +109,10 @@ def _suspended_midway(model_dir: Path, mode: str | None, **overrides) -> tuple[l
     from hetero_common.config import Config
     from hetero_infer.engine import GenerationParams, InferenceEngine
 
+    # A small pool: `offload` copies the whole cache to host memory, and the host has less than the device.
     config = Config(model=str(model_dir), device="cuda", dtype="bfloat16", block_size=16, max_total_tokens=256,
-                    attention_backend="flashinfer", enable_cuda_graphs=True, **overrides).validate()
+                    max_num_blocks=GPU_TEST_BLOCKS, attention_backend="flashinfer", enable_cuda_graphs=True,
+                    **overrides).validate()
     engine = InferenceEngine(config)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 384, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
