@@ -11,8 +11,8 @@ swaps do not depend on the layout.
 
 A row (one token's K or V of one head) holds the model's dtype, or (config `kv_cache_dtype`, the C kernels'
 kernels/native/kv_formats.h):
-- float8_e4m3fn (`fp8`): written with torch's rounding (ties to even, saturating at +-448), copied as bytes,
-  since torch's CPU indexing kernels do not take float8 tensors;
+- float8_e4m3fn (`fp8`): clamped to +-448, then written with torch's rounding (ties to even; `to_fp8`), copied
+  as bytes, since torch's CPU indexing kernels do not take float8 tensors;
 - int8 (`int8`, the CPU's): head_dim int8 values q and a float32 scale s per row (value = q * s,
   s = absmax / 127), so an int8 cache's last dimension is head_dim + 4; the rows of a block's run are stored
   in groups of 16, the 16 rows' values and then their 16 scales (the C kernels read aligned rows and a group's
@@ -91,12 +91,23 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
+def to_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """x in an fp8 dtype, saturated at its largest finite value (448 for e4m3fn). e4m3fn has no infinity:
+    torch's conversion is not bound to saturate (c10's scalar one turns a value beyond 448 into NaN, and the CUDA
+    kernels have changed between releases), and one NaN in a cached K or V row poisons every later query that
+    reads it. The C kernels' writer saturates the same way (kernels/native/kv_formats.h)."""
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
 def stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """Rows x [..., R, D] as the cache stores them (`as_bytes` of them in the cache's dtype; int8: quantized
-    whole runs, R a multiple of 16)."""
+    """Rows x [..., R, D] as the cache stores them (`as_bytes` of them in the cache's dtype, fp8 saturated;
+    int8: quantized whole runs, R a multiple of 16)."""
     if cache_dtype == torch.int8:
         return quantize_int8_rows(x)
-    return as_bytes(x.to(cache_dtype))
+    if cache_dtype in FP8_DTYPES:
+        return as_bytes(to_fp8(x, cache_dtype))
+    return x.to(cache_dtype)
 
 
 def gathered(runs: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
