@@ -68,6 +68,8 @@ def main() -> int:
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-num-blocks", type=int, default=None,
+                        help="each engine's KV pool cap (config max_num_blocks); unset, a CUDA pool takes what memory allows")
     parser.add_argument("--targets", default=TARGETS)
     args = parser.parse_args()
     configure_logging("warning")
@@ -79,7 +81,7 @@ def main() -> int:
     names = [f"adapter{i}" for i in range(args.adapters)]
     paths = {n: write_random_lora(mc, scratch / n, args.rank, args.targets.split(","), seed=i)
              for i, n in enumerate(names)}
-    common = dict(model=args.model, max_batch_size=max(args.requests, 32))
+    common = dict(model=args.model, max_batch_size=max(args.requests, 32), max_num_blocks=args.max_num_blocks)
     engines = {"base": (InferenceEngine(Config(**common).validate()), [""]),
                "lora": (InferenceEngine(Config(**common, max_loras=args.adapters, max_lora_rank=args.rank,
                                                lora_modules=",".join(f"{n}={p}" for n, p in paths.items())).validate()),

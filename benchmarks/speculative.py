@@ -106,12 +106,14 @@ def main() -> int:
     parser.add_argument("--methods", default="ngram", help="speculative arms, comma-separated: ngram, draft")
     parser.add_argument("--draft-model", default=None, help="`draft`'s model (default: an early-exit draft)")
     parser.add_argument("--draft-layers", type=int, default=6, help="the early-exit draft's layers")
+    parser.add_argument("--max-num-blocks", type=int, default=None,
+                        help="each engine's KV pool cap (config max_num_blocks); unset, a CUDA pool takes what memory allows")
     parser.add_argument("--not-adaptive", action="store_true",
                         help="speculative_adaptive false: every decode proposes (a proposer's own acceptance)")
     args = parser.parse_args()
     configure_logging("warning")
     methods = args.methods.split(",")
-    common = dict(model=args.model, max_batch_size=max(args.requests, 32))
+    common = dict(model=args.model, max_batch_size=max(args.requests, 32), max_num_blocks=args.max_num_blocks)
     speculative = dict(num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
                        prompt_lookup_max=args.prompt_lookup_max, speculative_adaptive=not args.not_adaptive)
     engines = {"none": InferenceEngine(Config(**common).validate())}

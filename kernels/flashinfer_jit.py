@@ -169,6 +169,36 @@ def compile_objects(spec: Any, jobs: int | None = None) -> list[Path]:
     return objects
 
 
+def link_module(spec: Any, jobs: int | None = None) -> Path:
+    """Compile and link a module to its shared library without loading it; its path. The link takes
+    `-lcuda` from `$CUDA_HOME/lib64/stubs` or FLASHINFER_EXTRA_LDFLAGS (a driver's library, or the stub
+    `libcuda_stub` makes): the library only has to name `libcuda.so.1`, which the GPU machine's driver serves."""
+    spec.write_ninja()
+    command = ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)]
+    if jobs:
+        command += ["-j", str(jobs)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building {spec.name} failed:\n{done.stdout[-8000:]}")
+    if not spec.jit_library_path.exists():
+        raise RuntimeError(f"{spec.name}: ninja succeeded but left no {spec.jit_library_path}")
+    return spec.jit_library_path
+
+
+def libcuda_stub(folder: Path) -> Path:
+    """An empty `libcuda.so` whose soname is `libcuda.so.1`, for linking FlashInfer's modules on a machine
+    without a driver: a shared library may leave the driver's symbols undefined, and at load time on the GPU
+    machine `libcuda.so.1` (the driver's) defines them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stub = folder / "libcuda.so"
+    if not stub.exists():
+        source = folder / "libcuda_stub.c"
+        source.write_text("/* no symbols: the driver's libcuda.so.1 defines them at load time */\n")
+        subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(stub), str(source)],
+                       check=True)
+    return stub
+
+
 def build_and_load(spec: Any) -> float:
     """Compile, link and load a module as first use would (needs the driver); seconds taken."""
     started = time.perf_counter()

@@ -23,7 +23,8 @@ RUNTIME_PACKAGES = ("hetero", "hetero_common", "gateway", "scheduler_svc", "gpu_
 # What runs on the GPU machine besides the runtime: scripts/gpu_run.sh's tests, benchmarks and JIT
 # build, and the conftest pytest loads first.
 GPU_ENTRY_POINTS = ("tests.conftest", "tests.gpu.test_gpu", "tests.gpu.test_gpu_worker_paths", "tests.unit.gpu_worker.test_gpu_logic", "benchmarks.gpu_bench",
-                    "benchmarks.step_cost", "scripts.flashinfer_jit",
+                    "benchmarks.step_cost", "benchmarks.gpu_perf_rows", "benchmarks.lora", "benchmarks.speculative",
+                    "scripts.flashinfer_jit",
                     "scripts.wheel_tree")
 # Import names that no installed distribution here declares (flashinfer is an optional extra).
 IMPORT_TO_DISTRIBUTION = {"flashinfer": "flashinfer-python", "tvm_ffi": "apache-tvm-ffi"}
