@@ -137,6 +137,29 @@ def unique_specs(shapes: tuple[AttentionShape, ...], capability: tuple[int, int]
     return [("; ".join(users[name]), spec) for name, spec in specs.items()]
 
 
+def compile_inputs_digest(specs: list[tuple[str, Any]], toolchain: str) -> str:
+    """A sha256 over what decides the compile check's outcome: each selected module's name (the kernels chosen),
+    its sources' contents (FlashInfer's generated ones included) and flags, FlashInfer's version and target
+    architecture, and `toolchain` (the caller's: nvcc's release, whose CUDA headers come with it, and the pins
+    of the library headers' wheels). Paths are left out: the same inputs give the same digest in any checkout."""
+    import hashlib
+
+    import flashinfer
+
+    digest = hashlib.sha256()
+
+    def add(*parts: object) -> None:
+        for part in parts:
+            digest.update(repr(part).encode() + b"\0")
+
+    add(flashinfer.__version__, os.environ.get("FLASHINFER_CUDA_ARCH_LIST"), toolchain)
+    for _, spec in sorted(specs, key=lambda item: item[1].name):
+        add(spec.name, spec.extra_cflags, spec.extra_cuda_cflags, spec.extra_ldflags, spec.needs_device_linking)
+        for source in sorted(spec.sources, key=lambda p: Path(p).name):
+            add(Path(source).name, hashlib.sha256(Path(source).read_bytes()).hexdigest())
+    return digest.hexdigest()
+
+
 def object_targets(ninja_file: Path) -> list[Path]:
     """The outputs of a FlashInfer ninja file's compile steps: every `build OUT: compile|cuda_compile
     SRC` line. Read from the file, not from `JitSpec.get_object_paths()`, which 0.7.2.post1's

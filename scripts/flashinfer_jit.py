@@ -1,6 +1,10 @@
 """Compile FlashInfer's JIT modules that the worker selects (kernels/flashinfer_jit.py), ahead of use.
 
     python scripts/flashinfer_jit.py compile   # no GPU needed: object files only, stops before the link
+    python scripts/flashinfer_jit.py compile --record  # the same, then the inputs' digest into
+                                               # tests/gpu/flashinfer_compile.sha256 (the compile check skips
+                                               # while the inputs match it)
+    python scripts/flashinfer_jit.py digest    # print the inputs' digest and the recorded one
     python scripts/flashinfer_jit.py aot --out DIR  # no GPU needed: every module the GPU run uses, linked against
                                                # a stub libcuda, as DIR/<name>/<name>.so (scripts/gpu_carry.sh)
     python scripts/flashinfer_jit.py build     # on the GPU machine: compile, link and load each module
@@ -31,6 +35,7 @@ from kernels.flashinfer_jit import (  # noqa: E402
     DEVICE_SHAPES,
     arch_from_env,
     build_and_load,
+    compile_inputs_digest,
     compile_objects,
     libcuda_stub,
     link_module,
@@ -60,6 +65,33 @@ def library_includes(cuda_home: str) -> list[str]:
         if folder is not None and folder not in found:
             found.append(folder)
     return found
+
+
+RECORD = ROOT / "tests" / "gpu" / "flashinfer_compile.sha256"
+
+
+def toolchain(cuda_home: str) -> str:
+    """What the compile takes from outside FlashInfer: nvcc's release line and the pins of the headers' wheels."""
+    import subprocess
+
+    nvcc = subprocess.run([str(Path(cuda_home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True)
+    release = next((line for line in nvcc.stdout.splitlines() if "release" in line), "no nvcc")
+    return release + "\n" + (ROOT / "scripts" / "flashinfer_host.sh").read_text()
+
+
+def recorded_digest() -> str | None:
+    """The digest of the inputs the compile check last passed on (tests/gpu/flashinfer_compile.sha256)."""
+    if not RECORD.exists():
+        return None
+    return next((line.strip() for line in RECORD.read_text().splitlines() if line and not line.startswith("#")), None)
+
+
+def write_record(digest: str, specs: list[tuple[str, object]]) -> None:
+    RECORD.write_text("# The digest of the FlashInfer compile check's inputs when it last passed: written by\n"
+                      "# `python scripts/flashinfer_jit.py compile --record`; tests/gpu/test_flashinfer_compile.py\n"
+                      "# compiles again only when today's inputs differ (kernels/flashinfer_jit.py\n"
+                      "# compile_inputs_digest). The modules:\n"
+                      + "".join(f"#   {spec.name}\n" for _, spec in specs) + digest + "\n")
 
 
 def link_flags_with_libcuda(cuda_home: str, stub_folder: Path) -> None:
@@ -111,7 +143,8 @@ def check_loaded(specs: list[tuple[str, object]]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["compile", "aot", "build", "loaded"])
+    parser.add_argument("what", choices=["compile", "digest", "aot", "build", "loaded"])
+    parser.add_argument("--record", action="store_true", help="compile: write the inputs' digest once it passed")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("MAX_JOBS", 0)) or os.cpu_count())
     parser.add_argument("--out", type=Path, help="aot: the folder for the prebuilt modules")
     args = parser.parse_args(argv)
@@ -124,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     for include in library_includes(os.environ["CUDA_HOME"]):  # both here and on the GPU machine
         os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = f"{os.environ.get('FLASHINFER_EXTRA_CUDAFLAGS', '')} -isystem {include}"
         print(f"library headers from {include}", flush=True)
-    if args.what in ("compile", "aot"):
+    if args.what in ("compile", "digest", "aot"):
         os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
         capability = arch_from_env()
     else:
@@ -134,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             else arch_from_env()
     if args.what == "aot":
         link_flags_with_libcuda(os.environ["CUDA_HOME"], ROOT / "build" / "libcuda-stub")
-    modules = unique_specs(CHECKED_SHAPES if args.what == "compile" else DEVICE_SHAPES, capability)
+    modules = unique_specs(CHECKED_SHAPES if args.what in ("compile", "digest") else DEVICE_SHAPES, capability)
+    if args.what == "digest":
+        print(f"inputs {compile_inputs_digest(modules, toolchain(os.environ['CUDA_HOME']))}")
+        print(f"recorded {recorded_digest()}")
+        return 0
     print(f"flashinfer {args.what}: {len(modules)} modules for sm{capability[0]}{capability[1]}, "
           f"CUDA_HOME={os.environ['CUDA_HOME']}, {args.jobs} jobs", flush=True)
     started = time.perf_counter()
@@ -154,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                 build_and_load(spec)
                 detail = "loaded"
             print(f"  {time.perf_counter() - t0:7.1f} s  {spec.name} ({detail}; {users})", flush=True)
+        if args.record:
+            write_record(compile_inputs_digest(modules, toolchain(os.environ["CUDA_HOME"])), modules)
+            print(f"recorded the inputs' digest in {RECORD.relative_to(ROOT)}", flush=True)
     print(f"flashinfer {args.what}: done in {time.perf_counter() - started:.1f} s", flush=True)
     return 0
 

@@ -156,7 +156,7 @@ step() {  # step NAME LOG SECONDS COMMAND...: run under a time limit, log, time,
     echo "gpu_run $name: rc=$status, $(( $(date +%s) - started )) s"
     [ "$status" -eq 0 ] || rc=$status
 }
-pytest_gpu=("$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --timeout 240 tests/gpu)
+pytest_gpu=("$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --timeout 120 tests/gpu)
 day=$(date -u +%F)
 machine=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | sed 's/NVIDIA //; s/ .*//')
 case "$what" in
