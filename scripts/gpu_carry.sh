@@ -22,7 +22,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 FLASHINFER_VERSION=${FLASHINFER_VERSION:-0.7.2.post1}
 TVM_FFI_VERSION=${TVM_FFI_VERSION:-0.1.15.post2}
-PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+# The modules' build imports the project (torch included): a fresh clone gets its .venv first.
+if [ -z "${PYTHON:-}" ] && [ ! -x .venv/bin/python ]; then
+    bash scripts/setup.sh
+fi
+PY=${PYTHON:-.venv/bin/python}
 carry=.flashinfer_carry
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
