@@ -25,6 +25,36 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 MAX_ABORT_IDS = 1024  # request ids per Abort call
 
 
+def add_inference_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """The generated `add_InferenceServicer_to_server`, but for Tokenize: its answer comes serialized
+    (`InferenceServicer.Tokenize`), and is sent as it is (`sent_as_serialized`)."""
+    table = _HandlerTable()
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, table)
+    handlers = {**table.handlers, "Tokenize": grpc.unary_unary_rpc_method_handler(
+        servicer.Tokenize, request_deserializer=inference_pb2.TokenizeRequest.FromString,
+        response_serializer=sent_as_serialized)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def sent_as_serialized(answer: bytes) -> bytes:
+    """Tokenize's response serializer, which grpc.aio runs on the event loop: nothing left to do there."""
+    return answer
+
+
+class _HandlerTable:
+    """What the generated registration gives a server: its method handlers, to register amended."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # the same handlers as add_registered_method_handlers's, in another form
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.handlers.update(handlers)
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, generation: Generation, embeddings: Embeddings | None = None) -> None:
         self.generation = generation
@@ -86,15 +116,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 result.choices.append(answers[index])
         return result
 
-    async def Tokenize(self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> inference_pb2.TokenizeResponse:
+    async def Tokenize(self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """The answer serialized already, off the loop when large (`tokenization.tokenize_answer`): register
+        the servicer with `add_inference_servicer`, whose Tokenize sends these bytes as they are."""
         g = self.generation
         try:
             await g.check_model(request.model)
-            return await g.tokenizer_pool.run(tokenization.tokenize_request, g.tokenizer, request, g.max_model_len,
+            return await g.tokenizer_pool.run(tokenization.tokenize_answer, g.tokenizer, request, g.max_model_len,
                                               chars=tokenization.tokenize_request_chars(request))
         except HeteroError as exc:
             end_call(context, exc)
-            return inference_pb2.TokenizeResponse()
+            return b""
 
     async def Detokenize(self, request: inference_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> inference_pb2.DetokenizeResponse:

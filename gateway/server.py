@@ -19,13 +19,12 @@ from gateway.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.embedding import Embeddings
 from gateway.fallback import FallbackBackend
 from gateway.generation import Generation
-from gateway.grpc_api import SERVICE_NAME, InferenceServicer
+from gateway.grpc_api import SERVICE_NAME, InferenceServicer, add_inference_servicer
 from gateway.http_protocol import limited_protocol
 from gateway.metrics_listener import MetricsOnlyApp
 from gateway.openai.app import HttpApi, error_body
 from gateway.scheduler_backend import SchedulerBackend
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
-from hetero.v1 import inference_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import HeteroError, UnavailableError
 from hetero_common.gc_tuning import tune_gc
@@ -70,7 +69,7 @@ async def serve_gateway(config: Config) -> None:
     keys = ApiKeys.from_config(config)
     server = grpc.aio.server(options=public_server_options(config.serving), interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     embeddings = Embeddings(config.serving.embedding, generation, served_model_path(config))
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(generation, embeddings), server)
+    add_inference_servicer(InferenceServicer(generation, embeddings), server)
     health = add_health_and_reflection(server, [SERVICE_NAME], aio=True)
     await set_serving_aio(health, [SERVICE_NAME], serving=False)  # grpc's default for "" is SERVING
     address = f"{config.serving.host}:{config.serving.port}"

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -67,12 +66,10 @@ def test_scheduler_unreachable_falls_back_to_the_bridge(tiny_llama_dir: Path, tm
 
 def test_scheduler_unreachable_without_fallback_is_unavailable_after_retries(tiny_llama_dir: Path) -> None:
     with gateway(tiny_llama_dir, "--max-retry-attempts", "3") as stub:
-        started = time.monotonic()
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError) as info:  # retries that never ended would end in DEADLINE_EXCEEDED
             stub.Complete(inference_pb2.GenerateRequest(prompt="hi"), timeout=60)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "after 4 attempt(s)" in info.value.details() and "max_retry_attempts is 3" in info.value.details()
-        assert time.monotonic() - started < 30
 
 
 def test_bridge_as_primary_backend(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -1,17 +1,24 @@
 """Hostile clients against a real `serve` with its default limits (issue 43, done-means 1): while
 8 well-behaved clients stream long generations (4 over gRPC, 4 over HTTP SSE, in a process of
 their own), every hostile request of the issue's table is sent over HTTP, and the matching ones
-over gRPC. Each must get its 4xx (or its gRPC status) within a second of being sent, the streams'
-p99 inter-token gap must stay within twice its value without the hostile traffic, the gateway's
-RSS must come back within 50 MiB of its level before, and nothing may answer 5xx.
+over gRPC. Each must get its 4xx (or its gRPC status), nothing may answer 5xx, and every stream
+must finish normally.
 
-The attack runs once (a module fixture) and each test checks one of these; `pytest -s` prints the
-figures (docs/performance.md, "Hostile clients").
+How soon each answer came, the streams' p99 inter-token gap with and without the hostile traffic
+and the gateway's RSS before and after are measured and printed (`pytest -s`; docs/performance.md,
+"Hostile clients"), not asserted (issue 56): on a shared machine they vary with the load, and a
+test that compares them with a bound fails by turns. What keeps them low is checked where it can
+be seen, in tests/unit/gateway/: a body refused before it is read whole (test_request_limits.py),
+a prompt refused before it is tokenized (test_prompt_size.py), large work off the event loop
+(test_tokenize_off_loop.py), the heap trimmed after a large input (test_prompt_size.py).
 
-How the gaps are compared: baseline and hostile phases alternate, ROUNDS of each, and the p99 of
-all hostile gaps is compared with the p99 of all baseline gaps. One hostile pass lasts 1.5-2.5 s,
-so a single pass left its p99 to a dozen slow steps (every stream's gap grows at once when a step
-is late) and the ratio varied from run to run; alternating also puts the box's drift on both sides.
+The attack runs once (a module fixture) and each test checks some of it.
+
+How the gaps are set side by side: baseline and hostile phases alternate, ROUNDS of each, and the
+p99 of all hostile gaps is printed next to the p99 of all baseline gaps. One hostile pass lasts
+1.5-2.5 s, so a single pass left its p99 to a dozen slow steps (every stream's gap grows at once
+when a step is late) and the ratio varied from run to run; alternating also puts the box's drift
+on both sides.
 
 The stack serves a random Llama of 6 layers of 512 (float32; a step for the 8 streams takes about
 11 ms here) on one worker thread (`--num-threads 1`), leaving the other of this box's two cores
@@ -49,9 +56,8 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 METADATA = (("authorization", f"Bearer {KEY}"),)
 MIB = 2**20
 CAP = 4 * MIB  # serving.max_request_bytes's default: the stack runs with the default limits
-ROUNDS = 8  # baseline and hostile phases, alternating
+ROUNDS = 3  # baseline and hostile phases, alternating (the gaps are printed, not asserted: a few rounds suffice)
 BASELINE_S = 2.5  # each baseline phase
-ANSWER_WITHIN_S = 1.0
 HALF_OPEN = 300
 
 
@@ -326,11 +332,6 @@ def test_every_hostile_request_gets_its_status(attack: Attack) -> None:
     assert not attack.unexpected, attack.unexpected
 
 
-def test_every_hostile_request_is_answered_within_a_second(attack: Attack) -> None:
-    slow = [(case, status, round(seconds, 3)) for case, status, seconds in attack.answers if seconds >= ANSWER_WITHIN_S]
-    assert not slow, slow
-
-
 def test_nothing_answers_5xx_and_every_stream_finishes_normally(attack: Attack) -> None:
     for case, status, _ in attack.answers:
         assert not status.isdigit() or int(status) < 500, case
@@ -339,14 +340,3 @@ def test_nothing_answers_5xx_and_every_stream_finishes_normally(attack: Attack) 
     assert not streams["errors"] and not streams["hung"], streams["errors"]
     assert len(streams["ends"]) >= 8
     assert set(streams["ends"]) == {"grpc:FINISH_REASON_LENGTH", "http:length"}, streams["ends"]
-
-
-def test_the_streams_p99_inter_token_gap_stays_within_twice_the_baseline(attack: Attack) -> None:
-    baseline, hostile = attack.gaps("baseline"), attack.gaps("hostile")
-    assert len(baseline) >= 2000 and len(hostile) >= 1000, (len(baseline), len(hostile))  # a p99 of enough steps
-    assert p99(hostile) <= 2 * p99(baseline), (p99(baseline), p99(hostile), hostile[-10:])
-
-
-def test_the_gateway_memory_comes_back_within_50_mib(attack: Attack) -> None:
-    rss = attack.rss_mib
-    assert rss["after"] - rss["before"] < 50, rss

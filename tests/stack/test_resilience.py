@@ -150,12 +150,10 @@ def test_only_replica_killed_not_restarted_every_stream_ends_unavailable(tiny_ll
     with run_stack(tiny_llama_dir, *flags) as stack:
         victim = worker_pid(addresses[0])
         on_progress, killed = killer(lambda: victim, after_tokens=NUM_STREAMS * 3)
-        started = time.monotonic()
         results = run_streams(stack, on_progress, timeout_s=60)
-        elapsed = time.monotonic() - started
         assert killed.is_set()
+        # Ended by the recovery window and the retries, not by the streams' deadline (DEADLINE_EXCEEDED).
         assert {code for _, code in results.values()} == {grpc.StatusCode.UNAVAILABLE}
-        assert elapsed < 40, f"streams took {elapsed:.1f} s to fail"  # recovery window + retries, not a hang
         with pytest.raises(grpc.RpcError) as info:  # later requests fail fast
             stack.inference.Complete(requests()[0], timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import grpc
 import httpx
+import psutil
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -137,19 +138,40 @@ def test_seed_command_bridge_with_the_simple_tokenizer_and_abort(tmp_path: Path)
         assert answer.usage.completion_tokens == len("bridge:hi 東京".encode())
     # A program that takes its time: Abort by id from another connection kills it; the stream ends with ABORT.
     # (`exec`: the program itself sleeps. A grandchild holding stdout open would outlive the kill, as it
-    # outlives a command_timeout_s kill: the bridge reads stdout to its end.)
+    # outlives a command_timeout_s kill: the bridge reads stdout to its end.) It would sleep 600 s, ten
+    # times the stream's deadline: a stream ended with ABORT, and the program gone, is the kill's doing.
     slow = {"serving": {"backend": {"kind": "command_bridge", "command": {
-        "program": "/bin/sh", "args": ["-c", "printf 'started'; exec sleep 60"]}}},
+        "program": "/bin/sh", "args": ["-c", "printf 'started'; exec sleep 600"]}}},
         "tokenizer": {"kind": "simple", "path": None}}
     write_config(tmp_path, slow)
     with serving(["gateway", "--config", "config.json"], tmp_path) as (channel, _):
         stub = inference_pb2_grpc.InferenceStub(channel)
         call = stub.Generate(inference_pb2.GenerateRequest(prompt="x", request_id="bridge-1"), timeout=60)
         assert next(call).text == "started"
-        started = time.monotonic()
+        program = bridge_program(["sleep", "600"])
         with grpc.insecure_channel(channel._channel.target().decode()) as other:
             answer = inference_pb2_grpc.InferenceStub(other).Abort(
                 inference_pb2.AbortGenerationRequest(request_ids=["bridge-1", "bridge-2"]), timeout=10)
         assert list(answer.aborted) == ["bridge-1"] and list(answer.not_found) == ["bridge-2"]
         rest = list(call)
-        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT and time.monotonic() - started < 10
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+        _, alive = psutil.wait_procs([program], timeout=30)  # a hang guard: killed already, reaped by now
+        assert not alive, "the aborted request's program still runs"
+
+
+def bridge_program(cmdline: list[str]) -> psutil.Process:
+    """The bridge's program, a descendant of this test's process (the gateway's child), once it runs `cmdline`."""
+    deadline = time.monotonic() + 30  # a hang guard: it printed before it exec'd
+    while time.monotonic() < deadline:
+        found = [p for p in psutil.Process().children(recursive=True) if _cmdline(p) == cmdline]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no process runs {cmdline}")
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:  # gone meanwhile
+        return []

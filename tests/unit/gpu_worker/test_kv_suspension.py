@@ -5,6 +5,8 @@ virtual memory API here; tests/gpu/test_gpu_worker_paths.py runs the real one), 
 from __future__ import annotations
 
 import ctypes
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,24 @@ def test_the_cpu_worker_refuses_static_pointers(tiny_llama_dir: Path) -> None:
 
     with pytest.raises(ConfigError, match="static_kv_memory_pointers"):
         ModelRunner(Config(model=str(tiny_llama_dir), dtype="float32", static_kv_memory_pointers=True).validate())
+
+
+@pytest.mark.parametrize("mode", ["offload", "recompute"])
+def test_a_suspended_runner_holds_no_reference_to_its_cache(tiny_llama_dir: Path, mode: str) -> None:
+    """The memory goes back because nothing holds the cache once it is suspended: the tensor is freed
+    when the runner drops it, not at a later collection (what tests/stack/test_tensor_parallel.py
+    relies on for every rank). `offload` keeps a host copy, a tensor of its own."""
+    from gpu_worker.runner import ModelRunner
+
+    config = Config(model=str(tiny_llama_dir), dtype="float32", max_num_blocks=64, block_size=16)
+    runner = ModelRunner(config.validate())
+    cache = weakref.ref(runner.kv_cache)
+    size = runner.kv_cache.numel() * runner.kv_cache.element_size()
+    gc.disable()  # freed by its reference count, at once
+    try:
+        assert runner.suspend_kv_cache(mode) == size
+        assert cache() is None
+    finally:
+        gc.enable()
+    runner.resume_kv_cache()
+    assert runner.kv_cache.numel() * runner.kv_cache.element_size() == size
