@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -21,6 +20,7 @@ from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.supervisor import wait_healthy
 from hetero_infer.testing.stack import REPO_ROOT, Stack, free_port, run_stack
 from hetero_infer.testing.stack_requests import wait_for_idle
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default
@@ -272,12 +272,12 @@ def test_overloaded_is_429_and_resource_exhausted(tiny_llama_dir: Path) -> None:
                 grpc_greedy(limited, 2, prompt="x")
             assert exhausted.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         # the client went away: its request was aborted and the slot is free again
-        for _ in range(100):
+        def not_refused() -> httpx.Response | None:
             r = httpx.post(f"{limited.http_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
-            if r.status_code != 429:
-                break
-            time.sleep(0.1)
-        assert r.status_code == 200
+            return r if r.status_code != 429 else None
+
+        r = wait_until(not_refused, interval=0.1, what="a request served once the stream holding the slot went away")
+        assert r.status_code == 200, r.text
 
 
 def test_not_ready_without_a_scheduler_is_503(tiny_llama_dir: Path) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_infer.testing.stack import REPO_ROOT, Stack, free_port, run_stack
 from hetero_infer.testing.stack_requests import pool, service_stats, wait_for_idle
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 LONG = 2000  # tokens: several seconds of work through the stack (400 took ~1 s: too close to a 1 s deadline)
@@ -116,18 +118,27 @@ def test_sigterm_drains_in_flight_requests(tiny_llama_dir: Path) -> None:
         tokens = list(next(call).token_ids)
         stack.process.send_signal(signal.SIGTERM)
         health = health_pb2_grpc.HealthStub(stack.channel)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the gateway reports NOT_SERVING while it drains
+
+        def not_serving() -> bool:
             try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status != health_pb2.HealthCheckResponse.SERVING:
-                    break
+                return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status != health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
-                break
-            time.sleep(0.02)
-        time.sleep(0.2)
-        with pytest.raises(grpc.RpcError) as refused:  # ... and refuses new calls
-            stack.inference.Complete(request(2, "too-late"), timeout=10)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                return True
+
+        wait_until(not_serving, what="the gateway reporting NOT_SERVING (it drains) after serve's SIGTERM")
+        late = itertools.count()
+
+        def refused() -> bool:
+            """Whether a new call is refused; it must be UNAVAILABLE. Its server stops taking calls right
+            after health says NOT_SERVING: one sent in between is still served."""
+            try:
+                stack.inference.Complete(request(2, f"too-late-{next(late)}"), timeout=10)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                return True
+            return False
+
+        wait_until(refused, interval=0.05, what="a new call refused UNAVAILABLE while the gateway drains")
         last = None
         started = time.monotonic()
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,6 +23,7 @@ from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.testing.stack import Stack, run_stack
 from tests.helpers.raw_http import (HANG_GUARD_S, assert_openai_error, closed_by_server, completion_head, connect,
                                     read_response)
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 KEY = "sk-limits-1"
@@ -110,9 +110,13 @@ def test_grpc_connections_beyond_the_cap_are_closed_and_later_ones_served(stack:
             channel.close()
     assert codes.count(grpc.StatusCode.OK) <= MAX_CONNECTIONS - 1  # the stack's own channel holds one
     assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
-    time.sleep(0.3)
-    with grpc.insecure_channel(stack.address, options=own) as channel:
-        assert check(channel) == grpc.StatusCode.OK
+
+    def served_on_a_new_connection() -> bool:
+        with grpc.insecure_channel(stack.address, options=own) as channel:
+            return check(channel) == grpc.StatusCode.OK
+
+    # The server counts a connection down when it sees it closed, a moment after the client closed it.
+    wait_until(served_on_a_new_connection, interval=0.1, what="a new gRPC connection served once the held ones closed")
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(stack: Stack) -> None:
@@ -178,10 +182,22 @@ def test_a_stalled_body_gets_408_after_the_body_timeout(stack: Stack) -> None:
         assert closed_by_server(sock)
 
 
+def accepted_by_the_gateway(stack: Stack, socks: list[socket.socket]) -> bool:
+    """Whether the gateway has accepted each of `socks` (holds its end as a socket of its own; one
+    still in the kernel's accept queue it does not). It accepts in the order they connected."""
+    ports = {sock.getsockname()[1] for sock in socks}
+    accepted = {c.raddr.port for c in stack.service_process("gateway").net_connections(kind="tcp")
+                if c.raddr and c.laddr.port == stack.http_port}
+    return ports <= accepted
+
+
 def test_connections_beyond_the_cap_get_429_and_later_ones_are_served(stack: Stack) -> None:
     held = [connect(stack) for _ in range(MAX_CONNECTIONS)]
     try:
-        time.sleep(0.3)  # accepted by the server
+        # Counted by the server before the extra one comes. Not a fixed sleep: the held connections
+        # send nothing, so the header timeout closes them HEADER_TIMEOUT_S after they were accepted.
+        wait_until(lambda: accepted_by_the_gateway(stack, held), interval=0.01,
+                   what=f"the gateway accepting the {MAX_CONNECTIONS} held connections")
         with connect(stack) as extra:
             extra.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
             status, headers, body = read_response(extra, timeout_s=HANG_GUARD_S)
@@ -190,13 +206,9 @@ def test_connections_beyond_the_cap_get_429_and_later_ones_are_served(stack: Sta
     finally:
         for sock in held:
             sock.close()
-    deadline = time.monotonic() + HANG_GUARD_S
-    while True:  # the server notices the closes on its next loop turn
-        response = httpx.get(f"{stack.http_url}/healthz", timeout=5)
-        if response.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert response.status_code == 200
+    # The server notices the closes on its next loop turn: until then a new connection is over the cap.
+    wait_until(lambda: httpx.get(f"{stack.http_url}/healthz", timeout=5).status_code == 200, interval=0.1,
+               what="/healthz answered 200 on a new connection once the held ones closed")
 
 
 def test_metrics_needs_the_key_and_the_probes_stay_open(stack: Stack) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -13,6 +12,7 @@ from hetero.v1 import common_pb2, inference_pb2
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
 from hetero_infer.testing.stack import Stack, run_stack
 from hetero_infer.testing.stack_requests import greedy, ids_request, wait_for_idle
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -73,16 +73,14 @@ def test_continuous_batching_short_request_overtakes(stack: Stack) -> None:
     for t in longs:
         t.start()
     assert started.wait(30)
-    running_seen = 0
-    for _ in range(20):  # the long requests are decoding together
-        running_seen = max(running_seen, stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool.num_running)
-        time.sleep(0.005)
+    # The short one comes once the long ones are decoding together (not after a fixed number of looks).
+    wait_until(lambda: stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest()).pool.num_running > 1,
+               interval=0.005, what="two or more of the long requests running at once")
     short = threading.Thread(target=run, args=("short", 3))
     short.start()
     for t in [short, *longs]:
         t.join(120)
     assert order[0] == "short", order
-    assert running_seen > 1
 
 
 def test_cancelling_50_streams_frees_every_block(stack: Stack) -> None:

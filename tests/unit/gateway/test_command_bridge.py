@@ -49,10 +49,25 @@ def test_prompt_and_params_pass_intact_through_the_environment(tmp_path: Path) -
 
 
 def test_stdout_streams_in_pieces(tmp_path: Path) -> None:
-    source = "import sys, time\nfor w in ['one ', 'two ', 'three']:\n    sys.stdout.write(w); sys.stdout.flush(); time.sleep(0.2)\n"
-    chunks = run(bridge(tmp_path, source))
+    """The program writes the rest only once the test has been given its first word (or after a
+    30 s hang guard): a bridge that buffered to the end would hand it all over at once."""
+    seen = tmp_path / "first-word-seen"
+    source = ("import os, sys, time\nsys.stdout.write('one '); sys.stdout.flush()\n"
+              "deadline = time.monotonic() + 30\n"
+              f"while not os.path.exists({str(seen)!r}) and time.monotonic() < deadline:\n    time.sleep(0.01)\n"
+              "sys.stdout.write('two three'); sys.stdout.flush()\n")
+
+    async def collect() -> list[TextChunk]:
+        chunks = []
+        async for chunk in bridge(tmp_path, source).stream("rid-1", "hi", resolve(common_pb2.SamplingParams()), "tiny"):
+            chunks.append(chunk)
+            if chunk.text:
+                seen.touch()
+        return chunks
+
+    chunks = asyncio.run(collect())
     assert "".join(c.text for c in chunks) == "one two three"
-    assert len([c for c in chunks if c.text]) >= 2  # streamed, not buffered to the end
+    assert [c.text for c in chunks if c.text][0] == "one "  # streamed, not buffered to the end
 
 
 def test_missing_program_is_a_clear_error(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import OverloadedError, ValidationError
 from hetero_common.model_files import default_model_path
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
+from tests.helpers.waiting import wait_until_async
 
 MAX_MODEL_LEN = 2048
 
@@ -113,14 +114,15 @@ def test_the_pool_refuses_when_full_and_recovers() -> None:
         pool = TokenizerPool(workers=1, queue=1, trimmer=HeapTrimmer())
         try:
             running = [asyncio.ensure_future(pool.run(release.wait, chars=INLINE_CHARS)) for _ in range(2)]
-            await asyncio.sleep(0.05)
+            await wait_until_async(lambda: pool.pending == 2, what="both large jobs taken by the pool (one running, "
+                                   "one queued)", detail=lambda: f"{pool.pending} pending")
             with pytest.raises(OverloadedError, match="serving.tokenizer_workers"):
                 await pool.run(release.wait, chars=INLINE_CHARS)
             assert await pool.run(lambda: 7, chars=1) == 7  # small inputs are not queued: still served
             release.set()
             assert await asyncio.gather(*running) == [True, True]
-            await asyncio.sleep(0.05)
-            assert pool.pending == 0
+            await wait_until_async(lambda: pool.pending == 0, what="both finished jobs counted down",
+                                   detail=lambda: f"{pool.pending} pending")
             assert await pool.run(lambda: 8, chars=INLINE_CHARS) == 8
         finally:
             release.set()
@@ -130,20 +132,28 @@ def test_the_pool_refuses_when_full_and_recovers() -> None:
 
 
 def test_a_cancelled_wait_still_counts_its_running_job() -> None:
-    release = threading.Event()
+    release, running = threading.Event(), threading.Event()
+
+    def job() -> bool:
+        running.set()
+        return release.wait()
 
     async def main() -> None:
         pool = TokenizerPool(workers=1, queue=0, trimmer=HeapTrimmer())
         try:
-            waiter = asyncio.ensure_future(pool.run(release.wait, chars=INLINE_CHARS))
-            await asyncio.sleep(0.05)
+            waiter = asyncio.ensure_future(pool.run(job, chars=INLINE_CHARS))
+            # Running, not only submitted: a job still queued in the executor is cancelled with its wait.
+            await wait_until_async(running.is_set, what="the large job running on the pool's worker")
             waiter.cancel()  # the client went away; the tokenization runs on
-            await asyncio.sleep(0.05)
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            await asyncio.sleep(0.1)  # a negative: a count-down the cancel would wrongly cause has landed by now
+            assert pool.pending == 1
             with pytest.raises(OverloadedError):
                 await pool.run(release.wait, chars=INLINE_CHARS)
             release.set()
-            await asyncio.sleep(0.1)
-            assert pool.pending == 0
+            await wait_until_async(lambda: pool.pending == 0, what="the finished job counted down",
+                                   detail=lambda: f"{pool.pending} pending")
         finally:
             release.set()
             pool.close()
@@ -155,16 +165,20 @@ def test_a_cancelled_wait_still_counts_its_running_job() -> None:
 def test_a_large_input_during_a_pending_trim_gets_a_trim_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Memory a request frees after the trim that was due when it came is trimmed too."""
     monkeypatch.setattr(heap_trim, "TRIM_DELAY_S", 0.05)
+    monkeypatch.setattr(heap_trim, "FOLLOW_UP_S", 3600.0)  # not this test's: its trims only
 
     async def main() -> tuple[int, int]:
         trimmer = HeapTrimmer()
         trimmer.release_later(heap_trim.TRIM_BYTES)
         trimmer.release_later(heap_trim.TRIM_BYTES)  # while the first trim is due
         trimmer.release_later(heap_trim.TRIM_BYTES - 1)  # small: no trim of its own
-        await asyncio.sleep(0.5)
+        await wait_until_async(lambda: trimmer.trims >= 2, what="the trim after the one that was due (for the "
+                               "input that came meanwhile)", detail=lambda: f"{trimmer.trims} trims")
+        await asyncio.sleep(0.3)  # a negative: no third (the small input has none; the follow-up is an hour off)
         first = trimmer.trims
         trimmer.release_later(heap_trim.TRIM_BYTES)
-        await asyncio.sleep(0.5)
+        await wait_until_async(lambda: trimmer.trims >= 3, what="the trim after a later large input",
+                               detail=lambda: f"{trimmer.trims} trims")
         return first, trimmer.trims
 
     assert asyncio.run(main()) == (2, 3)
@@ -173,14 +187,17 @@ def test_a_large_input_during_a_pending_trim_gets_a_trim_after_it(monkeypatch: p
 @pytest.mark.skipif(heap_trim.MALLOC_TRIM is None, reason="glibc's malloc_trim only")
 def test_each_trim_is_followed_by_one_more_for_what_was_still_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(heap_trim, "TRIM_DELAY_S", 0.05)
-    monkeypatch.setattr(heap_trim, "FOLLOW_UP_S", 0.2)
+    # Long enough that the first count is read before the follow-up ran, even on a loop that stalls.
+    monkeypatch.setattr(heap_trim, "FOLLOW_UP_S", 0.5)
 
     async def main() -> tuple[int, int]:
         trimmer = HeapTrimmer()
         trimmer.release_later(heap_trim.TRIM_BYTES)
-        await asyncio.sleep(0.15)
+        await wait_until_async(lambda: trimmer.trims >= 1, interval=0.01, what="the trim after the large input")
         first = trimmer.trims
-        await asyncio.sleep(0.6)  # the follow-up, and no third
+        await wait_until_async(lambda: trimmer.trims >= 2, what="the follow-up trim FOLLOW_UP_S after the first",
+                               detail=lambda: f"{trimmer.trims} trims")
+        await asyncio.sleep(2 * heap_trim.FOLLOW_UP_S)  # a negative: no third (the follow-up has none of its own)
         return first, trimmer.trims
 
     assert asyncio.run(main()) == (1, 2)
@@ -204,11 +221,11 @@ def test_memory_no_request_path_reports_is_given_back_once_the_heap_grew(monkeyp
         buffers = [bytearray(64 * 1024) for _ in range(1024)]
         pinned = buffers[::64]
         del buffers
-        for _ in range(600):  # a hang guard of 30 s: the watch looks every 0.05 s
-            await asyncio.sleep(0.05)
-            if trimmer.trims > quiet:
-                break
-        watch.cancel()
+        try:  # the watch looks every 0.05 s
+            await wait_until_async(lambda: trimmer.trims > quiet, interval=0.05,
+                                   what="the watch's trim after the heap grew by 64 MiB")
+        finally:
+            watch.cancel()
         assert pinned
         return quiet, trimmer.trims
 
