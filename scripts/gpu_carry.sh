@@ -10,8 +10,9 @@
 # - aot.tar.xz: every FlashInfer module the GPU run selects (kernels/flashinfer_jit.py DEVICE_SHAPES and the
 #   fused element-wise ones), compiled and linked here for sm_90a with nvcc against a stub libcuda
 #   (scripts/flashinfer_jit.py aot); gpu_run.sh puts them in flashinfer's data/aot, where FlashInfer loads a
-#   module without compiling it. Cold, the build takes most of 20 minutes on 2 cores; objects are kept in
-#   build/flashinfer-jit (the compile check's), so a rebuild compiles only what changed.
+#   module without compiling it. Cold, the build takes about half an hour on 2 cores (the two FA3 prefill
+#   modules 10-12 minutes each); objects are kept in build/flashinfer-jit (the compile check's), so a rebuild
+#   in the same checkout compiles only what changed.
 # - commit: the commit the carry was built at, for the figures' rows when the device has no git.
 #
 # The script prints each part's size and fails when together they come near the device tool's 64 MiB.
