@@ -100,14 +100,19 @@ def to_fp8(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.T
     return x.clamp(-limit, limit).to(dtype)
 
 
+def in_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x in a (non-int8) cache's element type: fp8 saturated (`to_fp8`), any other cast as it is."""
+    if x.dtype == cache_dtype:
+        return x
+    return to_fp8(x, cache_dtype) if cache_dtype in FP8_DTYPES else x.to(cache_dtype)
+
+
 def stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """Rows x [..., R, D] as the cache stores them (`as_bytes` of them in the cache's dtype, fp8 saturated;
     int8: quantized whole runs, R a multiple of 16)."""
     if cache_dtype == torch.int8:
         return quantize_int8_rows(x)
-    if cache_dtype in FP8_DTYPES:
-        return as_bytes(to_fp8(x, cache_dtype))
-    return x.to(cache_dtype)
+    return as_bytes(in_cache_dtype(x, cache_dtype))
 
 
 def gathered(runs: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

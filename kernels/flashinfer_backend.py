@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.cache_ops import to_fp8
+from kernels.cache_ops import in_cache_dtype
 from kernels.page_table import PageTable
 
 # FlashInfer's scratch (split-KV partial results at large batches and long contexts): vLLM gives it 256 MiB,
@@ -103,10 +103,8 @@ class _Shape:
 
     def appended(self, x: torch.Tensor) -> torch.Tensor:
         """New K or V rows in the cache's element type (FlashInfer appends rows of the cache's dtype); fp8
-        saturated at +-448 rather than NaN (cache_ops.to_fp8)."""
-        if x.dtype == self.kv_dtype:
-            return x
-        return to_fp8(x, self.kv_dtype) if self.kv_dtype == torch.float8_e4m3fn else x.to(self.kv_dtype)
+        saturated at +-448 rather than NaN (cache_ops.in_cache_dtype)."""
+        return in_cache_dtype(x, self.kv_dtype)
 
 
 class FlashInferPagedAttention(_Shape):

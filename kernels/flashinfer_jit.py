@@ -173,19 +173,24 @@ def object_targets(ninja_file: Path) -> list[Path]:
     return targets
 
 
+def run_ninja(spec: Any, jobs: int | None, targets: list[str], doing: str) -> None:
+    """The module's own ninja file, for `targets` (none: its default, the shared library); raises with the
+    output's tail when it fails."""
+    command = ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)]
+    if jobs:
+        command += ["-j", str(jobs)]
+    done = subprocess.run(command + targets, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{doing} {spec.name} failed:\n{done.stdout[-8000:]}")
+
+
 def compile_objects(spec: Any, jobs: int | None = None) -> list[Path]:
     """Compile a module's sources to object files with its own ninja file, without the link."""
     spec.write_ninja()
     objects = object_targets(spec.ninja_path)
     if not objects:
         raise RuntimeError(f"{spec.ninja_path} names no compile step")
-    command = ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)]
-    if jobs:
-        command += ["-j", str(jobs)]
-    done = subprocess.run(command + [str(p) for p in objects], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"compiling {spec.name} failed:\n{done.stdout[-8000:]}")
+    run_ninja(spec, jobs, [str(p) for p in objects], "compiling")
     missing = [p for p in objects if not p.exists()]
     if missing:
         raise RuntimeError(f"{spec.name}: ninja succeeded but left out {missing}")
@@ -197,12 +202,7 @@ def link_module(spec: Any, jobs: int | None = None) -> Path:
     `-lcuda` from `$CUDA_HOME/lib64/stubs` or FLASHINFER_EXTRA_LDFLAGS (a driver's library, or the stub
     `libcuda_stub` makes): the library only has to name `libcuda.so.1`, which the GPU machine's driver serves."""
     spec.write_ninja()
-    command = ["ninja", "-C", str(spec.build_dir), "-f", str(spec.ninja_path)]
-    if jobs:
-        command += ["-j", str(jobs)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"building {spec.name} failed:\n{done.stdout[-8000:]}")
+    run_ninja(spec, jobs, [], "building")
     if not spec.jit_library_path.exists():
         raise RuntimeError(f"{spec.name}: ninja succeeded but left no {spec.jit_library_path}")
     return spec.jit_library_path
