@@ -15,7 +15,7 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # CPU torch from PyTorch's index first, so pip does not pull a multi-GB CUDA build (the default).
 RUN pip install "torch>=2.4,<2.14" --index-url "${TORCH_INDEX_URL}"
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY hetero ./hetero
 COPY hetero_common ./hetero_common
 COPY hetero_infer ./hetero_infer

@@ -34,9 +34,9 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.roofline import cpu_line, linear_shapes  # noqa: E402
-from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
 from gpu_worker.cpu.packed_linear import linear, pack_weight  # noqa: E402
 from gpu_worker.cpu.worker_setup import cpu_flags  # noqa: E402
+from gpu_worker.models.checkpoint import load_checkpoint  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 from kernels.native import decode_attention as native_decode  # noqa: E402
 from kernels.native import lib as native_lib  # noqa: E402

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 if not __package__:  # run as a file (`python benchmarks/NAME.py`): the repository root on the path, as -m has it
@@ -47,14 +47,22 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from gpu_worker.checkpoint import ModelConfig  # noqa: E402
+from benchmarks.gpu_steps import (  # noqa: E402
+    BLOCK_SIZE,
+    DTYPE,
+    cuda_time,
+    decode_cores_us,
+    decode_table,
+    graph_step_breakdown,
+    mixed_step_ms,
+    print_breakdown,
+)
+from gpu_worker.models.checkpoint import ModelConfig  # noqa: E402
 from kernels.cache_ops import allocate_kv_cache, convert_layout  # noqa: E402
+from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
 from kernels.fp8_linear import Fp8Weight  # noqa: E402
 from kernels.page_table import PageTable  # noqa: E402
 from kernels.torch_attention import TorchPagedAttention  # noqa: E402
-from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
-from benchmarks.gpu_steps import (BLOCK_SIZE, DTYPE, cuda_time, decode_cores_us, decode_table,  # noqa: E402
-                                  graph_step_breakdown, mixed_step_ms, print_breakdown)
 
 LLAMA_1B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -165,8 +173,8 @@ def main() -> int:
     device = torch.device("cuda")
     import flashinfer
 
-    from gpu_worker.cuda_graphs import DecodeGraphs
-    from gpu_worker.model import LlamaModel
+    from gpu_worker.cuda.cuda_graphs import DecodeGraphs
+    from gpu_worker.models.model import LlamaModel
     from kernels.flashinfer_backend import FlashInferPagedAttention
 
     torch.manual_seed(0)

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gpu_worker.checkpoint import ModelConfig
+from gpu_worker.models.checkpoint import ModelConfig
 from kernels.page_table import PageTable
 
 if TYPE_CHECKING:  # imported where a GPU is there, as the worker's CUDA modules are
-    from gpu_worker.cuda_graphs import DecodeGraphs
+    from gpu_worker.cuda.cuda_graphs import DecodeGraphs
 
 DTYPE = torch.bfloat16
 BLOCK_SIZE = 16
@@ -74,7 +74,7 @@ def replay_ms(graph: torch.cuda.CUDAGraph, steps: int) -> float:
 def graph_step_breakdown(graphs: DecodeGraphs, table: PageTable, ids: np.ndarray, positions: np.ndarray,
                          steps: int) -> dict[str, float]:
     """`--breakdown`: a graph decode step of `table`'s batch, whole and in its parts (the module docstring), ms."""
-    from gpu_worker.cuda_graphs import pad_decode_table, padded_batch_size
+    from gpu_worker.cuda.cuda_graphs import pad_decode_table, padded_batch_size
 
     g = graphs.graphs[padded_batch_size(table.batch_size, graphs.sizes)]
     padded = pad_decode_table(table, g.attention.batch_size, graphs.pad_block)

@@ -23,8 +23,8 @@ import argparse
 import os
 import random
 import statistics
-import tempfile
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,10 +33,10 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
 
 from hetero.v1 import common_pb2, worker_pb2  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
-from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
-from hetero_infer.bench.stats import percentile  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
-from scheduler_svc.scheduler import Scheduler  # noqa: E402
+from hetero_infer.bench.stats import percentile  # noqa: E402
+from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
+from scheduler_svc.core.scheduler import Scheduler  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float:
@@ -228,8 +228,8 @@ def part_d() -> list[str]:
 
 
 def main() -> None:
-    from hetero_common.tokenizer import load_tokenizer
     from gpu_worker.runner import ModelRunner
+    from hetero_common.tokenizer import load_tokenizer
 
     global VOCAB
     configure_logging("warning", "console", "bench")

@@ -48,8 +48,8 @@ def run(engine: InferenceEngine, prompts: list[list[int]], new_tokens: int, adap
 
 def merged_model(model: str | None, adapter: Path, directory: Path) -> Path:
     """The base model with the adapter merged into its weights, as a Hugging Face directory."""
-    from gpu_worker.checkpoint import load_checkpoint
-    from gpu_worker.lora_adapter import load_lora_adapter
+    from gpu_worker.lora.lora_adapter import load_lora_adapter
+    from gpu_worker.models.checkpoint import load_checkpoint
     from hetero_infer.testing.checkpoints import module_name, save_checkpoint
 
     mc, weights = load_checkpoint(resolve_model_path(model))
@@ -73,7 +73,7 @@ def main() -> int:
     parser.add_argument("--targets", default=TARGETS)
     args = parser.parse_args()
     configure_logging("warning")
-    from gpu_worker.checkpoint import load_checkpoint
+    from gpu_worker.models.checkpoint import load_checkpoint
     from hetero_infer.testing.checkpoints import write_random_lora
 
     scratch = Path(tempfile.mkdtemp(prefix="lora-bench-"))

@@ -66,8 +66,8 @@ from hetero.v1 import common_pb2, worker_pb2  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.gc_tuning import tune_gc  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
-from scheduler_svc.scheduler import Scheduler  # noqa: E402
-from scheduler_svc.step_plan import plan_needs_worker  # noqa: E402
+from scheduler_svc.core.scheduler import Scheduler  # noqa: E402
+from scheduler_svc.core.step_plan import plan_needs_worker  # noqa: E402
 
 EOS = 2
 VOCAB = 32000

@@ -43,7 +43,7 @@ from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
 from hetero_infer.testing.prompts import ORACLE_PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PASSAGES = ["scheduler_svc/sequence.py", "kernels/native/linear_bf16.c", "docs/architecture.md", "gateway/stop_strings.py"]
+PASSAGES = ["scheduler_svc/core/sequence.py", "kernels/native/linear_bf16.c", "docs/architecture.md", "gateway/text/stop_strings.py"]
 
 
 def copy_prompts(engine: InferenceEngine, chars: int = 1600, again: int = 300) -> list[list[int]]:
@@ -58,7 +58,7 @@ def copy_prompts(engine: InferenceEngine, chars: int = 1600, again: int = 300) -
 def early_exit_draft(model: str | None, layers: int, directory: Path) -> Path:
     """The served model's first `layers` layers, its embeddings, final norm and LM head, as a Hugging Face
     directory (bfloat16 safetensors)."""
-    from gpu_worker.checkpoint import load_checkpoint
+    from gpu_worker.models.checkpoint import load_checkpoint
     from hetero_infer.testing.checkpoints import save_checkpoint
 
     mc, weights = load_checkpoint(resolve_model_path(model))

@@ -31,7 +31,7 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
 from benchmarks import systems  # noqa: E402
 from benchmarks.roofline import cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts, round_order  # noqa: E402
-from gpu_worker.checkpoint import load_checkpoint  # noqa: E402
+from gpu_worker.models.checkpoint import load_checkpoint  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 

@@ -40,11 +40,10 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import systems  # noqa: E402
-from benchmarks.roofline import (  # noqa: E402
-    MatmulRates, cpu_description, cpu_line, flop_per_token, measure_matmul_rates)
+from benchmarks.roofline import MatmulRates, cpu_description, cpu_line, flop_per_token, measure_matmul_rates  # noqa: E402
 from benchmarks.workload import Result, make_prompts, round_order  # noqa: E402
-from gpu_worker.checkpoint import ModelConfig, load_checkpoint  # noqa: E402
-from gpu_worker.model_build import resolve_dtype  # noqa: E402
+from gpu_worker.models.checkpoint import ModelConfig, load_checkpoint  # noqa: E402
+from gpu_worker.models.model_build import resolve_dtype  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from gateway.backend import EmbeddingCall, EmbeddingOutput
+from gateway.backends.backend import EmbeddingCall, EmbeddingOutput
 from gateway.embedding_inputs import EmbeddingLimits, check_request, input_chars, tokenize_inputs
 from gateway.generation import Generation
 from hetero.v1 import common_pb2, inference_pb2

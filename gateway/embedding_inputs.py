@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.validation import MAX_REQUEST_ID_LEN, chat_chars, check_model, least_tokens, render_chat
+from gateway.text.chat import chat_chars, render_chat
+from gateway.validation import MAX_REQUEST_ID_LEN, check_model, least_tokens
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.tokenizer import TextTokenizer

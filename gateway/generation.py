@@ -17,18 +17,18 @@ from typing import AsyncIterator, Iterator
 
 import structlog
 
-from gateway.active_requests import ActiveRequests
-from gateway.backend import Backend
+from gateway.backends.backend import Backend
+from gateway.limits.active_requests import ActiveRequests
+from gateway.limits.heap_trim import HeapTrimmer
 from gateway.metrics import GatewayMetrics, RequestTimer
-from hetero_common.tokenizer import TextTokenizer
-from gateway.tool_stream import ToolCallStream, tool_request
-from gateway.heap_trim import HeapTrimmer
-from gateway.tokenizer_pool import INLINE_CHARS, TokenizerPool
+from gateway.text.tokenizer_pool import INLINE_CHARS, TokenizerPool
+from gateway.text.tool_stream import ToolCallStream, tool_request
 from gateway.validation import PreparedRequest, check_model, input_chars, prepare, refuse_unfitting
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError
 from hetero_common.finish_reasons import NOT_FINISHED, finish_reason_name, is_finished
+from hetero_common.tokenizer import TextTokenizer
 
 log = structlog.get_logger("gateway.generation")
 

@@ -14,23 +14,29 @@ import structlog
 import uvicorn
 
 from gateway.auth import ApiKeyInterceptor, ApiKeys
-from gateway.backend import Backend
-from gateway.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.backends.backend import Backend
+from gateway.backends.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.backends.fallback import FallbackBackend
+from gateway.backends.scheduler_backend import SchedulerBackend
 from gateway.embedding import Embeddings
-from gateway.fallback import FallbackBackend
 from gateway.generation import Generation
-from gateway.grpc_api import SERVICE_NAME, InferenceServicer, add_inference_servicer
-from gateway.http_protocol import limited_protocol
+from gateway.grpc.grpc_api import SERVICE_NAME, InferenceServicer, add_inference_servicer
+from gateway.limits.http_protocol import limited_protocol
 from gateway.metrics_listener import MetricsOnlyApp
 from gateway.openai.app import HttpApi, error_body
-from gateway.scheduler_backend import SchedulerBackend
-from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero_common.config import Config
 from hetero_common.errors import HeteroError, UnavailableError
 from hetero_common.gc_tuning import tune_gc
-from hetero_common.grpc_server import (add_health_and_reflection, bind, public_server_options, server_credentials,
-                                      set_serving_aio, termination_signal)
+from hetero_common.grpc_server import (
+    add_health_and_reflection,
+    bind,
+    public_server_options,
+    server_credentials,
+    set_serving_aio,
+    termination_signal,
+)
 from hetero_common.model_files import resolve_model_path
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 
 log = structlog.get_logger("gateway.server")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetero_common.tokenizer import TextTokenizer
-from gateway.tool_calls import template_input
+from gateway.text.chat import chat_chars, render_chat
 from hetero.v1 import inference_pb2
 from hetero_common.constraints import validate_constraint
 from hetero_common.errors import ModelNotFoundError, ValidationError
 from hetero_common.sampling import Sampling, validate
+from hetero_common.tokenizer import TextTokenizer
 
 MAX_REQUEST_ID_LEN = 128
 
@@ -32,14 +32,6 @@ def check_model(requested: str, served: str, adapters: Sequence[str] = ()) -> No
                                  "model")
 
 
-def render_chat(tokenizer: TextTokenizer, chat: inference_pb2.Chat, add_generation_prompt: bool = True) -> str:
-    """The chat as the model's template writes it, with its tools and tool calls (`tool_calls.py`)."""
-    if not tokenizer.chat_template:
-        raise ValidationError("this model has no chat template; send `prompt` (plain text) instead of `chat`")
-    messages, tools = template_input(chat, tokenizer)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-
-
 def too_long(tokens: str, max_model_len: int) -> ValidationError:
     return ValidationError(f"prompt is {tokens} tokens; max_model_len is {max_model_len} (prompt plus at least one "
                            "generated token): shorten the prompt")
@@ -54,12 +46,6 @@ def input_chars(request: inference_pb2.GenerateRequest) -> int:
     if kind == "chat":
         return chat_chars(request.chat)
     return len(request.prompt_token_ids.ids) if kind == "prompt_token_ids" else 0
-
-
-def chat_chars(chat: inference_pb2.Chat) -> int:
-    """The characters of a chat's messages, calls and tools: what rendering and tokenizing it costs."""
-    return (sum(len(m.content) + len(m.name) + sum(len(c.arguments) for c in m.tool_calls) for m in chat.messages)
-            + sum(len(t.parameters_json) + len(t.description) for t in chat.tools))
 
 
 def refuse_unfitting(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, max_model_len: int) -> None:

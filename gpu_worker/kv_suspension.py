@@ -2,7 +2,7 @@
 `offload` holds a copy in host memory, `recompute` drops it (the scheduler re-queues its sequences). Its
 device memory is released in the last two. CUDA graphs captured its address: with config
 `static_kv_memory_pointers` the cache's physical memory is unmapped and mapped again at the same addresses
-(gpu_worker/static_kv_memory.py) and the graphs stay; otherwise they go with the memory and are captured
+(gpu_worker/cuda/static_kv_memory.py) and the graphs stay; otherwise they go with the memory and are captured
 again on resume (the runner does that: it owns the model)."""
 
 from __future__ import annotations

@@ -15,24 +15,28 @@ import numpy as np
 import structlog
 import torch
 
-from gpu_worker.checkpoint import load_checkpoint
-from gpu_worker.constrained import GuidanceVocabulary
 from gpu_worker.cpu.gguf_serving import gguf_blocks_kept
-from gpu_worker.cpu.worker_setup import (allocate_cpu_kv_cache, choose_cpu_dtype, configure_cpu_threads,
-                                         row_invariance_unavailable)
-from gpu_worker.cuda_graphs import DecodeGraphs
-from gpu_worker.cuda_setup import prepare_cuda_worker
-from gpu_worker import draft_rows
-from gpu_worker.draft_model import DraftModel
+from gpu_worker.cpu.worker_setup import (
+    allocate_cpu_kv_cache,
+    choose_cpu_dtype,
+    configure_cpu_threads,
+    row_invariance_unavailable,
+)
+from gpu_worker.cuda.cuda_graphs import DecodeGraphs
+from gpu_worker.cuda.cuda_setup import prepare_cuda_worker
 from gpu_worker.kv_dtype import kv_cache_torch_dtype
 from gpu_worker.kv_suspension import KVSuspension
-from gpu_worker.lora_slots import load_lora_slots
-from gpu_worker.model_build import build_model, resolve_device, resolve_dtype
+from gpu_worker.lora.lora_slots import load_lora_slots
+from gpu_worker.models.checkpoint import load_checkpoint
+from gpu_worker.models.draft_model import DraftModel
+from gpu_worker.models.model_build import build_model, resolve_device, resolve_dtype
+from gpu_worker.parallel.tensor_parallel import TensorParallel
 from gpu_worker.pooling import PoolingEntry, pool
-from gpu_worker.prompt_logprobs import PromptSpan, prompt_span, score, wanted
-from gpu_worker.sampler import build_sampling_batch, sample
+from gpu_worker.sampling import draft_rows
+from gpu_worker.sampling.constrained import GuidanceVocabulary
+from gpu_worker.sampling.prompt_logprobs import PromptSpan, prompt_span, score, wanted
+from gpu_worker.sampling.sampler import build_sampling_batch, sample
 from gpu_worker.step_io import SampledTokens, SequenceState, StepInputs, pack_samples
-from gpu_worker.tensor_parallel import TensorParallel
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
 from hetero_common.device_defaults import step_batch_size
@@ -221,7 +225,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.resume(self.sequences.values())
         if mode in ("offload", "recompute") and self._suspension.recapture_graphs:
-            from gpu_worker.cuda_setup import capture_decode_graphs
+            from gpu_worker.cuda.cuda_setup import capture_decode_graphs
 
             self.graphs = capture_decode_graphs(self.model, self.attention, self.kv_cache, self.config,
                                                 self.kv_cache.shape[1] - 1, self.block_size, self.max_positions)

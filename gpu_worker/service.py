@@ -24,17 +24,23 @@ import grpc
 import structlog
 import torch
 
-from gpu_worker.device_map import bind_worker_device, worker_device
-from gpu_worker.model_build import resolve_device
+from gpu_worker.cuda.device_map import bind_worker_device, worker_device
+from gpu_worker.models.model_build import resolve_device
+from gpu_worker.parallel.tensor_parallel import Command, TensorParallel
 from gpu_worker.runner import ModelRunner
-from gpu_worker.tensor_parallel import Command, TensorParallel
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.errors import HeteroError, StepOrderError, ValidationError
 from hetero_common.gc_tuning import tune_gc
-from hetero_common.grpc_server import (add_health_and_reflection, bind, error_status,
-                                      internal_listen_address, internal_server_options, server_credentials,
-                                      set_serving)
+from hetero_common.grpc_server import (
+    add_health_and_reflection,
+    bind,
+    error_status,
+    internal_listen_address,
+    internal_server_options,
+    server_credentials,
+    set_serving,
+)
 
 log = structlog.get_logger("gpu_worker.service")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -250,7 +256,7 @@ def run_follower_rank(runner: ModelRunner) -> None:
 
 
 def on_own_device(config: Config, tp_rank: int, local_rank: int | None) -> Config:
-    """`config` with `device` resolved to this process's own (gpu_worker/device_map.py), made current. `serve`
+    """`config` with `device` resolved to this process's own (gpu_worker/cuda/device_map.py), made current. `serve`
     passes `local_rank` and runs data_parallel_size × tensor_parallel_size workers on this host; a worker
     started alone runs as the only one, at its tensor-parallel rank's place."""
     processes = 1 if local_rank is None else config.data_parallel_size * config.tensor_parallel_size

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gpu_worker import draft_rows
-from gpu_worker.constrained import RowConstraint
-from gpu_worker.logits_processors import RowControls
 from gpu_worker.pooling import PoolingEntry
-from gpu_worker.prompt_logprobs import PromptSpan
-from gpu_worker.sampler import top_logprobs
+from gpu_worker.sampling import draft_rows
+from gpu_worker.sampling.constrained import RowConstraint
+from gpu_worker.sampling.logits_processors import RowControls
+from gpu_worker.sampling.prompt_logprobs import PromptSpan
+from gpu_worker.sampling.sampler import top_logprobs
 from hetero.v1 import worker_pb2
 from hetero_common.sampling import Sampling
 from kernels.page_table import PageTable
@@ -27,7 +27,7 @@ class SequenceState:
     num_generated: int
     block_table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     num_computed: int = -1  # tokens whose K/V is in the cache; -1: new, take the plan's count (prefix-cache hits)
-    prompt_logprobs: int | None = None  # alternatives per prompt position to score (gpu_worker/prompt_logprobs.py)
+    prompt_logprobs: int | None = None  # alternatives per prompt position to score (gpu_worker/sampling/prompt_logprobs.py)
     controls: RowControls | None = None  # logits controls' state, built at the first sampled step (logits_processors)
     constraint: RowConstraint | None = None  # the constraint's matcher, built at the first sampled step (constrained)
     draft_computed: int = 0  # tokens whose draft-model K/V is cached (draft_model.py)

@@ -12,7 +12,14 @@ from typing import Any
 
 from hetero_common.config_presets import PRESETS  # noqa: F401 (part of this module's interface)
 from hetero_common.config_sections import (  # noqa: F401 (the sections are part of this module's interface)
-    BackendConfig, CommandConfig, EmbeddingConfig, ServingConfig, TLSConfig, TokenizerConfig, doc)
+    BackendConfig,
+    CommandConfig,
+    EmbeddingConfig,
+    ServingConfig,
+    TLSConfig,
+    TokenizerConfig,
+    doc,
+)
 from hetero_common.config_serving_checks import check_serving
 from hetero_common.errors import ConfigError
 from hetero_common.lora_modules import parse_lora_modules
@@ -52,7 +59,7 @@ class Config:
     max_prefill_chunk_tokens: int = field(default=256, metadata=doc(
         "one request's prompt tokens per step at most, with chunked prefill; 0 = only `max_total_tokens` caps a chunk"))
     async_scheduling: bool = field(default=True, metadata=doc(
-        "overlap: plan and send step N+1 while the worker computes step N (`scheduler_svc/overlap.py`); "
+        "overlap: plan and send step N+1 while the worker computes step N (`scheduler_svc/core/overlap.py`); "
         "false = plan each step after the last one's result"))
     speculative_method: str = field(default="none", metadata=doc(
         "speculative decoding: `none`; `ngram` (prompt lookup: the tokens that followed the last "
@@ -362,7 +369,7 @@ class Config:
 
     def replica_addresses(self) -> list[str]:
         """The gRPC address of each static worker replica (its tensor-parallel rank 0); those found
-        through worker_dns come on top (scheduler_svc/discovery.py)."""
+        through worker_dns come on top (scheduler_svc/replicas/discovery.py)."""
         if self.worker_addresses.strip():
             return [a.strip() for a in self.worker_addresses.split(",") if a.strip()]
         if self.worker_dns:

@@ -2,7 +2,7 @@
 
 One place for the gateway (validation: a bad constraint is INVALID_ARGUMENT naming the field,
 before anything is queued) and the worker (one matcher per constrained sequence,
-gpu_worker/constrained.py). The five kinds of the proto's oneof:
+gpu_worker/sampling/constrained.py). The five kinds of the proto's oneof:
 
 - `json_schema`: a JSON Schema (JSON text); the output is compact JSON valid against it;
 - `json_object`: any JSON object, compact;

@@ -36,14 +36,14 @@ class Sampling:
     n: int
     logprobs: int | None
     include_special_tokens: bool
-    # The logits controls (vLLM's semantics; applied in the worker's sampler, gpu_worker/logits_processors.py).
+    # The logits controls (vLLM's semantics; applied in the worker's sampler, gpu_worker/sampling/logits_processors.py).
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
-    # Structured output (hetero_common/constraints.py; the worker's matcher: gpu_worker/constrained.py).
+    # Structured output (hetero_common/constraints.py; the worker's matcher: gpu_worker/sampling/constrained.py).
     constraint: ConstraintSpec | None = None
 
     @property

@@ -17,11 +17,10 @@ import argparse
 import asyncio
 import sys
 
-from hetero_infer.config_sources import add_config_arguments, config_from_args
 from hetero_common.errors import HeteroError
 from hetero_common.log import configure_logging
+from hetero_infer.config_sources import add_config_arguments, config_from_args
 from hetero_infer.parent_death import die_with_parent
-
 
 COMMANDS = ("serve", "gateway", "scheduler", "worker", "health", "bench", "generate")
 
@@ -96,7 +95,7 @@ def _generate(args: argparse.Namespace, config) -> int:
 def _generate_through_bridge(args: argparse.Namespace, config) -> int:
     """serving.backend.kind command_bridge: the program answers (the prompt in HETERO_PROMPT, as typed); no model
     is loaded. Its output is printed as it streams."""
-    from gateway.command_bridge import CommandBridge
+    from gateway.backends.command_bridge import CommandBridge
     from hetero.v1 import common_pb2
     from hetero_common.sampling import resolve
 

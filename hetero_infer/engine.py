@@ -18,8 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from gateway.embedding_inputs import tokenize_inputs
-from gateway.text_stream import TextStream
-from hetero_common.tokenizer import TextTokenizer, load_tokenizer
+from gateway.text.text_stream import TextStream
 from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, inference_pb2
@@ -27,9 +26,10 @@ from hetero_common.config import Config
 from hetero_common.device_defaults import fitted_to_worker
 from hetero_common.embedding_vectors import EMBEDDING_PARAMS, POOLING_BY_NAME, default_pooling, finish_vector
 from hetero_common.errors import ExecutionError, ValidationError
-from hetero_common.lora_modules import lora_cache_salt, lora_slot
 from hetero_common.finish_reasons import finish_reason_name, is_finished
-from scheduler_svc.scheduler import Scheduler, StepOutputs, plan_needs_worker
+from hetero_common.lora_modules import lora_cache_salt, lora_slot
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
+from scheduler_svc.core.scheduler import Scheduler, StepOutputs, plan_needs_worker
 
 
 @dataclass

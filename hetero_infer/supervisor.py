@@ -138,7 +138,7 @@ class Supervisor:
         for rank in range(tp):
             cmd = [sys.executable, "-m", "hetero_infer.cli", "worker", "--config", self.config_path,
                    "--worker-address", group.address, "--supervisor-pid", str(os.getpid())]
-            # Its place among this host's workers picks its GPU (gpu_worker/device_map.py).
+            # Its place among this host's workers picks its GPU (gpu_worker/cuda/device_map.py).
             cmd += ["--local-rank", str(group.replica * tp + rank)]
             if tp > 1:  # a configured tp_init_method (read from the config file) replaces the file
                 cmd += ["--tp-rank", str(rank)] + ([] if self.config.tp_init_method else ["--tp-init-file", init_file])

@@ -79,7 +79,7 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
 
 
 def cos_sin_cache(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's table from the model's rotate-half tables [positions, head_dim / 2] (gpu_worker/model.py's
+    """FlashInfer's table from the model's rotate-half tables [positions, head_dim / 2] (gpu_worker/models/model.py's
     `rope_tables`): float32 [positions, head_dim], cos in the first half and sin in the second."""
     return torch.cat([cos, sin], dim=-1).to(torch.float32).contiguous()
 

@@ -15,7 +15,7 @@ import grpc
 
 from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.finish_reasons import is_finished
-from scheduler_svc.scheduler import StepOutputs, TokenOutput
+from scheduler_svc.core.scheduler import StepOutputs, TokenOutput
 
 # Finish reasons that end the Submit calls with a gRPC status instead of a last event.
 STATUS_FOR_REASON = {common_pb2.FINISH_REASON_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED}

@@ -22,11 +22,19 @@ from hetero_common.config import Config
 from hetero_common.errors import DuplicateRequestError, HeteroError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from hetero_common.gc_tuning import tune_gc
-from hetero_common.grpc_server import (add_health_and_reflection, bind, end_call,
-                                      internal_listen_address, server_credentials, set_serving_aio,
-                                      internal_server_options, set_status, termination_signal)
-from scheduler_svc.followers import Followers, Forwarder
-from scheduler_svc.replica_set import ReplicaSet
+from hetero_common.grpc_server import (
+    add_health_and_reflection,
+    bind,
+    end_call,
+    internal_listen_address,
+    internal_server_options,
+    server_credentials,
+    set_serving_aio,
+    set_status,
+    termination_signal,
+)
+from scheduler_svc.replicas.followers import Followers, Forwarder
+from scheduler_svc.replicas.replica_set import ReplicaSet
 from scheduler_svc.request_streams import Listener, RequestStream, RequestStreams
 
 log = structlog.get_logger("scheduler_svc.service")

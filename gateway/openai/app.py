@@ -27,21 +27,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import ApiKeys
+from gateway.embedding import Embeddings
 from gateway.generation import Generation
 from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.openai import schema as oa
 from gateway.openai.body_limit import BodyLimitMiddleware
+from gateway.openai.embedding_routes import EmbeddingRoutes
 from gateway.openai.json_body import OTHER_VALUES, CountedJsonRoute
+from gateway.openai.lora_routes import LoraRoutes
 from gateway.openai.prompt_echo import PromptShaping
 from gateway.openai.request_id import OPENAPI_PARAMETER, RequestIdMiddleware, request_id
-from gateway.openai.embedding_routes import EmbeddingRoutes
-from gateway.embedding import Embeddings
 from gateway.openai.streams import merged, unless_client_gone
 from gateway.openai.structured import renamed_errors
-from gateway.openai.lora_routes import LoraRoutes
 from gateway.openai.tokenizer_routes import TokenizerRoutes
 from gateway.openai.tools import call_deltas, chat_message
-from gateway.validation import chat_chars
+from gateway.text.chat import chat_chars
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 from hetero_common.config import ServingConfig
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
@@ -208,7 +208,7 @@ class HttpApi:
 
     async def completions(self, body: oa.CompletionBody, request: Request) -> Response:
         rid = request_id(request.scope)
-        g = self.generation  # tokenizing a large prompt: off the loop (gateway/tokenizer_pool.py)
+        g = self.generation  # tokenizing a large prompt: off the loop (gateway/text/tokenizer_pool.py)
         chars = oa.prompt_chars(body)
         requests = await g.tokenizer_pool.run(oa.completion_requests, body, rid, g.tokenizer, g.max_model_len,
                                               chars=chars if body.add_special_tokens is False else 0)

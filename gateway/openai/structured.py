@@ -15,7 +15,7 @@ import re
 from contextlib import aclosing
 from typing import Any, AsyncIterator, TypeVar
 
-from gateway.tool_calls import check_schema, json_value
+from gateway.text.tool_calls import check_schema, json_value
 from hetero.v1 import common_pb2
 from hetero_common.errors import ValidationError
 

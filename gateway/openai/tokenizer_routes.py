@@ -10,12 +10,12 @@ from typing import Any
 from fastapi.responses import Response
 from pydantic import Field, model_validator
 
-from gateway import tokenization
 from gateway.generation import Generation
 from gateway.openai.bodies import UINT32_MAX, ChatMessageBody, StrictBody
 from gateway.openai.fields import MESSAGE, Unserved, refuse_unserved
 from gateway.openai.tools import chat_of
-from gateway.validation import chat_chars, render_chat
+from gateway.text import tokenization
+from gateway.text.chat import chat_chars, render_chat
 from hetero.v1 import inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.tokenizer import TextTokenizer
@@ -85,7 +85,7 @@ class TokenizerRoutes:
                                               chars=len(body.prompt or ""))
         if not g.tokenizer.chat_template:
             raise ValidationError("this model has no chat template; tokenize a plain `prompt` instead", "messages")
-        # The chat as generation renders it: tools, calls and tool results (gateway/tool_calls.py).
+        # The chat as generation renders it: tools, calls and tool results (gateway/text/tool_calls.py).
         chat = chat_of(body.messages, body.tools, None)
         return await g.tokenizer_pool.run(_tokenize, g.tokenizer, body, chat, g.max_model_len, chars=chat_chars(chat))
 

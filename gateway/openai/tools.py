@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from gateway.openai.bodies import ChatBody, ChatMessageBody
-from gateway.tool_calls import AUTO, NONE, REQUIRED, tool_specs
+from gateway.text.tool_calls import AUTO, NONE, REQUIRED, tool_specs
 from hetero.v1 import inference_pb2
 from hetero_common.errors import ValidationError
 

@@ -11,7 +11,7 @@ part between its q/k/v and o products (RoPE, the K/V write, attention) in one ca
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -21,8 +21,12 @@ from kernels.native.decode_attention import CACHE_DTYPES, KV_KINDS
 from kernels.native.linear import NativePackedWeight
 from kernels.native.linear_gguf import GGUFPackedWeight
 
-if TYPE_CHECKING:
-    from gpu_worker.lora_slots import NativeLoraBatch
+
+class LoraArguments(Protocol):
+    """A step's LoRA adapters as the whole-model C call takes them (`gpu_worker.lora.lora_slots.NativeLoraBatch`;
+    named by its shape so that the CPU path does not depend on the LoRA room, which builds on it)."""
+
+    def c_arguments(self) -> tuple[int, int, int]: ...
 
 
 def _addresses(tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -79,13 +83,13 @@ class CLayers:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, kv_cache: list[torch.Tensor] | torch.Tensor,
             k_rows: torch.Tensor, v_rows: torch.Tensor, q_rows: torch.Tensor, pages: torch.Tensor,
-            kv_lens: torch.Tensor, scale: float, tiles: bool = True, lora: NativeLoraBatch | None = None) -> torch.Tensor:
+            kv_lens: torch.Tensor, scale: float, tiles: bool = True, lora: LoraArguments | None = None) -> torch.Tensor:
         """hidden [T, hidden] (the embeddings, updated in place) -> the last layer's output, not yet added.
         kv_cache: the HND layer caches (their addresses are read each call: a resumed cache is a new one);
         k_rows / v_rows: kernels.cache_ops.hnd_rows of the step's slots; q_rows, pages, kv_lens: the attention
         backend's C plan for every row of the step; `tiles`: prompt chunks through the attention kernel's 16-row
         tiles, else every row per row (the same bits, slower: for comparisons). `lora`: the step's LoRA adapters,
-        added after each product in C (gpu_worker/lora_slots.py)."""
+        added after each product in C (gpu_worker/lora/lora_slots.py)."""
         caches = [kv_cache[i] for i in range(self.num_layers)]
         if not all(c.is_contiguous() and c.dtype == caches[0].dtype for c in caches) or caches[0].dtype not in CACHE_DTYPES:
             raise ValueError("the C layers take contiguous bfloat16, float8_e4m3fn or int8 layer caches")

@@ -4,7 +4,7 @@ Eager torch runs RMSNorm as seven ops, RoPE as about ten (slices, products, a co
 SiLU·mul as two, each a dispatch of a few microseconds and a pass over memory: at batch 1 a
 SmolLM2 step spends milliseconds on them. Each function here is one C call. float32 inside and
 one bfloat16 rounding per output, so results differ from the eager ops' in the last bit where
-those round intermediates; float32 (the exact mode) keeps the eager ops (gpu_worker/model.py), and CUDA has
+those round intermediates; float32 (the exact mode) keeps the eager ops (gpu_worker/models/model.py), and CUDA has
 FlashInfer's fused kernels behind the same functions (kernels/flashinfer_fused.py).
 """
 

@@ -1,5 +1,5 @@
 """Config `quantization: auto` on the CPU: which of a GGUF file's weights stay in their blocks at load, and the
-log line saying how it serves them (gpu_worker/weight_quantization.py decides the other values)."""
+log line saying how it serves them (gpu_worker/models/weight_quantization.py decides the other values)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import structlog
 import torch
 
-from gpu_worker.gguf_blocks import GGUFBlocks
+from gpu_worker.models.gguf_blocks import GGUFBlocks
 from hetero_common.config import Config
 from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight

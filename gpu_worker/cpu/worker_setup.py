@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from gpu_worker.cpu.packed_linear import linear, pack_weight, prepack_supported
-from gpu_worker.tensor_parallel import TensorParallel
+from gpu_worker.parallel.tensor_parallel import TensorParallel
 from hetero_common.config import Config
 from hetero_common.device_defaults import kv_blocks_cap
 from hetero_common.host_cores import host_cores

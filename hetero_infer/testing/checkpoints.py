@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.checkpoint import ModelConfig
-from gpu_worker.lora_adapter import target_shape
+from gpu_worker.lora.lora_adapter import target_shape
+from gpu_worker.models.checkpoint import ModelConfig
 
 
 def save_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], directory: Path,

@@ -10,7 +10,7 @@ from typing import Iterator
 from fastapi.testclient import TestClient
 
 from gateway.auth import ApiKeys
-from gateway.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.backends.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
 from gateway.openai.app import HttpApi
 from hetero.v1 import scheduler_pb2

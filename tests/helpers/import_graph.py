@@ -181,6 +181,18 @@ def imports_across_layers(graph: dict[str, list[Import]], layers: Sequence[Seque
             if layer_of[package_of(edge.imported)] > layer_of[package_of(edge.importer)]]
 
 
+def crowded_folders(root: Path, packages: Iterable[str], max_modules: int) -> list[tuple[Path, int]]:
+    """(folder, count) of every folder under the packages holding more than `max_modules` modules of its own
+    (`__init__.py` and sub-folders' modules not counted)."""
+    crowded = []
+    for package in packages:
+        for folder in sorted({p.parent for p in (root / package).rglob("*.py")}):
+            count = sum(1 for p in folder.glob("*.py") if p.name != "__init__.py")
+            if count > max_modules:
+                crowded.append((folder, count))
+    return crowded
+
+
 def long_modules(root: Path, packages: Iterable[str], max_lines: int) -> list[tuple[Path, int]]:
     """Source files over `max_lines` lines, generated protobuf modules (`*_pb2*`) excepted."""
     found = []

@@ -80,8 +80,8 @@ def config_json(docs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def pending_discovery_keys() -> list[str]:
     """The DISCOVERY_KEYS this Config does not know yet, only while the DNS discovery
-    (scheduler_svc/discovery.py, branch b18-discovery) is not in the tree. Once it is, this is
+    (scheduler_svc/replicas/discovery.py, branch b18-discovery) is not in the tree. Once it is, this is
     always empty, so a key renamed later fails the tests instead of being skipped."""
-    if (REPO_ROOT / "scheduler_svc" / "discovery.py").is_file():
+    if (REPO_ROOT / "scheduler_svc" / "replicas" / "discovery.py").is_file():
         return []
     return [k for k in DISCOVERY_KEYS if k not in Config.__dataclass_fields__]

@@ -13,7 +13,7 @@ BLOCK, PAGES = 16, 4
 
 
 def prompt_logits(model, attention, kv_dtype: torch.dtype, prompt: list[int]) -> torch.Tensor:
-    """float32 logits [len(prompt), vocab] of `model` (gpu_worker.model.LlamaModel) over `prompt`."""
+    """float32 logits [len(prompt), vocab] of `model` (gpu_worker.models.model.LlamaModel) over `prompt`."""
     c = model.config
     cache = allocate_kv_cache(c.num_hidden_layers, PAGES, BLOCK, model.num_kv_heads, c.head_dim, kv_dtype, "cpu",
                               attention.kv_layout)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.core.scheduler import Scheduler
 
 EOS = 2
 

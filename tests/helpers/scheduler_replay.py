@@ -23,9 +23,14 @@ import sys
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
-from scheduler_svc import scheduler as scheduler_module
-from scheduler_svc.scheduler import Scheduler
-from scheduler_svc.step_plan import plan_needs_worker
+
+try:  # the layout with concept folders
+    from scheduler_svc.core import scheduler as scheduler_module
+    from scheduler_svc.core.step_plan import plan_needs_worker
+except ImportError:  # the flat layout before it, so that the two digests can be compared
+    from scheduler_svc import scheduler as scheduler_module  # type: ignore[no-redef]
+    from scheduler_svc.step_plan import plan_needs_worker  # type: ignore[no-redef]
+Scheduler = scheduler_module.Scheduler
 
 EOS = 2
 VOCAB = 12  # small, so that generated tokens repeat and prefixes meet in the cache
@@ -126,8 +131,9 @@ def main() -> None:
     p.add_argument("--first-seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write every record, one per line, to this file")
     args = p.parse_args()
-    import structlog
     import logging
+
+    import structlog
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     digest = hashlib.sha256()
     lines = 0

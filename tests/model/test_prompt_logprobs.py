@@ -17,8 +17,8 @@ from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ValidationError
 from hetero_common.sampling import validate
-from scheduler_svc.prompt_logprobs import PromptLogprobs
-from scheduler_svc.scheduler import Scheduler, TokenOutput
+from scheduler_svc.core.prompt_logprobs import PromptLogprobs
+from scheduler_svc.core.scheduler import Scheduler, TokenOutput
 from tests.helpers.oracle import make_prompts
 
 TOLERANCE = 1e-4

@@ -1,23 +1,30 @@
 """The layering the design asks for, checked on the source: no two modules import each other
 (directly or round a longer loop, a package's __init__ included), nothing imports upward (the base
-and the services never import the product), no module is over 400 lines, and no function of the
-scheduler or the worker is over 60."""
+and the services never import the product), no folder of a service holds more than 15 modules, and
+no function of the scheduler or the worker is over 60 lines. A module over 400 lines is a warning,
+not a failure (over 800 it is one): one concept per module is the rule, and a long module of one concept beats several
+fragments of it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import warnings
+
 import pytest
 
-from tests.helpers.import_graph import (describe_cycle, find_cycles, import_graph, imports_across_layers, long_functions,
-                                        long_modules)
+from tests.helpers.import_graph import (crowded_folders, describe_cycle, find_cycles, import_graph, imports_across_layers,
+                                        long_functions, long_modules)
 from hetero_infer.testing.stack import REPO_ROOT
 from tests.helpers.file_tree import write_tree
 
 # Bottom to top: the generated stubs and the shared base, the services, the product.
 LAYERS = (("hetero", "hetero_common"), ("gateway", "scheduler_svc", "gpu_worker", "kernels"), ("hetero_infer",))
 PACKAGES = tuple(package for layer in LAYERS for package in layer)
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 400  # a warning past it
+HARD_MAX_MODULE_LINES = 800
+SERVICES = ("gateway", "scheduler_svc", "gpu_worker")
+MAX_FOLDER_MODULES = 15
 # The services whose step logic reads as a few named steps; a longer function is split into them.
 SHORT_FUNCTION_PACKAGES = ("scheduler_svc", "gpu_worker")
 MAX_FUNCTION_LINES = 60
@@ -36,11 +43,20 @@ def test_nothing_imports_a_higher_layer() -> None:
             f"{edge.where(REPO_ROOT)}: {edge.importer} imports {edge.imported}" for edge in upward))
 
 
-def test_no_module_over_400_lines() -> None:
-    long = long_modules(REPO_ROOT, PACKAGES, MAX_MODULE_LINES)
-    if long:
-        pytest.fail(f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(
-            f"{path.relative_to(REPO_ROOT)}: {lines}" for path, lines in long))
+def test_a_module_over_400_lines_is_a_warning_and_over_800_a_failure() -> None:
+    for path, lines in long_modules(REPO_ROOT, PACKAGES, MAX_MODULE_LINES):
+        warnings.warn(f"{path.relative_to(REPO_ROOT)} has {lines} lines: still one concept?", stacklevel=1)
+    huge = long_modules(REPO_ROOT, PACKAGES, HARD_MAX_MODULE_LINES)
+    if huge:
+        pytest.fail(f"modules over {HARD_MAX_MODULE_LINES} lines (surely more than one concept):\n" + "\n".join(
+            f"{path.relative_to(REPO_ROOT)}: {lines}" for path, lines in huge))
+
+
+def test_no_service_folder_holds_more_than_15_modules() -> None:
+    crowded = crowded_folders(REPO_ROOT, SERVICES, MAX_FOLDER_MODULES)
+    if crowded:
+        pytest.fail(f"folders of more than {MAX_FOLDER_MODULES} modules (group them by concept):\n" + "\n".join(
+            f"{folder.relative_to(REPO_ROOT)}/: {count}" for folder, count in crowded))
 
 
 def test_no_function_over_60_lines_in_the_scheduler_and_the_worker() -> None:
@@ -115,6 +131,13 @@ def test_walker_counts_lines_and_skips_generated_stubs(tmp_path: Path) -> None:
         "pkg/thing_pb2_grpc.py": "x = 1\n" * 1000,
     })
     assert long_modules(root, ["pkg"], 400) == [(root / "pkg/long.py", 401)]
+
+
+def test_walker_counts_each_folders_own_modules(tmp_path: Path) -> None:
+    files = {"svc/__init__.py": "", "svc/top.py": "", "svc/room/__init__.py": "", "svc/room/deep/__init__.py": ""}
+    files |= {f"svc/room/m{i}.py": "" for i in range(16)} | {f"svc/room/deep/d{i}.py": "" for i in range(15)}
+    root = write_tree(tmp_path, files)
+    assert crowded_folders(root, ["svc"], 15) == [(root / "svc/room", 16)]  # __init__ and sub-folders not counted
 
 
 def test_walker_measures_every_function_whole(tmp_path: Path) -> None:

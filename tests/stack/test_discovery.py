@@ -28,11 +28,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config
 from hetero_infer.supervisor import wait_healthy
-from tests.helpers.certs import make_pki
-from scheduler_svc.replica_set import ReplicaSet
-from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
 from hetero_infer.testing.stack import REPO_ROOT, free_port, run_stack, stop_process
 from hetero_infer.testing.stack_requests import ids_request, service_stats, wait_for_idle
+from scheduler_svc.replicas.replica_set import ReplicaSet
+from tests.helpers.certs import make_pki
+from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
 from tests.stack.test_resilience import NUM_STREAMS, run_streams
 
 pytestmark = pytest.mark.slow

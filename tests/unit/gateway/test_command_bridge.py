@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.command_bridge import CommandBridge, TextChunk
+from gateway.backends.command_bridge import CommandBridge, TextChunk
+from hetero.v1 import common_pb2
 from hetero_common.config import BackendConfig, CommandConfig
 from hetero_common.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError
 from hetero_common.sampling import resolve
-from hetero.v1 import common_pb2
 
 ECHO_ENV = """
 import json, os, sys

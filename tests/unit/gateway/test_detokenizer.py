@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gateway.detokenizer import IncrementalDetokenizer
+from gateway.text.detokenizer import IncrementalDetokenizer
 from hetero_infer.testing.tiny_models import CORPUS, SPECIAL_TOKENS, make_tokenizer
 
 FFFD = "\ufffd"

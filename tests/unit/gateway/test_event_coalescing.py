@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.scheduler_backend import _EventState, _next_event
-from gateway.scheduler_events import SubmitEnded
-from gateway.text_stream import TextStream
+from gateway.backends.scheduler_backend import _EventState, _next_event
+from gateway.backends.scheduler_events import SubmitEnded
+from gateway.text.text_stream import TextStream
 from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.config import Config, ServingConfig
 from hetero_common.errors import ConfigError

@@ -17,18 +17,18 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.openai import schema as oa
 from gateway.auth import ApiKeys
-from gateway.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.backends.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
+from gateway.openai import schema as oa
 from gateway.openai.app import HttpApi
 from gateway.openai.fields import CHAT, COMPLETION, MESSAGE
-from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero.v1 import scheduler_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.errors import UnavailableError
-from tests.helpers.http_app import bridge_http_client
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero_infer.testing.tiny_models import make_tokenizer
+from tests.helpers.http_app import bridge_http_client
 
 MESSAGES = [{"role": "user", "content": "hello"}]
 

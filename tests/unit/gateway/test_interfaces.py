@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError as PydanticValidationError
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError as PydanticValidationError
 
-from gateway.openai import schema as oa
 from gateway.auth import ApiKeys
 from gateway.metrics import GatewayMetrics
-from gpu_worker.sampler import top_logprobs
+from gateway.openai import schema as oa
+from gpu_worker.sampling.sampler import top_logprobs
 from hetero.v1 import common_pb2
 from hetero_common.config import Config
-from hetero_infer.config_sources import load_config
 from hetero_common.errors import AuthenticationError, ConfigError, ValidationError
+from hetero_infer.config_sources import load_config
 
 
 def test_api_keys(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """A prompt that cannot fit is refused before it is tokenized (gateway/validation.py), and large
-inputs are tokenized on the bounded tokenizer pool (gateway/tokenizer_pool.py)."""
+inputs are tokenized on the bounded tokenizer pool (gateway/text/tokenizer_pool.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from gateway import heap_trim
-from gateway.heap_trim import HeapTrimmer
-from gateway.tokenizer_pool import INLINE_CHARS, TokenizerPool
+from gateway.limits import heap_trim
+from gateway.limits.heap_trim import HeapTrimmer
+from gateway.text.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from gateway.validation import prepare, refuse_unfitting
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import OverloadedError, ValidationError

@@ -18,9 +18,9 @@ from fastapi.testclient import TestClient
 
 import gateway
 from gateway.auth import ApiKeyInterceptor, ApiKeys
-from gateway.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.backends.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
-from gateway.grpc_api import InferenceServicer, add_inference_servicer
+from gateway.grpc.grpc_api import InferenceServicer, add_inference_servicer
 from gateway.openai.app import HttpApi, error_body
 from gateway.openai.body_limit import BodyLimitMiddleware
 from gateway.openai.json_body import OTHER_VALUES, counted_values, values_outside_strings

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.stop_strings import StopResult, StopStringMatcher
+from gateway.text.stop_strings import StopResult, StopStringMatcher
 
 
 def reference(text: str, stops: Sequence[str]) -> tuple[str, str | None]:

@@ -1,4 +1,4 @@
-"""A large Tokenize keeps the gateway's event loop free (gateway/tokenizer_pool.py, gateway/tokenization.py):
+"""A large Tokenize keeps the gateway's event loop free (gateway/text/tokenizer_pool.py, gateway/text/tokenization.py):
 the input is tokenized on a tokenizer thread, and the answer (every id and its token's text) is built and
 serialized there too, in pieces, so that no single call holding the GIL covers the whole answer; the
 heap is trimmed after it. Checked on the real gRPC server and HTTP app, in-process, with a recording
@@ -16,12 +16,14 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway import grpc_api, heap_trim, tokenization
-from gateway.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.backends.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
-from gateway.grpc_api import InferenceServicer, add_inference_servicer
-from gateway.tokenizer_pool import INLINE_CHARS
-from gateway.validation import render_chat
+from gateway.grpc import grpc_api
+from gateway.grpc.grpc_api import InferenceServicer, add_inference_servicer
+from gateway.limits import heap_trim
+from gateway.text import tokenization
+from gateway.text.tokenizer_pool import INLINE_CHARS
+from gateway.text.chat import render_chat
 from hetero.v1 import inference_pb2, inference_pb2_grpc
 from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer

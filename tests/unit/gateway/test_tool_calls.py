@@ -18,21 +18,21 @@ import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
-from gateway.openai import schema as oa
-from gateway.command_bridge import CommandBridge, CommandBridgeBackend
+from gateway.backends.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.generation import Generation
+from gateway.openai import schema as oa
 from gateway.openai.structured import apply_constraint
 from gateway.openai.tools import call_deltas, chat_message
-from hetero_common.tokenizer import TextTokenizer, load_tokenizer
-from gateway.tool_calls import ToolPlan, default_tools_block, template_input, validate_history
-from gateway.tool_stream import ToolCallStream, tool_request
-from gateway.validation import render_chat
+from gateway.text.tool_calls import ToolPlan, default_tools_block, template_input, validate_history
+from gateway.text.tool_stream import ToolCallStream, tool_request
+from gateway.text.chat import render_chat
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.errors import ValidationError
 from hetero_common.model_files import default_model_path
-from tests.helpers.http_app import bridge_http_client
+from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero_infer.testing.tiny_models import make_tokenizer
+from tests.helpers.http_app import bridge_http_client
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
            "required": ["city"]}

@@ -12,20 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.checkpoint import BLOCK_WEIGHTS, load_checkpoint
 from gpu_worker.cpu.c_layers import GGUF_KIND_BASE
-from gpu_worker.gguf_blocks import GGUFBlocks
 from gpu_worker.cpu.worker_setup import cpu_flags
-from gpu_worker.model import LlamaModel
+from gpu_worker.models.checkpoint import BLOCK_WEIGHTS, load_checkpoint
+from gpu_worker.models.gguf_blocks import GGUFBlocks
+from gpu_worker.models.model import LlamaModel
+from hetero_infer.testing.tiny_models import _save, make_tokenizer  # noqa: F401  (make_tokenizer: _save writes one)
 from kernels.cache_ops import allocate_kv_cache
 from kernels.native import decode_attention as native_decode
 from kernels.native import linear as native_linear
 from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight
 from kernels.page_table import PageTable
-from kernels.torch_attention import TorchPagedAttention
-from kernels.torch_attention import APART_MIN_ROWS
-from hetero_infer.testing.tiny_models import _save, make_tokenizer  # noqa: F401  (make_tokenizer: _save writes one)
+from kernels.torch_attention import APART_MIN_ROWS, TorchPagedAttention
 
 REASON = native_linear.unavailable_reason(cpu_flags())
 pytestmark = pytest.mark.skipif(not native_decode.takes_prompts(64, 16),
@@ -140,7 +139,7 @@ def test_attention_block_call_gives_the_loops_logits_bitwise(head64_dir: Path, m
     """oneDNN's linear layers (as on AMX CPUs): RoPE, the K/V write and attention in one call per layer; with
     `prompts_apart`, the prompt chunks then attend apart after the call (attend_apart_prompts), through the
     same kernel as the loop's attention."""
-    import gpu_worker.model as model_module
+    import gpu_worker.models.model as model_module
 
     config, weights = load_checkpoint(head64_dir)
     model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=256, prepack=True,

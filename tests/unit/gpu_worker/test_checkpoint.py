@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_worker.checkpoint import (
+from gpu_worker.models.checkpoint import (
     CheckpointError,
     ModelConfig,
     _unpermute_rotary,

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.command_bridge import refuse_logits_controls
-from gpu_worker import draft_rows
-from hetero_common.tokenizer import load_tokenizer
+from gateway.backends.command_bridge import refuse_logits_controls
 from gateway.validation import prepare
-from gpu_worker.constrained import (GuidanceVocabulary, RowConstraint, build_constraint_masks, unpack_bitmask)
-from gpu_worker.sampler import build_sampling_batch, sample
+from gpu_worker.sampling import draft_rows
+from gpu_worker.sampling.constrained import GuidanceVocabulary, RowConstraint, build_constraint_masks, unpack_bitmask
+from gpu_worker.sampling.sampler import build_sampling_batch, sample
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.constraints import MAX_CONSTRAINT_BYTES, validate_constraint
 from hetero_common.errors import ValidationError
 from hetero_common.sampling import Sampling, resolve, validate
+from hetero_common.tokenizer import load_tokenizer
 from hetero_infer.testing.tiny_models import make_tokenizer
 
 EOS = 0  # <|endoftext|> in the tiny tokenizer
@@ -212,7 +212,7 @@ def test_a_model_vocabulary_narrower_than_the_tokenizer_is_served(text_tokenizer
     assert vocabulary.tokenizer.vocab_size == 384 and bool(masks.allowed.any())
 
 
-# --- drafted rows (speculative decoding: gpu_worker/draft_rows.py) ---
+# --- drafted rows (speculative decoding: gpu_worker/sampling/draft_rows.py) ---
 
 
 @dataclass

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.checkpoint import load_checkpoint
 from gpu_worker.cpu import worker_setup
-from gpu_worker.model import LlamaModel
+from gpu_worker.models.checkpoint import load_checkpoint
+from gpu_worker.models.model import LlamaModel
 from hetero_common import host_cores
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError

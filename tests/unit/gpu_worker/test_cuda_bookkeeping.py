@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker import cuda_graphs, cuda_setup
-from gpu_worker.cuda_graphs import DecodeGraphs
+from gpu_worker.cuda import cuda_graphs, cuda_setup
+from gpu_worker.cuda.cuda_graphs import DecodeGraphs
 from hetero_common.config import Config
 from kernels.page_table import PageTable
 

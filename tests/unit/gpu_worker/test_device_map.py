@@ -1,4 +1,4 @@
-"""Each worker process of a host on its own GPU (gpu_worker/device_map.py), checked on the CPU: the mapping
+"""Each worker process of a host on its own GPU (gpu_worker/cuda/device_map.py), checked on the CPU: the mapping
 itself, the places `serve` gives its workers, and a worker binding its device, with torch.cuda's device count
 and `set_device` replaced by stand-ins. It runs for real only on a multi-GPU machine."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_worker import service
-from gpu_worker.device_map import worker_device
+from gpu_worker.cuda.device_map import worker_device
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from hetero_infer import supervisor

@@ -1,4 +1,4 @@
-"""The worker's side of speculative decoding (gpu_worker/draft_rows.py): which rows a drafted decode scores,
+"""The worker's side of speculative decoding (gpu_worker/sampling/draft_rows.py): which rows a drafted decode scores,
 which output index each row samples, what a sequence keeps, and the plan's drafts checked."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker import draft_rows
-from gpu_worker.logits_processors import RowControls
+from gpu_worker.sampling import draft_rows
+from gpu_worker.sampling.logits_processors import RowControls
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.errors import ExecutionError
 from hetero_common.sampling import Sampling, resolve

@@ -1,4 +1,4 @@
-"""Checkpoints already in fp8 (gpu_worker/fp8_checkpoint.py): the `fp8` / `compressed-tensors` layouts (fp8
+"""Checkpoints already in fp8 (gpu_worker/models/fp8_checkpoint.py): the `fp8` / `compressed-tensors` layouts (fp8
 weights, a `weight_scale` per tensor or per output channel) load; `quantization: fp8` serves the file's own
 bytes and scales, `none` their dequantized values (the same logits as a bfloat16 checkpoint of those values);
 block-wise scales are refused, naming the file."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_worker.checkpoint import CheckpointError, load_checkpoint
+from gpu_worker.models.checkpoint import CheckpointError, load_checkpoint
 from hetero_common.config import Config
 from hetero_infer.engine import InferenceEngine
 from hetero_infer.testing.tiny_models import make_random_llama

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.cuda_graphs import graph_batch_sizes, pad_decode_table, padded_batch_size
-from gpu_worker.cuda_setup import kv_blocks_for_memory
-from hetero_infer.config_sources import load_config
+from gpu_worker.cuda.cuda_graphs import graph_batch_sizes, pad_decode_table, padded_batch_size
+from gpu_worker.cuda.cuda_setup import kv_blocks_for_memory
 from hetero_common.errors import ConfigError
+from hetero_infer.config_sources import load_config
 from kernels.attention_backend import select_attention_backend
 from kernels.cache_ops import allocate_kv_cache
+from kernels.flashinfer_backend import append_indices, decode_uses_tensor_cores, flashinfer_unavailable_reason
 from kernels.page_table import PageTable
 from kernels.torch_attention import TorchPagedAttention
-from kernels.flashinfer_backend import append_indices, decode_uses_tensor_cores, flashinfer_unavailable_reason
 
 
 def test_graph_batch_sizes_ladder() -> None:

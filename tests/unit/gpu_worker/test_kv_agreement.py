@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.cpu.worker_setup import allocate_cpu_kv_cache
-from gpu_worker.tensor_parallel import TensorParallel
+from gpu_worker.parallel.tensor_parallel import TensorParallel
 from hetero_common.config import Config
 from kernels.cache_ops import kv_row_bytes
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_worker.cuda.static_kv_memory import CUmemAccessDesc, CUmemAllocationProp
 from gpu_worker.kv_suspension import KVSuspension
-from gpu_worker.static_kv_memory import CUmemAccessDesc, CUmemAllocationProp
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.command_bridge import refuse_logits_controls
-from gateway.text_stream import TextStream
-from hetero_common.tokenizer import load_tokenizer
-from gpu_worker.logits_processors import RowControls, apply_min_p
-from gpu_worker.sampler import build_sampling_batch, sample
+from gateway.backends.command_bridge import refuse_logits_controls
+from gateway.text.text_stream import TextStream
+from gpu_worker.sampling.logits_processors import RowControls, apply_min_p
+from gpu_worker.sampling.sampler import build_sampling_batch, sample
 from hetero.v1 import common_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.sampling import Sampling, resolve, validate
-from scheduler_svc.sequence import Sequence
-from scheduler_svc.token_output import finish_reason
+from hetero_common.tokenizer import load_tokenizer
+from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.token_output import finish_reason
 
 V = 12
 EOS = (0,)
@@ -43,7 +43,7 @@ def row(token_ids: list[int], num_generated: int, **params) -> Row:
 
 def processed(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """The logits the sampler picks from (before temperature): the greedy pick is their argmax."""
-    from gpu_worker.logits_processors import apply_logits_controls
+    from gpu_worker.sampling.logits_processors import apply_logits_controls
 
     batch = build_sampling_batch(rows, logits.shape[-1], EOS, CPU)
     return logits if batch.controls is None else apply_logits_controls(logits, batch.controls)

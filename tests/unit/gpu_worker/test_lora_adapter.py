@@ -1,4 +1,4 @@
-"""LoRA adapters in PEFT's format (gpu_worker/lora_adapter.py, issue 41): what one adds to each target is
+"""LoRA adapters in PEFT's format (gpu_worker/lora/lora_adapter.py, issue 41): what one adds to each target is
 PEFT's own (its merged weights are the oracle: base + scaling * B @ A, with lora_alpha / r or rsLoRA's
 lora_alpha / sqrt(r)), for ranks 8 and 64 and different target sets; every adapter this engine would not
 compute exactly is refused with an error naming what is wrong."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.checkpoint import load_checkpoint
-from gpu_worker.lora_adapter import LoraAdapterError, load_lora_adapter
+from gpu_worker.lora.lora_adapter import LoraAdapterError, load_lora_adapter
+from gpu_worker.models.checkpoint import load_checkpoint
 from hetero_infer.testing.tiny_models import make_lora_adapter, make_random_llama, make_tiny_llama
 
 

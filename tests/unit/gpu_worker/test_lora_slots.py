@@ -1,4 +1,4 @@
-"""One step's LoRA products (gpu_worker/lora_slots.py, issue 41): each row gets its own adapter's delta and the
+"""One step's LoRA products (gpu_worker/lora/lora_slots.py, issue 41): each row gets its own adapter's delta and the
 base model's rows none; a row's delta is the same bits whatever else is in the step (alone, with other
 adapters, in steps of other sizes), in float32 and bfloat16; with tensor parallelism the ranks' shares,
 concatenated (q/k/v, gate/up) or summed (o, down), are the whole delta."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.cpu.packed_linear import prepack_supported
-from gpu_worker.lora_slots import GROUPS, LoraSlots
-from gpu_worker.tensor_parallel import TensorParallel
+from gpu_worker.lora.lora_slots import GROUPS, LoraSlots
+from gpu_worker.models.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.parallel.tensor_parallel import TensorParallel
 from hetero_infer.testing.checkpoints import write_random_lora
 from hetero_infer.testing.tiny_models import make_tiny_llama
 from kernels.native import lora as native_lora
@@ -85,7 +85,7 @@ def test_an_adapter_adds_scaling_times_b_a_x(model, native: bool) -> None:
     """Against the adapter's own matrices: q_proj's block of the fused q/k/v product."""
     config, adapters = model
     loaded = slots(config, adapters[:1], torch.float32, prepack=False, native=native)
-    from gpu_worker.lora_adapter import load_lora_adapter
+    from gpu_worker.lora.lora_adapter import load_lora_adapter
 
     adapter = load_lora_adapter("a", adapters[0], config, 64)
     a, b = adapter.weights[(0, "q_proj")]

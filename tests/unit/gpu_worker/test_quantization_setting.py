@@ -52,8 +52,8 @@ def test_cudas_int8_products_serve_a_model_run_on_the_cpu(tmp_path: Path) -> Non
     """`quantization: int8` on CUDA is W8A8 through torch._int_mm (kernels/int8_linear.py); its host side, run
     here on the CPU's _int_mm: every layer's linear weight in int8 (the LM head not), logits close to
     bfloat16's."""
-    from gpu_worker.checkpoint import load_checkpoint
-    from gpu_worker.model import LlamaModel
+    from gpu_worker.models.checkpoint import load_checkpoint
+    from gpu_worker.models.model import LlamaModel
     from kernels.attention_backend import create_attention_backend
     from kernels.int8_linear import Int8Weight
 

@@ -9,14 +9,13 @@ nothing here applies: skipped."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
 
-from gpu_worker.checkpoint import load_checkpoint
 from gpu_worker.cpu.worker_setup import row_invariance_unavailable
-from gpu_worker.model import LlamaModel
+from gpu_worker.models.checkpoint import load_checkpoint
+from gpu_worker.models.model import LlamaModel
 from hetero_infer.testing.tiny_models import make_random_llama
 from kernels.attention_backend import create_attention_backend
 from kernels.cache_ops import allocate_kv_cache, int8_rows

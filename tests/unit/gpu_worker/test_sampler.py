@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.sampler import SamplingBatch, sample
+from gpu_worker.sampling.sampler import SamplingBatch, sample
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
 
@@ -70,7 +70,7 @@ def test_same_seed_same_output_through_the_engine(tiny_llama_dir: Path) -> None:
 def test_the_widest_batch_samples_every_row_from_its_top_50() -> None:
     """What the CUDA warm-up measures the sampler's memory with: each row random, cut to its top 50 and top-p
     0.9 (the sort of the whole vocabulary), logprobs asked for."""
-    from gpu_worker.sampler import widest_sampling_batch
+    from gpu_worker.sampling.sampler import widest_sampling_batch
 
     torch.manual_seed(0)
     logits = torch.randn(6, 1000)
@@ -82,7 +82,7 @@ def test_the_widest_batch_samples_every_row_from_its_top_50() -> None:
 
 
 def test_plain_greedy_is_a_batch_sample_answers_with_the_argmax_alone() -> None:
-    """A CUDA graph step takes such a batch's tokens from its own argmax (gpu_worker/cuda_graphs.py)."""
+    """A CUDA graph step takes such a batch's tokens from its own argmax (gpu_worker/cuda/cuda_graphs.py)."""
     assert batch(4, temperature=0.0).plain_greedy
     assert not batch(4, temperature=0.5).plain_greedy
     mixed = batch(2, temperature=0.0)

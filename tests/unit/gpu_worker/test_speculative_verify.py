@@ -1,4 +1,4 @@
-"""The verification rules of speculative decoding (gpu_worker/speculative_verify.py).
+"""The verification rules of speculative decoding (gpu_worker/sampling/speculative_verify.py).
 
 Greedy: the kept prefix and the target's token. Sampled: a distribution test on a toy target, a Markov chain
 over a vocabulary of 3 (the next token's distribution depends on the last token only, so the exact
@@ -16,8 +16,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from gpu_worker.sampler import _seeded_noise
-from gpu_worker.speculative_verify import Verdict, position_noise, verify_greedy, verify_sampled
+from gpu_worker.sampling.sampler import _seeded_noise
+from gpu_worker.sampling.speculative_verify import Verdict, position_noise, verify_greedy, verify_sampled
 
 VOCAB, LENGTH, START, SAMPLES = 3, 3, 0, 6000
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from gpu_worker.tp_rendezvous import init_method, interface_towards, prepare_gloo
+from gpu_worker.parallel.tp_rendezvous import init_method, interface_towards, prepare_gloo
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from hetero_infer.cli import main

@@ -3,11 +3,10 @@ ones, from a file, a preset or a flag, apply exactly; the scheduler's step batch
 
 from __future__ import annotations
 
-from hetero_common.config import PRESETS, Config
-from hetero_common.device_defaults import (fitted_to_worker, kv_blocks_cap, planned_batch_size,
-                                           step_batch_size)
 from hetero.v1 import common_pb2
-from scheduler_svc.scheduler import Scheduler
+from hetero_common.config import PRESETS, Config
+from hetero_common.device_defaults import fitted_to_worker, kv_blocks_cap, planned_batch_size, step_batch_size
+from scheduler_svc.core.scheduler import Scheduler
 
 
 def test_a_cpu_keeps_the_seed_values() -> None:

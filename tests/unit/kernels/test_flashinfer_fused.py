@@ -1,4 +1,4 @@
-"""The fused element-wise kernels' selection (gpu_worker/model.py `elementwise_ops`, kernels/flashinfer_fused.py)
+"""The fused element-wise kernels' selection (gpu_worker/models/model.py `elementwise_ops`, kernels/flashinfer_fused.py)
 on the CPU: FlashInfer's serve CUDA alone, the CPU keeps its C kernels or torch's ops, and config
 `use_flashinfer_fused_rope` changes nothing on a CPU. The kernels themselves run in tests/gpu/test_gpu_worker_paths.py."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from gpu_worker.cpu import fused_ops
-from gpu_worker.model import elementwise_ops
-from gpu_worker.model_build import fused_elementwise
+from gpu_worker.models.model import elementwise_ops
+from gpu_worker.models.model_build import fused_elementwise
 from hetero_common.config import Config
 from kernels import flashinfer_fused
 
@@ -57,7 +57,7 @@ def test_the_model_does_not_import_flashinfer_until_cuda_asks() -> None:
     import subprocess
     import sys
 
-    code = "import sys, gpu_worker.model, kernels.flashinfer_fused; print('flashinfer' in sys.modules)"
+    code = "import sys, gpu_worker.models.model, kernels.flashinfer_fused; print('flashinfer' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[3], timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

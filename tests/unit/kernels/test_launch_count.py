@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_worker.checkpoint import ModelConfig, load_checkpoint
 from gpu_worker.cpu import fused_ops
-from gpu_worker.model import LlamaModel
-from gpu_worker.model_build import fused_elementwise
+from gpu_worker.models.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.models.model import LlamaModel
+from gpu_worker.models.model_build import fused_elementwise
 from hetero_common.config import Config
 from hetero_infer.testing.tiny_models import make_random_llama
 from kernels import flashinfer_fused
@@ -257,7 +257,7 @@ def gpu_like(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def build(checkpoint: tuple[ModelConfig, dict[str, torch.Tensor]], layers: int, fused_rope: bool) -> LlamaModel:
-    """The model as gpu_worker/model_build.py builds it on CUDA (no CPU packing), with `layers` of the layers."""
+    """The model as gpu_worker/models/model_build.py builds it on CUDA (no CPU packing), with `layers` of the layers."""
     config, weights = checkpoint
     fused = fused_elementwise(Config(use_flashinfer_fused_rope=fused_rope).validate(), torch.device("cuda"))
     model = LlamaModel(dataclasses.replace(config, num_hidden_layers=layers), weights, torch.device("cpu"),

@@ -8,8 +8,8 @@ import pytest
 
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
-from scheduler_svc.discovery import format_address, resolve, split_host_port
-from scheduler_svc.router import Router
+from scheduler_svc.replicas.discovery import format_address, resolve, split_host_port
+from scheduler_svc.replicas.router import Router
 
 
 def test_worker_dns_alone_means_no_static_replica() -> None:

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.scheduler import Scheduler, plan_needs_worker
+from scheduler_svc.core.scheduler import Scheduler, plan_needs_worker
+from scheduler_svc.kv.block_pool import BlockPool
 
 BLOCK = 4
 NUM_BLOCKS = 24

@@ -1,4 +1,4 @@
-"""The scheduler's LoRA slots (scheduler_svc/lora_registry.py, issue 41): names resolve to slots and to a
+"""The scheduler's LoRA slots (scheduler_svc/lora/lora_registry.py, issue 41): names resolve to slots and to a
 prefix-cache salt of their own load; a name is loaded once unless replaced; a replaced or removed adapter's
 slot drains before it is free; every refusal is a typed error naming what to fix, never an internal error."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from hetero.v1 import common_pb2
 from hetero_common.errors import LoraAdapterExistsError, LoraSlotsFullError, ModelNotFoundError, ValidationError
-from scheduler_svc.lora_registry import LoraRegistry
+from scheduler_svc.lora.lora_registry import LoraRegistry
 
 
 def loaded(registry: LoraRegistry, name: str, replace: bool = False) -> int:

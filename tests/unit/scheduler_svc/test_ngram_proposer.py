@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from scheduler_svc.ngram_proposer import NgramIndex
+from scheduler_svc.speculation.ngram_proposer import NgramIndex
 
 
 def propose_brute_force(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

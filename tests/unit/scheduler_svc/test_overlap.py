@@ -1,4 +1,4 @@
-"""Overlap (async scheduling, scheduler_svc/overlap.py): step N+1 planned while step N is in flight.
+"""Overlap (async scheduling, scheduler_svc/core/overlap.py): step N+1 planned while step N is in flight.
 
 The scheduler is the real one; the worker's part is the property tests' `PaperWorker`, which checks every
 slot a sequence attends to against its tokens. Driven as the replica drives it: send N, plan N+1 ahead,
@@ -24,10 +24,16 @@ from gpu_worker.service import ModelCall, WorkerServicer
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.config import Config
 from hetero_common.errors import ExecutionError, StepOrderError
-from scheduler_svc.overlap import PLACEHOLDER
-from scheduler_svc.scheduler import Scheduler, plan_needs_worker
+from scheduler_svc.core.overlap import PLACEHOLDER
+from scheduler_svc.core.scheduler import Scheduler, plan_needs_worker
 from tests.helpers.scheduler_driver import answer, make, params
-from tests.unit.scheduler_svc.test_kv_cache_properties import EOS, PREFIXES, PaperWorker, check_invariants, worker_kv_garbage
+from tests.unit.scheduler_svc.test_kv_cache_properties import (
+    EOS,
+    PREFIXES,
+    PaperWorker,
+    check_invariants,
+    worker_kv_garbage,
+)
 
 BLOCK, NUM_BLOCKS = 4, 24
 STOP = 5  # one of the tokens PaperWorker samples (3..7)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import struct
 from hashlib import sha256
 
-from scheduler_svc.prefix_cache import block_hashes, extend_hashes, pack_ids
-from scheduler_svc.router import Router
+from scheduler_svc.kv.prefix_cache import block_hashes, extend_hashes, pack_ids
+from scheduler_svc.replicas.router import Router
 
 
 def test_block_hashes_are_chained_over_full_blocks() -> None:

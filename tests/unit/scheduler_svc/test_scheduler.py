@@ -10,8 +10,8 @@ import pytest
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.errors import DuplicateRequestError, ValidationError
-from scheduler_svc.block_pool import BlockPool, OutOfBlocksError
-from scheduler_svc.sequence import SequenceStatus
+from scheduler_svc.core.sequence import SequenceStatus
+from scheduler_svc.kv.block_pool import BlockPool, OutOfBlocksError
 from tests.helpers.scheduler_driver import EOS, answer, make, params
 
 
@@ -139,8 +139,8 @@ def test_hand_written_decode_entries_equal_protobufs_own_encoding() -> None:
     as, the message built field by field, for one- to three-byte varints."""
     from hetero.v1 import worker_pb2
     from hetero_common.sampling import resolve
-    from scheduler_svc.sequence import Sequence
-    from scheduler_svc.step_plan import add_scheduled
+    from scheduler_svc.core.sequence import Sequence
+    from scheduler_svc.core.step_plan import add_scheduled
 
     plain = common_pb2.SamplingParams()
     for seq_id, computed in ((0, 1), (5, 127), (200, 128), (70_000, 20_000)):
@@ -160,8 +160,8 @@ def test_hand_written_prompt_and_new_block_entries_are_protobufs_own_bytes() -> 
 
     from hetero.v1 import worker_pb2
     from hetero_common.sampling import resolve
-    from scheduler_svc.sequence import Sequence
-    from scheduler_svc.step_plan import _entry_bytes
+    from scheduler_svc.core.sequence import Sequence
+    from scheduler_svc.core.step_plan import _entry_bytes
 
     plain = common_pb2.SamplingParams()
     rng = random.Random(0)
@@ -184,8 +184,8 @@ def test_hand_written_new_sequence_entries_are_protobufs_own_bytes() -> None:
 
     from hetero.v1 import worker_pb2
     from hetero_common.sampling import resolve
-    from scheduler_svc.sequence import Sequence
-    from scheduler_svc.step_plan import new_sequence_bytes
+    from scheduler_svc.core.sequence import Sequence
+    from scheduler_svc.core.step_plan import new_sequence_bytes
 
     rng = random.Random(1)
     for _ in range(100):

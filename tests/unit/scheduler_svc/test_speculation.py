@@ -1,4 +1,4 @@
-"""The scheduler's side of speculative decoding (scheduler_svc/speculation.py): who may carry drafts, how many,
+"""The scheduler's side of speculative decoding (scheduler_svc/speculation/speculation.py): who may carry drafts, how many,
 and how a sequence's proposals adapt to what its drafts kept."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 from hetero.v1 import common_pb2
 from hetero_common.config import Config
 from hetero_common.sampling import resolve
-from scheduler_svc.kv_cache_manager import KVCacheManager
-from scheduler_svc.sequence import Sequence, SequenceStatus
-from scheduler_svc.draft_state import MAX_BACK_OFF, DraftState
-from scheduler_svc.speculation import Speculator
-from scheduler_svc.step_cost import StepCostModel
-from scheduler_svc.ngram_proposer import NgramIndex
+from scheduler_svc.core.sequence import Sequence, SequenceStatus
+from scheduler_svc.core.step_cost import StepCostModel
+from scheduler_svc.kv.kv_cache_manager import KVCacheManager
+from scheduler_svc.speculation.draft_state import MAX_BACK_OFF, DraftState
+from scheduler_svc.speculation.ngram_proposer import NgramIndex
+from scheduler_svc.speculation.speculation import Speculator
 
 REPEATING = [5, 6, 7, 8] * 6  # every suffix has occurred before
 
@@ -161,7 +161,7 @@ def test_a_sequence_whose_drafted_step_was_lost_gets_its_recomputed_token() -> N
 
 def test_with_a_draft_model_new_sequences_start_from_what_recent_drafts_kept() -> None:
     from hetero.v1 import worker_pb2
-    from scheduler_svc.speculation import EXPLORE
+    from scheduler_svc.speculation.speculation import EXPLORE
 
     spec = speculator(speculative_method="draft", speculative_model="unused")
     kv = KVCacheManager(64, 4, False, cache_freed_blocks=False)

@@ -23,12 +23,12 @@ from hetero_infer.testing.stack import REPO_ROOT
 from tests.helpers.import_graph import module_files
 
 PACKAGES = ("hetero", "hetero_common", "gateway", "scheduler_svc", "gpu_worker", "kernels", "hetero_infer")
-SCHEDULER_FILE = REPO_ROOT / "scheduler_svc" / "scheduler.py"
+SCHEDULER_FILE = REPO_ROOT / "scheduler_svc" / "core" / "scheduler.py"
 # Methods that change the list, deque, dict, set or queue they are called on.
 MUTATORS = frozenset({"append", "appendleft", "extend", "extendleft", "insert", "remove", "pop", "popleft",
                       "popitem", "clear", "update", "setdefault", "add", "discard", "sort", "reverse", "rotate"})
 # Receivers, by module and variable name, that share a field name with the Scheduler but are something else.
-NOT_A_SCHEDULER = {("scheduler_svc/stats.py", "total"): "merge_pools' PoolStats message (block_size, suspended)"}
+NOT_A_SCHEDULER = {("scheduler_svc/core/stats.py", "total"): "merge_pools' PoolStats message (block_size, suspended)"}
 
 
 def scheduler_class(tree: ast.Module) -> ast.ClassDef:

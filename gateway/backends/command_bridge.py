@@ -1,0 +1,279 @@
+"""The command bridge backend: an external program answers a request instead of the engine.
+
+The program runs once per request (once per sample when n > 1) as an argv list (never
+through a shell), with the prompt in `HETERO_PROMPT` and the sampling parameters in
+`HETERO_*` variables; its stdout is streamed back as text. A timeout, an output cap and a
+non-zero exit (reported with the tail of its stderr) bound what a misbehaving program can do.
+`CommandBridgeBackend` puts the program behind the gateway's backend interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import structlog
+
+from gateway.backends.backend import EmbeddingCall, EmbeddingOutput, SampleOutput
+from gateway.text.chat import render_chat
+from gateway.validation import PreparedRequest
+from hetero.v1 import common_pb2, inference_pb2
+from hetero_common.config import BackendConfig
+from hetero_common.errors import (
+    CommandBridgeError,
+    CommandBridgeNotFoundError,
+    DeadlineExceededError,
+    ModelNotFoundError,
+    UnsupportedError,
+    ValidationError,
+)
+from hetero_common.sampling import Sampling, sample_seed
+from hetero_common.tokenizer import TextTokenizer
+
+log = structlog.get_logger("gateway.backends.command_bridge")
+STDERR_TAIL_BYTES = 2000
+READ_CHUNK_BYTES = 4096
+
+
+@dataclass
+class TextChunk:
+    """A piece of a backend's answer; the last one has `finished` set (and `truncated` when cut,
+    `aborted` when an Abort killed the program)."""
+
+    text: str
+    finished: bool = False
+    truncated: bool = False
+    aborted: bool = False
+
+
+def bridge_environment(request_id: str, prompt: str, sampling: Sampling, model: str, index: int = 0) -> dict[str, str]:
+    """The program's environment: ours minus our own HETERO_* settings, plus the request's."""
+    if "\x00" in prompt:
+        raise ValidationError("prompt holds a NUL character, which the command bridge cannot pass in HETERO_PROMPT")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
+    env.update({
+        "HETERO_PROMPT": prompt,
+        "HETERO_REQUEST_ID": request_id,
+        "HETERO_MODEL": model,
+        "HETERO_MAX_TOKENS": str(sampling.max_tokens),
+        "HETERO_TEMPERATURE": repr(float(sampling.temperature)),
+        "HETERO_TOP_P": repr(float(sampling.top_p)),
+        "HETERO_TOP_K": str(sampling.top_k),
+        "HETERO_STOP": json.dumps(list(sampling.stop)),
+        "HETERO_SAMPLE_INDEX": str(index),  # which of the request's n samples this run answers
+    })
+    if sampling.seed is not None:
+        env["HETERO_SEED"] = str(sampling.seed)
+    return env
+
+
+# SamplingParams controls that act on the model's logits, which the program never shows us: a request
+# that sets one (to other than its default) is refused rather than answered as if it had been honoured.
+_LOGITS_CONTROL_DEFAULTS = (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0),
+                            ("min_p", 0.0), ("min_tokens", 0), ("logit_bias", {}))
+
+
+def refuse_logits_controls(sampling: Sampling) -> None:
+    for name, default in _LOGITS_CONTROL_DEFAULTS:
+        if getattr(sampling, name) != default:
+            raise ValidationError(f"params.{name} is not supported by the command bridge backend "
+                                  "(serving.backend.kind command_bridge); leave it unset")
+    if sampling.constraint is not None:  # a program's text cannot be constrained token by token
+        raise ValidationError(f"{sampling.constraint.field} (constrained decoding) is not supported by the command "
+                              "bridge backend (serving.backend.kind command_bridge); leave the constraint unset",
+                              sampling.constraint.kind)
+
+
+def refuse_tools_and_constraints(request: inference_pb2.GenerateRequest) -> None:
+    """A program answers in free text: it can neither be constrained nor asked for tool calls."""
+    chat = request.chat if request.WhichOneof("input") == "chat" else None
+    if chat is not None and chat.tools and chat.tool_choice != "none":
+        raise ValidationError("tools: tool calls (chat.tools) are not served by the command_bridge backend "
+                              "(serving.backend.kind command_bridge); send tool_choice none or no tools", "tools")
+    kind = request.params.WhichOneof("constraint")
+    if kind is not None:
+        raise ValidationError(f"params.{kind}: structured output is not served by the command_bridge backend "
+                              "(serving.backend.kind command_bridge)", f"params.{kind}")
+
+
+class CommandBridge:
+    name = "command_bridge"
+
+    def __init__(self, backend: BackendConfig) -> None:
+        assert backend.command is not None and backend.command.program
+        self.program = backend.command.program
+        self.args = list(backend.command.args)
+        self.timeout_s = backend.command_timeout_s
+        self.max_output_bytes = backend.command_max_output_bytes
+        self.processes: dict[str, asyncio.subprocess.Process] = {}  # request id -> its program running now
+        self.aborted: set[str] = set()
+
+    def abort(self, request_id: str) -> bool:
+        """Kill the request's program; its stream then ends with a chunk marked `aborted`."""
+        process = self.processes.get(request_id)
+        if process is None:
+            return False
+        self.aborted.add(request_id)
+        if process.returncode is None:
+            process.kill()
+        return True
+
+    async def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str,
+                     index: int = 0) -> AsyncIterator[TextChunk]:
+        env = bridge_environment(request_id, prompt, sampling, model, index)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                self.program, *self.args, env=env, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            raise CommandBridgeNotFoundError(
+                f"command bridge program {self.program!r} cannot be run ({exc.strerror or exc}); "
+                "fix serving.backend.command.program") from exc
+        assert process.stdout is not None and process.stderr is not None
+        self.processes[request_id] = process
+        stderr_task = asyncio.create_task(self._stderr_tail(process.stderr))
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        written = 0
+        finished = False
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                data = await asyncio.wait_for(process.stdout.read(READ_CHUNK_BYTES), remaining)
+                if not data:
+                    break
+                if written + len(data) > self.max_output_bytes:
+                    data = data[: self.max_output_bytes - written]
+                    text = decoder.decode(data)  # a character cut by the cap is dropped, not replaced
+                    log.warning("bridge output over the cap; program killed", max_output_bytes=self.max_output_bytes)
+                    finished = True
+                    yield TextChunk(text, finished=True, truncated=True)
+                    return
+                written += len(data)
+                text = decoder.decode(data)
+                if text:
+                    yield TextChunk(text)
+            code = await asyncio.wait_for(process.wait(), max(0.1, deadline - loop.time()))
+            tail = await stderr_task
+            if request_id in self.aborted:
+                finished = True
+                yield TextChunk(decoder.decode(b"", final=True), finished=True, aborted=True)
+                return
+            if code != 0:
+                raise CommandBridgeError(f"command bridge program {self.program!r} exited with code {code}; "
+                                         f"stderr tail: {tail or '(empty)'}")
+            finished = True
+            yield TextChunk(decoder.decode(b"", final=True), finished=True)
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"command bridge program {self.program!r} ran longer than "
+                                        f"serving.backend.command_timeout_s ({self.timeout_s:g} s); raise it or fix "
+                                        "the program") from None
+        finally:
+            self.processes.pop(request_id, None)
+            self.aborted.discard(request_id)
+            if process.returncode is None:  # timeout, output cap, or the client went away
+                process.kill()
+                # Read stdout to its end: a pipe whose reading is paused (a full buffer) never
+                # reports EOF, and asyncio's wait() waits for every pipe to close.
+                while await process.stdout.read(READ_CHUNK_BYTES):
+                    pass
+                await process.wait()
+            if not stderr_task.done():
+                stderr_task.cancel()
+            if not finished:
+                log.info("bridge request ended early", pid=process.pid)
+
+    @staticmethod
+    async def _stderr_tail(stream: asyncio.StreamReader) -> str:
+        tail = b""
+        while chunk := await stream.read(READ_CHUNK_BYTES):
+            tail = (tail + chunk)[-STDERR_TAIL_BYTES:]
+        return tail.decode("utf-8", errors="replace").strip()
+
+
+def bridge_prompt(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer) -> str:
+    """The prompt as text for the program: as sent, the rendered chat, or decoded token ids."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return request.prompt
+    if kind == "chat":
+        return render_chat(tokenizer, request.chat)
+    return tokenizer.decode(list(request.prompt_token_ids.ids))
+
+
+class CommandBridgeBackend:
+    """The program's text as responses marked backend="command_bridge". With n > 1 the program
+    runs once per sample, one after another, each with the sample's seed (as the engine derives
+    it) and HETERO_SAMPLE_INDEX. Stop strings are the program's to honour (HETERO_STOP)."""
+
+    def __init__(self, bridge: CommandBridge, tokenizer: TextTokenizer, model_name: str) -> None:
+        self.bridge = bridge
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    async def max_model_len(self) -> int | None:
+        return None  # the program's model is its own business
+
+    async def server_info(self) -> inference_pb2.ServerInfo:
+        return inference_pb2.ServerInfo(backend=self.bridge.name)
+
+    async def abort(self, request_id: str) -> bool:
+        return self.bridge.abort(request_id)
+
+    serves_lora = False
+
+    async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
+        return []
+
+    async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                                timeout: float | None) -> common_pb2.LoraAdapter:
+        raise ValidationError("the command_bridge backend serves no LoRA adapters (serving.backend.kind: scheduler does)")
+
+    async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                  timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
+        raise ModelNotFoundError(f"no LoRA adapter named {request.name!r} is loaded: the command_bridge backend "
+                                 "serves none", "name")
+
+    async def embed(self, call: EmbeddingCall, timeout: float | None) -> EmbeddingOutput:
+        raise UnsupportedError("the command_bridge backend computes no embeddings (serving.backend.kind: scheduler does)")
+
+    async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
+                       timeout: float | None) -> AsyncIterator[SampleOutput]:
+        # `timeout` is not passed on: serving.backend.command_timeout_s bounds each run.
+        if request.params.HasField("prompt_logprobs"):  # a program answers in text: it has no logits
+            raise ValidationError("params.prompt_logprobs is not served by the command_bridge backend")
+        refuse_logits_controls(prepared.sampling)
+        refuse_tools_and_constraints(request)
+        if prepared.adapter:
+            raise ValidationError(f"model {prepared.adapter!r} is a LoRA adapter, which the command_bridge backend "
+                                  "does not serve", "model")
+        prompt, sampling = bridge_prompt(request, self.tokenizer), prepared.sampling
+        for index in range(sampling.n):
+            if index and sampling.seed is not None:
+                sampling = dataclasses.replace(prepared.sampling, seed=sample_seed(prepared.sampling.seed, index))
+            text: list[str] = []
+            async for chunk in self.bridge.stream(prepared.request_id, prompt, sampling, self.model_name, index):
+                text.append(chunk.text)
+                response = inference_pb2.GenerateResponse(request_id=prepared.request_id, text=chunk.text, index=index,
+                                                          model=self.model_name, backend=self.bridge.name)
+                tokens = 0
+                if chunk.finished:  # the program's text has no token ids: count the sample's by encoding it
+                    response.finish_reason = (common_pb2.FINISH_REASON_ABORT if chunk.aborted else
+                                              common_pb2.FINISH_REASON_LENGTH if chunk.truncated
+                                              else common_pb2.FINISH_REASON_STOP)
+                    tokens = len(self.tokenizer.encode("".join(text), add_special_tokens=False))
+                yield SampleOutput(response, tokens)
+                if chunk.aborted:  # the request's later samples are aborted too
+                    for later in range(index + 1, sampling.n):
+                        yield SampleOutput(inference_pb2.GenerateResponse(
+                            request_id=prepared.request_id, index=later, model=self.model_name,
+                            backend=self.bridge.name, finish_reason=common_pb2.FINISH_REASON_ABORT))
+                    return

@@ -1,0 +1,377 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v biases) over flattened tokens.
+
+Every scheduled token of every sequence goes through one forward pass: the linear layers
+see one [num_tokens, hidden] matrix with no padding; only attention is per sequence, and
+it goes through a paged backend from `kernels/`.
+
+With tensor parallelism each rank holds a slice of the heads (q/k/v, o_proj) and of the
+MLP's intermediate size (gate/up, down_proj); the partial sums after o_proj and down_proj
+are all-reduced across ranks (see gpu_worker/parallel/tensor_parallel.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.cpu import fused_ops
+from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
+from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, pack_weight
+from gpu_worker.lora.lora_slots import NativeLoraBatch, StepLora
+from gpu_worker.models.checkpoint import ModelConfig
+from gpu_worker.models.gguf_blocks import GGUFBlocks
+from gpu_worker.parallel.tensor_parallel import TensorParallel
+from kernels import flashinfer_fused, fp8_linear, int8_linear
+from kernels.attention_backend import AttentionBackend
+from kernels.cache_ops import hnd_rows
+from kernels.native import linear_gguf
+from kernels.native.linear import amx_fits
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3 style scaling when the checkpoint asks for it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+    return inv_freq
+
+
+def elementwise_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The fused element-wise kernels for this device and dtype (gpu_worker/cpu/fused_ops.py on a bfloat16 CPU,
+    kernels/flashinfer_fused.py on CUDA in bfloat16/float16), or None: torch's separate ops. Both modules have
+    `add_rms_norm` and `silu_mul` alike; their `rope_` take their own tables (LlamaModel._rope_)."""
+    if not fused:
+        return None
+    for ops in (fused_ops, flashinfer_fused):
+        if ops.available(device, dtype):
+            return ops
+    return None
+
+
+def linear_shapes(config: ModelConfig, tp: TensorParallel) -> list[tuple[int, int]]:
+    """The [out, in] shapes of one rank's linear weights: q/k/v, o, gate/up, down, the LM head."""
+    c, size = config, tp.size
+    q, kv = c.num_attention_heads // size * c.head_dim, c.num_key_value_heads // size * c.head_dim
+    inter = c.intermediate_size // size
+    return [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * inter, c.hidden_size), (c.hidden_size, inter),
+            (c.vocab_size, c.hidden_size)]
+
+
+def rope_tables(config: ModelConfig, max_positions: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim / 2] for rotate-half RoPE (the HF layout), computed in float64."""
+    positions = torch.arange(max_positions, dtype=torch.float64)
+    freqs = torch.outer(positions, rope_inv_freq(config))
+    return freqs.cos().to(device=device, dtype=dtype), freqs.sin().to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class WeightPlacer:
+    """Checkpoint tensors onto the model's device in its dtype, linear weights packed as the runner planned
+    (LlamaModel's arguments of the same names)."""
+
+    weights: dict[str, torch.Tensor]
+    device: torch.device
+    dtype: torch.dtype
+    prepack: bool
+    native_linear: bool
+    native_linear_max_rows: int | None
+    native_linear_amx: bool
+    gguf_blocks: bool = False  # GGUF weights kept in their blocks are packed for the GGUF kernel
+    int8_weights: bool = False  # the others quantized to int8 (Q8_0 blocks) for it (config `quantization` int8)
+    fp8_weights: bool = False  # the layers' linear weights quantized to fp8 (config `quantization` fp8)
+    int8_w8a8: bool = False  # ... to int8 for torch._int_mm (config `quantization` int8 on CUDA)
+
+    def tensor(self, name: str, shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous; one kept in GGUF blocks or
+        loaded in fp8, dequantized."""
+        tensor = self.weights[name]
+        if isinstance(tensor, GGUFBlocks):
+            tensor = tensor.dequantized()
+        elif isinstance(tensor, fp8_linear.Fp8Weight):
+            tensor = tensor.dequantized(torch.float32)
+        tensor = tensor if shard is None else shard(tensor)
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def from_blocks(self, names: list[str]) -> bool:
+        """Whether `linear` computes these weights from their GGUF blocks."""
+        parts = [self.weights[name] for name in names]
+        return (self.gguf_blocks and all(isinstance(p, GGUFBlocks) for p in parts)
+                and len({p.ggml_type for p in parts}) == 1
+                and all(linear_gguf.supported(p.ggml_type, *p.shape) for p in parts))
+
+    def linear(self, names: list[str], shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PackedWeight:
+        """The linear weight of `names` stacked along their outputs (q/k/v, gate/up: one product), this rank's
+        `shard` of each: from the GGUF blocks where every part is kept in blocks of one type the kernel takes
+        (and no shard applies), else from their tensors."""
+        parts = [self.weights[name] for name in names]
+        if shard is None and self.from_blocks(names):
+            return linear_gguf.concat_rows([linear_gguf.pack(p.blocks, p.ggml_type, *p.shape) for p in parts])
+        if shard is None and self.fp8_weights and all(isinstance(p, fp8_linear.Fp8Weight) for p in parts):
+            return fp8_linear.concat_rows([fp8_linear.to_device(p, self.device) for p in parts])  # the file's own
+        tensors = [self.tensor(name, shard) for name in names]
+        weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        if self.int8_weights and linear_gguf.supported(linear_gguf.Q8_0, *weight.shape):
+            return linear_gguf.pack(linear_gguf.int8_blocks(weight), linear_gguf.Q8_0, *weight.shape)
+        if self.fp8_weights:
+            return fp8_linear.quantize_weight(weight)
+        if self.int8_w8a8:
+            return int8_linear.quantize_weight(weight)
+        return self.matrix(weight)
+
+    def matrix(self, tensor: torch.Tensor) -> PackedWeight:
+        """A linear layer's weight, packed when `prepack`."""
+        if not self.prepack:
+            return tensor
+        amx = self.native_linear_amx and amx_fits(*tensor.shape)  # else the panels (the runner's plan checked them all)
+        return pack_weight(tensor, self.native_linear, self.native_linear_max_rows, amx)
+
+
+class LlamaModel:
+    """Weights as plain tensors (no nn.Module: nothing here is trained)."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 max_positions: int, tp: TensorParallel = TensorParallel(), prepack: bool = False,
+                 native_linear: bool = False, native_linear_max_rows: int | None = None, native_linear_amx: bool = False,
+                 fused: bool = False, gguf_blocks: bool = False, int8_weights: bool = False,
+                 fp8_weights: bool = False, int8_w8a8: bool = False) -> None:
+        """`prepack`: hold the linear layers' weights in oneDNN's blocked layout (CPU only, see
+        gpu_worker/cpu/packed_linear.py); the caller checks `prepack_supported`. `native_linear`: pack them for the
+        C kernel instead (bfloat16; the caller checks native_linear.unavailable_reason), or, with
+        `native_linear_max_rows` (AMX CPUs), for both, the C kernel taking products of up to that many rows;
+        `native_linear_amx`: the C kernel is the AMX tile one (kernels/native/linear.py's `plan` chose it).
+        `fused`: run RMSNorm (with the residual add), RoPE and SiLU·mul as one kernel each where such kernels are
+        available: the C kernels on a bfloat16 CPU (gpu_worker/cpu/fused_ops.py), FlashInfer's on CUDA
+        (kernels/flashinfer_fused.py). `gguf_blocks` (with `native_linear`): weights the checkpoint kept in GGUF blocks
+        (gpu_worker/models/gguf_blocks.py) are computed from them (kernels/native/linear_gguf.py) where the kernel takes
+        their type; others are dequantized. `int8_weights` (with `native_linear`): every other linear weight is
+        quantized to int8 per block of 32 (kernels/native/linear_gguf.int8_blocks) for the same kernel. `fp8_weights`:
+        the layers' linear weights in fp8 with per-channel scales (kernels/fp8_linear.py), the LM head not;
+        `int8_w8a8` (CUDA's `quantization: int8`): in int8 for torch._int_mm (kernels/int8_linear.py), likewise."""
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.tp = tp
+        c = config
+        tp.check_divides(num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                         intermediate_size=c.intermediate_size)
+        self.num_heads = c.num_attention_heads // tp.size  # on this rank
+        self.num_kv_heads = c.num_key_value_heads // tp.size
+        place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx,
+                             gguf_blocks and prepack and native_linear, int8_weights and prepack and native_linear,
+                             fp8_weights, int8_w8a8)
+        # The embedding: looked up straight from its GGUF blocks where they are kept (a tied LM head then computes
+        # from the same ones), else from a plain table (a tied head packed as its own copy of it).
+        embed = "model.embed_tokens.weight"
+        self.embed_blocks = place.linear([embed]) if place.from_blocks([embed]) else None
+        self.embed = None if self.embed_blocks is not None else place.tensor(embed)
+        if c.tie_word_embeddings and self.embed_blocks is not None:
+            self.lm_head = self.embed_blocks
+        elif c.tie_word_embeddings and not place.int8_weights:
+            self.lm_head = place.matrix(self.embed)
+        elif place.fp8_weights or place.int8_w8a8:  # the LM head stays in the model's dtype
+            self.lm_head = place.matrix(place.tensor("lm_head.weight"))
+        else:
+            self.lm_head = place.linear([embed if c.tie_word_embeddings else "lm_head.weight"])
+        self.final_norm = place.tensor("model.norm.weight")
+        self.layers = [self._layer_weights(place, i) for i in range(c.num_hidden_layers)]
+        self.cos, self.sin = rope_tables(c, max_positions, device, dtype)
+        self.q_size = self.num_heads * c.head_dim
+        self.kv_size = self.num_kv_heads * c.head_dim
+        self._choose_elementwise(fused, max_positions)
+        # Every layer in one C call where each of its kernels is C and no all-reduce sits between them
+        # (with dual-packed weights: for steps of up to native_linear_max_rows rows).
+        one_kernel = weights_kind(self.layers) is not None  # not a mix of GGUF types, or of blocks and tensors
+        self.c_layers = (CLayers(self.layers, self.cos, self.sin, self.num_heads, self.num_kv_heads, c.head_dim,
+                                 c.rms_norm_eps)
+                         if self.ops is fused_ops and prepack and native_linear and not tp.enabled and one_kernel
+                         else None)
+        self.c_layers_max_rows = native_linear_max_rows
+
+    def _choose_elementwise(self, fused: bool, max_positions: int) -> None:
+        """The element-wise kernels (`ops`: None for torch's separate ops) and the RoPE tables they read."""
+        self.ops = elementwise_ops(fused, self.device, self.dtype)
+        self.elementwise = "torch" if self.ops is None else "c" if self.ops is fused_ops else "flashinfer"
+        if self.ops is fused_ops:  # the kernel reads [max_positions, head_dim / 2] rows
+            self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
+        # FlashInfer's RoPE reads one float32 [max_positions, head_dim] table, computed from float64 as the others
+        self.cos_sin = (flashinfer_fused.cos_sin_cache(*rope_tables(self.config, max_positions, self.device,
+                                                                    torch.float32))
+                        if self.ops is flashinfer_fused else None)
+
+    def _layer_weights(self, place: WeightPlacer, i: int) -> dict[str, PackedWeight | None]:
+        """Layer `i`'s weights on this rank."""
+        c, tp, p = self.config, self.tp, f"model.layers.{i}."
+        # q, k, v fused into one matrix and gate, up into another: two matmuls instead of five.
+        # Under tensor parallelism each is this rank's slice (rows: heads / intermediate features).
+        qkv_bias = None
+        if c.attention_bias:
+            qkv_bias = torch.cat([place.tensor(p + f"self_attn.{n}_proj.bias", tp.rows) for n in "qkv"])
+        rows, columns = (tp.rows, tp.columns) if tp.enabled else (None, None)
+        return {
+            "input_norm": place.tensor(p + "input_layernorm.weight"),
+            "qkv": place.linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], rows),
+            "qkv_bias": qkv_bias,
+            "o": place.linear([p + "self_attn.o_proj.weight"], columns),
+            "post_norm": place.tensor(p + "post_attention_layernorm.weight"),
+            "gate_up": place.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows),
+            "down": place.linear([p + "mlp.down_proj.weight"], columns),
+        }
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden], a new tensor (the forward adds into it)."""
+        if self.embed_blocks is not None:
+            return linear_gguf.rows(self.embed_blocks, input_ids)  # type: ignore[arg-type]
+        return F.embedding(input_ids, self.embed)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D]; cos/sin [T, 1, D/2]."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                kv_cache: torch.Tensor, attention: AttentionBackend, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Run all layers over T flattened tokens; return logits [len(logits_rows), vocab] in float32.
+
+        The attention backend must already be planned for this step. Only the rows that are
+        sampled (each sequence's last computed token) reach the LM head.
+        """
+        return self.logits(self.hidden_states(input_ids, positions, slots, kv_cache, attention)[logits_rows])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over rows of `hidden_states`: float32 logits [rows, vocab]."""
+        return linear_float32(self.final_normed(hidden), self.lm_head)
+
+    def final_normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm over rows of `hidden_states` (what the LM head reads; embeddings pool it), in dtype."""
+        if self.ops is not None:
+            return self.ops.add_rms_norm(hidden.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
+        return self._rms_norm(hidden, self.final_norm)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      kv_cache: torch.Tensor, attention: AttentionBackend, lora: StepLora | None = None) -> torch.Tensor:
+        """Run all layers over T flattened tokens; return the last layer's output [T, hidden]
+        (before the final norm). Callers pick the rows that need logits (`logits`). `lora`: the step's
+        LoRA adapters, added after each product (gpu_worker/lora/lora_slots.py)."""
+        if self.ops is not None:
+            return self._hidden_states_fused(input_ids, positions, slots, kv_cache, attention, lora)
+        c = self.config
+        t = input_ids.shape[0]
+        hidden = self._embed(input_ids)
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, c.head_dim
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(hidden, layer["input_norm"])
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
+            # RoPE on q and k together: one pass over their [T, Hq + Hkv, D] view instead of two.
+            qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim), cos, sin)
+            v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
+            attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
+            attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
+            # Residual adds in place: `hidden` is this forward's own buffer (embedding output).
+            hidden.add_(self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o")))
+            x = self._rms_norm(hidden, layer["post_norm"])
+            gate_up = self._linear(x, layer["gate_up"], lora, i, "gate_up")
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up)  # SiLU(gate) * up written over gate: no new buffer
+            hidden.add_(self.tp.all_reduce(self._linear(act, layer["down"], lora, i, "down")))
+        return hidden
+
+    @staticmethod
+    def _linear(x: torch.Tensor, weight: PackedWeight, lora: StepLora | None, layer: int, group: str) -> torch.Tensor:
+        """x's product with a layer's weight, plus the step's LoRA deltas of that product."""
+        y = linear(x, weight)
+        if lora is not None:
+            lora.add(layer, group, x, y)
+        return y
+
+    def _rope_(self, qkv: torch.Tensor, positions: torch.Tensor) -> None:
+        """RoPE in place on the q and k heads of the q/k/v buffer, by the fused kernels' own tables."""
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.config.head_dim
+        if self.ops is flashinfer_fused:
+            flashinfer_fused.rope_(qkv, heads, kv_heads, dim, positions, self.cos_sin)
+        else:
+            fused_ops.rope_(qkv, heads + kv_heads, dim, positions, self.cos, self.sin)
+
+    def _hidden_states_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                             kv_cache: torch.Tensor, attention: AttentionBackend,
+                             lora: StepLora | None = None) -> torch.Tensor:
+        """`hidden_states` with the element-wise passes fused (`self.ops`: the C kernels on a bfloat16 CPU,
+        FlashInfer's on CUDA): each residual add is fused into the next RMSNorm, RoPE rotates q and k in place in
+        the q/k/v buffer. The C attention plans (`native_rows`, `c_layers`) are the CPU's alone."""
+        c = self.config
+        t = input_ids.shape[0]
+        eps, heads, kv_heads, dim = c.rms_norm_eps, self.num_heads, self.num_kv_heads, c.head_dim
+        hidden = self._embed(input_ids)
+        positions = positions.to(torch.int64)
+        if t and self.ops is fused_ops and int(positions.max()) >= self.cos.shape[0]:  # read unchecked; on CUDA
+            # the runner checks on the host (a read-back here would sync the step and break graph capture)
+            raise IndexError(f"position {int(positions.max())} is beyond the model's {self.cos.shape[0]} positions")
+        delta: torch.Tensor | None = None  # the last block's output, not yet added to `hidden`
+        # The attention backend's C plan, when it covers every row of the step: the layers' RoPE, K/V write
+        # and attention then run as one C call each (gpu_worker/cpu/c_layers.py), or, with C linear layers too,
+        # every layer in one call.
+        # Prompt chunks may attend apart (`apart_prompts`, AMX CPUs): after each block.
+        plan = getattr(attention, "native_rows", lambda: None)() if t and self.ops is fused_ops else None
+        if plan is not None:
+            if plan.max_page >= kv_cache[0].shape[0]:
+                raise IndexError(f"page {plan.max_page} is outside the cache's {kv_cache[0].shape[0]} blocks")
+            positions = positions.contiguous()
+            k_rows, v_rows = hnd_rows(slots.to(torch.int64), kv_heads, kv_cache[0].shape[3])
+            apart_prompts = attention.apart_prompts()
+            if (self.c_layers and not apart_prompts and (lora is None or isinstance(lora, NativeLoraBatch))
+                    and (self.c_layers_max_rows is None or t <= self.c_layers_max_rows)):  # from C
+                hidden.add_(self.c_layers.run(hidden, positions, kv_cache, k_rows, v_rows, plan.rows,
+                                              plan.pages, plan.kv_lens, attention.scale, attention.prompt_tiles, lora))
+                return hidden
+        for i, layer in enumerate(self.layers):
+            x = self.ops.add_rms_norm(hidden, delta, layer["input_norm"], eps)
+            qkv = linear(x, layer["qkv"], layer["qkv_bias"])
+            if lora is not None:
+                lora.add(i, "qkv", x, qkv)
+            if plan is not None:
+                attn = attention_block(qkv, heads, kv_heads, dim, positions, self.cos, self.sin, kv_cache[i], k_rows,
+                                       v_rows, plan.rows, plan.pages, plan.kv_lens, attention.scale,
+                                       attention.prompt_tiles)
+                if apart_prompts:
+                    attention.attend_apart_prompts(qkv, kv_cache[i], attn)
+            else:
+                self._rope_(qkv, positions)
+                qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim)
+                v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
+                attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
+                attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
+            o = self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o"))
+            x = self.ops.add_rms_norm(hidden, o, layer["post_norm"], eps)
+            act = self.ops.silu_mul(self._linear(x, layer["gate_up"], lora, i, "gate_up"))
+            delta = self.tp.all_reduce(self._linear(act, layer["down"], lora, i, "down"))
+        if delta is not None:
+            hidden.add_(delta)
+        return hidden
