@@ -26,78 +26,136 @@ LOOP_LAG_INTERVAL = 0.01  # seconds between the lag monitor's wake-ups
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 
+Kind = type[Counter] | type[Gauge] | type[Histogram]
+Metric = Counter | Gauge | Histogram
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric of the page, declared as data; `GatewayMetrics` holds it as `attribute`."""
+
+    attribute: str
+    kind: Kind
+    name: str  # without the namespace; a counter's without the `_total` prometheus_client adds
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # histograms only
+
+    def build(self, registry: CollectorRegistry) -> Metric:
+        extra = {"buckets": self.buckets} if self.buckets is not None else {}
+        return self.kind(self.name, self.help, self.labels, namespace=NAMESPACE, registry=registry, **extra)
+
+
+# Every metric of the page. Names must pass `promtool check metrics` (a gauge never ends in
+# `_total`: tests/unit/gateway/test_metrics_lint.py). Gauges marked monotonic are the scheduler's
+# counters, copied at scrape time: a gauge, since the gateway only sets them.
+METRICS: tuple[MetricSpec, ...] = (
+    # Per request, measured in the generation path.
+    MetricSpec("prompt_tokens", Counter, "prompt_tokens", "Prompt tokens of finished requests"),
+    MetricSpec("generation_tokens", Counter, "generation_tokens", "Generated tokens"),
+    MetricSpec("cached_prompt_tokens", Counter, "cached_prompt_tokens", "Prompt tokens served from the prefix cache"),
+    MetricSpec("requests", Counter, "request_success", "Finished requests, by finish reason", ("finish_reason",)),
+    MetricSpec("request_errors", Counter, "request_errors", "Requests that failed, by error type", ("error",)),
+    MetricSpec("ttft", Histogram, "time_to_first_token_seconds", "Arrival at the gateway to the first token",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("tpot", Histogram, "time_per_output_token_seconds",
+               "Mean time between tokens after the first, per request", buckets=TOKEN_LATENCY_BUCKETS),
+    MetricSpec("e2e", Histogram, "e2e_request_latency_seconds", "Arrival to the last token, by finish reason",
+               ("finish_reason",), LATENCY_BUCKETS),
+    MetricSpec("queue", Histogram, "request_queue_time_seconds", "Scheduler arrival to first admission",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("in_flight", Gauge, "gateway_requests_in_flight", "Requests the gateway is streaming"),
+    # The scheduler's pool, refreshed by `update_pool` at scrape time.
+    MetricSpec("running", Gauge, "num_requests_running", "Sequences admitted to the engine"),
+    MetricSpec("waiting", Gauge, "num_requests_waiting", "Requests waiting for admission"),
+    MetricSpec("swapped", Gauge, "num_requests_swapped", "Sequences whose KV blocks are in host memory"),
+    MetricSpec("preempted", Gauge, "num_preemptions", "Preemptions since the scheduler started (monotonic)"),
+    MetricSpec("blocks_used", Gauge, "kv_blocks_used", "KV blocks in use"),
+    MetricSpec("blocks_total", Gauge, "kv_blocks", "KV blocks in the pool"),
+    MetricSpec("usage", Gauge, "kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1)"),
+    MetricSpec("prefix_queries", Gauge, "prefix_cache_queries",
+               "Prompt tokens looked up in the prefix cache (monotonic)"),
+    MetricSpec("prefix_hits", Gauge, "prefix_cache_hits", "Prompt tokens found in the prefix cache (monotonic)"),
+    MetricSpec("steps", Gauge, "engine_steps", "Engine steps planned (monotonic; the most of any replica)"),
+    MetricSpec("steps_ahead", Gauge, "engine_steps_planned_ahead", "Of those, steps planned while the step before "
+               "was in flight (async_scheduling; summed over replicas, monotonic)"),
+    MetricSpec("spec_drafts", Gauge, "spec_decode_draft_tokens", "Speculative draft tokens proposed (monotonic)"),
+    MetricSpec("spec_accepted", Gauge, "spec_decode_accepted_tokens", "Of those, kept by the model (monotonic)"),
+    MetricSpec("spec_decodes", Gauge, "spec_decode_drafted_decodes", "Decodes that carried draft tokens (monotonic)"),
+    # The gateway's own event loop (`watch_loop`).
+    MetricSpec("loop_lag", Histogram, "gateway_event_loop_lag_seconds", "How late the gateway's event loop ran a "
+               f"timer due every {LOOP_LAG_INTERVAL * 1000:g} ms: how long any request waited for the loop",
+               buckets=LOOP_LAG_BUCKETS),
+    MetricSpec("loop_lag_max", Gauge, "gateway_event_loop_max_lag_seconds",
+               "The largest such lag since the gateway started"),
+    MetricSpec("workers_up", Gauge, "workers_up", "Workers answering the scheduler"),
+    # LoRA adapters (issue 41): per adapter (its name, as requests give it), and the workers' slots.
+    MetricSpec("lora_requests", Counter, "lora_request_success", "Finished requests served with a LoRA adapter",
+               ("adapter",)),
+    MetricSpec("lora_prompt_tokens", Counter, "lora_prompt_tokens",
+               "Prompt tokens of finished requests, per LoRA adapter", ("adapter",)),
+    MetricSpec("lora_generation_tokens", Counter, "lora_generation_tokens", "Generated tokens, per LoRA adapter",
+               ("adapter",)),
+    MetricSpec("lora_loaded", Gauge, "lora_adapters_loaded", "LoRA adapters requests may name"),
+    MetricSpec("lora_slots", Gauge, "lora_slots_in_use", "Worker LoRA slots holding an adapter (of max_loras)"),
+    # Embedding requests (Embed, /v1/embeddings): a request, its inputs, their tokens, its latency.
+    MetricSpec("embedding_requests", Counter, "embedding_request_success", "Finished embedding requests"),
+    MetricSpec("embedding_inputs", Counter, "embedding_inputs",
+               "Inputs of finished embedding requests (one vector each)"),
+    MetricSpec("embedding_tokens", Counter, "embedding_prompt_tokens", "Tokens of finished embedding requests' inputs"),
+    MetricSpec("embedding_latency", Histogram, "embedding_request_latency_seconds", "Arrival to the last vector",
+               buckets=LATENCY_BUCKETS),
+    MetricSpec("scheduler_up", Gauge, "scheduler_up", "1 when the last GetStats succeeded"),
+)
+
+
 class GatewayMetrics:
-    """One registry per gateway (tests can run several gateways in a process)."""
+    """One registry per gateway (tests can run several gateways in a process), holding each of
+    `METRICS` under its `attribute` (the annotations below, which must match them)."""
+
+    registry: CollectorRegistry
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    cached_prompt_tokens: Counter
+    requests: Counter
+    request_errors: Counter
+    ttft: Histogram
+    tpot: Histogram
+    e2e: Histogram
+    queue: Histogram
+    in_flight: Gauge
+    running: Gauge
+    waiting: Gauge
+    swapped: Gauge
+    preempted: Gauge
+    blocks_used: Gauge
+    blocks_total: Gauge
+    usage: Gauge
+    prefix_queries: Gauge
+    prefix_hits: Gauge
+    steps: Gauge
+    steps_ahead: Gauge
+    spec_drafts: Gauge
+    spec_accepted: Gauge
+    spec_decodes: Gauge
+    loop_lag: Histogram
+    loop_lag_max: Gauge
+    workers_up: Gauge
+    lora_requests: Counter
+    lora_prompt_tokens: Counter
+    lora_generation_tokens: Counter
+    lora_loaded: Gauge
+    lora_slots: Gauge
+    embedding_requests: Counter
+    embedding_inputs: Counter
+    embedding_tokens: Counter
+    embedding_latency: Histogram
+    scheduler_up: Gauge
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        ns = NAMESPACE
-        self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens of finished requests", namespace=ns, registry=r)
-        self.generation_tokens = Counter("generation_tokens", "Generated tokens", namespace=ns, registry=r)
-        self.cached_prompt_tokens = Counter("cached_prompt_tokens", "Prompt tokens served from the prefix cache",
-                                            namespace=ns, registry=r)
-        self.requests = Counter("request_success", "Finished requests, by finish reason", ["finish_reason"],
-                                namespace=ns, registry=r)
-        self.request_errors = Counter("request_errors", "Requests that failed, by error type", ["error"],
-                                      namespace=ns, registry=r)
-        self.ttft = Histogram("time_to_first_token_seconds", "Arrival at the gateway to the first token",
-                              namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
-        self.tpot = Histogram("time_per_output_token_seconds", "Mean time between tokens after the first, per request",
-                              namespace=ns, registry=r, buckets=TOKEN_LATENCY_BUCKETS)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to the last token, by finish reason",
-                             ["finish_reason"], namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
-        self.queue = Histogram("request_queue_time_seconds", "Scheduler arrival to first admission",
-                               namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
-        self.in_flight = Gauge("gateway_requests_in_flight", "Requests the gateway is streaming", namespace=ns, registry=r)
-        # The scheduler's pool, refreshed by `update_pool` at scrape time.
-        self.running = Gauge("num_requests_running", "Sequences admitted to the engine", namespace=ns, registry=r)
-        self.waiting = Gauge("num_requests_waiting", "Requests waiting for admission", namespace=ns, registry=r)
-        self.swapped = Gauge("num_requests_swapped", "Sequences whose KV blocks are in host memory", namespace=ns, registry=r)
-        self.preempted = Gauge("num_preemptions", "Preemptions since the scheduler started (monotonic)",
-                               namespace=ns, registry=r)
-        self.blocks_used = Gauge("kv_blocks_used", "KV blocks in use", namespace=ns, registry=r)
-        self.blocks_total = Gauge("kv_blocks_total", "KV blocks in the pool", namespace=ns, registry=r)
-        self.usage = Gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use (0-1)", namespace=ns, registry=r)
-        self.prefix_queries = Gauge("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (monotonic)",
-                                    namespace=ns, registry=r)
-        self.prefix_hits = Gauge("prefix_cache_hits", "Prompt tokens found in the prefix cache (monotonic)",
-                                 namespace=ns, registry=r)
-        self.steps = Gauge("engine_steps", "Engine steps planned (monotonic; the most of any replica)",
-                           namespace=ns, registry=r)
-        self.steps_ahead = Gauge("engine_steps_planned_ahead", "Of those, steps planned while the step before was "
-                                 "in flight (async_scheduling; summed over replicas, monotonic)", namespace=ns, registry=r)
-        self.spec_drafts = Gauge("spec_decode_draft_tokens", "Speculative draft tokens proposed (monotonic)",
-                                 namespace=ns, registry=r)
-        self.spec_accepted = Gauge("spec_decode_accepted_tokens", "Of those, kept by the model (monotonic)",
-                                   namespace=ns, registry=r)
-        self.spec_decodes = Gauge("spec_decode_drafted_decodes", "Decodes that carried draft tokens (monotonic)",
-                                  namespace=ns, registry=r)
-        self.loop_lag = Histogram("gateway_event_loop_lag_seconds", "How late the gateway's event loop ran a timer due "
-                                  f"every {LOOP_LAG_INTERVAL * 1000:g} ms: how long any request waited for the loop",
-                                  namespace=ns, registry=r, buckets=LOOP_LAG_BUCKETS)
-        self.loop_lag_max = Gauge("gateway_event_loop_max_lag_seconds", "The largest such lag since the gateway started",
-                                  namespace=ns, registry=r)
-        self.workers_up = Gauge("workers_up", "Workers answering the scheduler", namespace=ns, registry=r)
-        # LoRA adapters (issue 41): per adapter (its name, as requests give it), and the workers' slots.
-        self.lora_requests = Counter("lora_request_success", "Finished requests served with a LoRA adapter",
-                                     ["adapter"], namespace=ns, registry=r)
-        self.lora_prompt_tokens = Counter("lora_prompt_tokens", "Prompt tokens of finished requests, per LoRA adapter",
-                                          ["adapter"], namespace=ns, registry=r)
-        self.lora_generation_tokens = Counter("lora_generation_tokens", "Generated tokens, per LoRA adapter",
-                                              ["adapter"], namespace=ns, registry=r)
-        self.lora_loaded = Gauge("lora_adapters_loaded", "LoRA adapters requests may name", namespace=ns, registry=r)
-        self.lora_slots = Gauge("lora_slots_in_use", "Worker LoRA slots holding an adapter (of max_loras)",
-                                namespace=ns, registry=r)
-        # Embedding requests (Embed, /v1/embeddings): a request, its inputs, their tokens, its latency.
-        self.embedding_requests = Counter("embedding_request_success", "Finished embedding requests", namespace=ns,
-                                          registry=r)
-        self.embedding_inputs = Counter("embedding_inputs", "Inputs of finished embedding requests (one vector each)",
-                                        namespace=ns, registry=r)
-        self.embedding_tokens = Counter("embedding_prompt_tokens", "Tokens of finished embedding requests' inputs",
-                                        namespace=ns, registry=r)
-        self.embedding_latency = Histogram("embedding_request_latency_seconds", "Arrival to the last vector",
-                                           namespace=ns, registry=r, buckets=LATENCY_BUCKETS)
-        self.scheduler_up = Gauge("scheduler_up", "1 when the last GetStats succeeded", namespace=ns, registry=r)
+        self.registry = CollectorRegistry()
+        for spec in METRICS:
+            setattr(self, spec.attribute, spec.build(self.registry))
 
     def update_pool(self, pool: common_pb2.PoolStats | None, service: common_pb2.ServiceStats | None) -> None:
         self.scheduler_up.set(0 if pool is None else 1)

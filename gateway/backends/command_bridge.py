@@ -14,7 +14,8 @@ import codecs
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import structlog
@@ -101,6 +102,24 @@ def refuse_tools_and_constraints(request: inference_pb2.GenerateRequest) -> None
                               "(serving.backend.kind command_bridge)", f"params.{kind}")
 
 
+@dataclass
+class _ProgramRun:
+    """One run of the program: its process, the task keeping its stderr's tail, the decoder of its
+    stdout (UTF-8 split across reads), its deadline (loop time), and whether its last chunk went out."""
+
+    request_id: str
+    process: asyncio.subprocess.Process
+    stdout: asyncio.StreamReader
+    stderr_tail: asyncio.Task[str]
+    deadline: float
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    finished: bool = False
+
+    def remaining(self) -> float:
+        return self.deadline - asyncio.get_running_loop().time()
+
+
 class CommandBridge:
     name = "command_bridge"
 
@@ -125,7 +144,25 @@ class CommandBridge:
 
     async def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str,
                      index: int = 0) -> AsyncIterator[TextChunk]:
-        env = bridge_environment(request_id, prompt, sampling, model, index)
+        run = await self._start(request_id, bridge_environment(request_id, prompt, sampling, model, index))
+        try:
+            async with aclosing(self._output(run)) as chunks:
+                async for chunk in chunks:
+                    run.finished = chunk.finished  # set before the yield: the client may stop at the last chunk
+                    yield chunk
+            if not run.finished:
+                last = await self._last_chunk(run)
+                run.finished = True
+                yield last
+        except asyncio.TimeoutError:
+            raise DeadlineExceededError(f"command bridge program {self.program!r} ran longer than "
+                                        f"serving.backend.command_timeout_s ({self.timeout_s:g} s); raise it or fix "
+                                        "the program") from None
+        finally:
+            await self._release(run)
+
+    async def _start(self, request_id: str, env: dict[str, str]) -> _ProgramRun:
+        """The program started for the request, its stderr read in the background, its deadline set."""
         try:
             process = await asyncio.create_subprocess_exec(
                 self.program, *self.args, env=env, stdin=asyncio.subprocess.DEVNULL,
@@ -136,60 +173,58 @@ class CommandBridge:
                 "fix serving.backend.command.program") from exc
         assert process.stdout is not None and process.stderr is not None
         self.processes[request_id] = process
-        stderr_task = asyncio.create_task(self._stderr_tail(process.stderr))
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
+        return _ProgramRun(request_id, process, process.stdout, asyncio.create_task(self._stderr_tail(process.stderr)),
+                           asyncio.get_running_loop().time() + self.timeout_s)
+
+    async def _output(self, run: _ProgramRun) -> AsyncIterator[TextChunk]:
+        """The program's stdout as text until it ends, or until the output cap (that chunk is the
+        last: finished and truncated). Raises asyncio.TimeoutError past the deadline."""
         written = 0
-        finished = False
-        try:
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                data = await asyncio.wait_for(process.stdout.read(READ_CHUNK_BYTES), remaining)
-                if not data:
-                    break
-                if written + len(data) > self.max_output_bytes:
-                    data = data[: self.max_output_bytes - written]
-                    text = decoder.decode(data)  # a character cut by the cap is dropped, not replaced
-                    log.warning("bridge output over the cap; program killed", max_output_bytes=self.max_output_bytes)
-                    finished = True
-                    yield TextChunk(text, finished=True, truncated=True)
-                    return
-                written += len(data)
-                text = decoder.decode(data)
-                if text:
-                    yield TextChunk(text)
-            code = await asyncio.wait_for(process.wait(), max(0.1, deadline - loop.time()))
-            tail = await stderr_task
-            if request_id in self.aborted:
-                finished = True
-                yield TextChunk(decoder.decode(b"", final=True), finished=True, aborted=True)
+        while True:
+            remaining = run.remaining()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            data = await asyncio.wait_for(run.stdout.read(READ_CHUNK_BYTES), remaining)
+            if not data:
                 return
-            if code != 0:
-                raise CommandBridgeError(f"command bridge program {self.program!r} exited with code {code}; "
-                                         f"stderr tail: {tail or '(empty)'}")
-            finished = True
-            yield TextChunk(decoder.decode(b"", final=True), finished=True)
-        except asyncio.TimeoutError:
-            raise DeadlineExceededError(f"command bridge program {self.program!r} ran longer than "
-                                        f"serving.backend.command_timeout_s ({self.timeout_s:g} s); raise it or fix "
-                                        "the program") from None
-        finally:
-            self.processes.pop(request_id, None)
-            self.aborted.discard(request_id)
-            if process.returncode is None:  # timeout, output cap, or the client went away
-                process.kill()
-                # Read stdout to its end: a pipe whose reading is paused (a full buffer) never
-                # reports EOF, and asyncio's wait() waits for every pipe to close.
-                while await process.stdout.read(READ_CHUNK_BYTES):
-                    pass
-                await process.wait()
-            if not stderr_task.done():
-                stderr_task.cancel()
-            if not finished:
-                log.info("bridge request ended early", pid=process.pid)
+            if written + len(data) > self.max_output_bytes:
+                # A character cut by the cap is dropped, not replaced.
+                text = run.decoder.decode(data[: self.max_output_bytes - written])
+                log.warning("bridge output over the cap; program killed", max_output_bytes=self.max_output_bytes)
+                yield TextChunk(text, finished=True, truncated=True)
+                return
+            written += len(data)
+            text = run.decoder.decode(data)
+            if text:
+                yield TextChunk(text)
+
+    async def _last_chunk(self, run: _ProgramRun) -> TextChunk:
+        """After stdout's end: the program's exit. An Abort's kill ends the stream `aborted`; any
+        other non-zero exit is an error carrying the tail of stderr."""
+        code = await asyncio.wait_for(run.process.wait(), max(0.1, run.remaining()))
+        tail = await run.stderr_tail
+        if run.request_id in self.aborted:
+            return TextChunk(run.decoder.decode(b"", final=True), finished=True, aborted=True)
+        if code != 0:
+            raise CommandBridgeError(f"command bridge program {self.program!r} exited with code {code}; "
+                                     f"stderr tail: {tail or '(empty)'}")
+        return TextChunk(run.decoder.decode(b"", final=True), finished=True)
+
+    async def _release(self, run: _ProgramRun) -> None:
+        """Forget the run, and kill the program if it still runs (timeout, output cap, or the client went away)."""
+        self.processes.pop(run.request_id, None)
+        self.aborted.discard(run.request_id)
+        if run.process.returncode is None:
+            run.process.kill()
+            # Read stdout to its end: a pipe whose reading is paused (a full buffer) never
+            # reports EOF, and asyncio's wait() waits for every pipe to close.
+            while await run.stdout.read(READ_CHUNK_BYTES):
+                pass
+            await run.process.wait()
+        if not run.stderr_tail.done():
+            run.stderr_tail.cancel()
+        if not run.finished:
+            log.info("bridge request ended early", pid=run.process.pid)
 
     @staticmethod
     async def _stderr_tail(stream: asyncio.StreamReader) -> str:

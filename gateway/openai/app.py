@@ -19,7 +19,8 @@ import collections
 import json
 import re
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,6 +46,7 @@ from gateway.text.chat import chat_chars
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 from hetero_common.config import ServingConfig
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
+from hetero_common.tokenizer import TextTokenizer
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
@@ -112,6 +114,10 @@ def validation_error_body(errors: list[dict[str, Any]]) -> dict[str, Any]:
     if kind == "missing":
         msg = "field required"
     return error_body(400, f"{param or 'body'}: {msg}", param)
+
+
+Event = tuple[int, inference_pb2.GenerateResponse]  # a streamed message: (choice index, message)
+StreamKind = Literal["text_completion", "chat.completion.chunk"]
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -273,81 +279,113 @@ class HttpApi:
                 usages.append(part.usage)
         return dict(sorted(parts.items())), usages
 
-    async def _stream(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str, kind: str,
+    async def _stream(self, requests: list[inference_pb2.GenerateRequest], n: int, rid: str, kind: StreamKind,
                       include_usage: bool, shaping: PromptShaping | None = None,
                       renames: dict[str, str] | None = None) -> Response:
         """Server-sent events. The first message is awaited before answering, so a bad request still
         gets its 4xx status (not a 200 stream carrying an error)."""
         events = renamed_errors(merged(self.generation, requests, n, rid), renames or {})
-        try:
-            first = await anext(events)
-        except StopAsyncIteration:
-            first = None
-        except HeteroError:
-            await events.aclose()
-            raise
-        created, chat = int(time.time()), kind == "chat.completion.chunk"
+        first = await _first_event(events)
         model = requests[0].model or self.generation.model_name  # the base model or the adapter it names
-        offsets: dict[int, int] = collections.defaultdict(int)
+        chunks = StreamChunks(kind, rid, model, self.generation.tokenizer, shaping)
+        return StreamingResponse(_sse_frames(events, first, chunks, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
-        def chunks(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> list[dict[str, Any]]:
-            """One chunk, or with tool calls (chat) one per piece of them (the finish reason on the last)."""
-            first = chunk(index, part, first_of_choice)
-            if not part.tool_calls:
-                return [first]
-            pieces = call_deltas(list(part.tool_calls))
-            out = [first] + [oa.envelope(kind, rid, model, [{"index": index, "delta": {"tool_calls": d},  # type: ignore[arg-type]
-                                                             "logprobs": None, "finish_reason": None}], created)
-                             for d in pieces]
-            out[-1]["choices"][0]["finish_reason"], first["choices"][0]["finish_reason"] = "tool_calls", None
-            return out
 
-        def chunk(index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": index, "finish_reason": oa.finish_reason(part.finish_reason)}
-            shape = shaping if first_of_choice else None  # the prompt goes in each choice's first chunk
-            if shaping:
-                shaping.observe(index, part)
-            if chat:
-                delta: dict[str, Any] = {"content": part.text}
-                if first_of_choice:
-                    delta["role"] = "assistant"
-                choice["delta"], choice["logprobs"] = delta, oa.chat_logprobs([part])
-                if shape:
-                    shape.chat_choice(choice, index)
-            else:
-                if shape:
-                    offsets[index] = shape.text_offset(index)
-                choice["text"] = part.text
-                choice["logprobs"] = oa.completion_logprobs(self.generation.tokenizer, [part], offsets[index])
-                offsets[index] += len(part.text)
-                if shape:
-                    shape.completion_choice(choice, index)
-            if part.stop_reason:
-                choice["stop_reason"] = part.stop_reason
-            return oa.envelope(kind, rid, model, [choice], created)  # type: ignore[arg-type]
+async def _first_event(events: AsyncGenerator[Event, None]) -> Event | None:
+    """The stream's first message (None: there is none); an error before it is raised, for its status."""
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+    except HeteroError:
+        await events.aclose()
+        raise
 
-        async def body() -> AsyncIterator[bytes]:
-            started: set[int] = set()
-            usages: list[common_pb2.Usage] = []
-            try:
-                pending = [first] if first is not None else []
-                while True:
-                    for index, part in pending:
-                        for piece in chunks(index, part, index not in started):
-                            yield _sse(piece)
-                        started.add(index)
-                        if part.HasField("usage"):
-                            usages.append(part.usage)
-                    try:
-                        pending = [await anext(events)]
-                    except StopAsyncIteration:
-                        break
-                if include_usage:
-                    yield _sse({**oa.envelope(kind, rid, model, [], created), "usage": oa.usage(usages)})  # type: ignore[arg-type]
-            except HeteroError as exc:  # after the 200 went out: report in-band, as OpenAI does
-                yield _sse(error_body(http_status_for(exc), exc.message, error_param(exc)))
-            finally:
-                await events.aclose()
-            yield _sse("[DONE]")
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+async def _sse_frames(events: AsyncGenerator[Event, None], first: Event | None, chunks: StreamChunks,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+    """Each message's chunks as `data:` frames, the usage chunk when asked for, then `[DONE]`. An
+    error after the 200 went out is reported in-band, as OpenAI does."""
+    try:
+        if first is not None:
+            for chunk in chunks.of_message(*first):
+                yield _sse(chunk)
+        async for index, part in events:
+            for chunk in chunks.of_message(index, part):
+                yield _sse(chunk)
+        if include_usage:
+            yield _sse(chunks.usage_chunk())
+    except HeteroError as exc:
+        yield _sse(error_body(http_status_for(exc), exc.message, error_param(exc)))
+    finally:
+        await events.aclose()
+    yield _sse("[DONE]")
+
+
+@dataclass
+class StreamChunks:
+    """The chunks of one streamed answer, message by message, and what they carry over: which
+    choices have started (the first chunk of each has the role and the prompt), each choice's
+    text offset (completion logprobs), and the requests' usages (the last chunk's sum)."""
+
+    kind: StreamKind
+    rid: str
+    model: str
+    tokenizer: TextTokenizer
+    shaping: PromptShaping | None
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: set[int] = field(default_factory=set)
+    offsets: dict[int, int] = field(default_factory=lambda: collections.defaultdict(int))
+    usages: list[common_pb2.Usage] = field(default_factory=list)
+
+    def of_message(self, index: int, part: inference_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """One chunk, or with tool calls (chat) one per piece of them (the finish reason on the last)."""
+        first = self._chunk(index, part, index not in self.started)
+        self.started.add(index)
+        if part.HasField("usage"):  # a request's last message
+            self.usages.append(part.usage)
+        if not part.tool_calls:
+            return [first]
+        pieces = call_deltas(list(part.tool_calls))
+        out = [first] + [oa.envelope(self.kind, self.rid, self.model, [{"index": index, "delta": {"tool_calls": d},
+                                                                        "logprobs": None, "finish_reason": None}],
+                                     self.created) for d in pieces]
+        out[-1]["choices"][0]["finish_reason"], first["choices"][0]["finish_reason"] = "tool_calls", None
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**oa.envelope(self.kind, self.rid, self.model, [], self.created), "usage": oa.usage(self.usages)}
+
+    def _chunk(self, index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "finish_reason": oa.finish_reason(part.finish_reason)}
+        shape = self.shaping if first_of_choice else None  # the prompt goes in each choice's first chunk
+        if self.shaping:
+            self.shaping.observe(index, part)
+        if self.kind == "chat.completion.chunk":
+            self._chat_choice(choice, index, part, first_of_choice, shape)
+        else:
+            self._text_choice(choice, index, part, shape)
+        if part.stop_reason:
+            choice["stop_reason"] = part.stop_reason
+        return oa.envelope(self.kind, self.rid, self.model, [choice], self.created)
+
+    @staticmethod
+    def _chat_choice(choice: dict[str, Any], index: int, part: inference_pb2.GenerateResponse, first_of_choice: bool,
+                     shape: PromptShaping | None) -> None:
+        delta: dict[str, Any] = {"content": part.text}
+        if first_of_choice:
+            delta["role"] = "assistant"
+        choice["delta"], choice["logprobs"] = delta, oa.chat_logprobs([part])
+        if shape:
+            shape.chat_choice(choice, index)
+
+    def _text_choice(self, choice: dict[str, Any], index: int, part: inference_pb2.GenerateResponse,
+                     shape: PromptShaping | None) -> None:
+        if shape:
+            self.offsets[index] = shape.text_offset(index)
+        choice["text"] = part.text
+        choice["logprobs"] = oa.completion_logprobs(self.tokenizer, [part], self.offsets[index])
+        self.offsets[index] += len(part.text)
+        if shape:
+            shape.completion_choice(choice, index)

@@ -18,8 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.supervisor import wait_healthy
-from hetero_infer.testing.stack import REPO_ROOT, Stack, free_port, run_stack
-from hetero_infer.testing.stack_requests import wait_for_idle
+from hetero_infer.bench.harness import REPO_ROOT, Stack, free_port, run_stack, wait_for_idle
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
@@ -221,7 +220,7 @@ def test_metrics_parse_and_move(stack: Stack, client: openai.OpenAI) -> None:
                  "hetero_num_preemptions", "hetero_request_queue_time_seconds_count",
                  "hetero_time_per_output_token_seconds_count"):
         assert name in after, name
-    assert after["hetero_kv_blocks_total"] > 0 and after["hetero_workers_up"] == 1
+    assert after["hetero_kv_blocks"] > 0 and after["hetero_workers_up"] == 1
 
 
 def test_grpc_top_logprobs_and_timestamps(stack: Stack) -> None:

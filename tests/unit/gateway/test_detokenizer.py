@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gateway.text.detokenizer import IncrementalDetokenizer
-from hetero_infer.testing.tiny_models import CORPUS, SPECIAL_TOKENS, make_tokenizer
+from hetero_infer.bench.harness import CORPUS, SPECIAL_TOKENS, make_tokenizer
 
 FFFD = "\ufffd"
 

@@ -27,7 +27,7 @@ from hetero.v1 import scheduler_pb2
 from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.errors import UnavailableError
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
-from hetero_infer.testing.tiny_models import make_tokenizer
+from hetero_infer.bench.harness import make_tokenizer
 from tests.helpers.http_app import bridge_http_client
 
 MESSAGES = [{"role": "user", "content": "hello"}]

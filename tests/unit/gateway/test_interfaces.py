@@ -56,7 +56,7 @@ def test_interface_config_keys(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):
     from hetero_common.tokenizer import load_tokenizer
-    from hetero_infer.testing.tiny_models import make_tokenizer
+    from hetero_infer.bench.harness import make_tokenizer
 
     directory = tmp_path_factory.mktemp("tokenizer")
     make_tokenizer(directory)
@@ -114,6 +114,7 @@ def test_metrics_record_a_request() -> None:
     assert samples["hetero_time_per_output_token_seconds_count[]"] == 1
     assert samples["hetero_request_success_total[('finish_reason', 'length')]"] == 1
     assert samples["hetero_kv_blocks_used[]"] == 3 and samples["hetero_kv_cache_usage_ratio[]"] == pytest.approx(0.3)
+    assert samples["hetero_kv_blocks[]"] == 10  # the pool's size (a gauge: no `_total`, which says counter)
     assert samples["hetero_gateway_requests_in_flight[]"] == 0
 
 

@@ -29,7 +29,7 @@ from hetero_common.config import BackendConfig, CommandConfig, Config, ServingCo
 from hetero_common.errors import UnavailableError
 from hetero_common.grpc_server import CHANNEL_OPTIONS, internal_server_options, public_server_options
 from hetero_common.tokenizer import load_tokenizer
-from hetero_infer.testing.tiny_models import make_tokenizer
+from hetero_infer.bench.harness import make_tokenizer
 
 CAP = 1000
 

@@ -27,7 +27,7 @@ from gateway.text.chat import render_chat
 from hetero.v1 import inference_pb2, inference_pb2_grpc
 from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
-from hetero_infer.testing.tiny_models import make_tokenizer
+from hetero_infer.bench.harness import make_tokenizer
 from tests.helpers.http_app import bridge_http_client
 
 # 216k ids with the tiny tokenizer (13 pieces of tokenization.CHUNK), far over INLINE_CHARS.

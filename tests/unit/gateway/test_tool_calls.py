@@ -31,7 +31,7 @@ from hetero_common.config import BackendConfig, CommandConfig, Config
 from hetero_common.errors import ValidationError
 from hetero_common.model_files import default_model_path
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
-from hetero_infer.testing.tiny_models import make_tokenizer
+from hetero_infer.bench.harness import make_tokenizer
 from tests.helpers.http_app import bridge_http_client
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
