@@ -6,7 +6,8 @@
         print(result.request_id, result.output_text)
 
 Tests and embedders use it; the step plans and results are the same protobuf messages the
-services exchange, so both paths run the same code.
+services exchange, so both paths run the same code: the engine loop's step is the replicas' own
+(scheduler_svc/replicas/engine_loop.py), its executor the local ModelRunner instead of a worker over gRPC.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gateway.embedding_inputs import tokenize_inputs
 from gateway.text.text_stream import TextStream
 from gateway.validation import prepare
 from gpu_worker.runner import ModelRunner
-from hetero.v1 import common_pb2, inference_pb2
+from hetero.v1 import common_pb2, inference_pb2, worker_pb2
 from hetero_common.config import Config
 from hetero_common.device_defaults import fitted_to_worker
 from hetero_common.embedding_vectors import EMBEDDING_PARAMS, POOLING_BY_NAME, default_pooling, finish_vector
@@ -29,7 +30,8 @@ from hetero_common.errors import ExecutionError, ValidationError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
 from hetero_common.lora_modules import lora_cache_salt, lora_slot
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
-from scheduler_svc.core.scheduler import Scheduler, StepOutputs, plan_needs_worker
+from scheduler_svc.core.scheduler import Scheduler, StepOutputs
+from scheduler_svc.replicas.engine_loop import EngineLoop, SentStep
 
 
 @dataclass
@@ -100,6 +102,26 @@ class _Pending:
     cached_prompt_tokens: int = 0
 
 
+class _RunnerExecutor:
+    """The engine loop's StepExecutor in process: a step runs on the engine's ModelRunner when its result is
+    asked for (so it never waits, and `EngineLoop.step_now` runs it); its outputs go to the engine."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self._engine = engine
+
+    def send_step(self, plan: worker_pb2.StepPlan) -> None:
+        return None
+
+    async def receive_step(self, sent: SentStep) -> worker_pb2.StepResult:
+        return self._engine.runner.execute(sent.plan)  # looked up per step: tests and benchmarks wrap it
+
+    def cancel_step(self, sent: SentStep) -> None:  # never called: nothing is planned ahead in process
+        pass
+
+    def dispatch_step(self, outputs: StepOutputs, sent: SentStep, result: worker_pb2.StepResult) -> None:
+        self._engine._take_outputs(outputs)
+
+
 class InferenceEngine:
     def __init__(self, config: Config | None = None, runner: ModelRunner | None = None,
                  tokenizer: TextTokenizer | None = None) -> None:
@@ -117,6 +139,10 @@ class InferenceEngine:
         self.default_pooling = default_pooling(self.config.serving.embedding.pooling, self.runner.model_path)
         self._ids = itertools.count()
         self.last_step_outputs = StepOutputs()  # tokens of the latest step (benchmarks time them)
+        # The replicas' engine loop, never planning ahead: a local step is computed when it is received,
+        # so there is nothing to overlap with.
+        self._loop = EngineLoop(_RunnerExecutor(self), overlap=False)
+        self._completed: list[CompletedRequest] = []  # those the step running now finished
 
     def submit_request(self, prompt: str | Sequence[int], params: GenerationParams | None = None,
                        request_id: str | None = None, chat: bool = False, cache_salt: str = "",
@@ -209,13 +235,16 @@ class InferenceEngine:
 
     def step(self) -> list[CompletedRequest]:
         """Run one engine step; return the requests that finished in it."""
-        plan = self.scheduler.schedule()
-        if not plan_needs_worker(plan):
-            return []
-        result = self.runner.execute(plan)
-        completed = []
-        self.last_step_outputs = self.scheduler.process_result(result)
-        for out in self.last_step_outputs:
+        self._completed = []
+        self._loop.step_now(self.scheduler)
+        completed, self._completed = self._completed, []
+        return completed
+
+    def _take_outputs(self, outputs: StepOutputs) -> None:
+        """A step's outputs: into the pending requests, the embeddings and `_completed`."""
+        self.last_step_outputs = outputs
+        completed = self._completed
+        for out in outputs:
             if out.request_id in self._embeddings:  # its one output: the vector, or why there is none
                 self._embeddings[out.request_id] = list(out.embedding) if out.embedding else ExecutionError(
                     out.error or f"embedding {out.request_id!r} ended ({finish_reason_name(out.finish_reason)})")
@@ -232,7 +261,6 @@ class InferenceEngine:
             elif is_finished(out.finish_reason):
                 pending.text += pending.stream.finish()
                 completed.append(self._complete(key, out.finish_reason))
-        return completed
 
     def run(self) -> list[CompletedRequest]:
         """Step until every submitted request has finished; return them in completion order."""

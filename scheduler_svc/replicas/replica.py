@@ -1,5 +1,6 @@
 """One worker replica as the scheduler service sees it: its own core `Scheduler` (block pool,
-queues), its engine loop, and a health watch that notices when the worker dies or comes back.
+queues), its engine loop (the shared step of engine_loop.py, executed by the worker over gRPC), and a
+health watch that notices when the worker dies or comes back.
 The core is private: the replica set submits, adopts, aborts, finds and counts requests
 through the methods below, so what a core is and how it is rebuilt stays in this module.
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -24,26 +24,19 @@ from hetero_common.config import Config
 from hetero_common.device_defaults import fitted_to_worker
 from hetero_common.grpc_server import internal_channel
 from hetero_common.retry import is_transient, link_silent, retrying
-from scheduler_svc.core.scheduler import Scheduler, StepOutputs, TokenOutput, plan_needs_worker
-from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.core.scheduler import Scheduler, StepOutputs, TokenOutput
+from scheduler_svc.sequence import Sequence
 from scheduler_svc.lora.lora_registry import LoraRegistry
 from scheduler_svc.lora.replica_loras import WorkerLoras
+from scheduler_svc.replicas.engine_loop import EngineLoop, SentStep
 
 log = structlog.get_logger("scheduler_svc.replicas.replica")
 
 
-@dataclass
-class SentStep:
-    """A step plan on its way to the worker, and the call that brings its result."""
-
-    plan: worker_pb2.StepPlan
-    call: grpc.aio.UnaryUnaryCall
-    started: float
-
-
 class Replica:
     """`dispatch` takes the token events of its steps; `lost` its sequences when it goes down
-    (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers."""
+    (to be recomputed elsewhere); `joined` is told when a worker (new or restarted) answers.
+    It is its engine loop's `StepExecutor` (the `*_step` methods): a step's call is an ExecuteStep RPC."""
 
     def __init__(self, index: int, address: str, config: Config, loras: LoraRegistry,
                  dispatch: Callable[[StepOutputs], None], lost: Callable[[Replica, list[Sequence]], None],
@@ -65,7 +58,7 @@ class Replica:
         self._up_event = asyncio.Event()
         self._lock = asyncio.Lock()  # one lifecycle change or step at a time
         self._reset_worker = False
-        self._ahead: SentStep | None = None  # a step sent before the one in flight came back (overlap.py)
+        self._loop = EngineLoop(self, config.async_scheduling)  # its `ahead`: a step sent before (overlap.py)
         self._last_ok = 0.0
         self.num_deadline_exceeded = 0
         self.tasks: list[asyncio.Task[None]] = []
@@ -83,9 +76,7 @@ class Replica:
                block_hashes: list[bytes] | None = None) -> Sequence:
         """Validate a new request and queue its samples here; raises the core's HeteroError.
         `block_hashes`: the prompt's prefix-cache hashes, when the router computed them already."""
-        seq = self._validated(request, deadline)
-        if block_hashes:
-            seq.block_hashes = list(block_hashes)
+        seq = self._validated(request, deadline, block_hashes)
         self._wake.set()
         return seq
 
@@ -96,12 +87,12 @@ class Replica:
         self._require_core().take_all_for_recompute()  # a down replica's core is empty but for this one sequence
         return seq
 
-    def _validated(self, request: scheduler_pb2.SubmitRequest, deadline: float | None) -> Sequence:
+    def _validated(self, request: scheduler_pb2.SubmitRequest, deadline: float | None,
+                   block_hashes: list[bytes] | None = None) -> Sequence:
         slot, cache_salt = self._loras.place(request.lora_adapter, request.cache_salt)
-        seq = self._require_core().add_request(request.request_id, list(request.prompt_token_ids), request.params,
-                                               cache_salt, request.priority, slot, request.pooling)
-        seq.deadline = deadline
-        return seq
+        return self._require_core().add_request(request.request_id, list(request.prompt_token_ids), request.params,
+                                                cache_salt, request.priority, slot, request.pooling, deadline,
+                                                block_hashes)
 
     def adopt(self, seqs: list[Sequence]) -> None:
         """Queue sequences from elsewhere (a lost replica, the parked ones) to be recomputed here."""
@@ -194,7 +185,7 @@ class Replica:
 
     def _go_down(self, reason: str) -> None:
         assert self._core is not None
-        self._drop_ahead()
+        self._loop.drop_ahead()
         self.up = False
         self._up_event.clear()
         seqs = self._core.take_all_for_recompute()
@@ -217,7 +208,7 @@ class Replica:
         if info is None:
             self._go_down(reason)
             return
-        self._drop_ahead()
+        self._loop.drop_ahead()
         seqs = self._core.take_all_for_recompute()
         if self.info is None or info.pid != self.info.pid:
             # A new worker process answered (restarted): its KV cache is empty; a fresh pool.
@@ -319,7 +310,7 @@ class Replica:
                 continue
             assert self._core is not None
             self._expire_deadlines()
-            if self._ahead is None and not self._core.has_pending_work():
+            if self._loop.ahead is None and not self._core.has_pending_work():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -328,73 +319,67 @@ class Replica:
                     await self._bring_loras_in_line()
                 if not self.up:
                     continue
-                scheduled = await self._step(self._core)
+                scheduled = await self._loop.step(self._core)
             # Nothing fits right now (e.g. waiting requests blocked on memory): yield a moment.
             await asyncio.sleep(0 if scheduled else 0.005)
-
-    def _send(self, plan: worker_pb2.StepPlan) -> SentStep:
-        if self._reset_worker:
-            plan.reset = True
-            self._reset_worker = False
-        return SentStep(plan, self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s), time.perf_counter())
-
-    def _drop_ahead(self) -> None:
-        """The step in flight failed or its sequences moved: the one planned ahead of it is void."""
-        if self._ahead is not None:
-            self._ahead.call.cancel()
-            self._ahead = None
 
     async def _settle(self) -> None:
         """Wait for a step sent ahead and apply its result, so that a lifecycle change (suspend, retire,
         a probe) finds no step in flight. Called with the lock held."""
-        if self._ahead is not None and self._core is not None and self.up:
-            await self._step(self._core, plan_ahead=False)  # takes _ahead, plans nothing new
-        self._ahead = None
+        if self._loop.ahead is not None and self._core is not None and self.up:
+            await self._loop.step(self._core, plan_ahead=False)  # takes the step ahead, plans nothing new
+        self._loop.ahead = None
 
-    async def _step(self, core: Scheduler, plan_ahead: bool = True) -> bool:
-        """Await one step (sending it first unless it went ahead in the last call), apply its result and
-        publish its tokens; with async_scheduling, plan and send the next step first (overlap.py)."""
-        sent, self._ahead = self._ahead, None
-        if sent is None:
-            plan = core.schedule()
-            if not plan_needs_worker(plan):
-                return False
-            sent = self._send(plan)
-        if plan_ahead and self.config.async_scheduling and core.has_pending_work():
-            ahead = core.plan_ahead()
-            if ahead is not None and plan_needs_worker(ahead):
-                self._ahead = self._send(ahead)
-        plan = sent.plan
+    # The engine loop's StepExecutor (engine_loop.py); the loop calls them with the lock held.
+
+    def send_step(self, plan: worker_pb2.StepPlan) -> grpc.aio.UnaryUnaryCall:
+        if self._reset_worker:
+            plan.reset = True
+            self._reset_worker = False
+        return self.stub.ExecuteStep(plan, timeout=self.config.worker_step_timeout_s)
+
+    async def receive_step(self, sent: SentStep) -> worker_pb2.StepResult | None:
+        """The worker's result; None when the call failed (`_step_failed` dealt with it)."""
         try:
             result = await sent.call
         except grpc.aio.AioRpcError as exc:
-            self._drop_ahead()  # planned assuming this step: the worker refuses it (StepOrderError) or is gone
-            if is_transient(exc) and link_silent(exc):
-                # Nothing came back for internal_keepalive_s (ping or TCP acknowledgement): a cut
-                # link or a frozen host. Probing would only wait for connect timeouts; the health
-                # watch re-Describes it and it rejoins once it answers.
-                self._go_down(f"the link went silent (internal_keepalive_s "
-                              f"{self.config.internal_keepalive_s:g} s): {exc.details()}")
-            elif is_transient(exc):
-                await self._step_lost(core, exc.details() or "UNAVAILABLE")
-            elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                # Alive but hung: its sequences move on (another replica, or this one once it
-                # answers Describe again, which waits behind the stuck step).
-                self._go_down(f"no answer to step {plan.step_id} within worker_step_timeout_s "
-                              f"({self.config.worker_step_timeout_s} s): worker hung")
-            else:  # the worker could not run the step: fail its requests, reset its state
-                log.error("step failed", replica=self.index, step_id=plan.step_id, error=exc.details())
-                self._dispatch(core.fail_all(f"worker step failed: {exc.details()}"))
-                self._reset_worker = True
-            return True
+            await self._step_failed(sent.plan, exc)
+            return None
         self._last_ok = time.monotonic()
-        self._dispatch(core.process_result(result))
-        log.debug("step", replica=self.index, step_id=plan.step_id, sequences=len(plan.scheduled),
-                  ahead=self._ahead is not None, forward_s=round(result.forward_seconds, 4),
-                  step_s=round(time.perf_counter() - sent.started, 4))
-        return True
+        return result
 
-    async def _step_lost(self, core: Scheduler, error: str) -> None:
+    def cancel_step(self, sent: SentStep) -> None:
+        sent.call.cancel()
+
+    def dispatch_step(self, outputs: StepOutputs, sent: SentStep, result: worker_pb2.StepResult) -> None:
+        self._dispatch(outputs)
+        log.debug("step", replica=self.index, step_id=sent.plan.step_id, sequences=len(sent.plan.scheduled),
+                  ahead=self._loop.ahead is not None, forward_s=round(result.forward_seconds, 4),
+                  step_s=round(time.perf_counter() - sent.started, 4))
+
+    async def _step_failed(self, plan: worker_pb2.StepPlan, exc: grpc.aio.AioRpcError) -> None:
+        """A step's call failed: go down, recover, or fail its requests, as the module docstring says."""
+        core = self._require_core()
+        self._loop.drop_ahead()  # planned assuming this step: the worker refuses it (StepOrderError) or is gone
+        if is_transient(exc) and link_silent(exc):
+            # Nothing came back for internal_keepalive_s (ping or TCP acknowledgement): a cut
+            # link or a frozen host. Probing would only wait for connect timeouts; the health
+            # watch re-Describes it and it rejoins once it answers.
+            self._go_down(f"the link went silent (internal_keepalive_s "
+                          f"{self.config.internal_keepalive_s:g} s): {exc.details()}")
+        elif is_transient(exc):
+            await self._step_lost(exc.details() or "UNAVAILABLE")
+        elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            # Alive but hung: its sequences move on (another replica, or this one once it
+            # answers Describe again, which waits behind the stuck step).
+            self._go_down(f"no answer to step {plan.step_id} within worker_step_timeout_s "
+                          f"({self.config.worker_step_timeout_s} s): worker hung")
+        else:  # the worker could not run the step: fail its requests, reset its state
+            log.error("step failed", replica=self.index, step_id=plan.step_id, error=exc.details())
+            self._dispatch(core.fail_all(f"worker step failed: {exc.details()}"))
+            self._reset_worker = True
+
+    async def _step_lost(self, error: str) -> None:
         log.warning("step lost; probing the worker", replica=self.index, error=error)
         info = await self._probe()
         self._recover(info, f"worker unreachable after {self.config.max_retry_attempts} retries: {error}")
