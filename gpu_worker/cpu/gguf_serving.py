@@ -9,7 +9,7 @@ from typing import Any
 import structlog
 import torch
 
-from gpu_worker.models.gguf_blocks import GGUFBlocks
+from gpu_worker.gguf_blocks import GGUFBlocks
 from hetero_common.config import Config
 from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight

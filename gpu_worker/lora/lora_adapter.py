@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.models.checkpoint import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from hetero_common.errors import ValidationError
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

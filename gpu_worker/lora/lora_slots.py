@@ -33,7 +33,7 @@ import torch
 
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, pack_weight, prepack_supported
 from gpu_worker.lora.lora_adapter import LoraAdapter, load_lora_adapter, target_shape
-from gpu_worker.models.checkpoint import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel.tensor_parallel import TensorParallel
 from hetero.v1 import common_pb2
 from hetero_common.config import Config

@@ -2,7 +2,7 @@
 
 Either way the result is one `ModelConfig` and a state dict under Hugging Face names, so the
 engine has a single weight layout to understand. GGUF tensors are dequantized to `dtype` here, except the
-linear weights the caller asks to keep in their blocks (`keep_blocks`: gpu_worker/models/gguf_blocks.py), which
+linear weights the caller asks to keep in their blocks (`keep_blocks`: gpu_worker/gguf_blocks.py), which
 the model packs for the GGUF kernel; a Hugging Face checkpoint's fp8 weights stay fp8 with their scales
 (gpu_worker/models/fp8_checkpoint.py).
 """
@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from gpu_worker.models import fp8_checkpoint
-from gpu_worker.models.gguf_blocks import GGUFBlocks
+from gpu_worker.gguf_blocks import GGUFBlocks
+from gpu_worker.model_config import ModelConfig
 from hetero_common.model_files import ModelFileError, read_json, token_ids
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -25,26 +26,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 class CheckpointError(ModelFileError):
     """A checkpoint cannot be loaded; the message says what to fix."""
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None  # HF rope_scaling dict (e.g. llama3) or None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections have biases (qwen2)
-    bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
 
 
 def expected_tensor_names(config: ModelConfig) -> list[str]:

@@ -23,8 +23,8 @@ from gpu_worker.cpu import fused_ops
 from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, pack_weight
 from gpu_worker.lora.lora_slots import NativeLoraBatch, StepLora
-from gpu_worker.models.checkpoint import ModelConfig
-from gpu_worker.models.gguf_blocks import GGUFBlocks
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.gguf_blocks import GGUFBlocks
 from gpu_worker.parallel.tensor_parallel import TensorParallel
 from kernels import flashinfer_fused, fp8_linear, int8_linear
 from kernels.attention_backend import AttentionBackend
@@ -162,7 +162,7 @@ class LlamaModel:
         `fused`: run RMSNorm (with the residual add), RoPE and SiLU·mul as one kernel each where such kernels are
         available: the C kernels on a bfloat16 CPU (gpu_worker/cpu/fused_ops.py), FlashInfer's on CUDA
         (kernels/flashinfer_fused.py). `gguf_blocks` (with `native_linear`): weights the checkpoint kept in GGUF blocks
-        (gpu_worker/models/gguf_blocks.py) are computed from them (kernels/native/linear_gguf.py) where the kernel takes
+        (gpu_worker/gguf_blocks.py) are computed from them (kernels/native/linear_gguf.py) where the kernel takes
         their type; others are dequantized. `int8_weights` (with `native_linear`): every other linear weight is
         quantized to int8 per block of 32 (kernels/native/linear_gguf.int8_blocks) for the same kernel. `fp8_weights`:
         the layers' linear weights in fp8 with per-channel scales (kernels/fp8_linear.py), the LM head not;

@@ -15,11 +15,21 @@ at most `ROWS_PER_PASS` rows at a time; only the chosen and top-k values are kep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from gpu_worker.models.model import LlamaModel
 from hetero.v1 import common_pb2, worker_pb2
+
+
+class LogitsHead(Protocol):
+    """What scoring needs of the model (`gpu_worker.models.model.LlamaModel`; named by its shape, since the
+    model's room builds on this one): its output projection and the logits of final-norm rows."""
+
+    lm_head: torch.Tensor
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
 
 ROWS_PER_PASS = 256  # logits rows alive at once: 256 x 49,152 floats is 48 MiB for SmolLM2's vocabulary
 
@@ -56,7 +66,7 @@ def prompt_span(seq_id: int, num_top: int | None, token_ids: list[int], num_gene
     return PromptSpan(seq_id, first_row, num_computed + 1, token_ids[num_computed + 1:end + 1], num_top)
 
 
-def score(model: LlamaModel, hidden: torch.Tensor, spans: list[PromptSpan]) -> list[worker_pb2.PromptLogprobs]:
+def score(model: LogitsHead, hidden: torch.Tensor, spans: list[PromptSpan]) -> list[worker_pb2.PromptLogprobs]:
     """Each span's entry: float32 log_softmax of the raw logits at its rows, the prompt token's
     value and the `num_top` best alternatives (best first)."""
     entries = []

@@ -22,8 +22,9 @@ completes a prompt that forks into several samples (n > 1): the forks take their
 
 from __future__ import annotations
 
-from scheduler_svc.core.sequence import Sequence, SequenceStatus
+from scheduler_svc.core.step_plan import disarm
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
+from scheduler_svc.sequence import Sequence, SequenceStatus
 
 PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
 PLACEHOLDER = -1  # a token id no vocabulary has: never sent to a worker (admission waits for the real one)
@@ -62,13 +63,12 @@ class StepInFlight:
     def count(self, kv_cache: KVCacheManager) -> None:
         """The entries as computed, full blocks offered to the prefix cache, in plan order: when the step's
         result arrives, before any row frees blocks, or when the next step is planned ahead of it."""
-        caching, bs = kv_cache.enable_prefix_caching, kv_cache.block_size
-        register_full_blocks = kv_cache.register_full_blocks
+        caching, register_full_blocks = kv_cache.enable_prefix_caching, kv_cache.register_full_blocks
         for seq, n in self.entries:
             status = seq.status
             if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
-                computed = seq.num_computed = seq.num_computed + n
-                if caching and computed >= (seq.num_registered + 1) * bs:  # a block filled (its check, inlined)
+                seq.num_computed += n
+                if caching:
                     register_full_blocks(seq)
         self.entries = []
 
@@ -93,7 +93,7 @@ class StepInFlight:
                 # The token N samples ends the sequence by length: nothing more to plan for it
                 # (schedule() skips a decode with nothing left to compute).
                 seq.num_computed = num + 1
-                seq.fast_until = 0
+                disarm(seq)
 
     def take_drafted(self) -> list[Sequence]:
         """The step's decodes with drafts, once its result is read (their blocks past their tokens to free)."""

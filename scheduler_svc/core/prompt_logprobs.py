@@ -52,7 +52,3 @@ class PromptLogprobs:
                       missing_positions=sorted(p + 1 for p in self.missing)[:10], num_missing=len(self.missing))
         return self.logprobs, [t if t is not None else common_pb2.TopLogprobs() for t in self.top]
 
-
-def needs_prompt_logits(params: common_pb2.SamplingParams, index: int, first_output_sent: bool) -> bool:
-    """Whether a sample still has prompt logprobs to deliver (so every prompt position must be computed)."""
-    return index == 0 and not first_output_sent and params.HasField("prompt_logprobs")

@@ -10,19 +10,26 @@ forget it; the scheduler takes it off whichever queue it was in.
 from __future__ import annotations
 
 from scheduler_svc.core.overlap import drop_placeholders
-from scheduler_svc.core.sequence import Sequence, SequenceStatus
-from scheduler_svc.core.step_plan import WorkerOutbox
+from scheduler_svc.core.result_reader import ResultReader
+from scheduler_svc.core.step_plan import WorkerOutbox, disarm
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
+from scheduler_svc.sequence import Sequence, SequenceStatus, fork_sample
+from scheduler_svc.speculation.speculation import Speculator
 
 
 class RequestTable:
-    __slots__ = ("requests", "samples", "sequences", "_kv_cache", "_outbox")
+    """The requests in flight; a sample's entry and exit, and with its exit the state its features kept about it
+    (its blocks, what the worker holds, its prompt logprobs, its drafting)."""
 
-    def __init__(self, kv_cache: KVCacheManager, outbox: WorkerOutbox) -> None:
+    __slots__ = ("requests", "samples", "sequences", "_kv_cache", "_outbox", "_results", "_speculator")
+
+    def __init__(self, kv_cache: KVCacheManager, outbox: WorkerOutbox, results: ResultReader,
+                 speculator: Speculator | None) -> None:
         self.requests: dict[str, Sequence] = {}  # request id -> sample 0, while any sample is unfinished
         self.samples: dict[str, list[Sequence]] = {}  # request id -> its unfinished samples
         self.sequences: dict[int, Sequence] = {}  # seq id -> sample: how worker results find their sequence
         self._kv_cache, self._outbox = kv_cache, outbox
+        self._results, self._speculator = results, speculator
 
     def add(self, seq: Sequence) -> None:
         """A new request, its sample 0."""
@@ -41,15 +48,16 @@ class RequestTable:
     def fork(self, parent: Sequence, index: int, seq_id: int) -> Sequence:
         """Sample `index` of the parent's request, whose prompt is computed: it shares the parent's prompt
         blocks by reference (kv_cache_manager.py)."""
-        child = self._kv_cache.fork(parent, index, seq_id)
+        child = fork_sample(parent, index, seq_id)
+        self._kv_cache.fork(parent, child)
+        disarm(parent)  # its blocks are shared now: its next write may need a copy
         self.add_sample(child)
         return child
 
-    def end(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
+    def end(self, seq: Sequence, status: SequenceStatus) -> None:
         """A sample is done: blocks freed, the worker told; its request leaves with its last sample."""
         seq.status = status
-        seq.finish_reason = reason
-        self._kv_cache.free(seq)
+        self._forget(seq)
         self._outbox.release(seq)
         self.sequences.pop(seq.seq_id, None)
         live = self.samples.get(seq.request_id, [])
@@ -69,9 +77,16 @@ class RequestTable:
         seqs = sorted((s for samples in self.samples.values() for s in samples), key=lambda s: (s.arrival_time, s.index))
         drop_placeholders(seqs)
         for seq in seqs:
-            self._kv_cache.free(seq)
+            self._forget(seq)
             seq.reset_for_recompute()
         self.requests.clear()
         self.samples.clear()
         self.sequences.clear()
         return seqs
+
+    def _forget(self, seq: Sequence) -> None:
+        """What the sample's features kept about it goes: its blocks, prompt logprobs and drafting."""
+        self._kv_cache.forget(seq)
+        self._results.forget(seq)
+        if self._speculator is not None:
+            self._speculator.forget(seq)

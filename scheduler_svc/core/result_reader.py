@@ -13,8 +13,10 @@ import time
 from collections.abc import Iterable
 
 from hetero.v1 import common_pb2, worker_pb2
-from scheduler_svc.core.sequence import Sequence, SequenceStatus
+from scheduler_svc.core.prompt_logprobs import PromptLogprobs
 from scheduler_svc.core.token_output import SampledRows, StepOutputs, TokenOutput, finish_reason
+from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.speculation.speculation import Speculator
 
 PREFILL, DECODE = SequenceStatus.PREFILL, SequenceStatus.DECODE
 COMPLETED, FAILED = SequenceStatus.COMPLETED, SequenceStatus.FAILED  # tested with `is`
@@ -29,18 +31,21 @@ class StepRead:
     def __init__(self, now: float) -> None:
         self.outputs = StepOutputs(now)
         self.forks: list[Sequence] = []  # samples whose prompt is computed: they fork the request's others
-        # (sample, finish reason, status, ran): in row order. `ran`: it was in `running` for this step and is
+        # (sample, status, ran): in row order (the finish reason is in its output). `ran`: it was in `running` for this step and is
         # taken off it with the others once all are ended; else it is taken off whichever queue holds it.
-        self.ends: list[tuple[Sequence, int, SequenceStatus, bool]] = []
+        self.ends: list[tuple[Sequence, SequenceStatus, bool]] = []
         self.drafts_accepted = 0  # speculative drafts the worker kept (those after a stop included)
 
 
 class ResultReader:
-    """Reads StepResults against the stop conditions: EOS and stop ids, max_tokens, max_model_len."""
+    """Reads StepResults against the stop conditions: EOS and stop ids, max_tokens, max_model_len. It keeps
+    each sample's prompt logprobs until its first output carries them (`prompt_logprobs`, by seq id)."""
 
-    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int, speculator: Speculator | None) -> None:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self._speculator = speculator  # the drafting state of the rows that carried drafts
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # seq id -> its prompt logprobs so far
         # Every token id that may end a sequence: EOS and any request's stop ids (it only grows). A sampled
         # token outside it ends a sequence by length alone, which `read` checks inline.
         self._maybe_stop_ids = set(eos_token_ids)
@@ -48,6 +53,14 @@ class ResultReader:
     def watch_stop_ids(self, stop_token_ids: Iterable[int]) -> None:
         """A request with these stop ids is in flight."""
         self._maybe_stop_ids.update(stop_token_ids)
+
+    def forget(self, seq: Sequence) -> None:
+        """The sample ended: prompt logprobs it never delivered go."""
+        self.prompt_logprobs.pop(seq.seq_id, None)
+
+    def clear(self) -> None:
+        """Every sample left (a failed worker): they are computed again, their prompt logprobs with them."""
+        self.prompt_logprobs.clear()
 
     def read(self, result: worker_pb2.StepResult, sequences: dict[int, Sequence]) -> StepRead:
         """Apply one step's sampled tokens to their sequences (found by seq id; a row whose sequence is gone
@@ -85,17 +98,18 @@ class ResultReader:
                     add_token(token)
                 else:
                     outputs.add(TokenOutput(seq.request_id, [token], LENGTH, timestamp=now, index=seq.index))
-                    ends.append((seq, LENGTH, COMPLETED, True))
+                    ends.append((seq, COMPLETED, True))
                 continue
             if rows is None:
-                rows = SampledRows(result)
+                rows = SampledRows(result, self.prompt_logprobs)
             self._read_row(seq, token, 0, rows, step)  # the row index: for logprobs, none here
         return step
 
     def _read_rows(self, result: worker_pb2.StepResult, sequences: dict[int, Sequence], step: StepRead) -> None:
         """Every row through `_read_row`: a step with logprobs, prompt logprobs, failed samples or speculative
         drafts (a row's kept drafts come before its token: `_read_drafted_row`)."""
-        rows = SampledRows(result, sequences)  # files the step's prompt logprobs first
+        rows = SampledRows(result, self.prompt_logprobs, sequences)  # files the step's prompt logprobs first
+        speculator = self._speculator
         failures = {f.seq_id: f.error for f in result.failures}
         counts, kept_ids, first_kept = result.num_accepted_drafts, result.accepted_draft_ids, 0
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
@@ -106,14 +120,14 @@ class ResultReader:
                 continue  # aborted while the step ran
             if failures and seq_id in failures:  # e.g. the worker could not apply this sample's constraint
                 if seq.status is not COMPLETED and seq.status is not FAILED:
-                    step.ends.append((seq, ERROR, FAILED, False))
+                    step.ends.append((seq, FAILED, False))
                     step.outputs.add(TokenOutput(seq.request_id, finish_reason=ERROR, index=seq.index,
                                                  error=f"this sample failed on the worker: {failures[seq_id]}"))
                 continue
             # a decode drafted in this step, kept drafts or not (a sequence whose drafted step was lost, recomputed
             # since, is no decode when its length comes round again)
-            if kept or (kept is not None and seq.status is DECODE and seq.drafting is not None
-                        and seq.drafting.drafted_for(len(seq.token_ids))):
+            drafting = speculator.state_of(seq) if speculator is not None and kept is not None else None
+            if kept or (drafting is not None and seq.status is DECODE and drafting.drafted_for(len(seq.token_ids))):
                 self._read_drafted_row(seq, kept, token, i, rows, step, first_kept - len(kept))
             else:
                 self._read_row(seq, token, i, rows, step)
@@ -137,11 +151,12 @@ class ResultReader:
             if reason:
                 break
         out = rows.output(seq, token, row, step.outputs.timestamp, reason, emitted, first_kept, len(kept))
-        if seq.drafting is not None:  # the request's usage counts its drafts (Usage.speculative_*)
-            out.draft_tokens, out.accepted_drafts = seq.drafting.proposed, len(kept)
+        drafting = self._speculator.state_of(seq) if self._speculator is not None else None
+        if drafting is not None:  # the request's usage counts its drafts (Usage.speculative_*)
+            out.draft_tokens, out.accepted_drafts = drafting.proposed, len(kept)
         step.outputs.add(out)
         if reason:
-            step.ends.append((seq, reason, COMPLETED, True))
+            step.ends.append((seq, COMPLETED, True))
 
     def _read_row(self, seq: Sequence, token: int, row: int, rows: SampledRows, step: StepRead) -> None:
         """Apply one sampled token to its sequence and add its output (and its fork or end, if any)."""
@@ -162,7 +177,7 @@ class ResultReader:
         reason = finish_reason(seq, token, self.eos_token_ids, self.max_model_len)
         step.outputs.add(rows.output(seq, token, row, step.outputs.timestamp, reason))
         if reason:
-            step.ends.append((seq, reason, COMPLETED, ran))
+            step.ends.append((seq, COMPLETED, ran))
 
 
 def _read_embeddings(result: worker_pb2.StepResult, sequences: dict[int, Sequence], step: StepRead) -> None:
@@ -176,4 +191,4 @@ def _read_embeddings(result: worker_pb2.StepResult, sequences: dict[int, Sequenc
         step.outputs.add(TokenOutput(seq.request_id, (), STOP, timestamp=step.outputs.timestamp,
                                      queue_seconds=seq.queue_seconds or 0.0, index=seq.index,
                                      embedding=pooled.values))
-        step.ends.append((seq, STOP, COMPLETED, True))
+        step.ends.append((seq, COMPLETED, True))

@@ -27,9 +27,9 @@ from scheduler_svc.core.overlap import StepInFlight
 from scheduler_svc.core.request_limits import RequestLimits
 from scheduler_svc.core.request_table import RequestTable
 from scheduler_svc.core.result_reader import ResultReader
-from scheduler_svc.core.sequence import Sequence, SequenceStatus
+from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.core.stats import pool_stats
-from scheduler_svc.core.step_plan import SMALL_VARINTS, PlanWriter, WorkerOutbox, plan_needs_worker
+from scheduler_svc.core.step_plan import SMALL_VARINTS, PlanWriter, WorkerOutbox, disarm, plan_needs_worker
 from scheduler_svc.core.token_output import StepOutputs, TokenOutput
 from scheduler_svc.core.waiting_queue import WaitingQueue
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
@@ -52,12 +52,14 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self._limits = RequestLimits(max_model_len, num_blocks, self.block_size)
         self.max_model_len = self._limits.max_model_len  # at most the KV pool's capacity
-        self._results = ResultReader(self.eos_token_ids, self.max_model_len)
+        self.speculator = Speculator(config, self.max_model_len) if config.speculative_method != "none" else None
+        self._results = ResultReader(self.eos_token_ids, self.max_model_len, self.speculator)
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # admitted, in admission order
         self.swapped = SwappedQueue()  # preempted to host memory, oldest first
         self._outbox = WorkerOutbox()  # block copies, swap-outs and released seq ids for the next plans
-        self._table = RequestTable(self.kv_cache, self._outbox)  # in flight: `requests`, `samples`, `sequences`
+        # in flight: `requests`, `samples`, `sequences`
+        self._table = RequestTable(self.kv_cache, self._outbox, self._results, self.speculator)
         self._next_seq_id = 0
         self.step_id = 0
         self.num_preemptions = 0
@@ -67,7 +69,6 @@ class Scheduler:
         # All of `running` was scheduled in the last step, so it is in the decode pass's order (cleared by forks).
         self._running_in_order = False
         self._in_flight = StepInFlight()  # the last plan's entries, fast decodes aside, and the step planned ahead of
-        self.speculator = Speculator(config, self.max_model_len) if config.speculative_method != "none" else None
 
     @property
     def num_blocks(self) -> int:
@@ -92,16 +93,22 @@ class Scheduler:
     # ---------------------------------------------------------------- requests in and out
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: common_pb2.SamplingParams,
-                    cache_salt: str = "", priority: int = 0, lora_slot: int = 0, pooling: int = 0) -> Sequence:
-        """Queue a request; `pooling` (common_pb2.Pooling): an embedding, whose prompt is computed and pooled."""
+                    cache_salt: str = "", priority: int = 0, lora_slot: int = 0, pooling: int = 0,
+                    deadline: float | None = None, block_hashes: list[bytes] | None = None) -> Sequence:
+        """Queue a request; `pooling` (common_pb2.Pooling): an embedding, whose prompt is computed and pooled.
+        `deadline`: time.monotonic() after which it is dropped; `block_hashes`: its prompt's prefix-cache hashes,
+        when the router computed them already."""
         if request_id in self.requests:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight; use a unique id per request")
         sampling = resolve(params)
         self._limits.check_request(len(prompt_token_ids), sampling.n, pooling)
-        seq = Sequence(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling, params,
-                       cache_salt=cache_salt, pending_forks=sampling.n - 1, priority=priority,
-                       speculative=self.speculator is not None and not pooling, lora_slot=lora_slot, pooling=pooling)
+        seq = Sequence.new(self._next_seq_id, request_id, list(prompt_token_ids), len(prompt_token_ids), sampling,
+                           params, pending_forks=sampling.n - 1, cache_salt=cache_salt, priority=priority,
+                           speculative=self.speculator is not None and not pooling, lora_slot=lora_slot,
+                           pooling=pooling, deadline=deadline)
         self._next_seq_id += 1
+        if block_hashes:
+            self.kv_cache.offer_hashes(seq, block_hashes)
         self._results.watch_stop_ids(sampling.stop_token_ids)
         self._table.add(seq)
         self.waiting.append(seq)
@@ -113,8 +120,12 @@ class Scheduler:
         status = COMPLETED if reason != FR.FINISH_REASON_ERROR else FAILED
         for seq in seqs:
             seq.pending_forks = 0
-            self._finish(seq, reason, status)
+            self._finish(seq, status)
         return [seq.index for seq in seqs]
+
+    def on_worker(self, seq: Sequence) -> bool:
+        """Whether the worker holds the sequence's state (sent whole and not released since)."""
+        return self._outbox.holds(seq)
 
     def has_pending_work(self) -> bool:
         return not self.suspended and bool(self.waiting or self.running or self.swapped)
@@ -143,7 +154,7 @@ class Scheduler:
         if self.suspended:
             return worker_pb2.StepPlan(step_id=self.step_id)
         self.step_id += 1
-        writer = PlanWriter(self.kv_cache)
+        writer = PlanWriter(self.kv_cache, self._outbox)
         # This step's entries but its fast decodes: (sequence, tokens to compute). A scheduled sequence's
         # last_scheduled_step is this step_id: that marks the batch, which no preemption may pick (O(1)).
         scheduled: list[tuple[Sequence, int]] = []
@@ -161,7 +172,7 @@ class Scheduler:
             self.speculator.planned(self.step_id, self.config.max_total_tokens - token_budget, len(self.running))
         # One each for all of `running`: it is in the next decode pass's order already.
         self._running_in_order = self.max_batch_size - seq_budget == len(self.running)
-        return writer.plan(self.step_id, self._outbox)
+        return writer.plan(self.step_id)
 
     def _schedule_decodes(self, writer: PlanWriter, scheduled: list[tuple[Sequence, int]]) -> tuple[int, int, bool]:
         """Phase 1: the running decodes, one token each, least recently scheduled first (fair when running >
@@ -195,10 +206,10 @@ class Scheduler:
                 continue  # planned ahead, and the token in flight ends it by length (overlap.py)
             if n <= token_budget:  # allocate_slots: _reserve's first try, made here (most decodes need no more)
                 copies, drafts, asked = (self.speculator.allocate(seq, token_budget, self.kv_cache)  # type: ignore[union-attr]
-                                         if seq.speculative and n == 1 else (allocate_slots(seq, n), (), 0))
+                                         if seq.info.speculative and n == 1 else (allocate_slots(seq, n), (), 0))
                 if copies is not None or self._reserve(seq, n):
                     if copies:
-                        self._outbox.copy_blocks(seq, copies)
+                        self._outbox.copy_blocks(copies)
                     seq.last_scheduled_step = step_id
                     scheduled.append((seq, n))
                     writer.entry(seq, n, drafts, asked)
@@ -228,10 +239,11 @@ class Scheduler:
         new is admitted. Not while a block copy is pending: a swap-in lands before the copies on the worker
         and could overwrite a source."""
         while self.swapped and not self._outbox.copies_pending and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped.pop_ready(self.kv_cache)
-            if seq is None:
+            ready = self.swapped.pop_ready(self.kv_cache)
+            if ready is None:
                 break
-            writer.swap_in(seq)
+            seq, block_ids, seq.status = ready
+            writer.swap_in(seq, block_ids)
             self.running.append(seq)
 
     def _admit_waiting(self, scheduled: list[tuple[Sequence, int]], seq_budget: int,
@@ -247,10 +259,13 @@ class Scheduler:
             n = chunk_size(self.config, seq, token_budget, num_computed=len(hits) * self.block_size)
             # The memory threshold never starves an idle engine: with nothing running, every block may be used.
             max_used = self.config.memory_threshold * self.num_blocks if self.running else self.num_blocks
-            if n == 0 or not self.kv_cache.can_admit(seq, hits, n, max_used):
+            if n == 0 or not self.kv_cache.can_admit(hits, n, max_used):
                 break
             self.waiting.popleft()
-            self.kv_cache.admit(seq, hits, n)
+            first = seq.cached_prompt_tokens is None
+            seq.num_computed = self.kv_cache.admit(seq, hits, n, first)
+            if first:  # the prefix-cache hit a prompt's usage reports (not again after a preemption)
+                seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
             seq.status = PREFILL
             if seq.queue_seconds is None:  # arrival to first admission (metrics)
                 seq.queue_seconds = time.monotonic() - seq.arrival_time
@@ -279,7 +294,7 @@ class Scheduler:
         while True:
             copies = self.kv_cache.allocate_slots(seq, num_new_tokens)
             if copies is not None:
-                self._outbox.copy_blocks(seq, copies)
+                self._outbox.copy_blocks(copies)
                 return True
             victim = preemption_victim(self.running, seq, self.step_id, self.waiting.any_priority)
             self._preempt(victim)
@@ -289,7 +304,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Take a running sequence off the batch (`preemption_victim`), by swapping when it has K/V on the worker."""
         self.num_preemptions += 1
-        if self.config.preemption_mode == "swap" and seq.on_worker and seq.num_computed > 0:
+        if self.config.preemption_mode == "swap" and self._outbox.holds(seq) and seq.num_computed > 0:
             self._swap_out(seq)
         else:
             self._preempt_recompute(seq)
@@ -308,8 +323,10 @@ class Scheduler:
         """The worker copies the blocks holding K/V to host memory; the device blocks are freed."""
         self.running.remove(seq)
         held = self.kv_cache.swap_out(seq)
+        disarm(seq)  # its blocks are gone; the worker keeps its state
         self._outbox.swap_out(seq.seq_id, held)
-        self.swapped.add(seq, len(held))
+        self.swapped.add(seq)
+        seq.status = SequenceStatus.SWAPPED
         self.num_swap_outs += 1
         log.info("preempted", mode="swap", request_id=seq.request_id, blocks=len(held), free_blocks=self.kv_cache.num_free)
 
@@ -336,16 +353,16 @@ class Scheduler:
         self._running_in_order = False  # the children were never scheduled
         parent.pending_forks = 0
 
-    def _end_samples(self, ends: list[tuple[Sequence, int, SequenceStatus, bool]]) -> None:
+    def _end_samples(self, ends: list[tuple[Sequence, SequenceStatus, bool]]) -> None:
         """End the samples a result ended (result_reader.StepRead.ends), in row order. Those that ran leave
         `running` together afterwards: a few one by one (a search in C each), many in one pass."""
         ran = []
-        for seq, reason, status, in_running in ends:
+        for seq, status, in_running in ends:
             if in_running:
-                self._table.end(seq, reason, status)
+                self._table.end(seq, status)
                 ran.append(seq)
             else:
-                self._finish(seq, reason, status)
+                self._finish(seq, status)
         if len(ran) <= 8:
             for seq in ran:
                 self.running.remove(seq)
@@ -359,11 +376,11 @@ class Scheduler:
         outputs = []
         for rid, seqs in list(self.samples.items()):
             for seq in list(seqs):
-                self._finish(seq, FR.FINISH_REASON_ERROR, FAILED)
+                self._finish(seq, FAILED)
                 outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error, index=seq.index))
         return StepOutputs.of(outputs)
 
-    def _finish(self, seq: Sequence, reason: int, status: SequenceStatus) -> None:
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self._outbox.cancel_swap_out(seq.seq_id)
@@ -371,7 +388,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._table.end(seq, reason, status)
+        self._table.end(seq, status)
 
     # ---------------------------------------------------------------- scale and resilience
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol, Sized
 
 from hetero.v1 import common_pb2
-from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.sequence import Sequence
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
 from scheduler_svc.speculation.speculation import Speculator
 

@@ -3,14 +3,16 @@ a sequence is sent whole once, afterwards only its appended blocks and table edi
 
 The scheduler decides; this module writes: `PlanWriter` holds one step's entries as protobuf wire
 bytes (`write_entry`) and its swap-ins, `WorkerOutbox` what the worker is to be told with a later
-plan (block copies, swap-outs, sequences to forget), and `PlanWriter.plan` puts them together.
+plan (block copies, swap-outs, sequences to forget) and which sequences it holds, and `PlanWriter.plan`
+puts them together. A sequence's new blocks and table edits come from the KV manager as a value
+(`KVBlocks`, `KVCacheManager.take_unsent`): this module never reads a block table.
 """
 
 from __future__ import annotations
 
 from hetero.v1 import worker_pb2
-from scheduler_svc.core.sequence import Sequence
-from scheduler_svc.kv.kv_cache_manager import CopiedBlock, KVCacheManager
+from scheduler_svc.sequence import Sequence
+from scheduler_svc.kv.kv_cache_manager import CopiedBlock, KVBlocks, KVCacheManager
 
 
 def plan_needs_worker(plan: worker_pb2.StepPlan) -> bool:
@@ -63,51 +65,49 @@ _NEW_POOLING = _tag(worker_pb2.NewSequence, "pooling", _VARINT)
 _DECODE_TAG_BYTES = len(_SEQ_ID) + len(_NUM_TOKENS) + len(_SAMPLE_TRUE) + len(_NUM_CACHED)
 
 
-def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int]],
-                  kv_cache: KVCacheManager | None = None) -> None:
+def add_scheduled(plan: worker_pb2.StepPlan, scheduled: list[tuple[Sequence, int]], kv_cache: KVCacheManager,
+                  outbox: WorkerOutbox, arm: bool = True) -> None:
     """Schedule each sequence's next `num_tokens` uncomputed tokens; their blocks are already allocated.
 
     The `scheduled` entries are one per sequence per step, so they are written as wire bytes and
     parsed into the plan in one call: building a message per entry cost several times more. The
     bytes are protobuf's own encoding (an empty proto3 field is left out, as protobuf does), and the
     plan holds the parsed messages, so its serialization is the one of entries built field by field.
-    With `kv_cache`, each entry arms its sequence's decode fast path (`write_entry`)."""
+    With `arm`, each entry arms its sequence's decode fast path (`write_entry`)."""
     parts: list[bytes] = []
     for seq, num_tokens in scheduled:
-        write_entry(parts, seq, num_tokens, kv_cache)
+        write_entry(parts, seq, num_tokens, kv_cache, outbox, arm=arm)
     plan.MergeFromString(b"".join(parts))
 
 
-def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KVCacheManager | None,
-                drafts: list[int] | tuple[()] = (), model_drafts: int = 0) -> None:
+def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KVCacheManager, outbox: WorkerOutbox,
+                drafts: list[int] | tuple[()] = (), model_drafts: int = 0, arm: bool = True) -> None:
     """One `scheduled` entry's wire bytes, appended to `parts` (for a sequence not on the worker yet, its
     `new_sequences` entry first: the plan parses them into their own field, in order).
 
     Every entry but one with copy-on-write table edits is written by hand (`_entry_bytes`). Then the
-    sequence's next decode is prepared (with `kv_cache`): `seq.fast_until` is the token count up to which
+    sequence's next decode is prepared (with `arm`): `seq.fast_until` is the token count up to which
     that decode's entry is the plain one with its bytes before num_cached_tokens the same (`seq.decode_head`,
     kept on the sequence) and needs no block: no new block, no copy-on-write (blocks it holds alone),
     num_cached_tokens' varint as long. The scheduler writes such a decode's entry itself
     (`decode_head` + num_cached_tokens' varint) without coming here; anything that changes the sequence's
-    blocks or worker state sets `fast_until` to 0 (`KVCacheManager.free` and `fork`, `WorkerOutbox.release`).
+    blocks or worker state sets `fast_until` to 0 (`disarm`: a free, a fork, a swap-out, `WorkerOutbox.release`).
     `drafts`: speculative proposals after the sequence's last token (speculation.py), computed with it;
     `model_drafts`: how many the worker's draft model is to propose instead. A `speculative` sequence's decodes
     are never armed (its next one may carry drafts)."""
     token_ids = seq.token_ids
-    if not seq.on_worker:
+    if seq.seq_id not in outbox.on_worker:
         parts += new_sequence_bytes(seq)
-        seq.on_worker = True
-    num_computed, table = seq.num_computed, seq.block_table
+        outbox.on_worker.add(seq.seq_id)
+    num_computed, blocks = seq.num_computed, kv_cache.take_unsent(seq)
     sample = num_computed + num_tokens == len(token_ids)
-    if (seq.pending_edits or len(table) > seq.num_blocks_sent or not sample or not num_computed or drafts
-            or model_drafts):
-        body = _entry_bytes(seq, num_tokens, sample, drafts, model_drafts)
+    if blocks or not sample or not num_computed or drafts or model_drafts:
+        body = _entry_bytes(seq, num_tokens, sample, blocks, drafts, model_drafts)
         parts += (_PLAN_SCHEDULED, varint(len(body)), body)
     else:  # a decode in blocks the worker has: seq_id, num_tokens, sample = true, num_cached_tokens
         parts += (decode_head(seq.seq_id, num_computed, num_tokens), varint(num_computed))
-    seq.num_blocks_sent = len(table)
     computed = num_computed + num_tokens  # the next decode's num_cached_tokens
-    room = kv_cache.decode_room(seq, computed) if kv_cache is not None and sample and not seq.speculative else 0
+    room = kv_cache.decode_room(seq, computed) if arm and sample and not seq.info.speculative else 0
     if room:
         seq.fast_until = min(room, 128 if computed < 128 else 16384 if computed < 16384 else 0)
         seq.decode_head = decode_head(seq.seq_id, computed, 1)
@@ -143,19 +143,23 @@ def decode_head(seq_id: int, num_computed: int, num_tokens: int) -> bytes:
     return b"".join((_PLAN_SCHEDULED, varint(size), _SEQ_ID, a, _NUM_TOKENS, b, _SAMPLE_TRUE, _NUM_CACHED))
 
 
-def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool, drafts: list[int] | tuple[()] = (),
+def disarm(seq: Sequence) -> None:
+    """The sequence's blocks or worker state changed: its next decode takes the general path (`write_entry`)."""
+    seq.fast_until = 0
+
+
+def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool, blocks: KVBlocks, drafts: list[int] | tuple[()] = (),
                  model_drafts: int = 0) -> bytes:
     """Any other entry: new blocks, a prompt chunk, table edits (copy-on-write). Written by hand too, but
     for table edits (rare: a message); a message per entry cost three times as much (one per admission
     and per block a sequence fills)."""
-    new_blocks = seq.block_table[seq.num_blocks_sent:]
-    if seq.pending_edits:
+    new_blocks = blocks.new_block_ids
+    if blocks.edits:
         entry = worker_pb2.ScheduledSequence(seq_id=seq.seq_id, num_tokens=num_tokens + len(drafts) + model_drafts,
                                              sample=sample, new_block_ids=new_blocks, num_cached_tokens=seq.num_computed,
                                              draft_token_ids=drafts, num_draft_model_tokens=model_drafts)
-        for index, block_id in seq.pending_edits:
+        for index, block_id in blocks.edits:
             entry.block_table_edits.add(index=index, block_id=block_id)
-        seq.pending_edits.clear()
         return entry.SerializeToString()
     parts = [_SEQ_ID, varint(seq.seq_id)] if seq.seq_id else []  # in number order, empty fields left out (as protobuf)
     if num_tokens:
@@ -178,21 +182,27 @@ def _entry_bytes(seq: Sequence, num_tokens: int, sample: bool, drafts: list[int]
 class WorkerOutbox:
     """What the worker is to be told besides a step's entries, kept until a plan carries it: swap-outs
     (blocks to copy to host memory) and block copies (copy-on-write) go with the next plan; the seq ids
-    it should forget wait for a plan that must reach the worker anyway (`plan_needs_worker`)."""
+    it should forget wait for a plan that must reach the worker anyway (`plan_needs_worker`). And which
+    sequences the worker holds (sent whole once: `write_entry`)."""
 
-    __slots__ = ("swap_outs", "block_copies", "released")
+    __slots__ = ("swap_outs", "block_copies", "released", "on_worker")
 
     def __init__(self) -> None:
         self.swap_outs: list[worker_pb2.SwapBlocks] = []
         self.block_copies: list[worker_pb2.BlockCopy] = []
         self.released: list[int] = []
+        self.on_worker: set[int] = set()  # seq ids the worker holds the state of
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether the worker holds the sequence's state (it was sent whole and not released since)."""
+        return seq.seq_id in self.on_worker
 
     def release(self, seq: Sequence) -> None:
         """The worker forgets the sequence with the next plan it is sent."""
-        if seq.on_worker:
+        if seq.seq_id in self.on_worker:
+            self.on_worker.discard(seq.seq_id)
             self.released.append(seq.seq_id)
-            seq.on_worker = False
-            seq.fast_until = 0
+            disarm(seq)
 
     def swap_out(self, seq_id: int, block_ids: list[int]) -> None:
         """The worker copies these blocks of the sequence to host memory before the next step."""
@@ -203,13 +213,11 @@ class WorkerOutbox:
         before swapping."""
         self.swap_outs = [sw for sw in self.swap_outs if sw.seq_id != seq_id]
 
-    def copy_blocks(self, seq: Sequence, copies: list[CopiedBlock]) -> None:
-        """The worker copies each shared block before the step writes into it; where the worker
-        already holds the old block id in the sequence's table, the table is edited too."""
+    def copy_blocks(self, copies: list[CopiedBlock]) -> None:
+        """The worker copies each shared block before the step writes into it (where its table holds the old
+        block, the KV manager keeps the edit for the sequence's next entry: `take_unsent`)."""
         for c in copies:
             self.block_copies.append(worker_pb2.BlockCopy(src=c.src, dst=c.dst))
-            if c.index < seq.num_blocks_sent:
-                seq.pending_edits.append((c.index, c.dst))
 
     def send_moves(self, plan: worker_pb2.StepPlan) -> None:
         """The swap-outs and block copies go with this plan (the worker does them before its step)."""
@@ -232,19 +240,20 @@ class WorkerOutbox:
         return bool(self.block_copies)
 
     def clear(self) -> None:
-        """The worker's state is void: nothing to tell it."""
+        """The worker's state is void: nothing to tell it, and it holds nothing."""
         for pending in (self.swap_outs, self.block_copies, self.released):
             pending.clear()
+        self.on_worker.clear()
 
 
 class PlanWriter:
     """One step's plan while the scheduler decides it: the scheduled entries as wire bytes in plan order
     (`write_entry`, into `parts`), and the swap-ins. `plan` parses them into the StepPlan."""
 
-    __slots__ = ("kv_cache", "parts", "swap_ins", "drafted")
+    __slots__ = ("kv_cache", "outbox", "parts", "swap_ins", "drafted")
 
-    def __init__(self, kv_cache: KVCacheManager) -> None:
-        self.kv_cache = kv_cache
+    def __init__(self, kv_cache: KVCacheManager, outbox: WorkerOutbox) -> None:
+        self.kv_cache, self.outbox = kv_cache, outbox
         # The entries' bytes. A decode on its fast path (`write_entry`: `Sequence.fast_until`) is written
         # into it by the scheduler itself, as its `decode_head` and num_cached_tokens' varint (SMALL_VARINTS).
         self.parts: list[bytes] = []
@@ -254,21 +263,21 @@ class PlanWriter:
     def entry(self, seq: Sequence, num_tokens: int, drafts: list[int] | tuple[()] = (), model_drafts: int = 0) -> None:
         """Schedule the sequence's next `num_tokens` tokens (their blocks allocated; and `drafts` after them, or
         `model_drafts` from the worker's draft model), arming its fast path."""
-        write_entry(self.parts, seq, num_tokens, self.kv_cache, drafts, model_drafts)
+        write_entry(self.parts, seq, num_tokens, self.kv_cache, self.outbox, drafts, model_drafts)
         if drafts or model_drafts:
             self.drafted.append(seq)
 
-    def swap_in(self, seq: Sequence) -> None:
-        """The sequence's K/V comes back from host memory into its new block table."""
-        self.swap_ins.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=seq.block_table))
+    def swap_in(self, seq: Sequence, block_ids: list[int]) -> None:
+        """The sequence's K/V comes back from host memory into its new block table (`KVCacheManager.swap_in`)."""
+        self.swap_ins.append(worker_pb2.SwapBlocks(seq_id=seq.seq_id, block_ids=block_ids))
 
-    def plan(self, step_id: int, outbox: WorkerOutbox) -> worker_pb2.StepPlan:
+    def plan(self, step_id: int) -> worker_pb2.StepPlan:
         """The step's plan, with what the outbox has for the worker."""
         plan = worker_pb2.StepPlan(step_id=step_id)
         if self.swap_ins:  # (each touch of a plan's repeated field costs: the empty ones are left alone)
             plan.swap_in.extend(self.swap_ins)
-        outbox.send_moves(plan)
+        self.outbox.send_moves(plan)
         if self.parts:
             plan.MergeFromString(b"".join(self.parts))
-        outbox.send_released(plan)
+        self.outbox.send_released(plan)
         return plan

@@ -10,7 +10,7 @@ from collections.abc import Sequence as ListLike
 
 from hetero.v1 import common_pb2, worker_pb2
 from scheduler_svc.core.prompt_logprobs import PromptLogprobs
-from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.sequence import Sequence
 
 UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
@@ -129,10 +129,13 @@ class StepOutputs:
 class SampledRows:
     """One StepResult's rows as outputs: its repeated fields are read once per step, not per row."""
 
-    def __init__(self, result: worker_pb2.StepResult, sequences: dict[int, Sequence] | None = None) -> None:
+    def __init__(self, result: worker_pb2.StepResult, prompt_logprobs: dict[int, PromptLogprobs],
+                 sequences: dict[int, Sequence] | None = None) -> None:
+        """`prompt_logprobs`: each sample's so far, by seq id (the result reader's), taken by its first output."""
         self.result = result
+        self.prompt_logprobs = prompt_logprobs
         if result.prompt_logprobs and sequences is not None:  # before this step's first tokens go out
-            collect_prompt_logprobs(result, sequences)
+            collect_prompt_logprobs(result, sequences, prompt_logprobs)
         self.logprobs = list(result.logprobs)
         self.draft_logprobs = list(result.accepted_draft_logprobs)
         self.num_top = result.num_top_logprobs
@@ -157,9 +160,8 @@ class SampledRows:
             return TokenOutput(seq.request_id, emitted, reason, "", logprobs, now, top, 0.0, seq.index, 0)
         prompt_logprobs: tuple[ListLike[float], ListLike[common_pb2.TopLogprobs]] = ((), ())
         if seq.needs_prompt_logits:
-            scored = seq.prompt_logprobs or PromptLogprobs(seq.prompt_len)
+            scored = self.prompt_logprobs.pop(seq.seq_id, None) or PromptLogprobs(seq.prompt_len)
             prompt_logprobs = scored.take(seq.request_id)
-            seq.prompt_logprobs = None
         seq.first_output_sent = True
         return TokenOutput(seq.request_id, emitted, reason, "", logprobs, now, top, seq.queue_seconds or 0.0, seq.index,
                            seq.cached_prompt_tokens or 0, *prompt_logprobs)
@@ -187,14 +189,16 @@ class SampledRows:
         return logprobs, top
 
 
-def collect_prompt_logprobs(result: worker_pb2.StepResult, sequences: dict[int, Sequence]) -> None:
-    """File the step's prompt-logprob entries with their sequences (before the step's first tokens go out)."""
+def collect_prompt_logprobs(result: worker_pb2.StepResult, sequences: dict[int, Sequence],
+                            store: dict[int, PromptLogprobs]) -> None:
+    """File the step's prompt-logprob entries by their sequences (before the step's first tokens go out)."""
     for entry in result.prompt_logprobs:
         seq = sequences.get(entry.seq_id)
         if seq is not None and seq.needs_prompt_logits:
-            if seq.prompt_logprobs is None:
-                seq.prompt_logprobs = PromptLogprobs(seq.prompt_len)
-            seq.prompt_logprobs.add(entry)
+            scored = store.get(seq.seq_id)
+            if scored is None:
+                scored = store[seq.seq_id] = PromptLogprobs(seq.prompt_len)
+            scored.add(entry)
 
 
 def finish_reason(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 from typing import Iterable, Iterator
 
-from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.sequence import Sequence
 
 
 class WaitingQueue:

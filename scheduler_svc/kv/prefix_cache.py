@@ -11,23 +11,16 @@ int64s took 3.4 (every admission hashes its prompt's full blocks; scheduler_benc
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from hashlib import sha256
 
-
-def pack_ids(token_ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32s: the hash's input, and the worker's NewSequence.token_ids
-    (fixed32), so a sequence packs its ids once for both (`Sequence.packed`). A fifth of the time of a
-    list-to-numpy conversion. Only ids the worker computes get here, never the overlap's placeholder
-    (-1, overlap.py)."""
-    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+from scheduler_svc.sequence import pack_ids
 
 
 def extend_hashes(hashes: list[bytes], packed: bytes, block_size: int, num_full_blocks: int, salt: str = "") -> list[bytes]:
     """Append the hashes of full blocks len(hashes)..num_full_blocks-1 to `hashes` (in place), from the ids
-    packed by `pack_ids` (at least num_full_blocks * block_size of them): sha256(parent hash | the block's
-    packed ids | salt marker and salt, when salted), on slices of bytes (one call per block: every
+    packed by `pack_ids` (scheduler_svc/sequence.py; at least num_full_blocks * block_size of them): sha256(parent
+    hash | the block's packed ids | salt marker and salt, when salted), on slices of bytes (one call per block: every
     admission hashes its prompt's full blocks)."""
     start = len(hashes)
     salted = b"\x00salt\x00" + salt.encode() if salt else b""

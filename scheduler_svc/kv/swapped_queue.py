@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from collections import deque
 
-from scheduler_svc.core.sequence import Sequence, SequenceStatus
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
+from scheduler_svc.sequence import Sequence, SequenceStatus
 
 
 class SwappedQueue:
+    """The swapped-out sequences, oldest first, each with the status it returns to (the scheduler sets a
+    sequence's status; this queue keeps the one it had)."""
+
     __slots__ = ("_queue",)
 
     def __init__(self) -> None:
-        self._queue: deque[Sequence] = deque()
+        self._queue: deque[tuple[Sequence, SequenceStatus]] = deque()
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -26,26 +29,26 @@ class SwappedQueue:
     def __bool__(self) -> bool:
         return bool(self._queue)
 
-    def add(self, seq: Sequence, num_held_blocks: int) -> None:
-        """`seq` was swapped out: the worker holds its first `num_held_blocks` blocks in host memory."""
-        seq.pending_edits = []
-        seq.num_swapped_blocks, seq.num_blocks_sent = num_held_blocks, 0
-        seq.swapped_status, seq.status = seq.status, SequenceStatus.SWAPPED
-        self._queue.append(seq)
+    def add(self, seq: Sequence) -> None:
+        """`seq` was swapped out (`KVCacheManager.swap_out`); it comes back to the status it has now."""
+        self._queue.append((seq, seq.status))
 
-    def pop_ready(self, kv_cache: KVCacheManager) -> Sequence | None:
-        """The oldest sequence, swapped back into fresh blocks, if they fit (None: it waits, and the others
-        behind it). Not while its token is in flight (overlap.py): once it is back."""
-        seq = self._queue[0]
+    def pop_ready(self, kv_cache: KVCacheManager) -> tuple[Sequence, list[int], SequenceStatus] | None:
+        """The oldest sequence, swapped back into fresh blocks if they fit: (it, its new block table, the status
+        it returns to). None: it waits, and the others behind it. Not while its token is in flight
+        (overlap.py): once it is back."""
+        seq, status = self._queue[0]
         if seq.awaiting_token or not kv_cache.can_swap_in(seq):
             return None
         self._queue.popleft()
-        seq.num_blocks_sent = len(kv_cache.swap_in(seq))
-        seq.status, seq.swapped_status = seq.swapped_status or SequenceStatus.DECODE, None
-        return seq
+        return seq, kv_cache.swap_in(seq), status
 
     def remove(self, seq: Sequence) -> None:
-        self._queue.remove(seq)
+        for entry in self._queue:
+            if entry[0] is seq:
+                self._queue.remove(entry)
+                return
+        raise ValueError("not swapped out")
 
     def clear(self) -> None:
         self._queue.clear()

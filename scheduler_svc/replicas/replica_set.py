@@ -30,7 +30,7 @@ from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError, UnavailableError
 from scheduler_svc.core.scheduler import StepOutputs
-from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.sequence import Sequence
 from scheduler_svc.core.stats import ServiceCounters, merge_pools
 from scheduler_svc.lora.lora_manager import LoraManager
 from scheduler_svc.lora.lora_registry import LoraRegistry

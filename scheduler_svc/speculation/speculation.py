@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from hetero.v1 import worker_pb2
 from hetero_common.config import Config
-from scheduler_svc.core.sequence import Sequence
-from scheduler_svc.core.step_cost import StepCostModel
 from scheduler_svc.kv.kv_cache_manager import CopiedBlock, KVCacheManager
+from scheduler_svc.sequence import Sequence
 from scheduler_svc.speculation.draft_state import DraftState
 from scheduler_svc.speculation.ngram_proposer import NgramIndex
+from scheduler_svc.speculation.step_cost import StepCostModel
 
 EXPLORE = 16  # with a draft model, one new sequence in this many starts optimistic
 
@@ -45,7 +45,7 @@ class Speculator:
     """The proposals for each decode, and how many were proposed and kept (the scheduler's metrics)."""
 
     __slots__ = ("max_drafts", "min_n", "max_n", "max_model_len", "num_proposed", "num_accepted", "num_drafted_rows",
-                 "cost", "draft_model", "adaptive", "acceptance", "_rows_before_step", "_num_states")
+                 "cost", "draft_model", "adaptive", "acceptance", "_rows_before_step", "_num_states", "_states")
 
     def __init__(self, config: Config, max_model_len: int) -> None:
         self.draft_model = config.speculative_method == "draft"  # proposals from the worker's draft model
@@ -60,6 +60,7 @@ class Speculator:
         self._rows_before_step = 0  # num_drafted_rows when the step being planned began
         self.acceptance = 1.0  # the share of drafts kept, a running average over drafted steps
         self._num_states = 0  # sequences that have had a draft state
+        self._states: dict[int, DraftState] = {}  # seq id -> its drafting, from its first proposal to its end
 
     def drafts(self, seq: Sequence, token_budget: int, kv_cache: KVCacheManager) -> tuple[list[int], int]:
         """Proposals for a `speculative` decode computing its last token this step: (n-gram drafts, or how many
@@ -122,16 +123,30 @@ class Speculator:
                         return True
         return False
 
+    def state_of(self, seq: Sequence) -> DraftState | None:
+        """The sequence's drafting state (None: it has proposed nothing yet)."""
+        return self._states.get(seq.seq_id)
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence ended: its drafting state goes."""
+        self._states.pop(seq.seq_id, None)
+
+    def clear(self) -> None:
+        """Every sequence left (its replica's worker failed): an adopted one starts its drafting anew, its
+        n-gram index rebuilt from its tokens at its first proposal."""
+        self._states.clear()
+
     def _state(self, seq: Sequence) -> DraftState:
-        if seq.drafting is None:
+        state = self._states.get(seq.seq_id)
+        if state is None:
             # A draft model's first proposal costs a pass over the prompt: a new sequence starts from what recent
             # drafts kept, but one in EXPLORE from the optimistic 1.0, so that a workload it suits is found.
             # (Lookups cost nothing to try: every sequence starts optimistic.)
             self._num_states += 1
             explore = not self.draft_model or self._num_states % EXPLORE == 1
-            seq.drafting = DraftState(NgramIndex(self.min_n, self.max_n), self.max_drafts,
-                                      acceptance=1.0 if explore else self.acceptance)
-        return seq.drafting
+            state = self._states[seq.seq_id] = DraftState(NgramIndex(self.min_n, self.max_n), self.max_drafts,
+                                                          acceptance=1.0 if explore else self.acceptance)
+        return state
 
     def planned(self, step_id: int, num_tokens: int, num_running: int) -> None:
         """A step was planned: its tokens, for its cost once its result says how long it took."""
@@ -142,14 +157,16 @@ class Speculator:
                result: worker_pb2.StepResult) -> None:
         """After a step's result is read: the blocks of the drafts the worker rejected freed (the worker drops
         them from its tables by the same rule), the kept ones counted, the step's time measured."""
-        proposed = sum(seq.drafting.proposed for seq in drafted if seq.drafting is not None)
+        states = self._states
+        proposed = sum(states[seq.seq_id].proposed for seq in drafted if seq.seq_id in states)
         self.cost.observe(result.step_id, result.forward_seconds, result.draft_seconds, result.draft_proposal_seconds,
                           proposed if self.draft_model else 0)
         if proposed:
             self.acceptance = 0.8 * self.acceptance + 0.2 * num_accepted / proposed
         for seq in drafted:
-            if not seq.status.finished and seq.drafting is not None:
+            state = states.get(seq.seq_id)
+            if not seq.status.finished and state is not None:
                 kv_cache.trim(seq, len(seq.token_ids))
                 # every token but the last is computed: the one the decode computed for sure, and the drafts kept
-                seq.drafting.kept(seq.num_computed - seq.drafting.drafted_at, len(seq.token_ids), self.max_drafts)
+                state.kept(seq.num_computed - state.drafted_at, len(seq.token_ids), self.max_drafts)
         self.num_accepted += num_accepted

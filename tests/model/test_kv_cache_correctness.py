@@ -118,7 +118,7 @@ def test_n3_shares_prompt_blocks_and_copies_on_write(tiny_llama_dir: Path, refer
     results = eng.step()
     # Each new sample copied the partly filled tail block before writing into it; the 9 full blocks stay shared.
     assert eng.get_memory_stats().used_blocks == 12
-    tables = [s.block_table for s in eng.scheduler.samples["engine-0"]]
+    tables = [eng.scheduler.kv_cache.table(s) for s in eng.scheduler.samples["engine-0"]]
     assert all(t[:9] == tables[0][:9] for t in tables) and len({t[9] for t in tables}) == 3
     assert all(eng.scheduler.kv_cache.pool.ref_counts[b] == 3 for b in tables[0][:9])
     results += eng.run()

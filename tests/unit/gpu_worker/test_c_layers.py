@@ -15,9 +15,9 @@ import torch
 from gpu_worker.cpu.c_layers import GGUF_KIND_BASE
 from gpu_worker.cpu.worker_setup import cpu_flags
 from gpu_worker.models.checkpoint import BLOCK_WEIGHTS, load_checkpoint
-from gpu_worker.models.gguf_blocks import GGUFBlocks
+from gpu_worker.gguf_blocks import GGUFBlocks
 from gpu_worker.models.model import LlamaModel
-from hetero_infer.testing.tiny_models import _save, make_tokenizer  # noqa: F401  (make_tokenizer: _save writes one)
+from hetero_infer.bench.harness import save_tiny_model  # with the tiny tokenizer
 from kernels.cache_ops import allocate_kv_cache
 from kernels.native import decode_attention as native_decode
 from kernels.native import linear as native_linear
@@ -48,7 +48,7 @@ def head64_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.5)
-    return _save(model, tmp_path_factory.mktemp(f"head64-{request.param}"))
+    return save_tiny_model(model, tmp_path_factory.mktemp(f"head64-{request.param}"))
 
 
 def two_steps(model: LlamaModel, config, path: str, prompts_apart: bool = False,

@@ -11,15 +11,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.checkpoint import (
     CheckpointError,
-    ModelConfig,
     _unpermute_rotary,
     expected_tensor_names,
     load_checkpoint,
 )
 from hetero_common.model_files import default_model_path
-from hetero_infer.testing.tiny_models import make_tiny_llama, make_tiny_qwen2
+from hetero_infer.bench.harness import make_tiny_llama
+from tests.helpers.tiny_models import make_tiny_qwen2
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from hetero_common.constraints import MAX_CONSTRAINT_BYTES, validate_constraint
 from hetero_common.errors import ValidationError
 from hetero_common.sampling import Sampling, resolve, validate
 from hetero_common.tokenizer import load_tokenizer
-from hetero_infer.testing.tiny_models import make_tokenizer
+from hetero_infer.bench.harness import make_tokenizer
 
 EOS = 0  # <|endoftext|> in the tiny tokenizer
 MODEL_VOCAB = 512  # the tiny models' logits are wider than their 384-token tokenizer

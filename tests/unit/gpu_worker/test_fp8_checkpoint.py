@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from gpu_worker.models.checkpoint import CheckpointError, load_checkpoint
 from hetero_common.config import Config
 from hetero_infer.engine import InferenceEngine
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import make_random_llama
 from kernels import fp8_linear
 from kernels.fp8_linear import FP8, Fp8Weight
 from tests.helpers.prompt_logits import engine_prompt_logits

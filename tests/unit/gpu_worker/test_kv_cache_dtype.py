@@ -13,7 +13,7 @@ import torch
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import make_random_llama
 from kernels.cache_ops import allocate_kv_cache, copy_blocks, swap_in_blocks, swap_out_blocks, write_kv
 from kernels.native import decode_attention as native_decode
 

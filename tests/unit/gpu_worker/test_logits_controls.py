@@ -19,7 +19,7 @@ from hetero.v1 import common_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.sampling import Sampling, resolve, validate
 from hetero_common.tokenizer import load_tokenizer
-from scheduler_svc.core.sequence import Sequence
+from scheduler_svc.sequence import Sequence
 from scheduler_svc.core.token_output import finish_reason
 
 V = 12
@@ -191,7 +191,7 @@ def test_the_command_bridge_refuses_every_control() -> None:
 
 def test_finish_check_holds_eos_and_stop_ids_until_min_tokens() -> None:
     sampling = resolve(common_pb2.SamplingParams(min_tokens=2, stop_token_ids=[4]))
-    seq = Sequence(1, "r", [9, 9], 2, sampling, common_pb2.SamplingParams())
+    seq = Sequence.new(1, "r", [9, 9], 2, sampling, common_pb2.SamplingParams())
     for token, expected in [(0, 0), (4, 0), (0, common_pb2.FINISH_REASON_STOP)]:
         seq.token_ids.append(token)  # the scheduler appends, then asks
         assert finish_reason(seq, token, frozenset(EOS), 512) == expected

@@ -14,7 +14,8 @@ import torch
 
 from gpu_worker.lora.lora_adapter import LoraAdapterError, load_lora_adapter
 from gpu_worker.models.checkpoint import load_checkpoint
-from hetero_infer.testing.tiny_models import make_lora_adapter, make_random_llama, make_tiny_llama
+from hetero_infer.bench.harness import make_random_llama, make_tiny_llama
+from tests.helpers.tiny_models import make_lora_adapter
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import torch
 
 from gpu_worker.cpu.packed_linear import prepack_supported
 from gpu_worker.lora.lora_slots import GROUPS, LoraSlots
-from gpu_worker.models.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.models.checkpoint import load_checkpoint
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel.tensor_parallel import TensorParallel
-from hetero_infer.testing.checkpoints import write_random_lora
-from hetero_infer.testing.tiny_models import make_tiny_llama
+from hetero_infer.bench.harness import make_tiny_llama, write_random_lora
 from kernels.native import lora as native_lora
 
 TARGET_SETS = [["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"],

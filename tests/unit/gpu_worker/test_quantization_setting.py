@@ -11,7 +11,7 @@ import torch
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import make_random_llama
 from kernels import fp8_linear
 from kernels.fp8_linear import Fp8Weight
 from tests.helpers.prompt_logits import engine_prompt_logits, prompt_logits

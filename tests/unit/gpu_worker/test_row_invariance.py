@@ -16,7 +16,7 @@ import torch
 from gpu_worker.cpu.worker_setup import row_invariance_unavailable
 from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.models.model import LlamaModel
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import make_random_llama
 from kernels.attention_backend import create_attention_backend
 from kernels.cache_ops import allocate_kv_cache, int8_rows
 from kernels.native import linear_gguf

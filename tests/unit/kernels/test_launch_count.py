@@ -31,11 +31,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpu_worker.cpu import fused_ops
-from gpu_worker.models.checkpoint import ModelConfig, load_checkpoint
+from gpu_worker.models.checkpoint import load_checkpoint
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.model import LlamaModel
 from gpu_worker.models.model_build import fused_elementwise
 from hetero_common.config import Config
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import make_random_llama
 from kernels import flashinfer_fused
 from kernels.cache_ops import allocate_kv_cache
 from kernels.flashinfer_backend import FlashInferPagedAttention

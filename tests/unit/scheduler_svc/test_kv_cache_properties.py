@@ -109,7 +109,7 @@ class PaperWorker:
 
 def check_invariants(s: Scheduler, worker: PaperWorker) -> None:
     pool = s.kv_cache.pool
-    holders = Counter(b for seq in s.sequences.values() for b in seq.block_table)
+    holders = Counter(b for seq in s.sequences.values() for b in s.kv_cache.table(seq))
     for b in range(pool.num_blocks):
         assert pool.ref_counts[b] == holders[b], f"block {b}: ref {pool.ref_counts[b]}, held by {holders[b]} tables"
         assert not (pool.is_free(b) and pool.ref_counts[b] > 0), f"block {b} is free and referenced"

@@ -245,7 +245,7 @@ def test_a_sequence_preempted_while_its_token_is_in_flight_keeps_it() -> None:
     def look() -> None:
         r1 = d.s.requests.get("r1")
         if r1 is not None and r1.awaiting_token and r1 in d.s.waiting:  # not re-admitted with its placeholder
-            assert r1.token_ids[-1] == PLACEHOLDER and r1.num_computed == 0 and not r1.on_worker
+            assert r1.token_ids[-1] == PLACEHOLDER and r1.num_computed == 0 and not d.s.on_worker(r1)
             preempted_awaiting.append(len(r1.token_ids))
 
     d.after_planning_ahead = look

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from scheduler_svc.core.sequence import SequenceStatus
+from scheduler_svc.sequence import SequenceStatus
 from scheduler_svc.core.waiting_queue import WaitingQueue
 from tests.helpers.scheduler_driver import answer, make, params
 

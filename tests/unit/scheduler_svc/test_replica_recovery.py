@@ -36,8 +36,7 @@ def test_sequences_move_to_another_core_and_resume_from_their_tokens() -> None:
 
 def test_deadline_is_kept_across_the_move() -> None:
     failed, survivor = make(), make()
-    seq = failed.add_request("r", [5, 6, 7], params())
-    seq.deadline = 123.0
+    failed.add_request("r", [5, 6, 7], params(), deadline=123.0)
     (moved,) = failed.take_all_for_recompute()
     survivor.adopt(moved)
     assert survivor.requests["r"].deadline == 123.0

@@ -10,7 +10,7 @@ import pytest
 
 from hetero.v1 import common_pb2, worker_pb2
 from hetero_common.errors import DuplicateRequestError, ValidationError
-from scheduler_svc.core.sequence import SequenceStatus
+from scheduler_svc.sequence import SequenceStatus
 from scheduler_svc.kv.block_pool import BlockPool, OutOfBlocksError
 from tests.helpers.scheduler_driver import EOS, answer, make, params
 
@@ -35,7 +35,7 @@ def test_new_request_joins_running_batch_next_step() -> None:
     s.add_request("a", [1] * 6, params(max_tokens=10))
     plan = s.schedule()
     assert [(x.num_tokens, x.sample) for x in plan.scheduled] == [(6, True)]
-    assert len(plan.new_sequences) == 1 and list(plan.scheduled[0].new_block_ids) == s.requests["a"].block_table
+    assert len(plan.new_sequences) == 1 and tuple(plan.scheduled[0].new_block_ids) == s.kv_cache.table(s.requests["a"])
     s.process_result(answer(plan))
     s.add_request("b", [1] * 3, params(max_tokens=10))
     plan = s.schedule()
@@ -139,15 +139,17 @@ def test_hand_written_decode_entries_equal_protobufs_own_encoding() -> None:
     as, the message built field by field, for one- to three-byte varints."""
     from hetero.v1 import worker_pb2
     from hetero_common.sampling import resolve
-    from scheduler_svc.core.sequence import Sequence
-    from scheduler_svc.core.step_plan import add_scheduled
+    from scheduler_svc.core.step_plan import WorkerOutbox, add_scheduled
+    from scheduler_svc.kv.kv_cache_manager import KVCacheManager
+    from scheduler_svc.sequence import Sequence
 
     plain = common_pb2.SamplingParams()
     for seq_id, computed in ((0, 1), (5, 127), (200, 128), (70_000, 20_000)):
-        seq = Sequence(seq_id, "r", list(range(computed + 1)), 1, resolve(plain), plain)
-        seq.on_worker, seq.num_computed, seq.block_table, seq.num_blocks_sent = True, computed, [3, 4], 2
+        seq = Sequence.new(seq_id, "r", list(range(computed + 1)), 1, resolve(plain), plain, num_computed=computed)
+        outbox, kv = WorkerOutbox(), KVCacheManager(8, 16, False, cache_freed_blocks=False)
+        outbox.on_worker.add(seq_id)  # on the worker, which has every block of its table (none unsent)
         plan = worker_pb2.StepPlan()
-        add_scheduled(plan, [(seq, 1)])
+        add_scheduled(plan, [(seq, 1)], kv, outbox, arm=False)
         expected = worker_pb2.StepPlan(scheduled=[worker_pb2.ScheduledSequence(
             seq_id=seq_id, num_tokens=1, sample=True, num_cached_tokens=computed)])
         assert plan == expected and plan.SerializeToString() == expected.SerializeToString()
@@ -160,22 +162,21 @@ def test_hand_written_prompt_and_new_block_entries_are_protobufs_own_bytes() -> 
 
     from hetero.v1 import worker_pb2
     from hetero_common.sampling import resolve
-    from scheduler_svc.core.sequence import Sequence
     from scheduler_svc.core.step_plan import _entry_bytes
+    from scheduler_svc.kv.kv_cache_manager import KVBlocks
+    from scheduler_svc.sequence import Sequence
 
     plain = common_pb2.SamplingParams()
     rng = random.Random(0)
     for _ in range(300):
         seq_id = rng.choice([0, 1, 127, 128, 70_000, 2**40])
         table = [rng.choice([0, 5, 127, 128, 16_383, 16_384, 3_000_000]) for _ in range(rng.randint(0, 6))]
-        seq = Sequence(seq_id, "r", [1], 1, resolve(plain), plain, block_table=table)
-        seq.num_blocks_sent = rng.randint(0, len(table))
-        seq.num_computed = rng.choice([0, 1, 127, 128, 20_000])
+        sent = rng.randint(0, len(table))
+        seq = Sequence.new(seq_id, "r", [1], 1, resolve(plain), plain, num_computed=rng.choice([0, 1, 127, 128, 20_000]))
         num_tokens, sample = rng.choice([0, 1, 300, 16_384]), rng.random() < 0.5
         expected = worker_pb2.ScheduledSequence(seq_id=seq_id, num_tokens=num_tokens, sample=sample,
-                                                new_block_ids=table[seq.num_blocks_sent:],
-                                                num_cached_tokens=seq.num_computed)
-        assert _entry_bytes(seq, num_tokens, sample) == expected.SerializeToString()
+                                                new_block_ids=table[sent:], num_cached_tokens=seq.num_computed)
+        assert _entry_bytes(seq, num_tokens, sample, KVBlocks(table[sent:], [])) == expected.SerializeToString()
 
 
 def test_hand_written_new_sequence_entries_are_protobufs_own_bytes() -> None:
@@ -184,7 +185,7 @@ def test_hand_written_new_sequence_entries_are_protobufs_own_bytes() -> None:
 
     from hetero.v1 import worker_pb2
     from hetero_common.sampling import resolve
-    from scheduler_svc.core.sequence import Sequence
+    from scheduler_svc.sequence import Sequence
     from scheduler_svc.core.step_plan import new_sequence_bytes
 
     rng = random.Random(1)
@@ -192,7 +193,7 @@ def test_hand_written_new_sequence_entries_are_protobufs_own_bytes() -> None:
         params = rng.choice([common_pb2.SamplingParams(), params_for_test(rng)])
         tokens = [rng.choice([0, 1, 300, 2**31 + 5, 2**32 - 1]) for _ in range(rng.randint(1, 40))]
         prompt_len = rng.randint(1, len(tokens))
-        seq = Sequence(rng.choice([0, 3, 300, 2**40]), "r", tokens, prompt_len, resolve(params), params)
+        seq = Sequence.new(rng.choice([0, 3, 300, 2**40]), "r", tokens, prompt_len, resolve(params), params)
         expected = worker_pb2.StepPlan(new_sequences=[worker_pb2.NewSequence(
             seq_id=seq.seq_id, token_ids=tokens, params=params, num_generated=len(tokens) - prompt_len)])
         assert b"".join(new_sequence_bytes(seq)) == expected.SerializeToString()

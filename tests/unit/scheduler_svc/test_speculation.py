@@ -3,11 +3,13 @@ and how a sequence's proposals adapt to what its drafts kept."""
 
 from __future__ import annotations
 
+import itertools
+
 from hetero.v1 import common_pb2
 from hetero_common.config import Config
 from hetero_common.sampling import resolve
-from scheduler_svc.core.sequence import Sequence, SequenceStatus
-from scheduler_svc.core.step_cost import StepCostModel
+from scheduler_svc.sequence import Sequence, SequenceStatus
+from scheduler_svc.speculation.step_cost import StepCostModel
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
 from scheduler_svc.speculation.draft_state import MAX_BACK_OFF, DraftState
 from scheduler_svc.speculation.ngram_proposer import NgramIndex
@@ -22,11 +24,14 @@ def speculator(**overrides) -> Speculator:
     return Speculator(config, max_model_len=64)
 
 
-def sequence(tokens: list[int], **params) -> Sequence:
+SEQ_IDS = itertools.count()
+
+
+def sequence(tokens: list[int], speculative: bool = True, **params) -> Sequence:
+    """A decoding sequence of its own seq id (the speculator keeps each one's drafting state by it)."""
     p = common_pb2.SamplingParams(**{"max_tokens": 32, "temperature": 0.0, **params})
-    seq = Sequence(0, "r", list(tokens), len(tokens), resolve(p), p, speculative=True, status=SequenceStatus.DECODE)
-    seq.num_computed = len(tokens) - 1
-    return seq
+    return Sequence.new(next(SEQ_IDS), "r", list(tokens), len(tokens), resolve(p), p, status=SequenceStatus.DECODE,
+                        num_computed=len(tokens) - 1, speculative=speculative)
 
 
 def test_drafts_stay_within_the_budget_max_tokens_and_the_free_blocks() -> None:
@@ -77,8 +82,8 @@ def test_a_backed_off_sequence_proposes_nothing_until_it_resumes() -> None:
     spec, kv = speculator(), KVCacheManager(64, 4, False, cache_freed_blocks=False)
     seq = sequence(REPEATING)
     assert spec.drafts(seq, 10, kv)[0]
-    assert seq.drafting is not None
-    seq.drafting.kept(0, len(seq.token_ids), 4)
+    assert spec.state_of(seq) is not None
+    spec.state_of(seq).kept(0, len(seq.token_ids), 4)
     assert spec.drafts(seq, 10, kv)[0] == []
     seq.token_ids += [5, 6]  # two decodes later (2 = the first back-off)
     seq.num_computed = len(seq.token_ids) - 1
@@ -115,9 +120,9 @@ def test_a_sequence_below_the_steps_threshold_proposes_nothing() -> None:
     spec, kv = speculator(), KVCacheManager(64, 4, False, cache_freed_blocks=False)
     seq = sequence(REPEATING)
     assert spec.drafts(seq, 10, kv)[0]
-    assert seq.drafting is not None
-    seq.drafting.kept(1, len(seq.token_ids), 4)  # 1 of 4 kept: acceptance (1 + 0.25) / 2
-    assert abs(seq.drafting.acceptance - 0.625) < 1e-9
+    assert spec.state_of(seq) is not None
+    spec.state_of(seq).kept(1, len(seq.token_ids), 4)  # 1 of 4 kept: acceptance (1 + 0.25) / 2
+    assert abs(spec.state_of(seq).acceptance - 0.625) < 1e-9
     for step, tokens in enumerate([1, 8, 64, 16]):
         spec.planned(step, tokens, num_running=60)
         spec.cost.observe(step, 0.010 + 0.001 * tokens)  # batch 60: 60 / 70 of a step grows with its tokens
@@ -130,8 +135,7 @@ def test_a_step_is_not_planned_ahead_of_while_a_running_decode_has_a_lookup_matc
     assert spec.wants_drafts([fresh, repeating]) and not spec.wants_drafts([fresh])
     repeating.awaiting_token = True  # planned ahead already: its last token is a placeholder
     assert not spec.wants_drafts([repeating])
-    plain = sequence(REPEATING)
-    plain.speculative = False
+    plain = sequence(REPEATING, speculative=False)
     assert not spec.wants_drafts([plain])
 
 
@@ -173,5 +177,5 @@ def test_with_a_draft_model_new_sequences_start_from_what_recent_drafts_kept() -
     for _ in range(EXPLORE):
         seq = sequence(list(range(30)))
         spec.drafts(seq, 10, kv)
-        starts.append(seq.drafting.acceptance)
+        starts.append(spec.state_of(seq).acceptance)
     assert starts.count(1.0) == 1 and all(a == 0.8 for a in starts if a != 1.0)

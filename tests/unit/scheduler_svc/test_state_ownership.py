@@ -19,7 +19,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from hetero_infer.testing.stack import REPO_ROOT
+from hetero_infer.bench.harness import REPO_ROOT
 from tests.helpers.import_graph import module_files
 
 PACKAGES = ("hetero", "hetero_common", "gateway", "scheduler_svc", "gpu_worker", "kernels", "hetero_infer")
