@@ -37,8 +37,8 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
 from benchmarks.roofline import cpu_description, cpu_line  # noqa: E402
 from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
-from hetero_infer.testing.embedding_models import cosine, load_sentence_transformer, make_sentence_transformers_dir  # noqa: E402
-from hetero_infer.testing.stack import Stack, run_stack  # noqa: E402
+from hetero_infer.bench.harness import (Stack, cosine, load_sentence_transformer,  # noqa: E402
+                                        make_sentence_transformers_dir, run_stack)
 
 
 def hf_directory(model: str | None, directory: Path) -> Path:
@@ -48,7 +48,7 @@ def hf_directory(model: str | None, directory: Path) -> Path:
     from transformers import AutoTokenizer
 
     from gpu_worker.models.checkpoint import load_checkpoint
-    from hetero_infer.testing.checkpoints import save_checkpoint
+    from hetero_infer.bench.harness import save_checkpoint
 
     path = resolve_model_path(model)
     config, weights = load_checkpoint(path)

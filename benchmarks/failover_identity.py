@@ -24,9 +24,7 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc  # noqa: E402
-from hetero_infer.testing.prompts import make_prompts  # noqa: E402
-from hetero_infer.testing.stack import Stack, free_port, run_stack  # noqa: E402
-from hetero_infer.testing.stack_requests import service_stats  # noqa: E402
+from hetero_infer.bench.harness import Stack, free_port, make_prompts, run_stack, service_stats  # noqa: E402
 
 
 def streams(count: int, tokens: int, seeded: bool) -> list[inference_pb2.GenerateRequest]:

@@ -57,7 +57,7 @@ from benchmarks.gpu_steps import (  # noqa: E402
     mixed_step_ms,
     print_breakdown,
 )
-from gpu_worker.models.checkpoint import ModelConfig  # noqa: E402
+from gpu_worker.model_config import ModelConfig  # noqa: E402
 from kernels.cache_ops import allocate_kv_cache, convert_layout  # noqa: E402
 from kernels.flashinfer_backend import flashinfer_unavailable_reason  # noqa: E402
 from kernels.fp8_linear import Fp8Weight  # noqa: E402

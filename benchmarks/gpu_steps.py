@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from gpu_worker.models.checkpoint import ModelConfig
+from gpu_worker.model_config import ModelConfig
 from kernels.page_table import PageTable
 
 if TYPE_CHECKING:  # imported where a GPU is there, as the worker's CUDA modules are

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from hetero_infer.testing.loop_lag import lag_bound, loop_lag_buckets, while_pinging
-from hetero_infer.testing.stack import run_stack
+from hetero_infer.bench.harness import lag_bound, loop_lag_buckets, run_stack, while_pinging
 
 WORDS = ["alpha", "bravo", "delta", "echo", "golf", "hotel", "india", "kilo", "lima", "mike"]
 

@@ -51,11 +51,11 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def random_llama(directory: Path) -> Path:
-    """A moderately sized seeded random Llama with a real BPE tokenizer (hetero_infer/testing/tiny_models.py's)."""
+    """A moderately sized seeded random Llama with a real BPE tokenizer (hetero_infer/bench/harness.py's)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hetero_infer.testing.tiny_models import make_tokenizer
+    from hetero_infer.bench.harness import make_tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=768, num_hidden_layers=8,

@@ -32,8 +32,7 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc  # noqa: E402
 from hetero_infer.bench.stats import percentile  # noqa: E402
-from hetero_infer.testing.stack import run_stack  # noqa: E402
-from hetero_infer.testing.stack_requests import wait_for_idle  # noqa: E402
+from hetero_infer.bench.harness import run_stack, wait_for_idle  # noqa: E402
 
 
 async def load(address: str, streams: int, seconds: float, vocab: int, seed: int) -> tuple[Counter, int, list[float]]:
@@ -86,7 +85,7 @@ def main() -> int:
     if args.model:
         model, vocab = Path(args.model), 30000
     else:
-        from hetero_infer.testing.tiny_models import make_tiny_llama
+        from hetero_infer.bench.harness import make_tiny_llama
 
         model, vocab = make_tiny_llama(Path(tempfile.mkdtemp(prefix="load-test-")) / "tiny-llama", seed=1), 384
     ok = True

@@ -50,7 +50,7 @@ def merged_model(model: str | None, adapter: Path, directory: Path) -> Path:
     """The base model with the adapter merged into its weights, as a Hugging Face directory."""
     from gpu_worker.lora.lora_adapter import load_lora_adapter
     from gpu_worker.models.checkpoint import load_checkpoint
-    from hetero_infer.testing.checkpoints import module_name, save_checkpoint
+    from hetero_infer.bench.harness import module_name, save_checkpoint
 
     mc, weights = load_checkpoint(resolve_model_path(model))
     lora = load_lora_adapter(adapter.name, adapter, mc, max_rank=1024)
@@ -74,7 +74,7 @@ def main() -> int:
     args = parser.parse_args()
     configure_logging("warning")
     from gpu_worker.models.checkpoint import load_checkpoint
-    from hetero_infer.testing.checkpoints import write_random_lora
+    from hetero_infer.bench.harness import write_random_lora
 
     scratch = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     mc, _ = load_checkpoint(resolve_model_path(args.model))

@@ -2,7 +2,7 @@
 dequantized and run in float32, on
 - the mean negative log-likelihood of a fixed text (the first `--tokens` tokens of docs/architecture.md, its
   git blob id printed: compare figures of one run only), each token scored given all before it;
-- greedy outputs of the oracle prompts (hetero_infer/testing/prompts.py's 16 ORACLE_PROMPTS, chat-templated,
+- greedy outputs of the oracle prompts (hetero_infer/bench/harness.py's 16 ORACLE_PROMPTS, chat-templated,
   `--new-tokens` each): the share of tokens before the first divergence from the float32 run.
 
     python benchmarks/quant_accuracy.py [--model FILE.gguf] [--tokens 2048] [--new-tokens 24]
@@ -33,7 +33,7 @@ from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 from hetero_common.tokenizer import load_tokenizer  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
-from hetero_infer.testing.prompts import ORACLE_PROMPTS as PROMPTS  # noqa: E402
+from hetero_infer.bench.harness import ORACLE_PROMPTS as PROMPTS  # noqa: E402
 from kernels.cache_ops import allocate_kv_cache  # noqa: E402
 from kernels.page_table import PageTable  # noqa: E402
 

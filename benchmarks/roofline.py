@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.models.checkpoint import ModelConfig
+from gpu_worker.model_config import ModelConfig
 
 CPU_FLAGS_OF_INTEREST = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 

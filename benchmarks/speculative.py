@@ -13,7 +13,7 @@ Three workloads:
 - `copy`, batch 1: a passage of this repository (a source file's opening, a section of the docs), then its
   first lines again, so that the model goes on copying it: the output repeats spans of the prompt, where
   prompt lookup proposes well. Printed: time per output token (TPOT, median over the passages).
-- `chat`, `--requests` at once: the 16 oracle prompts (hetero_infer/testing/prompts.py: questions,
+- `chat`, `--requests` at once: the 16 oracle prompts (hetero_infer/bench/harness.py's ORACLE_PROMPTS: questions,
   instructions, code, a story opening) in four framings each, as text: natural outputs, which repeat their
   prompt less. Printed: output tokens per second. Speculation must not cost throughput here.
 - `random`, `--requests` at once: benchmarks/throughput.py's random prompts (16-256 tokens). A small model
@@ -40,10 +40,10 @@ from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_common.model_files import resolve_model_path  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
-from hetero_infer.testing.prompts import ORACLE_PROMPTS  # noqa: E402
+from hetero_infer.bench.harness import ORACLE_PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PASSAGES = ["scheduler_svc/core/sequence.py", "kernels/native/linear_bf16.c", "docs/architecture.md", "gateway/text/stop_strings.py"]
+PASSAGES = ["scheduler_svc/sequence.py", "kernels/native/linear_bf16.c", "docs/architecture.md", "gateway/text/stop_strings.py"]
 
 
 def copy_prompts(engine: InferenceEngine, chars: int = 1600, again: int = 300) -> list[list[int]]:
@@ -59,7 +59,7 @@ def early_exit_draft(model: str | None, layers: int, directory: Path) -> Path:
     """The served model's first `layers` layers, its embeddings, final norm and LM head, as a Hugging Face
     directory (bfloat16 safetensors)."""
     from gpu_worker.models.checkpoint import load_checkpoint
-    from hetero_infer.testing.checkpoints import save_checkpoint
+    from hetero_infer.bench.harness import save_checkpoint
 
     mc, weights = load_checkpoint(resolve_model_path(model))
     kept = {name: t for name, t in weights.items()

@@ -63,7 +63,7 @@ def parse_arm(spec: str) -> Arm:
 def run_arm(arm: Arm, model: str | None, prompts: list[list[int]], new_tokens: int, unary: bool) -> float:
     """One fresh stack with this arm's flags and environment: output tok/s."""
     flags = ["--dtype", "auto", *arm.flags]  # later flags win: an arm may set its own dtype
-    with mock.patch.dict(os.environ, arm.env):  # the stack's processes inherit it (hetero_infer/testing/stack.py)
+    with mock.patch.dict(os.environ, arm.env):  # the stack's processes inherit it (hetero_infer/bench/harness.py)
         result = systems.bench_stack(flags, model, prompts, new_tokens, batch=True, single=0, unary=unary)["batch"]
     return result.tok_per_s
 

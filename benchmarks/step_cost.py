@@ -4,8 +4,8 @@
                                    [--serve-flags "--omp-wait-policy passive"] [--device cpu|cuda]
                                    [--model tiny|llama-1b] [--client stream|unary|both]
 
-A seeded random 2-layer Llama (hetero_infer/testing/tiny_models.py, hidden 64, vocab 512): its forward costs
-well under a millisecond, so what is left of a step is the serving machinery itself (scheduler
+A seeded random 2-layer Llama (hetero_infer/bench/harness.py's make_tiny_llama, hidden 64, vocab 512): its
+forward costs well under a millisecond, so what is left of a step is the serving machinery itself (scheduler
 bookkeeping, step plans, sampling, protobuf, gRPC hops, Python per step). For each batch size B,
 B streams with `--prompt-len`-token prompts each generate `--new-tokens` tokens greedily (EOS
 ignored), on the in-process engine and on the three-process stack (`hetero-infer serve`), both
@@ -56,8 +56,7 @@ from hetero.v1 import common_pb2, inference_pb2  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402
 from hetero_infer.engine import GenerationParams, InferenceEngine  # noqa: E402
-from hetero_infer.testing.stack import run_stack  # noqa: E402
-from hetero_infer.testing.tiny_models import make_random_llama, make_tiny_llama  # noqa: E402
+from hetero_infer.bench.harness import make_random_llama, make_tiny_llama, run_stack  # noqa: E402
 
 SERVICES = ("gateway", "scheduler", "worker")
 # --client: its runs' key in the report (and --json), and its heading in the printout

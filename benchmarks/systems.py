@@ -90,7 +90,7 @@ def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[i
     import grpc
 
     from hetero.v1 import inference_pb2_grpc
-    from hetero_infer.testing.stack import run_stack
+    from hetero_infer.bench.harness import run_stack
 
     with run_stack(Path(model) if model else None, "--log-level", "warning", *config_flags) as stack:
         stack.inference.Complete(inference_pb2.GenerateRequest(

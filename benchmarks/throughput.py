@@ -42,7 +42,8 @@ if not __package__:  # run as a file (`python benchmarks/NAME.py`): the reposito
 from benchmarks import systems  # noqa: E402
 from benchmarks.roofline import MatmulRates, cpu_description, cpu_line, flop_per_token, measure_matmul_rates  # noqa: E402
 from benchmarks.workload import Result, make_prompts, round_order  # noqa: E402
-from gpu_worker.models.checkpoint import ModelConfig, load_checkpoint  # noqa: E402
+from gpu_worker.models.checkpoint import load_checkpoint  # noqa: E402
+from gpu_worker.model_config import ModelConfig  # noqa: E402
 from gpu_worker.models.model_build import resolve_dtype  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.log import configure_logging  # noqa: E402

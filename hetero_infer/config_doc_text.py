@@ -216,7 +216,7 @@ any text round-trips exactly, text that spells a special token stays bytes, deco
 special ids, and there is no chat template (prompts are sent as they are). It serves the
 command bridge (no model is loaded or checked when the bridge is the only backend) and models
 whose vocabulary it matches (259 ids, e.g. `make_tiny_byte_llama` in
-`hetero_infer/testing/tiny_models.py`). With any other model, start-up stops before the model
+`tests/helpers/tiny_models.py`). With any other model, start-up stops before the model
 loads, naming the key: `tokenizer.kind simple is a byte-level tokenizer of 259 ids (...); model
 '...SmolLM2...gguf' has a vocabulary of 49152: use tokenizer.kind auto`. So the seed's config
 with the default model fails clearly; with `HETERO_MODEL` (or `"model"`) naming a 259-id model

@@ -183,7 +183,7 @@ second)
     # LoRA and speculation on a GPU-shaped random model (1B-like layers, the tiny tokenizer), each engine's pool capped
     model=$state/llama-gpu
     [ -f "$model/config.json" ] || "$PY" -c "import sys, torch; from pathlib import Path
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import make_random_llama
 make_random_llama(Path(sys.argv[1]), hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
                   max_position_embeddings=4096, dtype=torch.bfloat16)" "$model"
     step lora gpu_lora.log 120 "$PY" benchmarks/lora.py --model "$model" --rounds 2 --max-num-blocks 4096

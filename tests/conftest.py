@@ -1,6 +1,6 @@
 """Shared fixtures: tiny seeded checkpoints, built once per session in temporary directories.
 Helpers live in plain modules, never here (conftest is pytest's, not an importable module): those the
-benchmarks share in `hetero_infer/testing/`, the tests' own in `tests/helpers/`."""
+benchmarks share in `hetero_infer/bench/harness.py`, the tests' own in `tests/helpers/`."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import pytest
 
 # The helper modules hold assertions of their own: rewrite them so a failure shows its values,
 # as it did when they lived in test files.
-pytest.register_assert_rewrite("tests.helpers.oracle", "hetero_infer.testing.stack", "hetero_infer.testing.stack_requests", "tests.helpers.scheduler_driver")
+pytest.register_assert_rewrite("tests.helpers.oracle", "hetero_infer.bench.harness", "tests.helpers.stack_requests",
+                               "tests.helpers.scheduler_driver")
 
-from hetero_infer.testing.tiny_models import make_tiny_llama, make_tiny_qwen2  # noqa: E402
+from hetero_infer.bench.harness import make_tiny_llama  # noqa: E402
+from tests.helpers.tiny_models import make_tiny_qwen2  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -109,7 +109,7 @@ GPU_TEST_BLOCKS = 256
 
 def make_gpu_llama(directory: Path, seed: int = 0) -> Path:
     """A 2-layer Llama with FlashInfer-sized heads (64), one KV head for four query heads."""
-    from hetero_infer.testing.tiny_models import make_random_llama
+    from hetero_infer.bench.harness import make_random_llama
 
     return make_random_llama(directory, hidden=256, intermediate=512, layers=2, heads=4, kv_heads=1, seed=seed)
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from hetero_common.config import Config
-from hetero_infer.testing.stack import REPO_ROOT
+from hetero_infer.bench.harness import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy"
 # Config keys the manifests use that come with the DNS discovery branch (b18-discovery).

@@ -20,8 +20,8 @@ from hetero_common.config import Config
 from hetero_infer.supervisor import wait_healthy
 from tests.helpers.netns import Host
 from tests.helpers.oracle import make_prompts
-from hetero_infer.testing.stack import REPO_ROOT
-from hetero_infer.testing.stack_requests import ids_request
+from hetero_infer.bench.harness import REPO_ROOT
+from tests.helpers.stack_requests import ids_request
 
 WORKER_PORT, SCHEDULER_PORT, GATEWAY_PORT, HTTP_PORT = 50053, 50052, 50051, 8000  # every host has its own ports
 COMMON_FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--num-threads", "1",

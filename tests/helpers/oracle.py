@@ -9,7 +9,10 @@ import torch
 
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.prompts import NEW_TOKENS, PROMPT_LENGTHS, make_prompts  # noqa: F401 (re-exported)
+from hetero_infer.bench.harness import PROMPT_LENGTHS, make_prompts  # noqa: F401 (re-exported)
+
+NEW_TOKENS = 12  # what the correctness tests generate for each of the seeded prompts
+
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS,
               **generate_kwargs) -> list[list[int]]:

@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from hetero_infer.testing.stack import Stack
+from hetero_infer.bench.harness import Stack
 
 HANG_GUARD_S = 30.0  # a wait for the server that has not ended by then hangs
 

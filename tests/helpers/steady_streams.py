@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from hetero_infer.testing.stack import REPO_ROOT, Stack
+from hetero_infer.bench.harness import REPO_ROOT, Stack
 
 PROMPT = "The quick brown fox"
 LONG_GAP_S = 0.1  # gaps this long are also listed with when they began, to tell what held the streams

@@ -17,7 +17,7 @@ import pytest
 from gpu_worker.cpu.worker_setup import row_invariance_unavailable
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import make_random_llama
 from tests.helpers.oracle import make_prompts
 
 pytestmark = pytest.mark.skipif(row_invariance_unavailable(64, 16) is not None,

@@ -13,7 +13,8 @@ import pytest
 from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.tiny_models import make_noisy_copy, make_tiny_llama
+from hetero_infer.bench.harness import make_tiny_llama
+from tests.helpers.tiny_models import make_noisy_copy
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy
 from tests.model.test_speculative_decoding import repetitive_prompts, sampled
 

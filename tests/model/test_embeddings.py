@@ -13,7 +13,7 @@ import torch
 
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.embedding_models import cosine, load_sentence_transformer, make_sentence_transformers_dir
+from hetero_infer.bench.harness import cosine, load_sentence_transformer, make_sentence_transformers_dir
 
 MIN_COSINE = 0.99999
 CHUNK = 16  # max_prefill_chunk_tokens: the long inputs take several steps

@@ -12,7 +12,7 @@ from hetero_common.config import Config
 from hetero_common.model_files import default_model_path
 from hetero_common.tokenizer import load_tokenizer
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.prompts import CHAT_PROMPTS as PROMPTS
+from hetero_infer.bench.harness import CHAT_PROMPTS as PROMPTS
 from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight
 

@@ -14,7 +14,8 @@ from hetero_common.config import Config
 from hetero_common.errors import ModelNotFoundError
 from hetero_infer.engine import GenerationParams, InferenceEngine
 from gpu_worker.cpu.worker_setup import row_invariance_unavailable
-from hetero_infer.testing.tiny_models import make_lora_adapter, make_random_llama
+from hetero_infer.bench.harness import make_random_llama
+from tests.helpers.tiny_models import make_lora_adapter
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
 
 ADAPTERS = {  # name -> (rank, targets, rsLoRA)

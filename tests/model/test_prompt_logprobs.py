@@ -197,7 +197,7 @@ def test_http_bodies_ask_the_engine_for_prompt_logprobs(tmp_path: Path) -> None:
     """echo + logprobs N and vLLM's prompt_logprobs M ask for max(N, M) alternatives; echo with
     max_tokens 0 asks for the prompt's own logprobs (the engine's scoring-only mode)."""
     from hetero_common.tokenizer import load_tokenizer
-    from hetero_infer.testing.tiny_models import make_tokenizer
+    from hetero_infer.bench.harness import make_tokenizer
 
     make_tokenizer(tmp_path)
     tokenizer = load_tokenizer(tmp_path)

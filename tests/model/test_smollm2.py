@@ -12,8 +12,7 @@ from hetero_common.tokenizer import load_tokenizer
 from hetero_common.config import Config
 from hetero_infer.engine import GenerationParams, InferenceEngine
 from hetero_common.model_files import default_model_path
-from hetero_infer.testing.prompts import CHAT_PROMPTS
-from hetero_infer.testing.stack import REPO_ROOT, run_stack
+from hetero_infer.bench.harness import CHAT_PROMPTS, REPO_ROOT, run_stack
 
 pytestmark = pytest.mark.slow
 

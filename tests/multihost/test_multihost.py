@@ -25,9 +25,9 @@ from tests.helpers.multihost_stack import (GATEWAY_PORT, HTTP_PORT, SCHEDULER_PO
                                    run_streams, start_service, start_worker, stream_prompts, wait_ready)
 from hetero.v1 import worker_pb2, worker_pb2_grpc
 from tests.helpers.netns import Host, Network, netem_reason, network, network_or_skip  # noqa: F401  (a fixture)
-from hetero_infer.testing.stack import REPO_ROOT
+from hetero_infer.bench.harness import REPO_ROOT
 from tests.helpers.oracle import NEW_TOKENS, engine_greedy, make_prompts
-from hetero_infer.testing.stack_requests import ids_request
+from tests.helpers.stack_requests import ids_request
 
 pytestmark = pytest.mark.slow
 NUM_STREAMS = 16

@@ -1,21 +1,22 @@
 """The layering the design asks for, checked on the source: no two modules import each other
 (directly or round a longer loop, a package's __init__ included), nothing imports upward (the base
-and the services never import the product), no folder of a service holds more than 15 modules, and
-no function of the scheduler or the worker is over 60 lines. A module over 400 lines is a warning,
-not a failure (over 800 it is one): one concept per module is the rule, and a long module of one concept beats several
-fragments of it."""
+and the services never import the product; no package of the product imports the tests), no folder
+of a service holds more than 15 modules, and no function of the scheduler, the worker or the gateway
+is over 60 lines. A module over 400 lines is a warning, not a failure (over 800 it is one): one concept per
+module is the rule, and a long module of one concept beats several fragments of it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import warnings
 
 import pytest
 
-from tests.helpers.import_graph import (crowded_folders, describe_cycle, find_cycles, import_graph, imports_across_layers,
-                                        long_functions, long_modules)
-from hetero_infer.testing.stack import REPO_ROOT
+from tests.helpers.import_graph import (Import, crowded_folders, describe_cycle, find_cycles, import_graph,
+                                        imports_across_layers, long_functions, long_modules, package_of)
+from hetero_infer.bench.harness import REPO_ROOT
 from tests.helpers.file_tree import write_tree
 
 # Bottom to top: the generated stubs and the shared base, the services, the product.
@@ -26,7 +27,7 @@ HARD_MAX_MODULE_LINES = 800
 SERVICES = ("gateway", "scheduler_svc", "gpu_worker")
 MAX_FOLDER_MODULES = 15
 # The services whose step logic reads as a few named steps; a longer function is split into them.
-SHORT_FUNCTION_PACKAGES = ("scheduler_svc", "gpu_worker")
+SHORT_FUNCTION_PACKAGES = ("scheduler_svc", "gpu_worker", "gateway")
 MAX_FUNCTION_LINES = 60
 
 
@@ -41,6 +42,21 @@ def test_nothing_imports_a_higher_layer() -> None:
     if upward:
         pytest.fail("imports of a higher layer:\n" + "\n".join(
             f"{edge.where(REPO_ROOT)}: {edge.importer} imports {edge.imported}" for edge in upward))
+
+
+def imports_of_the_tests(root: Path, packages: Sequence[str]) -> list[Import]:
+    """Edges from a module of `packages` into `tests` (the graph keeps only edges inside the packages it reads,
+    so it reads `tests` too)."""
+    graph = import_graph(root, (*packages, "tests"))
+    return [edge for module, edges in graph.items() if package_of(module) != "tests"
+            for edge in edges if package_of(edge.imported) == "tests"]
+
+
+def test_no_product_package_imports_the_tests() -> None:
+    found = imports_of_the_tests(REPO_ROOT, PACKAGES)
+    if found:
+        pytest.fail("product modules importing the tests (shared helpers go in hetero_infer/bench/harness.py):\n"
+                    + "\n".join(f"{edge.where(REPO_ROOT)}: {edge.importer} imports {edge.imported}" for edge in found))
 
 
 def test_a_module_over_400_lines_is_a_warning_and_over_800_a_failure() -> None:
@@ -59,7 +75,7 @@ def test_no_service_folder_holds_more_than_15_modules() -> None:
             f"{folder.relative_to(REPO_ROOT)}/: {count}" for folder, count in crowded))
 
 
-def test_no_function_over_60_lines_in_the_scheduler_and_the_worker() -> None:
+def test_no_function_over_60_lines_in_the_scheduler_the_worker_and_the_gateway() -> None:
     long = long_functions(REPO_ROOT, SHORT_FUNCTION_PACKAGES, MAX_FUNCTION_LINES)
     if long:
         pytest.fail(f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(
@@ -120,6 +136,22 @@ def test_walker_reports_an_upward_import_with_its_line(tmp_path: Path) -> None:
     upward = imports_across_layers(import_graph(root, ["base", "svc", "product"]), [["base"], ["svc"], ["product"]])
     assert [(e.where(root), e.imported) for e in upward] == [("svc/run.py:5", "product.cli"), ("svc/run.py:5", "product")]
     assert find_cycles(import_graph(root, ["base", "svc", "product"])) != []  # svc.run <-> product.cli
+
+
+def test_walker_finds_a_product_module_importing_the_tests(tmp_path: Path) -> None:
+    root = write_tree(tmp_path, {
+        "product/__init__.py": "",
+        "product/cli.py": "import os\n",
+        "product/bench.py": "def late():\n    from tests.helpers.stack import run_stack\n",  # planted
+        "tests/__init__.py": "",
+        "tests/helpers/__init__.py": "",
+        "tests/helpers/stack.py": "from product import cli\n",  # the tests importing the product is fine
+        "tests/test_cli.py": "from tests.helpers.stack import run_stack\n",
+    })
+    assert [(e.where(root), e.imported) for e in imports_of_the_tests(root, ["product"])] == [
+        ("product/bench.py:2", "tests.helpers.stack"), ("product/bench.py:2", "tests"),
+        ("product/bench.py:2", "tests.helpers")]
+    assert import_graph(root, ["product"])["product.bench"] == []  # why `tests` must be read too
 
 
 def test_walker_counts_lines_and_skips_generated_stubs(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 The README's tables name one file per row, in the first cell (`| `NAME` | ...`); every other mention of
 `benchmarks/NAME.py` or `.sh` in it must exist too. The benchmarks' shared helpers live in
-hetero_infer/testing/: a benchmark importing `tests` (directly, or in code it hands to another Python
+hetero_infer/bench/harness.py: a benchmark importing `tests` (directly, or in code it hands to another Python
 process) would tie the tests' layout to tools that run without them.
 """
 
@@ -12,7 +12,7 @@ import ast
 import re
 from pathlib import Path
 
-from hetero_infer.testing.stack import REPO_ROOT
+from hetero_infer.bench.harness import REPO_ROOT
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
 TABLE_ROW_FILE = re.compile(r"^\|\s*`([^`/]+\.(?:py|sh))`\s*\|", re.M)
@@ -63,7 +63,7 @@ def test_no_benchmark_imports_the_tests() -> None:
             continue
         if found:
             offenders[path.name] = found
-    assert not offenders, f"benchmarks import from tests (use hetero_infer/testing/): {offenders}"
+    assert not offenders, f"benchmarks import from tests (use hetero_infer/bench/harness.py): {offenders}"
 
 
 # --- the checks themselves, on made-up text ---

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetero_infer.config_sources import config_keys, load_config
-from hetero_infer.testing.stack import REPO_ROOT
+from hetero_infer.bench.harness import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero_infer.testing.stack import REPO_ROOT
+from hetero_infer.bench.harness import REPO_ROOT
 from tests.helpers.doc_links import broken_links, link_targets, markdown_files
 from tests.helpers.file_tree import write_tree
 

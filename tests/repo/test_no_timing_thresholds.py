@@ -10,16 +10,16 @@ import textwrap
 
 import pytest
 
-from hetero_infer.testing.stack import REPO_ROOT
+from hetero_infer.bench.harness import REPO_ROOT
 from tests.helpers.timing_asserts import thresholds_in_files, thresholds_in_source
 
-# Helpers the tests call (their results are measured when they return a measure), not checked themselves.
-HELPER_PACKAGES = (REPO_ROOT / "hetero_infer" / "testing",)
+# Helpers outside tests/ that the tests call (their results are measured when they return a measure), not
+# checked themselves.
+HELPER_MODULES = (REPO_ROOT / "hetero_infer" / "bench" / "harness.py",)
 
 
 def test_no_test_compares_a_time_or_memory_reading_with_a_threshold() -> None:
-    found = thresholds_in_files((REPO_ROOT / "tests").rglob("*.py"),
-                                [path for package in HELPER_PACKAGES for path in package.rglob("*.py")])
+    found = thresholds_in_files((REPO_ROOT / "tests").rglob("*.py"), HELPER_MODULES)
     if found:
         pytest.fail("assertions of a time or memory reading against a threshold (assert the mechanism instead):\n"
                     + "\n".join(finding.describe(REPO_ROOT) for finding in found))

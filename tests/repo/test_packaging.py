@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tomllib
 
-from hetero_infer.testing.stack import REPO_ROOT
+from hetero_infer.bench.harness import REPO_ROOT
 
 
 def _project() -> dict:

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import REPO_ROOT, Stack, run_stack
+from hetero_infer.bench.harness import REPO_ROOT, Stack, run_stack
 
 pytestmark = pytest.mark.slow
 NODE_EXAMPLE = REPO_ROOT / "examples" / "node_client"

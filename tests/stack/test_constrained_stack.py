@@ -18,8 +18,8 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
-from hetero_infer.testing.stack import Stack, run_stack
-from hetero_infer.testing.stack_requests import ids_request, pool, wait_for_idle
+from hetero_infer.bench.harness import Stack, pool, run_stack, wait_for_idle
+from tests.helpers.stack_requests import ids_request
 
 pytestmark = pytest.mark.slow
 

@@ -31,7 +31,7 @@ from hetero_infer.supervisor import wait_healthy
 from tests.helpers.certs import make_pki
 from tests.helpers.k8s_manifests import (DEPLOY, container, env_of, find, kubectl_binary, pending_discovery_keys, render,
                                  variant_dir)
-from hetero_infer.testing.stack import free_port
+from hetero_infer.bench.harness import free_port
 
 pytestmark = pytest.mark.slow
 

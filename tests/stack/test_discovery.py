@@ -28,8 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config
 from hetero_infer.supervisor import wait_healthy
-from hetero_infer.testing.stack import REPO_ROOT, free_port, run_stack, stop_process
-from hetero_infer.testing.stack_requests import ids_request, service_stats, wait_for_idle
+from hetero_infer.bench.harness import REPO_ROOT, free_port, run_stack, service_stats, stop_process, wait_for_idle
+from tests.helpers.stack_requests import ids_request
 from scheduler_svc.replicas.replica_set import ReplicaSet
 from tests.helpers.certs import make_pki
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts

@@ -17,9 +17,8 @@ import openai
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.embedding_models import cosine, load_sentence_transformer, make_sentence_transformers_dir
-from hetero_infer.testing.stack import Stack, run_stack
-from hetero_infer.testing.stack_requests import wait_for_idle
+from hetero_infer.bench.harness import (Stack, cosine, load_sentence_transformer, make_sentence_transformers_dir,
+                                        run_stack, wait_for_idle)
 
 pytestmark = pytest.mark.slow
 MIN_COSINE = 0.99999

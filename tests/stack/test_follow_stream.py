@@ -13,8 +13,7 @@ import grpc
 import pytest
 
 from hetero.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from hetero_infer.testing.stack import Stack, free_port, run_stack
-from hetero_infer.testing.stack_requests import wait_for_idle
+from hetero_infer.bench.harness import Stack, free_port, run_stack, wait_for_idle
 
 pytestmark = pytest.mark.slow
 

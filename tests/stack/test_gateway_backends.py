@@ -17,7 +17,7 @@ import pytest
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common.sampling import sample_seed
 from hetero_infer.supervisor import wait_healthy
-from hetero_infer.testing.stack import REPO_ROOT, free_port
+from hetero_infer.bench.harness import REPO_ROOT, free_port
 
 pytestmark = pytest.mark.slow
 # Echoes the prompt and max_tokens; samples after the first (n > 1) add their index and seed.

@@ -44,9 +44,7 @@ import httpx
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from hetero_infer.testing.loop_lag import lag_bound, loop_lag_buckets
-from hetero_infer.testing.stack import Stack, run_stack
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import Stack, lag_bound, loop_lag_buckets, make_random_llama, run_stack
 from tests.helpers.raw_http import completion_head, connect, read_response, settled_rss
 from tests.helpers.steady_streams import SteadyStreams
 

@@ -19,7 +19,7 @@ import requests
 import requests.adapters
 
 from hetero.v1 import inference_pb2
-from hetero_infer.testing.stack import Stack, run_stack
+from hetero_infer.bench.harness import Stack, run_stack
 
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 32  # generated bodies may ask for 2**32 tokens: they stop here, quickly

@@ -12,8 +12,8 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
-from hetero_infer.testing.stack import Stack, free_port, run_stack
-from hetero_infer.testing.stack_requests import ids_request, start_streams_to_suspend, wait_for_idle
+from hetero_infer.bench.harness import Stack, free_port, run_stack, wait_for_idle
+from tests.helpers.stack_requests import ids_request, start_streams_to_suspend
 
 pytestmark = pytest.mark.slow
 

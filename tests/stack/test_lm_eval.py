@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hetero_common.model_files import default_model_path
-from hetero_infer.testing.stack import run_stack
+from hetero_infer.bench.harness import run_stack
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is a test extra (scripts/test.sh installs it)")

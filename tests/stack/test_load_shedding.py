@@ -17,8 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
-from hetero_infer.testing.stack import REPO_ROOT, Stack, free_port, run_stack
-from hetero_infer.testing.stack_requests import pool, service_stats, wait_for_idle
+from hetero_infer.bench.harness import REPO_ROOT, Stack, free_port, pool, run_stack, service_stats, wait_for_idle
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -19,9 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
-from hetero_infer.testing.stack import free_port, run_stack
-from hetero_infer.testing.stack_requests import service_stats, wait_for_idle
-from hetero_infer.testing.tiny_models import make_lora_adapter, make_random_llama
+from hetero_infer.bench.harness import free_port, make_random_llama, run_stack, service_stats, wait_for_idle
+from tests.helpers.tiny_models import make_lora_adapter
 from tests.helpers.oracle import NEW_TOKENS, make_prompts
 from tests.model.test_lora_serving import peft_greedy
 from tests.stack.test_resilience import killer, run_streams, stack_flags, worker_pid

@@ -13,9 +13,8 @@ import openai
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import run_stack
-from hetero_infer.testing.stack_requests import wait_for_idle
-from hetero_infer.testing.tiny_models import make_lora_adapter
+from hetero_infer.bench.harness import run_stack, wait_for_idle
+from tests.helpers.tiny_models import make_lora_adapter
 from tests.helpers.oracle import NEW_TOKENS, make_prompts
 from tests.model.test_lora_serving import ADAPTERS, peft_greedy
 

@@ -23,8 +23,9 @@ import pytest
 
 from hetero_infer.supervisor import wait_healthy
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
-from hetero_infer.testing.stack import REPO_ROOT, Stack, free_port, run_stack, stop_process
-from hetero_infer.testing.stack_requests import generate_concurrently, service_stats, wait_for_idle
+from hetero_infer.bench.harness import (REPO_ROOT, Stack, free_port, run_stack, service_stats, stop_process,
+                                        wait_for_idle)
+from tests.helpers.stack_requests import generate_concurrently
 from tests.stack.test_discovery import MODEL_FLAGS, NAME, Hosts, can_mount_namespace, replicas, wait_until
 from tests.stack.test_resilience import NUM_STREAMS, requests
 

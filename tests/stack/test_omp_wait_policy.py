@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hetero_infer.supervisor import worker_environment
-from hetero_infer.testing.stack import run_stack
+from hetero_infer.bench.harness import run_stack
 
 
 def test_the_default_leaves_the_environment_alone() -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from hetero_common.tokenizer import load_tokenizer
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import Stack, run_stack
+from hetero_infer.bench.harness import Stack, run_stack
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"  # serving.model_name's default

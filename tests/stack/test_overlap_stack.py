@@ -13,8 +13,7 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
 from tests.helpers.oracle import make_prompts
-from hetero_infer.testing.stack import run_stack
-from hetero_infer.testing.stack_requests import pool, wait_for_idle
+from hetero_infer.bench.harness import pool, run_stack, wait_for_idle
 
 slow = pytest.mark.slow
 

@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from hetero_infer.testing.stack import Stack, run_stack
-from hetero_infer.testing.stack_requests import pool, wait_for_idle
+from hetero_infer.bench.harness import Stack, pool, run_stack, wait_for_idle
 
 pytestmark = pytest.mark.slow
 LONG = 2000  # tokens: long enough to still run while the test acts

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import Stack, run_stack
-from hetero_infer.testing.stack_requests import wait_for_idle
+from hetero_infer.bench.harness import Stack, run_stack, wait_for_idle
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

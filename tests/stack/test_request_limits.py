@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import Stack, run_stack
+from hetero_infer.bench.harness import Stack, run_stack
 from tests.helpers.raw_http import (HANG_GUARD_S, assert_openai_error, closed_by_server, completion_head, connect,
                                     read_response)
 from tests.helpers.waiting import wait_until

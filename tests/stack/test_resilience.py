@@ -15,9 +15,7 @@ import pytest
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.supervisor import wait_healthy
 from tests.helpers.oracle import make_prompts
-from hetero_infer.testing.stack import Stack, free_port, run_stack
-from hetero_infer.testing.stack_requests import service_stats, wait_for_idle
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import Stack, free_port, make_random_llama, run_stack, service_stats, wait_for_idle
 from gpu_worker.cpu.worker_setup import row_invariance_unavailable
 
 pytestmark = pytest.mark.slow

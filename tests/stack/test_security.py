@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from hetero_infer.supervisor import wait_healthy
 from tests.helpers.certs import Pki, make_pki
-from hetero_infer.testing.stack import REPO_ROOT, free_port, stop_process
+from hetero_infer.bench.harness import REPO_ROOT, free_port, stop_process
 
 pytestmark = pytest.mark.slow
 KEY, FILE_KEY, WRONG = "sk-test-7f3a9c", "sk-from-file-51d2", "sk-wrong-0000"

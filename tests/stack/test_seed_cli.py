@@ -21,8 +21,8 @@ import pytest
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_infer.supervisor import wait_healthy
 from tests.helpers.seed_forms import SEED_BRIDGE_CONFIG, SEED_CONFIG, write_config
-from hetero_infer.testing.stack import REPO_ROOT, free_port, stop_process
-from hetero_infer.testing.tiny_models import make_tiny_byte_llama
+from hetero_infer.bench.harness import REPO_ROOT, free_port, stop_process
+from tests.helpers.tiny_models import make_tiny_byte_llama
 
 pytestmark = pytest.mark.slow
 

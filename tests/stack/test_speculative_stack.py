@@ -17,9 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import free_port, run_stack
-from hetero_infer.testing.tiny_models import make_noisy_copy
-from hetero_infer.testing.stack_requests import service_stats, wait_for_idle
+from hetero_infer.bench.harness import free_port, run_stack, service_stats, wait_for_idle
+from tests.helpers.tiny_models import make_noisy_copy
 from tests.helpers.oracle import make_prompts
 from tests.stack.test_overlap_stack import requests, stream_all
 from tests.stack.test_resilience import killer, run_streams, stack_flags, worker_pid

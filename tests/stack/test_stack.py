@@ -10,8 +10,8 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
-from hetero_infer.testing.stack import Stack, run_stack
-from hetero_infer.testing.stack_requests import greedy, ids_request, wait_for_idle
+from hetero_infer.bench.harness import Stack, run_stack, wait_for_idle
+from tests.helpers.stack_requests import greedy, ids_request
 from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.tokenizer import load_tokenizer
-from hetero_infer.testing.stack import Stack, run_stack
-from hetero_infer.testing.stack_requests import greedy, wait_for_idle
+from hetero_infer.bench.harness import Stack, run_stack, wait_for_idle
+from tests.helpers.stack_requests import greedy
 
 pytestmark = pytest.mark.slow
 INTERVAL, NEW_TOKENS = 4, 15

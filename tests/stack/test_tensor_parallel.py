@@ -10,8 +10,8 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.helpers.oracle import NEW_TOKENS, engine_greedy, make_prompts
-from hetero_infer.testing.stack import free_port, run_stack
-from hetero_infer.testing.stack_requests import generate_concurrently, start_streams_to_suspend, wait_for_idle
+from hetero_infer.bench.harness import free_port, run_stack, wait_for_idle
+from tests.helpers.stack_requests import generate_concurrently, start_streams_to_suspend
 
 pytestmark = pytest.mark.slow
 

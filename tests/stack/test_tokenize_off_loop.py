@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from hetero.v1 import inference_pb2, inference_pb2_grpc
-from hetero_infer.testing.stack import Stack, run_stack
+from hetero_infer.bench.harness import Stack, run_stack
 
 pytestmark = pytest.mark.slow
 _rng = random.Random(0)

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.stack import Stack, run_stack
+from hetero_infer.bench.harness import Stack, run_stack
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

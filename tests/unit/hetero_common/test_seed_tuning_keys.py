@@ -15,7 +15,7 @@ from hetero_common.config import Config
 from hetero_common.errors import ConfigError
 from hetero_infer.config_sources import add_config_arguments, config_from_args, load_config
 from hetero_infer.engine import GenerationParams, InferenceEngine
-from hetero_infer.testing.tiny_models import make_random_llama
+from hetero_infer.bench.harness import make_random_llama
 
 SEED_GPU = {"cuda_graph": True, "fp16": True, "kv_cache_dtype": "fp16"}  # "GPU Optimization", verbatim
 SEED_CPU = {"num_threads": 8, "pin_memory": True}  # "CPU Optimization", verbatim

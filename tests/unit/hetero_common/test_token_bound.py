@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizer
 from hetero_common.model_files import default_model_path
 from hetero_common.token_bound import token_bound
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
-from hetero_infer.testing.tiny_models import make_tokenizer
+from hetero_infer.bench.harness import make_tokenizer
 
 
 @pytest.fixture(scope="module")

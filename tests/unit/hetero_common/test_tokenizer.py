@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from hetero_common.tokenizer import TextTokenizer, TokenizerError, load_tokenizer, read_gguf_metadata
-from hetero_infer.testing.tiny_models import make_tiny_llama
+from hetero_infer.bench.harness import make_tiny_llama
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -17,8 +17,8 @@ from hetero_common.model_files import ModelFileError, default_model_path
 from hetero_infer.cli import _parser, seed_form
 from hetero_infer.config_sources import load_config
 from tests.helpers.seed_forms import SEED_BRIDGE_CONFIG, SEED_CONFIG, write_config
-from hetero_infer.testing.stack import REPO_ROOT
-from hetero_infer.testing.tiny_models import make_tiny_byte_llama
+from hetero_infer.bench.harness import REPO_ROOT
+from tests.helpers.tiny_models import make_tiny_byte_llama
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Requests that tests send to a running stack, and waits on its block pool going idle."""
+"""Requests that tests send to a running stack (the stack itself and its pool waits are in
+hetero_infer/bench/harness.py, shared with the benchmarks)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import threading
 import time
 
 from hetero.v1 import common_pb2, inference_pb2
-from hetero_infer.testing.prompts import NEW_TOKENS, make_prompts
-from hetero_infer.testing.stack import Stack
+from hetero_infer.bench.harness import Stack, make_prompts
+from tests.helpers.oracle import NEW_TOKENS
 
 
 def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:
@@ -17,24 +18,6 @@ def greedy(max_tokens: int, **kw) -> common_pb2.SamplingParams:
 def ids_request(ids: list[int], max_tokens: int, request_id: str = "", model: str = "") -> inference_pb2.GenerateRequest:
     return inference_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=inference_pb2.TokenIds(ids=ids),
                                          params=greedy(max_tokens), model=model)
-
-
-def pool(stack: Stack) -> common_pb2.PoolStats:
-    return stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest(), timeout=10).pool
-
-
-def service_stats(stack: Stack) -> common_pb2.ServiceStats:
-    return stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest(), timeout=10).service
-
-
-def wait_for_idle(stack: Stack, timeout_s: float = 20.0) -> common_pb2.PoolStats:
-    """The pool once no block is used and nothing runs or waits (or as it is at the timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        p = pool(stack)
-        if (p.used_blocks, p.num_running, p.num_waiting) == (0, 0, 0) or time.monotonic() > deadline:
-            return p
-        time.sleep(0.1)
 
 
 def start_streams_to_suspend(stack: Stack, results: dict[int, list[int]]) -> list[threading.Thread]:

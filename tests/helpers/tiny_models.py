@@ -1,0 +1,96 @@
+"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Llama over the simple tokenizer's
+vocabulary, a noisy draft, a PEFT LoRA adapter); the Llamas and the tokenizer the benchmarks build too are in
+hetero_infer/bench/harness.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hetero_infer.bench.harness import save_tiny_model
+
+
+def make_tiny_qwen2(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2: q/k/v projections carry biases, 6 query heads over 2 KV heads."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        bos_token_id=1,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        torch_dtype="float32",
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    # Random init leaves biases at zero; make them matter so a loader that drops them fails.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return save_tiny_model(model, directory)
+
+
+def make_tiny_byte_llama(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Llama over the simple tokenizer's vocabulary (tokenizer.kind simple: 256 bytes, then
+    PAD 256, BOS 257, EOS 258; hetero_common/simple_tokenizer.py). No tokenizer files: that tokenizer is built in."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                         pad_token_id=256, bos_token_id=257, eos_token_id=258, torch_dtype="float32")
+    directory.mkdir(parents=True, exist_ok=True)
+    LlamaForCausalLM(config).eval().save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def make_noisy_copy(source: Path, directory: Path, noise: float, seed: int = 0) -> Path:
+    """`source`'s checkpoint with Gaussian noise added to every tensor (`noise` times that tensor's standard
+    deviation), its tokenizer and config copied: a draft model that agrees with `source` on some tokens and
+    not on others (speculative decoding's tests)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.suffix != ".safetensors" and item.is_file():
+            shutil.copy(item, directory / item.name)
+    generator = torch.Generator().manual_seed(seed)
+    for shard in source.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        noisy = {name: (t + noise * t.float().std() * torch.randn(t.shape, generator=generator)).to(t.dtype)
+                 if t.numel() > 1 else t for name, t in tensors.items()}
+        save_file(noisy, str(directory / shard.name), metadata={"format": "pt"})
+    return directory
+
+
+def make_lora_adapter(base: Path, directory: Path, rank: int, targets: list[str], seed: int = 0,
+                      alpha: float = 16.0, rslora: bool = False) -> Path:
+    """A PEFT LoRA adapter for the model in `base` with random A and B (B non-zero, unlike a fresh PEFT
+    adapter's), saved as PEFT saves one (adapter_config.json, adapter_model.safetensors)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
+                        init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # init_lora_weights=False draws both; scale B so the adapter changes greedy tokens
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(4.0)
+    peft_model.save_pretrained(str(directory))
+    return directory
