@@ -107,10 +107,10 @@ class RequestStreams:
         for start, stop, other in outputs.runs():
             for i in range(start, stop):
                 seq = seqs[i]
-                stream = streams.get(seq.request_id)
+                stream = streams.get(seq.info.request_id)
                 if stream is not None:
-                    stream.publish(event(position=len(stream.history), request_id=seq.request_id,
-                                         token_ids=[tokens[i]], index=seq.index, token_timestamps=[now]))
+                    stream.publish(event(position=len(stream.history), request_id=seq.info.request_id,
+                                         token_ids=[tokens[i]], index=seq.info.index, token_timestamps=[now]))
             if other is not None:
                 self._publish(other)
 

@@ -83,7 +83,8 @@ class Sequence:
     first_output_sent: bool = False
     queue_seconds: float | None = None  # arrival to first admission (metrics)
     cached_prompt_tokens: int | None = None  # prefix-cache hit at first admission (None: not admitted yet)
-    # prompt + max_tokens - 1: a token sampled when the sequence holds this many (or more) ends it by length.
+    # A token sampled when the sequence holds this many (or more) ends it by length: prompt + max_tokens - 1, and
+    # at most max_model_len - 1 once the scheduler that holds it says its max_model_len (`cap_length`).
     last_len: int = field(init=False, default=0)
     # The first len(packed_ids) // 4 token ids as little-endian uint32s (`packed`).
     packed_ids: bytes = b""
@@ -112,6 +113,11 @@ class Sequence:
     speculative = property(lambda self: self.info.speculative)
     deadline = property(lambda self: self.info.deadline)
     arrival_time = property(lambda self: self.info.arrival_time)
+
+    def cap_length(self, max_model_len: int) -> None:
+        """The scheduler that holds the sequence serves at most `max_model_len` tokens: a token sampled at
+        max_model_len - 1 tokens ends it by length too (one comparison per token, where two were made)."""
+        self.last_len = min(self.info.prompt_len + self.info.sampling.max_tokens, max_model_len) - 1
 
     def packed(self, count: int) -> bytes:
         """At least the first `count` token ids as packed by `pack_ids`: the prefix-cache hashes and the worker's
@@ -165,5 +171,5 @@ def fork_sample(parent: Sequence, index: int, seq_id: int) -> Sequence:
     params.ClearField("prompt_logprobs")  # sample 0 carries them; the worker scores no prompt token for this one
     info = replace(parent.info, index=index, params=params, arrival_time=time.monotonic())  # arrives as it forks
     child = Sequence(seq_id, info, parent.token_ids[:parent.prompt_len], SequenceStatus.DECODE, parent.prompt_len - 1)
-    child.cached_prompt_tokens = parent.cached_prompt_tokens
+    child.cached_prompt_tokens, child.last_len = parent.cached_prompt_tokens, parent.last_len  # the same cap
     return child

@@ -9,7 +9,6 @@ the model packs for the GGUF kernel; a Hugging Face checkpoint's fp8 weights sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 

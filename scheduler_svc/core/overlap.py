@@ -41,7 +41,7 @@ class StepInFlight:
     def __init__(self) -> None:
         self.entries: list[tuple[Sequence, int]] = []  # (sequence, tokens it computes), in plan order
         self.assumed_step = 0  # the last step planned ahead of: its result's tokens are already counted
-        self.drafted: list[Sequence] = []  # its decodes with speculative drafts (scheduler_svc/speculation/speculation.py)
+        self.drafted: list[Sequence] = []  # its decodes with speculative drafts (speculation/speculation.py)
 
     def record(self, entries: list[tuple[Sequence, int]], drafted: list[Sequence]) -> None:
         """The plan just made is the step in flight (`drafted`: its entries with drafts, counted as their one
@@ -63,13 +63,11 @@ class StepInFlight:
     def count(self, kv_cache: KVCacheManager) -> None:
         """The entries as computed, full blocks offered to the prefix cache, in plan order: when the step's
         result arrives, before any row frees blocks, or when the next step is planned ahead of it."""
-        caching, register_full_blocks = kv_cache.enable_prefix_caching, kv_cache.register_full_blocks
         for seq, n in self.entries:
             status = seq.status
             if status is DECODE or status is PREFILL:  # not finished, preempted or swapped meanwhile
                 seq.num_computed += n
-                if caching:
-                    register_full_blocks(seq)
+        kv_cache.register_computed(self.entries)  # in plan order; each reads only its own count
         self.entries = []
 
     def assume(self, step_id: int, running: list[Sequence], kv_cache: KVCacheManager, max_model_len: int) -> None:
@@ -84,7 +82,7 @@ class StepInFlight:
             num = len(token_ids)
             if seq.num_computed == num - 1 and seq.status is DECODE:  # a fast decode (not in `entries`)
                 seq.num_computed = num
-            elif seq.num_computed != num or seq.pooling:
+            elif seq.num_computed != num or seq.info.pooling:
                 continue  # a prompt chunk that is not the last (nothing sampled), or an embedding's (ends with it)
             token_ids.append(PLACEHOLDER)
             seq.awaiting_token = True

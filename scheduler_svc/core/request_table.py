@@ -33,16 +33,16 @@ class RequestTable:
 
     def add(self, seq: Sequence) -> None:
         """A new request, its sample 0."""
-        self.requests[seq.request_id] = seq
-        self.samples[seq.request_id] = [seq]
+        self.requests[seq.info.request_id] = seq
+        self.samples[seq.info.request_id] = [seq]
         self.sequences[seq.seq_id] = seq
 
     def add_sample(self, seq: Sequence) -> None:
         """Another sample of a request: a fork, or a sample adopted from a replica (possibly the first of
         its request here, which stands for the request until sample 0 comes)."""
-        self.samples.setdefault(seq.request_id, []).append(seq)
-        if seq.index == 0 or seq.request_id not in self.requests:
-            self.requests[seq.request_id] = seq
+        self.samples.setdefault(seq.info.request_id, []).append(seq)
+        if seq.info.index == 0 or seq.info.request_id not in self.requests:
+            self.requests[seq.info.request_id] = seq
         self.sequences[seq.seq_id] = seq
 
     def fork(self, parent: Sequence, index: int, seq_id: int) -> Sequence:
@@ -57,24 +57,28 @@ class RequestTable:
     def end(self, seq: Sequence, status: SequenceStatus) -> None:
         """A sample is done: blocks freed, the worker told; its request leaves with its last sample."""
         seq.status = status
-        self._forget(seq)
+        self._kv_cache.forget(seq)  # what its features kept about it goes (`_forget`, inlined: once per sample)
+        self._results.prompt_logprobs.pop(seq.seq_id, None)
+        if self._speculator is not None:
+            self._speculator.forget(seq)
         self._outbox.release(seq)
         self.sequences.pop(seq.seq_id, None)
-        live = self.samples.get(seq.request_id, [])
+        live = self.samples.get(seq.info.request_id, [])
         if seq in live:
             live.remove(seq)
         if not live:
-            self.samples.pop(seq.request_id, None)
-            self.requests.pop(seq.request_id, None)
+            self.samples.pop(seq.info.request_id, None)
+            self.requests.pop(seq.info.request_id, None)
 
     def of(self, request_id: str, index: int | None = None) -> list[Sequence]:
         """A request's unfinished samples (only sample `index`, if given)."""
-        return [s for s in self.samples.get(request_id, []) if index is None or s.index == index]
+        return [s for s in self.samples.get(request_id, []) if index is None or s.info.index == index]
 
     def take_all(self) -> list[Sequence]:
         """Every unfinished sample out of the table, in arrival order (a request's by index), to be computed
         again from its tokens: blocks freed, a token still in flight dropped (its step is lost)."""
-        seqs = sorted((s for samples in self.samples.values() for s in samples), key=lambda s: (s.arrival_time, s.index))
+        seqs = sorted((s for samples in self.samples.values() for s in samples),
+                      key=lambda s: (s.info.arrival_time, s.info.index))
         drop_placeholders(seqs)
         for seq in seqs:
             self._forget(seq)

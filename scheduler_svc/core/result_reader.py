@@ -31,8 +31,9 @@ class StepRead:
     def __init__(self, now: float) -> None:
         self.outputs = StepOutputs(now)
         self.forks: list[Sequence] = []  # samples whose prompt is computed: they fork the request's others
-        # (sample, status, ran): in row order (the finish reason is in its output). `ran`: it was in `running` for this step and is
-        # taken off it with the others once all are ended; else it is taken off whichever queue holds it.
+        # (sample, status, ran): in row order (the finish reason is in its output). `ran`: it was in `running` for
+        # this step and is taken off it with the others once all are ended; else it is taken off whichever queue
+        # holds it.
         self.ends: list[tuple[Sequence, SequenceStatus, bool]] = []
         self.drafts_accepted = 0  # speculative drafts the worker kept (those after a stop included)
 
@@ -79,7 +80,7 @@ class ResultReader:
             return step
         outputs, now, ends = step.outputs, step.outputs.timestamp, step.ends
         add_seq, add_token = outputs.seqs.append, outputs.tokens.append
-        maybe_stop, last_model_len = self._maybe_stop_ids, self.max_model_len - 1
+        maybe_stop = self._maybe_stop_ids
         rows = None
         for seq, token in zip(map(sequences.get, result.seq_ids), result.token_ids):
             if seq is None:
@@ -93,11 +94,11 @@ class ResultReader:
                 else:  # a fast decode's computed count is brought up to date here (its step counted no entry)
                     seq.num_computed = num = len(token_ids)
                     token_ids.append(token)
-                if num < seq.last_len and num < last_model_len:
+                if num < seq.last_len:  # under max_tokens and max_model_len (`Sequence.cap_length`)
                     add_seq(seq)
                     add_token(token)
                 else:
-                    outputs.add(TokenOutput(seq.request_id, [token], LENGTH, timestamp=now, index=seq.index))
+                    outputs.add(TokenOutput(seq.info.request_id, [token], LENGTH, timestamp=now, index=seq.info.index))
                     ends.append((seq, COMPLETED, True))
                 continue
             if rows is None:
@@ -121,7 +122,7 @@ class ResultReader:
             if failures and seq_id in failures:  # e.g. the worker could not apply this sample's constraint
                 if seq.status is not COMPLETED and seq.status is not FAILED:
                     step.ends.append((seq, FAILED, False))
-                    step.outputs.add(TokenOutput(seq.request_id, finish_reason=ERROR, index=seq.index,
+                    step.outputs.add(TokenOutput(seq.info.request_id, finish_reason=ERROR, index=seq.info.index,
                                                  error=f"this sample failed on the worker: {failures[seq_id]}"))
                 continue
             # a decode drafted in this step, kept drafts or not (a sequence whose drafted step was lost, recomputed
@@ -134,7 +135,7 @@ class ResultReader:
 
     def _read_drafted_row(self, seq: Sequence, kept: list[int], token: int, row: int, rows: SampledRows,
                           step: StepRead, first_kept: int) -> None:
-        """A decode whose drafts the worker verified (scheduler_svc/speculation/speculation.py): its kept drafts, then its
+        """A decode whose drafts the worker verified (speculation/speculation.py): its kept drafts, then its
         own token, each applied as if sampled alone (computed before the next, the stop conditions checked
         after it); the run is cut after the first token that ends the sequence, as decoding one at a time
         would have stopped there. One output carries them."""
@@ -188,7 +189,7 @@ def _read_embeddings(result: worker_pb2.StepResult, sequences: dict[int, Sequenc
         if seq is None or seq.status is not PREFILL:
             continue  # aborted while the step ran
         seq.first_output_sent = True
-        step.outputs.add(TokenOutput(seq.request_id, (), STOP, timestamp=step.outputs.timestamp,
-                                     queue_seconds=seq.queue_seconds or 0.0, index=seq.index,
+        step.outputs.add(TokenOutput(seq.info.request_id, (), STOP, timestamp=step.outputs.timestamp,
+                                     queue_seconds=seq.queue_seconds or 0.0, index=seq.info.index,
                                      embedding=pooled.values))
         step.ends.append((seq, COMPLETED, True))

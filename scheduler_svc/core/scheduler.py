@@ -3,8 +3,8 @@
 `Scheduler.schedule` decides a step in four phases: the running decodes (one token each, or drafts with it:
 speculation.py), the prompts partly computed (chunked prefill), swapped-out sequences back, new requests admitted
 (lower priority value first, then arrival) while blocks stay under `memory_threshold`. When blocks run out, a running
-sequence is preempted (`preemption_victim`, at the end); its stream neither loses nor repeats a token. A request with n > 1 samples
-forks after its prompt. `process_result` applies the worker's sampled tokens.
+sequence is preempted (`preemption_victim`, at the end); its stream neither loses nor repeats a token. A request with
+n > 1 samples forks after its prompt. `process_result` applies the worker's sampled tokens.
 
 The Scheduler owns the queues and makes every decision; the collaborators own the rest: the blocks (`KVCacheManager`),
 the requests in flight (`RequestTable`), what the worker is to be told and the plan's wire bytes (step_plan.py), the
@@ -27,13 +27,13 @@ from scheduler_svc.core.overlap import StepInFlight
 from scheduler_svc.core.request_limits import RequestLimits
 from scheduler_svc.core.request_table import RequestTable
 from scheduler_svc.core.result_reader import ResultReader
-from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.core.stats import pool_stats
 from scheduler_svc.core.step_plan import SMALL_VARINTS, PlanWriter, WorkerOutbox, disarm, plan_needs_worker
 from scheduler_svc.core.token_output import StepOutputs, TokenOutput
 from scheduler_svc.core.waiting_queue import WaitingQueue
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
 from scheduler_svc.kv.swapped_queue import SwappedQueue
+from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.speculation.speculation import Speculator
 
 log = structlog.get_logger("scheduler_svc.core.scheduler")
@@ -107,8 +107,8 @@ class Scheduler:
                            speculative=self.speculator is not None and not pooling, lora_slot=lora_slot,
                            pooling=pooling, deadline=deadline)
         self._next_seq_id += 1
-        if block_hashes:
-            self.kv_cache.offer_hashes(seq, block_hashes)
+        seq.cap_length(self.max_model_len)
+        self.kv_cache.add(seq, block_hashes)
         self._results.watch_stop_ids(sampling.stop_token_ids)
         self._table.add(seq)
         self.waiting.append(seq)
@@ -121,7 +121,7 @@ class Scheduler:
         for seq in seqs:
             seq.pending_forks = 0
             self._finish(seq, status)
-        return [seq.index for seq in seqs]
+        return [seq.info.index for seq in seqs]
 
     def on_worker(self, seq: Sequence) -> bool:
         """Whether the worker holds the sequence's state (sent whole and not released since)."""
@@ -265,10 +265,10 @@ class Scheduler:
             first = seq.cached_prompt_tokens is None
             seq.num_computed = self.kv_cache.admit(seq, hits, n, first)
             if first:  # the prefix-cache hit a prompt's usage reports (not again after a preemption)
-                seq.cached_prompt_tokens = min(seq.num_computed, seq.prompt_len)
+                seq.cached_prompt_tokens = min(seq.num_computed, seq.info.prompt_len)
             seq.status = PREFILL
             if seq.queue_seconds is None:  # arrival to first admission (metrics)
-                seq.queue_seconds = time.monotonic() - seq.arrival_time
+                seq.queue_seconds = time.monotonic() - seq.info.arrival_time
             self.running.append(seq)
             seq.last_scheduled_step = self.step_id
             scheduled.append((seq, n))
@@ -316,7 +316,7 @@ class Scheduler:
         self._outbox.release(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
-        log.info("preempted", mode="recompute", request_id=seq.request_id, tokens=seq.num_tokens,
+        log.info("preempted", mode="recompute", request_id=seq.info.request_id, tokens=seq.num_tokens,
                  free_blocks=self.kv_cache.num_free)
 
     def _swap_out(self, seq: Sequence) -> None:
@@ -328,7 +328,8 @@ class Scheduler:
         self.swapped.add(seq)
         seq.status = SequenceStatus.SWAPPED
         self.num_swap_outs += 1
-        log.info("preempted", mode="swap", request_id=seq.request_id, blocks=len(held), free_blocks=self.kv_cache.num_free)
+        log.info("preempted", mode="swap", request_id=seq.info.request_id, blocks=len(held),
+                 free_blocks=self.kv_cache.num_free)
 
     # ---------------------------------------------------------------- results
 
@@ -377,7 +378,8 @@ class Scheduler:
         for rid, seqs in list(self.samples.items()):
             for seq in list(seqs):
                 self._finish(seq, FAILED)
-                outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error, index=seq.index))
+                outputs.append(TokenOutput(rid, finish_reason=FR.FINISH_REASON_ERROR, error=error,
+                                           index=seq.info.index))
         return StepOutputs.of(outputs)
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -407,7 +409,9 @@ class Scheduler:
         """Queue a sample taken from a replica (possibly this one) for recompute, under a new seq id."""
         seq.seq_id = self._next_seq_id
         self._next_seq_id += 1
-        self._results.watch_stop_ids(seq.sampling.stop_token_ids)
+        seq.cap_length(self.max_model_len)  # this replica's (its KV pool's capacity may differ)
+        self.kv_cache.add(seq)
+        self._results.watch_stop_ids(seq.info.sampling.stop_token_ids)
         self._table.add_sample(seq)
         self.waiting.append(seq)
 
@@ -445,6 +449,7 @@ def preemption_victim(running: list[Sequence], seq: Sequence, step_id: int, any_
         return next((s for s in reversed(running) if s is not seq and s.last_scheduled_step != step_id), seq)
     victim = None
     for s in reversed(running):  # newest first; only a strictly larger value replaces, so ties keep the newest
-        if s is not seq and s.last_scheduled_step != step_id and (victim is None or s.priority > victim.priority):
+        if s is not seq and s.last_scheduled_step != step_id and (
+                victim is None or s.info.priority > victim.info.priority):
             victim = s
-    return seq if victim is None or seq.priority > victim.priority else victim
+    return seq if victim is None or seq.info.priority > victim.info.priority else victim

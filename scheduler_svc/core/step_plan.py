@@ -11,8 +11,8 @@ puts them together. A sequence's new blocks and table edits come from the KV man
 from __future__ import annotations
 
 from hetero.v1 import worker_pb2
+from scheduler_svc.kv.kv_cache_manager import NOTHING_NEW, CopiedBlock, KVBlocks, KVCacheManager
 from scheduler_svc.sequence import Sequence
-from scheduler_svc.kv.kv_cache_manager import CopiedBlock, KVBlocks, KVCacheManager
 
 
 def plan_needs_worker(plan: worker_pb2.StepPlan) -> bool:
@@ -99,15 +99,15 @@ def write_entry(parts: list[bytes], seq: Sequence, num_tokens: int, kv_cache: KV
     if seq.seq_id not in outbox.on_worker:
         parts += new_sequence_bytes(seq)
         outbox.on_worker.add(seq.seq_id)
-    num_computed, blocks = seq.num_computed, kv_cache.take_unsent(seq)
+    num_computed = seq.num_computed
     sample = num_computed + num_tokens == len(token_ids)
-    if blocks or not sample or not num_computed or drafts or model_drafts:
+    computed = num_computed + num_tokens  # the next decode's num_cached_tokens
+    blocks, room = kv_cache.take_unsent(seq, computed if arm and sample and not seq.info.speculative else -1)
+    if blocks is not NOTHING_NEW or not sample or not num_computed or drafts or model_drafts:
         body = _entry_bytes(seq, num_tokens, sample, blocks, drafts, model_drafts)
         parts += (_PLAN_SCHEDULED, varint(len(body)), body)
     else:  # a decode in blocks the worker has: seq_id, num_tokens, sample = true, num_cached_tokens
         parts += (decode_head(seq.seq_id, num_computed, num_tokens), varint(num_computed))
-    computed = num_computed + num_tokens  # the next decode's num_cached_tokens
-    room = kv_cache.decode_room(seq, computed) if arm and sample and not seq.info.speculative else 0
     if room:
         seq.fast_until = min(room, 128 if computed < 128 else 16384 if computed < 16384 else 0)
         seq.decode_head = decode_head(seq.seq_id, computed, 1)
@@ -120,17 +120,17 @@ def new_sequence_bytes(seq: Sequence) -> tuple[bytes, ...]:
     protobuf's conversion of a list into a repeated field cost four times as much, for every prompt
     admitted, and the prefix-cache hashes packed most of them already), then its parameters and how many
     tokens it generated before."""
-    num_tokens = len(seq.token_ids)
-    num_generated, ids = num_tokens - seq.prompt_len, seq.packed(num_tokens)[:4 * num_tokens]
-    params = seq.params.SerializeToString()
+    info, num_tokens = seq.info, len(seq.token_ids)
+    num_generated, ids = num_tokens - info.prompt_len, seq.packed(num_tokens)[:4 * num_tokens]
+    params = info.params.SerializeToString()
     body = [_NEW_SEQ_ID, varint(seq.seq_id)] if seq.seq_id else []  # in number order, empty fields left out
     body += (_NEW_TOKEN_IDS, varint(len(ids)), ids, _NEW_PARAMS, varint(len(params)), params)  # params: always set
     if num_generated:
         body += (_NEW_NUM_GENERATED, varint(num_generated))
-    if seq.lora_slot:
-        body += (_NEW_LORA_SLOT, varint(seq.lora_slot))
-    if seq.pooling:
-        body += (_NEW_POOLING, varint(seq.pooling))
+    if info.lora_slot:
+        body += (_NEW_LORA_SLOT, varint(info.lora_slot))
+    if info.pooling:
+        body += (_NEW_POOLING, varint(info.pooling))
     entry = b"".join(body)
     return _PLAN_NEW_SEQUENCE, varint(len(entry)), entry
 
@@ -202,7 +202,7 @@ class WorkerOutbox:
         if seq.seq_id in self.on_worker:
             self.on_worker.discard(seq.seq_id)
             self.released.append(seq.seq_id)
-            disarm(seq)
+            seq.fast_until = 0  # disarm(seq), inlined: once per sequence that ends
 
     def swap_out(self, seq_id: int, block_ids: list[int]) -> None:
         """The worker copies these blocks of the sequence to host memory before the next step."""

@@ -110,7 +110,7 @@ class StepOutputs:
         for start, stop, other in self.runs():
             for i in range(start, stop):
                 seq = seqs[i]
-                yield TokenOutput(seq.request_id, [tokens[i]], timestamp=now, index=seq.index)
+                yield TokenOutput(seq.info.request_id, [tokens[i]], timestamp=now, index=seq.info.index)
             if other is not None:
                 yield other
 
@@ -150,28 +150,28 @@ class SampledRows:
         logprobs: ListLike[float] = ()
         if tokens is not None:
             logprobs, top = self._scores(seq, row, first_draft, min(len(emitted), num_drafts), len(emitted) > num_drafts)
-        elif self.num_top and seq.sampling.logprobs:
-            result, k, n = self.result, seq.sampling.logprobs, self.num_top
+        elif self.num_top and seq.info.sampling.logprobs:
+            result, k, n = self.result, seq.info.sampling.logprobs, self.num_top
             rows = slice(row * n, (row + 1) * n)
             top = [common_pb2.TopLogprobs(token_ids=result.top_token_ids[rows][:k], logprobs=result.top_logprobs[rows][:k])]
         if tokens is None and self.logprobs:
             logprobs = [self.logprobs[row]]
         if seq.first_output_sent:
-            return TokenOutput(seq.request_id, emitted, reason, "", logprobs, now, top, 0.0, seq.index, 0)
+            return TokenOutput(seq.info.request_id, emitted, reason, "", logprobs, now, top, 0.0, seq.info.index, 0)
         prompt_logprobs: tuple[ListLike[float], ListLike[common_pb2.TopLogprobs]] = ((), ())
         if seq.needs_prompt_logits:
-            scored = self.prompt_logprobs.pop(seq.seq_id, None) or PromptLogprobs(seq.prompt_len)
-            prompt_logprobs = scored.take(seq.request_id)
+            scored = self.prompt_logprobs.pop(seq.seq_id, None) or PromptLogprobs(seq.info.prompt_len)
+            prompt_logprobs = scored.take(seq.info.request_id)
         seq.first_output_sent = True
-        return TokenOutput(seq.request_id, emitted, reason, "", logprobs, now, top, seq.queue_seconds or 0.0, seq.index,
-                           seq.cached_prompt_tokens or 0, *prompt_logprobs)
+        return TokenOutput(seq.info.request_id, emitted, reason, "", logprobs, now, top, seq.queue_seconds or 0.0,
+                           seq.info.index, seq.cached_prompt_tokens or 0, *prompt_logprobs)
 
 
     def _scores(self, seq: Sequence, row: int, first_draft: int, num_drafts: int,
                 with_token: bool) -> tuple[list[float], list[common_pb2.TopLogprobs]]:
         """The logprobs and top alternatives of a drafted row's emitted tokens: its kept drafts', then its
         token's."""
-        result, k, n = self.result, seq.sampling.logprobs, self.num_top
+        result, k, n = self.result, seq.info.sampling.logprobs, self.num_top
         logprobs: list[float] = []
         top: list[common_pb2.TopLogprobs] = []
         for j in range(first_draft, first_draft + num_drafts):
@@ -197,18 +197,18 @@ def collect_prompt_logprobs(result: worker_pb2.StepResult, sequences: dict[int, 
         if seq is not None and seq.needs_prompt_logits:
             scored = store.get(seq.seq_id)
             if scored is None:
-                scored = store[seq.seq_id] = PromptLogprobs(seq.prompt_len)
+                scored = store[seq.seq_id] = PromptLogprobs(seq.info.prompt_len)
             scored.add(entry)
 
 
 def finish_reason(seq: Sequence, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> int:
     """Why `seq` ends with the token just sampled (FINISH_REASON_UNSPECIFIED: it goes on)."""
-    s = seq.sampling
+    s = seq.info.sampling
     num_tokens = len(seq.token_ids)
     # min_tokens: the worker masks EOS and stop ids until then; this check is the second line of defence.
     if ((token in eos_token_ids and not s.ignore_eos) or token in s.stop_token_ids) and \
-            num_tokens - seq.prompt_len > s.min_tokens:
+            num_tokens - seq.info.prompt_len > s.min_tokens:
         return common_pb2.FINISH_REASON_STOP
-    if num_tokens - seq.prompt_len >= s.max_tokens or num_tokens >= max_model_len:
+    if num_tokens - seq.info.prompt_len >= s.max_tokens or num_tokens >= max_model_len:
         return common_pb2.FINISH_REASON_LENGTH
     return common_pb2.FINISH_REASON_UNSPECIFIED

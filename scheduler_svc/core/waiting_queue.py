@@ -55,9 +55,9 @@ class WaitingQueue:
             self.append(seq)
 
     def _push(self, seq: Sequence, position: int) -> None:
-        if seq.priority:
+        if seq.info.priority:
             self.any_priority = True
-        entry = [seq.priority, position, seq]
+        entry = [seq.info.priority, position, seq]
         self._entries[seq] = entry
         heapq.heappush(self._heap, entry)
 

@@ -13,7 +13,8 @@ and writes none of it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from scheduler_svc.kv.block_pool import BlockPool, OutOfBlocksError, blocks_for
 from scheduler_svc.kv.prefix_cache import extend_hashes
@@ -29,31 +30,31 @@ class CopiedBlock:
     dst: int
 
 
-@dataclass(frozen=True, slots=True)
-class KVBlocks:
+class KVBlocks(NamedTuple):
     """What a sequence's block table gained since the worker was last told: blocks appended at its end, and
-    blocks replaced in place (copy-on-write of a block the worker already has), as (index, block id)."""
+    blocks replaced in place (copy-on-write of a block the worker already has), as (index, block id).
+    (A tuple: one is made per prompt chunk and per block a decode fills, and a tuple is the cheapest record.)"""
 
     new_block_ids: list[int]
     edits: list[tuple[int, int]]
 
-    def __bool__(self) -> bool:
-        return bool(self.new_block_ids or self.edits)
+
+NOTHING_NEW = KVBlocks([], [])  # most entries: a decode in blocks the worker has (`take_unsent` returns this one)
 
 
-NOTHING_NEW = KVBlocks([], [])  # most entries: a decode in blocks the worker has
-
-
-@dataclass(slots=True)
 class SequenceBlocks:
-    """One sequence's blocks: its table, how much of it the worker has, its prefix-cache hashes."""
+    """One sequence's blocks: its table, how much of it the worker has, its prefix-cache hashes. (A plain
+    class with slots: one is made per admitted sequence, and a dataclass's generated __init__ cost more.)"""
 
-    table: list[int] = field(default_factory=list)
-    sent: int = 0  # leading blocks of `table` the worker already has
-    edits: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write edits the worker is still to get
-    hashes: list[bytes] = field(default_factory=list)  # prefix-cache hashes of its full blocks so far
-    registered: int = 0  # leading blocks of `table` offered to the prefix cache
-    host_blocks: int = 0  # blocks the worker holds in host memory for it (swap-out)
+    __slots__ = ("table", "sent", "edits", "hashes", "registered", "host_blocks")
+
+    def __init__(self, table: list[int] | None = None, hashes: list[bytes] | None = None, registered: int = 0) -> None:
+        self.table: list[int] = table if table is not None else []
+        self.sent = 0  # leading blocks of `table` the worker already has
+        self.edits: list[tuple[int, int]] = []  # copy-on-write edits the worker is still to get
+        self.hashes: list[bytes] = hashes if hashes is not None else []  # prefix-cache hashes of its full blocks
+        self.registered = registered  # leading blocks of `table` offered to the prefix cache
+        self.host_blocks = 0  # blocks the worker holds in host memory for it (swap-out)
 
 
 class KVCacheManager:
@@ -65,13 +66,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0  # prompt tokens looked up
         self.prefix_cache_hits = 0  # of which found in the cache
-        self._blocks: dict[int, SequenceBlocks] = {}  # seq id -> its blocks, from its first lookup to its end
-
-    def _of(self, seq: Sequence) -> SequenceBlocks:
-        blocks = self._blocks.get(seq.seq_id)
-        if blocks is None:
-            blocks = self._blocks[seq.seq_id] = SequenceBlocks()
-        return blocks
+        # seq id -> its blocks, from `add` (or `fork`) to its end (`forget`); every other method expects it there
+        self._blocks: dict[int, SequenceBlocks] = {}
 
     # ---------------------------------------------------------------- capacity
 
@@ -114,9 +110,11 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- admission
 
-    def offer_hashes(self, seq: Sequence, hashes: list[bytes]) -> None:
-        """The prompt's prefix-cache hashes, computed already (by the router): `match_prefix` reuses them."""
-        self._of(seq).hashes = list(hashes)
+    def add(self, seq: Sequence, hashes: list[bytes] | None = None) -> None:
+        """A sequence joins (a new request or an adopted one), with its prompt's prefix-cache hashes when they were
+        computed already (by the router): `match_prefix` reuses them. Its record is made now, with the request,
+        not in the step that admits it."""
+        self._blocks[seq.seq_id] = SequenceBlocks(None, list(hashes) if hashes else None)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the longest run of this sequence's leading full blocks.
@@ -127,14 +125,14 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or seq.computes_whole_prompt:
             return []  # cached positions have no logits or pooled rows: these need all of them computed
-        blocks = self._of(seq)
+        blocks = self._blocks[seq.seq_id]
         if blocks.table:
             return []
         bs = self.block_size
         usable = (seq.num_tokens - 1) // bs
         hashes = blocks.hashes
         if len(hashes) < usable:
-            extend_hashes(hashes, seq.packed(usable * bs), bs, usable, seq.cache_salt)
+            extend_hashes(hashes, seq.packed(usable * bs), bs, usable, seq.info.cache_salt)
         hits = []
         cached, token_ids = self.pool.cached, seq.token_ids
         for i in range(usable):  # the ids are compared only for a hash in the cache (most prompts miss at once)
@@ -163,39 +161,39 @@ class KVCacheManager:
         (a prompt is counted once, not again after a preemption)."""
         for b in hits:
             self.pool.touch(b)
-        blocks = self._of(seq)
+        blocks = self._blocks[seq.seq_id]
         blocks.table = list(hits)
         blocks.registered = len(hits)
         computed = len(hits) * self.block_size
         if first and self.enable_prefix_caching and not seq.computes_whole_prompt:  # only prompts looked up count
-            self.prefix_cache_queries += seq.prompt_len
-            self.prefix_cache_hits += min(computed, seq.prompt_len)
-        copies = self._allocate(blocks, computed, num_new_tokens)  # past the cached blocks: none shared
+            prompt_len = seq.info.prompt_len
+            self.prefix_cache_queries += prompt_len
+            self.prefix_cache_hits += min(computed, prompt_len)
+        copies = self.allocate_slots(seq, num_new_tokens, computed)  # past the cached blocks: none shared
         assert not copies, "admission: blocks short or shared"
         return computed
 
     # ---------------------------------------------------------------- growing a table
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> list[CopiedBlock] | None:
-        """Blocks for the next `num_new_tokens` tokens, and private copies of the shared blocks
-        they write into; the copies are returned for the worker to make (where the worker has the old
-        block in its table, the edit waits in `take_unsent` too).
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       num_computed: int | None = None) -> list[CopiedBlock] | None:
+        """Blocks for the next `num_new_tokens` tokens (after `num_computed`, else its own count), and private
+        copies of the shared blocks they write into; the copies are returned for the worker to make (where the
+        worker has the old block in its table, the edit waits in `take_unsent` too).
 
         None when the pool runs short. Blocks appended before the copy-on-write found it short
         stay in the table, so a retry after freeing others takes only what is still missing.
         """
-        blocks = self._blocks.get(seq.seq_id) or self._of(seq)  # (inlined lookup: once per scheduled decode)
-        return self._allocate(blocks, seq.num_computed, num_new_tokens)
-
-    def _allocate(self, blocks: SequenceBlocks, num_computed: int, num_new_tokens: int) -> list[CopiedBlock] | None:
+        blocks = self._blocks[seq.seq_id]  # (every sequence has its record from `add` on: no fallback to look up)
         table, bs = blocks.table, self.block_size
-        end = num_computed + num_new_tokens
+        computed = seq.num_computed if num_computed is None else num_computed
+        end = computed + num_new_tokens
         if num_new_tokens == 1 and end <= len(table) * bs and self.pool.ref_counts[table[(end - 1) // bs]] == 1:
             return []  # a decode writing into a block of its own: nothing to allocate or copy
-        fresh = num_computed // bs >= len(table)  # every block written is allocated now (admission): none shared
+        fresh = computed // bs >= len(table)  # every block written is allocated now (admission): none shared
         try:
-            table.extend(self.pool.allocate(self._blocks_needed(num_computed, num_new_tokens, len(table))))
-            return [] if fresh else self._copy_on_write(blocks, num_computed, num_new_tokens)
+            table.extend(self.pool.allocate(self._blocks_needed(computed, num_new_tokens, len(table))))
+            return [] if fresh else self._copy_on_write(blocks, computed, num_new_tokens)
         except OutOfBlocksError:
             return None
 
@@ -222,49 +220,49 @@ class KVCacheManager:
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the blocks past the first `num_tokens` tokens' (speculative drafts the worker rejected, which
         the worker drops from its table by the same rule). Never registered: they hold no computed token."""
-        blocks = self._of(seq)
+        blocks = self._blocks[seq.seq_id]
         keep = blocks_for(num_tokens, self.block_size)
         if len(blocks.table) > keep:
             self.pool.release(blocks.table[keep:])
             del blocks.table[keep:]
             blocks.sent = min(blocks.sent, keep)
 
-    def take_unsent(self, seq: Sequence) -> KVBlocks:
-        """What the worker is still to be told of the sequence's table (blocks appended, copy-on-write edits),
-        as sent from now on: the plan writer puts it in the sequence's entry."""
-        blocks = self._blocks.get(seq.seq_id)
-        if blocks is None or (len(blocks.table) == blocks.sent and not blocks.edits):
-            return NOTHING_NEW
-        new, edits = blocks.table[blocks.sent:], blocks.edits
-        blocks.sent, blocks.edits = len(blocks.table), []
-        return KVBlocks(new, edits)
-
-    def decode_room(self, seq: Sequence, num_computed: int) -> int:
-        """The token count up to which the sequence's decodes from position `num_computed` on write into
-        blocks it already holds alone (no allocation, no copy-on-write: `allocate_slots` returns []) and,
-        with prefix caching, fill no block still to register (`register_full_blocks` has nothing to do
-        after them); 0 if none."""
-        bs = self.block_size
+    def take_unsent(self, seq: Sequence, arm_from: int = -1) -> tuple[KVBlocks, int]:
+        """What the plan writer needs for one entry of the sequence: what the worker is still to be told of its
+        table (blocks appended, copy-on-write edits), as sent from now on; and, with `arm_from` (its computed
+        count once the entry is computed; -1: not asked), the token count up to which its decodes from there
+        write into blocks it already holds alone (no allocation, no copy-on-write: `allocate_slots` returns [])
+        and, with prefix caching, fill no block still to register (`register_full_blocks` has nothing to do
+        after them); 0 if none. One call per entry: the plan writer's general path asks both."""
         blocks = self._blocks.get(seq.seq_id)
         if blocks is None:
-            return 0
-        table, first = blocks.table, num_computed // bs
+            return NOTHING_NEW, 0
+        table = blocks.table
+        if len(table) == blocks.sent and not blocks.edits:
+            unsent = NOTHING_NEW
+        else:
+            unsent = KVBlocks(table[blocks.sent:], blocks.edits)
+            blocks.sent, blocks.edits = len(table), []
+        if arm_from < 0:
+            return unsent, 0
+        bs = self.block_size
+        first = arm_from // bs
         if first >= len(table):
-            return 0
+            return unsent, 0
         ref_counts = self.pool.ref_counts
         for b in table[first:]:  # one or two blocks, mostly: a loop, not a generator
             if ref_counts[b] != 1:
-                return 0
-        if self.enable_prefix_caching:  # the blocks registered once the step computing up to `num_computed` is applied
-            registered = max(blocks.registered, num_computed // bs)
-            return min(len(table) * bs, (registered + 1) * bs - 1)
-        return len(table) * bs
+                return unsent, 0
+        if self.enable_prefix_caching:  # the blocks registered once the step computing up to `arm_from` is applied
+            registered = max(blocks.registered, first)
+            return unsent, min(len(table) * bs, (registered + 1) * bs - 1)
+        return unsent, len(table) * bs
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Offer the sequence's newly computed full blocks to the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        bs, blocks = self.block_size, self._blocks.get(seq.seq_id) or self._of(seq)
+        bs, blocks = self.block_size, self._blocks[seq.seq_id]
         if seq.num_computed < (blocks.registered + 1) * bs:
             return  # no block filled since the last call (most steps of a decode)
         full = min(seq.num_computed // bs, len(blocks.table))
@@ -272,19 +270,31 @@ class KVCacheManager:
             return
         hashes = blocks.hashes
         if len(hashes) < full:
-            extend_hashes(hashes, seq.packed(full * bs), bs, full, seq.cache_salt)
+            extend_hashes(hashes, seq.packed(full * bs), bs, full, seq.info.cache_salt)
         for i in range(blocks.registered, full):
             self.pool.register(blocks.table[i], hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]))
         blocks.registered = full
 
+    def register_computed(self, entries: Iterable[tuple[Sequence, int]]) -> None:
+        """`register_full_blocks` for each sequence of a step's (sequence, tokens) entries once they count as
+        computed, in order; the check that a block filled since the last call is made here, inline (most entries
+        filled none). One that ended since holds no record; one preempted or swapped holds no table to register."""
+        if not self.enable_prefix_caching:
+            return
+        records, bs = self._blocks, self.block_size
+        for seq, _ in entries:
+            blocks = records.get(seq.seq_id)
+            if blocks is not None and seq.num_computed >= (blocks.registered + 1) * bs:
+                self.register_full_blocks(seq)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child sample holds the parent's prompt blocks by reference (and knows their hashes)."""
-        mine, bs = self._of(parent), self.block_size
+        mine, bs = self._blocks[parent.seq_id], self.block_size
         prompt_blocks = mine.table[:blocks_for(parent.prompt_len, bs)]
         for b in prompt_blocks:
             self.pool.share(b)
-        self._blocks[child.seq_id] = SequenceBlocks(prompt_blocks, hashes=list(mine.hashes),
-                                                    registered=min(mine.registered, (parent.prompt_len - 1) // bs))
+        self._blocks[child.seq_id] = SequenceBlocks(prompt_blocks, list(mine.hashes),
+                                                    min(mine.registered, (parent.prompt_len - 1) // bs))
 
     # ---------------------------------------------------------------- giving blocks back
 
@@ -300,12 +310,13 @@ class KVCacheManager:
 
     def forget(self, seq: Sequence) -> None:
         """The sequence ended (or leaves this replica): its blocks freed and its record dropped."""
-        self.free(seq)
-        self._blocks.pop(seq.seq_id, None)
+        blocks = self._blocks.pop(seq.seq_id, None)
+        if blocks is not None and blocks.table:
+            self.pool.release(blocks.table)
 
     def swap_out(self, seq: Sequence) -> list[int]:
         """Free the sequence's blocks; return those holding K/V, for the worker to copy to host first."""
-        blocks = self._of(seq)
+        blocks = self._blocks[seq.seq_id]
         held = blocks.table[:blocks_for(seq.num_computed, self.block_size)]
         self.free(seq)
         blocks.host_blocks = len(held)
@@ -314,12 +325,12 @@ class KVCacheManager:
     def can_swap_in(self, seq: Sequence) -> bool:
         """Room for the swapped blocks and for the block the next token goes into."""
         next_token_blocks = blocks_for(seq.num_computed + 1, self.block_size)
-        return self.can_allocate(max(self._of(seq).host_blocks, next_token_blocks))
+        return self.can_allocate(max(self._blocks[seq.seq_id].host_blocks, next_token_blocks))
 
     def swap_in(self, seq: Sequence) -> list[int]:
         """Fresh blocks for the swapped K/V: the sequence's new table (not in the prefix cache), which the
         swap-in itself tells the worker."""
-        blocks = self._of(seq)
+        blocks = self._blocks[seq.seq_id]
         blocks.table = self.pool.allocate(blocks.host_blocks)
         blocks.registered, blocks.host_blocks = 0, 0
         blocks.sent = len(blocks.table)

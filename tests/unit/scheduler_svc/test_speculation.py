@@ -1,5 +1,5 @@
-"""The scheduler's side of speculative decoding (scheduler_svc/speculation/speculation.py): who may carry drafts, how many,
-and how a sequence's proposals adapt to what its drafts kept."""
+"""The scheduler's side of speculative decoding (scheduler_svc/speculation/speculation.py): who may carry drafts,
+how many, and how a sequence's proposals adapt to what its drafts kept."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import itertools
 from hetero.v1 import common_pb2
 from hetero_common.config import Config
 from hetero_common.sampling import resolve
-from scheduler_svc.sequence import Sequence, SequenceStatus
-from scheduler_svc.speculation.step_cost import StepCostModel
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
+from scheduler_svc.sequence import Sequence, SequenceStatus
 from scheduler_svc.speculation.draft_state import MAX_BACK_OFF, DraftState
 from scheduler_svc.speculation.ngram_proposer import NgramIndex
 from scheduler_svc.speculation.speculation import Speculator
+from scheduler_svc.speculation.step_cost import StepCostModel
 
 REPEATING = [5, 6, 7, 8] * 6  # every suffix has occurred before
 
@@ -171,6 +171,7 @@ def test_with_a_draft_model_new_sequences_start_from_what_recent_drafts_kept() -
     kv = KVCacheManager(64, 4, False, cache_freed_blocks=False)
     first = sequence(list(range(30)))
     assert spec.drafts(first, 10, kv) == ([], 4)  # the first one explores
+    kv.add(first)  # the KV manager knows every sequence it is asked about (a scheduler adds each)
     spec.settle([first], 0, kv, worker_pb2.StepResult())  # and keeps none of them
     assert spec.acceptance == 0.8
     starts = []
