@@ -103,6 +103,11 @@ class KVCacheManager:
         blocks = self._blocks.get(seq.seq_id)
         return tuple(blocks.table) if blocks is not None else ()
 
+    @property
+    def num_tracked(self) -> int:
+        """How many sequences have a record here (every unfinished one of the scheduler: no more, no fewer)."""
+        return len(self._blocks)
+
     def num_held(self, seq: Sequence) -> int:
         """How many blocks the sequence's table holds."""
         blocks = self._blocks.get(seq.seq_id)

@@ -109,6 +109,8 @@ class PaperWorker:
 
 def check_invariants(s: Scheduler, worker: PaperWorker) -> None:
     pool = s.kv_cache.pool
+    # the KV manager keeps a record for each unfinished sample and for no other: none leaks when a sample ends
+    assert s.kv_cache.num_tracked == len(s.sequences), (s.kv_cache.num_tracked, len(s.sequences))
     holders = Counter(b for seq in s.sequences.values() for b in s.kv_cache.table(seq))
     for b in range(pool.num_blocks):
         assert pool.ref_counts[b] == holders[b], f"block {b}: ref {pool.ref_counts[b]}, held by {holders[b]} tables"
