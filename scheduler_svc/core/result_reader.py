@@ -59,10 +59,6 @@ class ResultReader:
         """The sample ended: prompt logprobs it never delivered go."""
         self.prompt_logprobs.pop(seq.seq_id, None)
 
-    def clear(self) -> None:
-        """Every sample left (a failed worker): they are computed again, their prompt logprobs with them."""
-        self.prompt_logprobs.clear()
-
     def read(self, result: worker_pb2.StepResult, sequences: dict[int, Sequence]) -> StepRead:
         """Apply one step's sampled tokens to their sequences (found by seq id; a row whose sequence is gone
         was aborted while the step ran); every token before a sampled one counts as computed.

@@ -131,11 +131,6 @@ class Speculator:
         """The sequence ended: its drafting state goes."""
         self._states.pop(seq.seq_id, None)
 
-    def clear(self) -> None:
-        """Every sequence left (its replica's worker failed): an adopted one starts its drafting anew, its
-        n-gram index rebuilt from its tokens at its first proposal."""
-        self._states.clear()
-
     def _state(self, seq: Sequence) -> DraftState:
         state = self._states.get(seq.seq_id)
         if state is None:
