@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from gateway.text.chat import chat_chars, render_chat
 from hetero.v1 import inference_pb2
+from hetero_common.tenancy import scoped_id
 from hetero_common.constraints import validate_constraint
 from hetero_common.errors import ModelNotFoundError, ValidationError
 from hetero_common.sampling import Sampling, validate
@@ -22,6 +23,13 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: Sampling
     adapter: str = ""  # the LoRA adapter `model` named ("" = the base model)
+    tenant: str = ""  # the caller's key label ("" = no keys configured): hetero_common/tenancy.py
+
+    @property
+    def scoped_id(self) -> str:
+        """The id the backend knows this request by (submits, aborts and events use it; the client's
+        answers carry `request_id`)."""
+        return scoped_id(self.tenant, self.request_id)
 
 
 def check_model(requested: str, served: str, adapters: Sequence[str] = ()) -> None:

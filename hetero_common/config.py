@@ -84,6 +84,9 @@ class Config:
         "LoRA adapters (PEFT directories) loaded at start: `name=path,name=path`; a request names one to use it"))
     max_loras: int = field(default=4, metadata=doc("LoRA adapters held at once (the workers' slots)"))
     max_lora_rank: int = field(default=64, metadata=doc("the largest LoRA rank a worker accepts"))
+    lora_root: str | None = field(default=None, metadata=doc(
+        "the directory LoRA adapters loaded at run time must lie under (their path resolved, symlinks "
+        "followed, on the worker's host); null = adapters load only from `lora_modules` at start"))
     device: str = field(default="auto", metadata=doc(
         "where the worker computes: `auto` (CUDA when available, else the CPU), `cpu`, `cuda` or `cuda:N`"))
     devices: list[str] = field(default_factory=list, metadata=doc(
@@ -175,6 +178,10 @@ class Config:
     internal_tls: TLSConfig = field(default_factory=TLSConfig, metadata=doc(
         "mutual TLS on the internal links gateway → scheduler → worker: each side presents a certificate signed "
         "by `ca_file` and requires one from the other; set all three"))
+    allow_insecure_internal: bool = field(default=False, metadata=doc(
+        "let the scheduler and workers listen on a non-loopback address without `internal_tls` (plaintext, and "
+        "any caller that reaches the port may call them): for trusted networks only. Without it such a "
+        "service refuses to start, naming `internal_tls`"))
     data_parallel_size: int = field(default=1, metadata=doc("worker replicas, each with its own block pool in the scheduler"))
     tensor_parallel_size: int = field(default=1, metadata=doc(
         "worker processes per replica (attention heads and MLP split across the ranks; it must divide the head "
@@ -273,6 +280,8 @@ class Config:
     def _validate_worker(self) -> None:
         _check(1 <= self.max_loras <= 256, "max_loras", self.max_loras, "must be in 1..256")
         _check(1 <= self.max_lora_rank <= 1024, "max_lora_rank", self.max_lora_rank, "must be in 1..1024")
+        _check(self.lora_root is None or Path(self.lora_root).is_dir(), "lora_root", self.lora_root,
+               "must be an existing directory (or null: no adapter loads at run time)")
         parse_lora_modules(self.lora_modules, self.max_loras)  # ConfigError naming the bad entry
         _check(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device", self.device,
                "must be auto, cpu, cuda or cuda:N")

@@ -35,6 +35,12 @@ class BackendConfig:
         "the bridge program is killed after this many seconds; the client gets `DEADLINE_EXCEEDED`"))
     command_max_output_bytes: int = field(default=1_000_000, metadata=doc(
         "stdout beyond this is cut (finish reason `LENGTH`) and the program killed"))
+    command_max_concurrent: int = field(default=16, metadata=doc(
+        "bridge programs running at once; a request beyond it waits for one to end (a many-prompt request "
+        "cannot start a process per prompt)"))
+    command_env: list[str] = field(default_factory=lambda: ["PATH", "LANG", "LC_ALL", "TZ"], metadata=doc(
+        "the gateway's environment variables the program inherits, by name (an allow-list; the `HETERO_*` request "
+        "variables are always set, and nothing else of the gateway's environment, its keys included, is passed)"))
 
 
 @dataclass
@@ -78,7 +84,19 @@ class ServingConfig:
     api_keys: list[str] = field(default_factory=list, metadata=doc(
         "accepted `Authorization: Bearer` keys (a JSON list, or comma-separated); empty = no authentication"))
     api_keys_file: str | None = field(default=None, metadata=doc(
-        "a file of keys, one per line (`#` starts a comment), added to `serving.api_keys`"))
+        "a file of keys, one per line (`#` starts a comment), added to `serving.api_keys`; a file with no key "
+        "stops start-up (a mis-mounted Secret must not turn authentication off)"))
+    admin_api_keys: list[str] = field(default_factory=list, metadata=doc(
+        "keys that may also load, unload and replace LoRA adapters, see their paths, and abort any tenant's "
+        "requests (docs/security.md); an admin key also serves requests, as its own tenant"))
+    admin_api_keys_file: str | None = field(default=None, metadata=doc(
+        "a file of admin keys, one per line, added to `serving.admin_api_keys`; a file with no key stops start-up"))
+    allow_unauthenticated: bool = field(default=False, metadata=doc(
+        "serve with no API keys on a non-loopback `serving.host` (every caller then acts as an admin); without "
+        "it, a gateway with no keys refuses to start unless it listens on a loopback address"))
+    max_prompts_per_request: int = field(default=128, metadata=doc(
+        "prompts one `/v1/completions` request may carry (a list of strings or of token lists); more are refused "
+        "with 400 naming `prompt`. They run a window at a time, as embedding inputs do"))
     tls: TLSConfig = field(default_factory=TLSConfig, metadata=doc("TLS on the public gRPC and HTTP ports"))
     max_concurrent_requests: int = field(default=0, metadata=doc(
         "generations in flight at the gateway (gRPC and HTTP); more are refused with `RESOURCE_EXHAUSTED` / "

@@ -41,10 +41,18 @@ def check_serving(serving: ServingConfig, tokenizer: TokenizerConfig, _check: Ch
            serving.grpc_max_concurrent_streams, "must be >= 1")
     for key in ("http_keep_alive_timeout_s", "http_header_timeout_s", "http_body_timeout_s", "grpc_idle_timeout_s"):
         _check(getattr(serving, key) > 0, f"serving.{key}", getattr(serving, key), "must be positive (seconds)")
-    _check(all(k.strip() == k and k for k in serving.api_keys), "serving.api_keys", "<redacted>",
-           "must not hold empty keys or keys with surrounding spaces")
-    _check(not serving.api_keys_file or Path(serving.api_keys_file).is_file(), "serving.api_keys_file",
-           serving.api_keys_file, "must be an existing file (one key per line)")
+    for key in ("api_keys", "admin_api_keys"):
+        _check(all(k.strip() == k and k for k in getattr(serving, key)), f"serving.{key}", "<redacted>",
+               "must not hold empty keys or keys with surrounding spaces")
+    for key in ("api_keys_file", "admin_api_keys_file"):
+        path = getattr(serving, key)
+        _check(not path or Path(path).is_file(), f"serving.{key}", path, "must be an existing file (one key per line)")
+    _check(serving.max_prompts_per_request >= 1, "serving.max_prompts_per_request", serving.max_prompts_per_request,
+           "must be >= 1")
+    _check(backend.command_max_concurrent >= 1, "serving.backend.command_max_concurrent",
+           backend.command_max_concurrent, "must be >= 1")
+    _check(all(name.isidentifier() for name in backend.command_env), "serving.backend.command_env",
+           backend.command_env, "must list environment variable names")
     pooling, max_inputs = serving.embedding.pooling, serving.embedding.max_inputs
     _check(pooling in ("auto", "last", "mean", "cls"), "serving.embedding.pooling", pooling, "must be auto, last, mean or cls")
     _check(max_inputs >= 1, "serving.embedding.max_inputs", max_inputs, "must be >= 1")

@@ -53,6 +53,13 @@ class AuthenticationError(HeteroError):
     http_status = 401
 
 
+class PermissionDeniedError(HeteroError):
+    """A valid key without the role a call needs (an admin key: docs/security.md)."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+
+
 class OverloadedError(HeteroError):
     """Queues are full; retry later."""
 
@@ -163,6 +170,7 @@ _FROM_GRPC: dict[grpc.StatusCode, type[HeteroError]] = {
     grpc.StatusCode.ALREADY_EXISTS: DuplicateRequestError,
     grpc.StatusCode.FAILED_PRECONDITION: ConfigError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
 }

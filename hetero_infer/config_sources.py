@@ -104,7 +104,7 @@ def _parse(key: ConfigKey, raw: Any) -> Any:
             value = str(raw)
             return KIND_ALIASES.get(value, value) if key.path[-1] == "kind" else value
     except (ValueError, TypeError, json.JSONDecodeError) as exc:
-        shown = "<redacted>" if key.path[-1] == "api_keys" else repr(raw)  # keys are never printed
+        shown = "<redacted>" if key.path[-1] in ("api_keys", "admin_api_keys") else repr(raw)  # keys are never printed
         raise ConfigError(f"config key '{key.dotted}' = {shown}: {exc}") from exc
     raise ConfigError(f"config key '{key.dotted}' has an unsupported type {tp}")
 

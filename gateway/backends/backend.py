@@ -66,9 +66,10 @@ class Backend(Protocol):
         the client's remaining time. Closing the iterator early ends the request downstream."""
         ...
 
-    async def abort(self, request_id: str) -> bool:
-        """End a request in flight by its (scheduler) request id; its stream's last message then has
-        finish_reason ABORT. False when the backend has no such request."""
+    async def abort(self, request_id: str, any_tenant: bool = False) -> bool:
+        """End a request in flight by its scoped id (`PreparedRequest.scoped_id`); its stream's last
+        message then has finish_reason ABORT. False when the backend has no such request.
+        `any_tenant` (an admin's abort): `request_id` is a client id, ended in every tenant's namespace."""
         ...
 
     async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:

@@ -35,6 +35,7 @@ from hetero_common.errors import (
 )
 from hetero_common.sampling import Sampling, sample_seed
 from hetero_common.tokenizer import TextTokenizer
+from hetero_common.tenancy import client_id
 
 log = structlog.get_logger("gateway.backends.command_bridge")
 STDERR_TAIL_BYTES = 2000
@@ -132,15 +133,20 @@ class CommandBridge:
         self.processes: dict[str, asyncio.subprocess.Process] = {}  # request id -> its program running now
         self.aborted: set[str] = set()
 
-    def abort(self, request_id: str) -> bool:
-        """Kill the request's program; its stream then ends with a chunk marked `aborted`."""
-        process = self.processes.get(request_id)
-        if process is None:
-            return False
-        self.aborted.add(request_id)
-        if process.returncode is None:
-            process.kill()
-        return True
+    def abort(self, request_id: str, any_tenant: bool = False) -> bool:
+        """Kill the request's program (`request_id`: its scoped id; with `any_tenant` a client id, in
+        every tenant's namespace); its stream then ends with a chunk marked `aborted`."""
+        ids = [i for i in self.processes if client_id(i) == request_id] if any_tenant else [request_id]
+        found = False
+        for rid in ids:
+            process = self.processes.get(rid)
+            if process is None:
+                continue
+            found = True
+            self.aborted.add(rid)
+            if process.returncode is None:
+                process.kill()
+        return found
 
     async def stream(self, request_id: str, prompt: str, sampling: Sampling, model: str,
                      index: int = 0) -> AsyncIterator[TextChunk]:
@@ -260,8 +266,8 @@ class CommandBridgeBackend:
     async def server_info(self) -> inference_pb2.ServerInfo:
         return inference_pb2.ServerInfo(backend=self.bridge.name)
 
-    async def abort(self, request_id: str) -> bool:
-        return self.bridge.abort(request_id)
+    async def abort(self, request_id: str, any_tenant: bool = False) -> bool:
+        return self.bridge.abort(request_id, any_tenant)
 
     serves_lora = False
 
@@ -295,7 +301,7 @@ class CommandBridgeBackend:
             if index and sampling.seed is not None:
                 sampling = dataclasses.replace(prepared.sampling, seed=sample_seed(prepared.sampling.seed, index))
             text: list[str] = []
-            async for chunk in self.bridge.stream(prepared.request_id, prompt, sampling, self.model_name, index):
+            async for chunk in self.bridge.stream(prepared.scoped_id, prompt, sampling, self.model_name, index):
                 text.append(chunk.text)
                 response = inference_pb2.GenerateResponse(request_id=prepared.request_id, text=chunk.text, index=index,
                                                           model=self.model_name, backend=self.bridge.name)

@@ -48,9 +48,10 @@ class FallbackBackend:
     async def server_info(self) -> inference_pb2.ServerInfo:
         return await self.primary.server_info()
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, any_tenant: bool = False) -> bool:
         """The bridge first: a request it answers is there because the scheduler was unreachable."""
-        return await self.fallback.abort(request_id) or await self.primary.abort(request_id)
+        return (await self.fallback.abort(request_id, any_tenant)
+                or await self.primary.abort(request_id, any_tenant))
 
     async def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
                        timeout: float | None) -> AsyncIterator[SampleOutput]:

@@ -138,7 +138,7 @@ class SchedulerBackend:
                 if is_finished(response.finish_reason):
                     del streams[event.index]
                     if n > 1 and response.stop_reason and streams:  # only this sample ends
-                        await self._abort_sample(prepared.request_id, event.index)
+                        await self._abort_sample(prepared.scoped_id, event.index)
                 yield SampleOutput(response, generated, event.cached_prompt_tokens, event.queue_seconds,
                                    event.draft_tokens, event.accepted_draft_tokens)
                 if not streams:
@@ -166,7 +166,7 @@ class SchedulerBackend:
         first event) is retried; the scheduler treats a repeated request id as the same request
         and replays its events so far, so a retry never starts a second generation. `timeout`
         (the client's remaining time) becomes the Submit deadline."""
-        rid = prepared.request_id
+        rid = prepared.scoped_id
         interval = self.config.serving.stream_interval
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -212,11 +212,11 @@ class SchedulerBackend:
             if follow is not None and queue is not None:
                 self.follows.unsubscribe(follow, rid, queue)
 
-    async def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str, any_tenant: bool = False) -> bool:
         """The scheduler's Abort: the request's Submit stream ends with FINISH_REASON_ABORT, its blocks freed."""
         try:
             answer = await self.scheduler.Abort(scheduler_pb2.AbortRequest(
-                request_id=request_id, reason=common_pb2.FINISH_REASON_ABORT), timeout=10)
+                request_id=request_id, reason=common_pb2.FINISH_REASON_ABORT, any_tenant=any_tenant), timeout=10)
         except grpc.aio.AioRpcError as exc:
             raise from_grpc_error(exc, "scheduler") from exc
         return answer.found

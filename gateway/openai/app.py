@@ -48,10 +48,11 @@ from hetero_common.config import ServingConfig
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
 from hetero_common.tokenizer import TextTokenizer
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "invalid_request_error",
                408: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable"}
-ERROR_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "overloaded", 503: "not_ready"}
+ERROR_CODES = {401: "invalid_api_key", 403: "permission_denied", 404: "model_not_found", 429: "overloaded", 503: "not_ready"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:

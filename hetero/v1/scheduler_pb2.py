@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hetero.v1 import common_pb2 as hetero_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hetero/v1/scheduler.proto\x12\thetero.v1\x1a\x16hetero/v1/common.proto\"\xde\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.hetero.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0clora_adapter\x18\x05 \x01(\t\x12#\n\x07pooling\x18\x06 \x01(\x0e\x32\x12.hetero.v1.Pooling\x12\x12\n\ncache_salt\x18\x14 \x01(\t\x12\x13\n\x0b\x66ollower_id\x18\x15 \x01(\t\"$\n\rFollowRequest\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\"8\n\x0fTokenEventBatch\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.hetero.v1.TokenEvent\"\xbc\x03\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.hetero.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\r\n\x05index\x18\x06 \x01(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x18\n\x10token_timestamps\x18\x08 \x03(\x01\x12,\n\x0ctop_logprobs\x18( \x03(\x0b\x32\x16.hetero.v1.TopLogprobs\x12\x15\n\rqueue_seconds\x18) \x01(\x01\x12\x17\n\x0fprompt_logprobs\x18* \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18+ \x03(\x0b\x32\x16.hetero.v1.TopLogprobs\x12\x10\n\x08position\x18, \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18- \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18. \x01(\r\x12\x15\n\tembedding\x18/ \x03(\x02\x42\x02\x10\x01\"l\n\rReplicaStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\n\n\x02up\x18\x03 \x01(\x08\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\"\n\x04pool\x18\x05 \x01(\x0b\x32\x14.hetero.v1.PoolStats\"i\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.hetero.v1.FinishReason\x12\x12\n\x05index\x18\x14 \x01(\rH\x00\x88\x01\x01\x42\x08\n\x06_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xdb\x01\n\x0eSchedulerStats\x12\"\n\x04pool\x18\x01 \x01(\x0b\x32\x14.hetero.v1.PoolStats\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12(\n\x07service\x18\x06 \x01(\x0b\x32\x17.hetero.v1.ServiceStats\x12*\n\x08replicas\x18< \x03(\x0b\x32\x18.hetero.v1.ReplicaStatus\"@\n\x0eSuspendRequest\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .hetero.v1.KVCacheManagementMode\"Y\n\x0fSuspendResponse\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .hetero.v1.KVCacheManagementMode\x12\x16\n\x0ereleased_bytes\x18\x02 \x01(\x04\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse2\x95\x05\n\tScheduler\x12;\n\x06Submit\x12\x18.hetero.v1.SubmitRequest\x1a\x15.hetero.v1.TokenEvent0\x01\x12@\n\x06\x46ollow\x12\x18.hetero.v1.FollowRequest\x1a\x1a.hetero.v1.TokenEventBatch0\x01\x12:\n\x05\x41\x62ort\x12\x17.hetero.v1.AbortRequest\x1a\x18.hetero.v1.AbortResponse\x12\x41\n\x08GetStats\x12\x1a.hetero.v1.GetStatsRequest\x1a\x19.hetero.v1.SchedulerStats\x12@\n\x07Suspend\x12\x19.hetero.v1.SuspendRequest\x1a\x1a.hetero.v1.SuspendResponse\x12=\n\x06Resume\x12\x18.hetero.v1.ResumeRequest\x1a\x19.hetero.v1.ResumeResponse\x12L\n\x0fLoadLoraAdapter\x12!.hetero.v1.LoadLoraAdapterRequest\x1a\x16.hetero.v1.LoraAdapter\x12^\n\x11UnloadLoraAdapter\x12#.hetero.v1.UnloadLoraAdapterRequest\x1a$.hetero.v1.UnloadLoraAdapterResponse\x12[\n\x10ListLoraAdapters\x12\".hetero.v1.ListLoraAdaptersRequest\x1a#.hetero.v1.ListLoraAdaptersResponseBV\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hetero/v1/scheduler.proto\x12\thetero.v1\x1a\x16hetero/v1/common.proto\"\xde\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.hetero.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x14\n\x0clora_adapter\x18\x05 \x01(\t\x12#\n\x07pooling\x18\x06 \x01(\x0e\x32\x12.hetero.v1.Pooling\x12\x12\n\ncache_salt\x18\x14 \x01(\t\x12\x13\n\x0b\x66ollower_id\x18\x15 \x01(\t\"$\n\rFollowRequest\x12\x13\n\x0b\x66ollower_id\x18\x01 \x01(\t\"8\n\x0fTokenEventBatch\x12%\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x15.hetero.v1.TokenEvent\"\xbc\x03\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.hetero.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\r\x12\r\n\x05index\x18\x06 \x01(\r\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x18\n\x10token_timestamps\x18\x08 \x03(\x01\x12,\n\x0ctop_logprobs\x18( \x03(\x0b\x32\x16.hetero.v1.TopLogprobs\x12\x15\n\rqueue_seconds\x18) \x01(\x01\x12\x17\n\x0fprompt_logprobs\x18* \x03(\x02\x12\x33\n\x13prompt_top_logprobs\x18+ \x03(\x0b\x32\x16.hetero.v1.TopLogprobs\x12\x10\n\x08position\x18, \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18- \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18. \x01(\r\x12\x15\n\tembedding\x18/ \x03(\x02\x42\x02\x10\x01\"l\n\rReplicaStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\n\n\x02up\x18\x03 \x01(\x08\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\"\n\x04pool\x18\x05 \x01(\x0b\x32\x14.hetero.v1.PoolStats\"}\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x06reason\x18\x02 \x01(\x0e\x32\x17.hetero.v1.FinishReason\x12\x12\n\x05index\x18\x14 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nany_tenant\x18\x15 \x01(\x08\x42\x08\n\x06_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xdb\x01\n\x0eSchedulerStats\x12\"\n\x04pool\x18\x01 \x01(\x0b\x32\x14.hetero.v1.PoolStats\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12(\n\x07service\x18\x06 \x01(\x0b\x32\x17.hetero.v1.ServiceStats\x12*\n\x08replicas\x18< \x03(\x0b\x32\x18.hetero.v1.ReplicaStatus\"@\n\x0eSuspendRequest\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .hetero.v1.KVCacheManagementMode\"Y\n\x0fSuspendResponse\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .hetero.v1.KVCacheManagementMode\x12\x16\n\x0ereleased_bytes\x18\x02 \x01(\x04\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse2\x95\x05\n\tScheduler\x12;\n\x06Submit\x12\x18.hetero.v1.SubmitRequest\x1a\x15.hetero.v1.TokenEvent0\x01\x12@\n\x06\x46ollow\x12\x18.hetero.v1.FollowRequest\x1a\x1a.hetero.v1.TokenEventBatch0\x01\x12:\n\x05\x41\x62ort\x12\x17.hetero.v1.AbortRequest\x1a\x18.hetero.v1.AbortResponse\x12\x41\n\x08GetStats\x12\x1a.hetero.v1.GetStatsRequest\x1a\x19.hetero.v1.SchedulerStats\x12@\n\x07Suspend\x12\x19.hetero.v1.SuspendRequest\x1a\x1a.hetero.v1.SuspendResponse\x12=\n\x06Resume\x12\x18.hetero.v1.ResumeRequest\x1a\x19.hetero.v1.ResumeResponse\x12L\n\x0fLoadLoraAdapter\x12!.hetero.v1.LoadLoraAdapterRequest\x1a\x16.hetero.v1.LoraAdapter\x12^\n\x11UnloadLoraAdapter\x12#.hetero.v1.UnloadLoraAdapterRequest\x1a$.hetero.v1.UnloadLoraAdapterResponse\x12[\n\x10ListLoraAdapters\x12\".hetero.v1.ListLoraAdaptersRequest\x1a#.hetero.v1.ListLoraAdaptersResponseBV\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,21 +46,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICASTATUS']._serialized_start=832
   _globals['_REPLICASTATUS']._serialized_end=940
   _globals['_ABORTREQUEST']._serialized_start=942
-  _globals['_ABORTREQUEST']._serialized_end=1047
-  _globals['_ABORTRESPONSE']._serialized_start=1049
-  _globals['_ABORTRESPONSE']._serialized_end=1079
-  _globals['_GETSTATSREQUEST']._serialized_start=1081
-  _globals['_GETSTATSREQUEST']._serialized_end=1098
-  _globals['_SCHEDULERSTATS']._serialized_start=1101
-  _globals['_SCHEDULERSTATS']._serialized_end=1320
-  _globals['_SUSPENDREQUEST']._serialized_start=1322
-  _globals['_SUSPENDREQUEST']._serialized_end=1386
-  _globals['_SUSPENDRESPONSE']._serialized_start=1388
-  _globals['_SUSPENDRESPONSE']._serialized_end=1477
-  _globals['_RESUMEREQUEST']._serialized_start=1479
-  _globals['_RESUMEREQUEST']._serialized_end=1494
-  _globals['_RESUMERESPONSE']._serialized_start=1496
-  _globals['_RESUMERESPONSE']._serialized_end=1512
-  _globals['_SCHEDULER']._serialized_start=1515
-  _globals['_SCHEDULER']._serialized_end=2176
+  _globals['_ABORTREQUEST']._serialized_end=1067
+  _globals['_ABORTRESPONSE']._serialized_start=1069
+  _globals['_ABORTRESPONSE']._serialized_end=1099
+  _globals['_GETSTATSREQUEST']._serialized_start=1101
+  _globals['_GETSTATSREQUEST']._serialized_end=1118
+  _globals['_SCHEDULERSTATS']._serialized_start=1121
+  _globals['_SCHEDULERSTATS']._serialized_end=1340
+  _globals['_SUSPENDREQUEST']._serialized_start=1342
+  _globals['_SUSPENDREQUEST']._serialized_end=1406
+  _globals['_SUSPENDRESPONSE']._serialized_start=1408
+  _globals['_SUSPENDRESPONSE']._serialized_end=1497
+  _globals['_RESUMEREQUEST']._serialized_start=1499
+  _globals['_RESUMEREQUEST']._serialized_end=1514
+  _globals['_RESUMERESPONSE']._serialized_start=1516
+  _globals['_RESUMERESPONSE']._serialized_end=1532
+  _globals['_SCHEDULER']._serialized_start=1535
+  _globals['_SCHEDULER']._serialized_end=2196
 # @@protoc_insertion_point(module_scope)

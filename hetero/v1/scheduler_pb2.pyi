@@ -90,14 +90,16 @@ class ReplicaStatus(_message.Message):
     def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., up: _Optional[bool] = ..., pid: _Optional[int] = ..., pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("request_id", "reason", "index")
+    __slots__ = ("request_id", "reason", "index", "any_tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    ANY_TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: _common_pb2.FinishReason
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., index: _Optional[int] = ...) -> None: ...
+    any_tenant: bool
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., index: _Optional[int] = ..., any_tenant: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("found",)
