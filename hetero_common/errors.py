@@ -145,7 +145,8 @@ class UnsupportedError(HeteroError):
 
 
 class CommandBridgeError(ExecutionError):
-    """The command bridge program failed (non-zero exit); the message carries its stderr tail."""
+    """The command bridge program failed (non-zero exit, or it could not start); the message says so, and
+    its stderr tail goes to the gateway's log, never to the client."""
 
 
 class CommandBridgeNotFoundError(HeteroError):
