@@ -25,16 +25,23 @@ import structlog
 import torch
 
 from gpu_worker.cuda.device_map import bind_worker_device, worker_device
+from gpu_worker.lora.lora_adapter import LoraAdapter, LoraAdapterError
 from gpu_worker.models.model_build import resolve_device
 from gpu_worker.parallel.tensor_parallel import Command, TensorParallel
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
-from hetero_common.errors import HeteroError, StepOrderError, ValidationError
+from hetero_common.errors import (
+    ExecutionError,
+    HeteroError,
+    StepOrderError,
+    ValidationError,
+)
 from hetero_common.gc_tuning import tune_gc
 from hetero_common.grpc_server import (
     add_health_and_reflection,
     bind,
+    check_internal_bind,
     error_status,
     internal_listen_address,
     internal_server_options,
@@ -199,10 +206,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ResumeKVCacheResponse()
 
     def LoadLora(self, request: worker_pb2.LoadLoraRequest, context: grpc.ServicerContext) -> common_pb2.LoraAdapter:
-        # Between two steps, on every rank: no step ever sees a slot half filled.
-        self._on_model_thread(f"load LoRA {request.name!r}", lambda: self._on_every_rank(
-            ("lora_load", request.SerializeToString())), context)
-        return next(a for a in self.runner.loras.loaded() if a.slot == request.slot)
+        # The files are read and checked here, on this handler thread, while steps run on: a path outside
+        # lora_root, a crafted header or a file of the wrong size is refused before the model thread is
+        # involved, and that thread only packs checked tensors into the slot, between two steps (no step ever
+        # sees a slot half filled). The other tensor-parallel ranks have no handler thread and may be on other
+        # hosts, with their own files: each reads and checks the adapter itself, on its only thread, when rank 0
+        # broadcasts the load (shipping the tensors through the collective instead would hold every rank's
+        # steps for the transfer just the same); `load_lora_on_rank` keeps their slots in agreement.
+        try:
+            self.runner.loras.check_slot(request.slot)
+            adapter = self.runner.loras.read(request.name, request.path, trusted=False)
+        except Exception as exc:
+            if isinstance(exc, HeteroError):
+                log.warning("LoRA load refused", adapter=request.name, error=str(exc))
+            else:
+                log.exception("LoRA load failed", adapter=request.name)
+            context.abort(*error_status(exc))
+            raise  # unreachable: abort raises
+        return self._on_model_thread(f"load LoRA {request.name!r}", lambda: self._load_lora(request, adapter),
+                                     context)
+
+    def _load_lora(self, request: worker_pb2.LoadLoraRequest, adapter: LoraAdapter) -> common_pb2.LoraAdapter:
+        """On the model thread: `adapter` (read and checked by LoadLora) into its slot, on every rank."""
+        if self.runner.tp.enabled:
+            self.runner.tp.broadcast_command(("lora_load", request.SerializeToString()))
+        return load_lora_on_rank(self.runner, request, adapter)
 
     def UnloadLora(self, request: worker_pb2.UnloadLoraRequest,
                    context: grpc.ServicerContext) -> worker_pb2.UnloadLoraResponse:
@@ -211,16 +239,42 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.UnloadLoraResponse()
 
 
+def load_lora_on_rank(runner: ModelRunner, request: worker_pb2.LoadLoraRequest,
+                      adapter: LoraAdapter | None) -> common_pb2.LoraAdapter:
+    """Fill `request.slot` on this rank with `adapter` (None: a follower rank, which reads it from its own
+    host, under its own lora_root). With tensor parallelism every rank runs this at once: each stages its
+    share, then all learn whether any rank could not, and a rank commits only when none failed, so that no
+    rank serves a slot another lacks. A failure before the collective is always typed: the group is intact
+    (every rank reaches the collective), so it must not end the worker as a broken collective does."""
+    staged, error = None, None
+    try:
+        if adapter is None:
+            adapter = runner.loras.read(request.name, request.path, trusted=False)
+        staged = runner.loras.stage(request.slot, adapter, request.path)
+    except HeteroError as exc:
+        error = exc
+    except Exception as exc:
+        log.exception("LoRA load failed", adapter=request.name, rank=runner.tp.rank)
+        error = ExecutionError(f"LoRA adapter {request.name!r}: loading it failed on tensor-parallel rank "
+                               f"{runner.tp.rank}: {type(exc).__name__}: {exc}")
+    failed = runner.tp.sum_over_ranks(int(error is not None), runner.device)
+    if error is not None:
+        raise error
+    if failed or staged is None:
+        raise LoraAdapterError(f"LoRA adapter {request.name!r}: {failed} other tensor-parallel rank(s) of this "
+                               "worker could not load it, so none did; each rank reads the adapter on its own host "
+                               "under its own lora_root: give every rank the same files (their logs say what was "
+                               "wrong)", "lora")
+    return runner.loras.commit(staged)
+
+
 def run_cache_command(runner: ModelRunner, command: Command) -> int:
-    """A command for every rank other than a step: a suspend (returns the bytes released), a resume, or a
-    LoRA slot filled or emptied (return 0)."""
+    """A command for every rank other than a step or a LoRA load (`load_lora_on_rank`): a suspend (returns the
+    bytes released), a resume, or a LoRA slot emptied (return 0)."""
     kind, payload = command
     if kind == "suspend":
         return runner.suspend_kv_cache(str(payload))
-    if kind == "lora_load":
-        load = worker_pb2.LoadLoraRequest.FromString(payload)  # type: ignore[arg-type]
-        runner.loras.load(load.slot, load.name, load.path)
-    elif kind == "lora_unload":
+    if kind == "lora_unload":
         runner.loras.unload(worker_pb2.UnloadLoraRequest.FromString(payload).slot)  # type: ignore[arg-type]
     else:
         runner.resume_kv_cache()
@@ -243,11 +297,16 @@ def run_follower_rank(runner: ModelRunner) -> None:
         try:
             if kind == "step":
                 runner.execute(worker_pb2.StepPlan.FromString(payload))  # type: ignore[arg-type]
+            elif kind == "lora_load":  # runs its own collective: every rank fills the slot, or none does
+                request = worker_pb2.LoadLoraRequest.FromString(payload)  # type: ignore[arg-type]
+                load_lora_on_rank(runner, request, None)
             else:
                 released = run_cache_command(runner, command)
+        except ValidationError as exc:  # a refused adapter: rank 0 tells the caller
+            log.warning("command refused", command=kind, rank=runner.tp.rank, error=str(exc))
         except Exception:  # rank 0 reports the same failure to the scheduler
             log.exception("command failed", command=kind, rank=runner.tp.rank)
-        if kind != "step":  # rank 0 waits for every rank's release (see _on_every_rank)
+        if kind not in ("step", "lora_load"):  # rank 0 waits for every rank's release (see _on_every_rank)
             try:
                 runner.tp.sum_over_ranks(released, runner.device)
             except RuntimeError as exc:
@@ -269,6 +328,8 @@ def on_own_device(config: Config, tp_rank: int, local_rank: int | None) -> Confi
 
 def serve_worker(config: Config, tp_rank: int = 0, tp_init_file: str | None = None,
                  local_rank: int | None = None) -> None:
+    if tp_rank == 0:  # only rank 0 serves gRPC; refused before the model loads
+        check_internal_bind(config, internal_listen_address(config, config.worker_address), "worker")
     config = on_own_device(config, tp_rank, local_rank)
     tp = TensorParallel.initialize(tp_rank, config.tensor_parallel_size, tp_init_file, resolve_device(config.device),
                                    config.tp_init_method)

@@ -9,27 +9,51 @@ Everything an adapter could ask for that this engine would not compute is refuse
 a missing file, a module the served model lacks, shapes that do not fit it, a rank over `max_lora_rank`,
 DoRA, biases, per-module ranks, `modules_to_save`, `fan_in_fan_out`. An adapter that loads is exactly what
 PEFT computes; one that does not leaves the served model and the other adapters as they were.
+
+The files are untrusted input (issue 58): a run-time load (`LoadLora`) names a path a client sent. Such a
+path must lie under `lora_root` once resolved (symlinks followed), and so must each file in it; a path given
+relative is taken under `lora_root`. Adapters of `lora_modules` come from the operator's own configuration and
+are read where they are (`root=None`). Either way the sizes are checked before anything large is read:
+adapter_config.json is capped, and the safetensors header (parsed here, not by the library) must describe
+exactly the tensors the served model's shapes at the adapter's rank allow, tiling the file, before a tensor
+byte is read. Every failure, whatever the file holds, is a LoraAdapterError.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO, Callable
 
+import structlog
 import torch
 
 from gpu_worker.model_config import ModelConfig
 from hetero_common.errors import ValidationError
 
+log = structlog.get_logger("gpu_worker.lora.lora_adapter")
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_TENSOR = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# Layer numbers of at most 9 digits: a longer run is no layer (and int() of thousands of digits raises).
+_TENSOR = re.compile(r"base_model\.model\.model\.layers\.(\d{1,9})\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+CONFIG_MAX_BYTES = 1 << 20  # adapter_config.json: PEFT's are a few KiB
+HEADER_MAX_BYTES = 16 << 20  # the safetensors header (the library's own limit on reading one is 100 MB)
+# The dtypes an adapter's weights may be stored in (safetensors' names), and their sizes.
+DTYPES: dict[str, tuple[torch.dtype, int]] = {"F64": (torch.float64, 8), "F32": (torch.float32, 4),
+                                              "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2)}
+_WIDEST = max(size for _, size in DTYPES.values())
 
 
 class LoraAdapterError(ValidationError):
     """An adapter that cannot be served: the message says which file, key or shape, and what would fit."""
+
+
+Refuse = Callable[[str], LoraAdapterError]  # the error for one adapter (or file), given why
 
 
 @dataclass(frozen=True)
@@ -42,6 +66,19 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor as the safetensors header describes it, checked against the served model."""
+
+    layer: int
+    target: str
+    part: str  # "A" or "B"
+    dtype: torch.dtype
+    shape: tuple[int, int]
+    begin: int  # its bytes in the data area (after the header)
+    end: int
+
+
 def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
     """(out, in) of one of the served model's linear layers."""
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
@@ -50,33 +87,176 @@ def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
             "up_proj": (inter, h), "down_proj": (h, inter)}[target]
 
 
-def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int) -> LoraAdapter:
-    """The adapter `name` in `path`, checked against the served model's `config` and `max_rank`."""
-    directory = Path(path)
-    settings = _read_settings(name, directory)
+def run_time_root(lora_root: str | None, name: str) -> Path:
+    """The directory a run-time load must lie under (`lora_root`, resolved), or LoraAdapterError when there is
+    none: without it a client could make the worker read any file it can."""
+    if lora_root is None:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: this worker loads no adapter at run time because its "
+                               "lora_root is not set; set lora_root (env HETERO_LORA_ROOT, --lora-root) on the "
+                               "worker to the directory holding the adapters, or load it at start with "
+                               "lora_modules", "lora")
+    try:
+        return Path(lora_root).resolve(strict=True)
+    except (OSError, RuntimeError) as exc:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: the worker's lora_root cannot be read ({type(exc).__name__}); "
+                               "check that the directory still exists", "lora") from exc
+
+
+def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int, *,
+                      root: Path | None = None) -> LoraAdapter:
+    """The adapter `name` in `path`, checked against the served model's `config` and `max_rank`.
+
+    `root`: for a path a client sent (a run-time load), the resolved `lora_root` the directory and its files
+    must lie under (`run_time_root`); None only for the operator's own paths (`lora_modules`, benchmarks)."""
+    directory = Path(path) if root is None else _confined_directory(name, Path(path), root)
+    settings = _read_settings(name, directory, Path(path), root)
     rank, targets = _check_settings(name, settings, max_rank)
-    weights = _read_weights(name, directory, config, rank)
+    weights = _read_weights(name, directory, Path(path), root, config, rank)
     found = {target for _, target in weights}
     if missing := targets - found:
         raise LoraAdapterError(f"LoRA adapter {name!r}: adapter_config.json targets {sorted(missing)} but "
                                "adapter_model.safetensors holds no weights for them", "lora")
-    alpha = float(settings.get("lora_alpha", rank))
+    alpha = settings.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    return LoraAdapter(name, rank, scaling, frozenset(found), weights)
+    return LoraAdapter(name, rank, float(scaling), frozenset(found), weights)
 
 
-def _read_settings(name: str, directory: Path) -> dict:
-    config_file = directory / "adapter_config.json"
-    if not config_file.is_file():
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(config_file)!r} is missing (a PEFT adapter directory "
-                               "holds adapter_config.json and adapter_model.safetensors)", "lora")
+# --- where the files are: under lora_root, symlinks followed ---
+
+def _outside_root(name: str, path: Path) -> LoraAdapterError:
+    # Neither the resolved target nor whether the path exists is told: either would map the worker's files
+    # outside lora_root for whoever may call LoadLora. The worker's log says more, for the operator.
+    return LoraAdapterError(f"LoRA adapter {name!r}: {str(path)!r} is not under the worker's lora_root (paths are "
+                            "resolved, symlinks followed, on the worker); put the adapter's directory under "
+                            "lora_root, as a copy rather than a symlink to elsewhere, or load it at start with "
+                            "lora_modules", "lora")
+
+
+def _confined_directory(name: str, path: Path, root: Path) -> Path:
+    """`path` (relative: under `root`) resolved, when it is a directory under `root`."""
+    candidate = root / path  # an absolute `path` stays itself
     try:
-        settings = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(config_file)!r} is not valid JSON: {exc}", "lora") from exc
+        resolved = candidate.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:  # missing, unreadable, a symlink loop
+        if not _lexically_under(candidate, root):
+            raise _outside_root(name, path) from None
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(path)!r} does not exist under the worker's lora_root "
+                               f"({type(exc).__name__}); check the path (relative paths are taken under "
+                               "lora_root)", "lora") from None
+    if not resolved.is_relative_to(root):
+        log.warning("LoRA path leads out of lora_root", adapter=name, path=str(path), resolved=str(resolved))
+        raise _outside_root(name, path)
+    if not resolved.is_dir():
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(path)!r} is not a directory (a PEFT adapter directory "
+                               "holds adapter_config.json and adapter_model.safetensors)", "lora")
+    return resolved
+
+
+def _lexically_under(path: Path, root: Path) -> bool:
+    return Path(os.path.normpath(path.absolute())).is_relative_to(root)
+
+
+def _open_file(name: str, directory: Path, shown: Path, root: Path | None) -> tuple[BinaryIO, int]:
+    """The file `directory / shown.name` opened for reading, and its size: a regular file, and with `root`
+    one whose resolved path lies under it. `shown` is the path as the caller sent it, for messages."""
+    file = directory / shown.name
+    missing = LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is missing (a PEFT adapter directory holds "
+                               "adapter_config.json and adapter_model.safetensors)", "lora")
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # NONBLOCK: a FIFO does not hang the open
+    if root is not None:
+        try:
+            file = file.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise missing from None
+        if not file.is_relative_to(root):  # a symlinked file pointing out of lora_root
+            log.warning("LoRA file leads out of lora_root", adapter=name, path=str(shown), resolved=str(file))
+            raise _outside_root(name, shown)
+        flags |= getattr(os, "O_NOFOLLOW", 0)  # resolved: a symlink here now was swapped in since
+    try:
+        fd = os.open(file, flags)
+    except FileNotFoundError:
+        raise missing from None
+    except OSError as exc:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: cannot open {str(shown)!r} ({exc.strerror}); check that "
+                               "the worker may read it", "lora") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # checked before fdopen, which refuses a directory untyped
+            raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is not a regular file", "lora")
+        if root is not None and not _opened_under(fd, root):
+            raise _outside_root(name, shown)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb"), info.st_size
+
+
+def _opened_under(fd: int, root: Path) -> bool:
+    """Whether what `fd` opened lies under `root`, where the system says (Linux's /proc): a directory of the
+    path swapped for a symlink between the check and the open is caught here. True where it cannot say."""
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return True
+    return Path(opened).is_relative_to(root)
+
+
+def _read_capped(name: str, stream: BinaryIO, size: int, shown: Path) -> bytes:
+    """All of `stream` (`size` bytes as it was opened), or LoraAdapterError when it grew or shrank meanwhile."""
+    try:
+        data = stream.read(size + 1)
+    except OSError as exc:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: cannot read {str(shown)!r} ({exc.strerror})", "lora") from None
+    if len(data) != size:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} changed while it was read; load it again "
+                               "once it is written", "lora")
+    return data
+
+
+# --- adapter_config.json ---
+
+def _show(value: Any) -> str:
+    """A value from the file, for a message: short, whatever the file holds."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _no_constant(word: str) -> Any:
+    raise ValueError(f"{word} is not a JSON number")
+
+
+def _parse_json(name: str, data: bytes, shown: Path, **hooks: Any) -> Any:
+    try:
+        return json.loads(data, parse_constant=_no_constant, **hooks)
+    except RecursionError:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} nests too deeply to be read", "lora") from None
+    except (ValueError, TypeError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is not valid JSON: {_show(str(exc))}",
+                               "lora") from None
+
+
+def _read_settings(name: str, directory: Path, path: Path, root: Path | None) -> dict:
+    shown = path / "adapter_config.json"
+    stream, size = _open_file(name, directory, shown, root)
+    with stream:
+        if size > CONFIG_MAX_BYTES:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is {size} bytes, over the "
+                                   f"{CONFIG_MAX_BYTES} a PEFT adapter_config.json could need", "lora")
+        data = _read_capped(name, stream, size, shown)
+    settings = _parse_json(name, data, shown)
     if not isinstance(settings, dict):
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(config_file)!r} must hold a JSON object", "lora")
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} must hold a JSON object", "lora")
     return settings
+
+
+def _is_number(value: Any) -> bool:
+    """A finite JSON number (not a boolean, which Python counts as an int)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer of hundreds of digits
+        return False
 
 
 def _check_settings(name: str, settings: dict, max_rank: int) -> tuple[int, set[str]]:
@@ -84,13 +264,18 @@ def _check_settings(name: str, settings: dict, max_rank: int) -> tuple[int, set[
     def refuse(why: str) -> LoraAdapterError:
         return LoraAdapterError(f"LoRA adapter {name!r}: {why}", "lora")
 
-    if str(settings.get("peft_type", "LORA")).upper() != "LORA":
-        raise refuse(f"peft_type {settings.get('peft_type')!r} is not served (only LORA)")
+    peft_type = settings.get("peft_type", "LORA")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        raise refuse(f"peft_type {_show(peft_type)} is not served (only LORA)")
     rank = settings.get("r")
-    if not isinstance(rank, int) or rank < 1:
-        raise refuse(f"r = {rank!r} must be a positive integer")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise refuse(f"r = {_show(rank)} must be a positive integer")
     if rank > max_rank:
         raise refuse(f"rank {rank} is over max_lora_rank ({max_rank}); raise max_lora_rank or use a smaller rank")
+    if not _is_number(settings.get("lora_alpha", rank)):
+        raise refuse(f"lora_alpha = {_show(settings.get('lora_alpha'))} must be a finite number")
+    if not isinstance(settings.get("use_rslora", False), (bool, type(None))):
+        raise refuse(f"use_rslora = {_show(settings.get('use_rslora'))} must be true or false")
     for key, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights"),
                      ("modules_to_save", "modules_to_save (full copies of modules)"),
                      ("rank_pattern", "per-module ranks (rank_pattern)"), ("alpha_pattern", "per-module alphas"),
@@ -101,57 +286,167 @@ def _check_settings(name: str, settings: dict, max_rank: int) -> tuple[int, set[
         if settings.get(key):
             raise refuse(f"{why} is not served")
     if settings.get("bias", "none") != "none":
-        raise refuse(f"bias = {settings.get('bias')!r} is not served (only none)")
-    modules = settings.get("target_modules")
-    if isinstance(modules, str):  # a regex over module names, as PEFT allows
-        targets = {t for t in TARGETS if re.search(modules, t)}
-    elif isinstance(modules, list) and all(isinstance(m, str) for m in modules):
-        names = {m.rsplit(".", 1)[-1] for m in modules}
-        if unknown := names - set(TARGETS):
-            raise refuse(f"target_modules {sorted(unknown)} are not modules of the served model "
-                         f"(it has {', '.join(TARGETS)})")
-        targets = names
-    else:
-        raise refuse(f"target_modules = {modules!r} must be a list of module names or a regex")
+        raise refuse(f"bias = {_show(settings.get('bias'))} is not served (only none)")
+    targets = _targets(settings.get("target_modules"), refuse)
     if not targets:
         raise refuse("target_modules names none of the served model's modules")
     return rank, targets
 
 
-def _read_weights(name: str, directory: Path, config: ModelConfig,
-                  rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _targets(modules: Any, refuse: Refuse) -> set[str]:
+    """The served model's modules `target_modules` names: a list of names, or a regex as PEFT allows."""
+    if isinstance(modules, str):
+        try:
+            # Searched in the short target names only: a pathological pattern has little to backtrack over.
+            return {t for t in TARGETS if re.search(modules, t)}
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise refuse(f"target_modules {_show(modules)} is not a valid regex ({_show(str(exc))})") from None
+    if isinstance(modules, list) and all(isinstance(m, str) for m in modules):
+        names = {m.rsplit(".", 1)[-1] for m in modules}
+        if unknown := names - set(TARGETS):
+            raise refuse(f"target_modules {_show(sorted(unknown))} are not modules of the served model "
+                         f"(it has {', '.join(TARGETS)})")
+        return names
+    raise refuse(f"target_modules = {_show(modules)} must be a list of module names or a regex")
 
-    weights_file = directory / "adapter_model.safetensors"
-    if not weights_file.is_file():
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(weights_file)!r} is missing", "lora")
-    try:
-        tensors = load_file(str(weights_file))
-    except (OSError, SafetensorError) as exc:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: cannot read {str(weights_file)!r}: {exc}", "lora") from exc
+
+# --- adapter_model.safetensors: the header checked, then the tensors read ---
+
+def _max_data_bytes(config: ModelConfig, rank: int) -> int:
+    """The most tensor bytes a rank-`rank` adapter of the served model can hold: every target of every layer,
+    in the widest dtype allowed."""
+    per_layer = sum(rank * (out + inp) for out, inp in (target_shape(config, t) for t in TARGETS))
+    return config.num_hidden_layers * per_layer * _WIDEST
+
+
+def _read_weights(name: str, directory: Path, path: Path, root: Path | None, config: ModelConfig,
+                  rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    shown = path / "adapter_model.safetensors"
+    stream, size = _open_file(name, directory, shown, root)
+    with stream:
+        bound = 8 + HEADER_MAX_BYTES + _max_data_bytes(config, rank)
+        if size > bound:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is {size} bytes, more than any rank-{rank} "
+                                   f"adapter of the served model holds ({bound}); it was made for another base "
+                                   "model, or is not an adapter", "lora")
+        header_size, tensors = _read_header(name, stream, size, shown, config, rank)
+        data = bytearray(size - 8 - header_size)
+        try:
+            got = stream.readinto(data)
+        except OSError as exc:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: cannot read {str(shown)!r} ({exc.strerror})",
+                                   "lora") from None
+        if got != len(data):
+            raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is truncated (it changed while it was "
+                                   "read?); write it again", "lora")
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = _TENSOR.match(key)
-        if match is None or match.group(3) not in TARGETS:
-            raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA weight of a module the "
-                                   "served model has", "lora")
-        layer = int(match.group(1))
-        if layer >= config.num_hidden_layers:
-            raise LoraAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is for layer {layer}, but the served "
-                                   f"model has {config.num_hidden_layers} layers", "lora")
-        parts.setdefault((layer, match.group(3)), {})[match.group(4)] = tensor
-    weights = {}
-    for (layer, target), pair in sorted(parts.items()):
-        out, inp = target_shape(config, target)
-        a, b = pair.get("A"), pair.get("B")
-        if a is None or b is None:
-            raise LoraAdapterError(f"LoRA adapter {name!r}: layer {layer} {target} has lora_{'B' if b is None else 'A'} "
-                                   "missing", "lora")
-        if tuple(a.shape) != (rank, inp) or tuple(b.shape) != (out, rank):
-            raise LoraAdapterError(
-                f"LoRA adapter {name!r}: layer {layer} {target} has lora_A {tuple(a.shape)} and lora_B "
-                f"{tuple(b.shape)}; the served model needs ({rank}, {inp}) and ({out}, {rank}): it was trained "
-                "for another base model", "lora")
-        weights[(layer, target)] = (a.float().contiguous(), b.float().contiguous())
-    return weights
+    for t in tensors:
+        # Copied out of the file's bytes (aligned for its dtype whatever the offsets), then made float32.
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=t.end - t.begin, offset=t.begin).clone()
+        weight = raw.view(t.dtype).reshape(t.shape).float()
+        if not bool(torch.isfinite(weight).all()):  # NaN would reach every token of the adapter's requests
+            raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} holds NaN or infinite values in layer "
+                                   f"{t.layer} {t.target}'s lora_{t.part}: it is damaged, or its training "
+                                   "diverged", "lora")
+        parts.setdefault((t.layer, t.target), {})[t.part] = weight
+    return {key: (pair["A"].contiguous(), pair["B"].contiguous()) for key, pair in sorted(parts.items())}
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a key appears twice among {_show(keys)}")
+    return dict(pairs)
+
+
+def _read_header(name: str, stream: BinaryIO, size: int, shown: Path, config: ModelConfig,
+                 rank: int) -> tuple[int, list[_Tensor]]:
+    """(the header's length, its tensors), each checked against the served model, tiling the data area."""
+    def refuse(why: str) -> LoraAdapterError:
+        return LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} {why}", "lora")
+
+    try:
+        prefix = stream.read(8)
+        if len(prefix) < 8:
+            raise refuse(f"is truncated ({size} bytes: not even the header's length); write it again")
+        header_size = int.from_bytes(prefix, "little")
+        if header_size > HEADER_MAX_BYTES:
+            raise refuse(f"claims a {header_size}-byte header, over the {HEADER_MAX_BYTES} an adapter's could need; "
+                         "it is not a safetensors file, or is damaged")
+        if 8 + header_size > size:
+            raise refuse(f"is truncated: its header claims {header_size} bytes but the file holds {size}; write it "
+                         "again")
+        raw = stream.read(header_size)
+    except OSError as exc:
+        raise refuse(f"cannot be read ({exc.strerror})") from None
+    if len(raw) != header_size:
+        raise refuse("is truncated (it changed while it was read?); write it again")
+    header = _parse_json(name, raw, shown, object_pairs_hook=_no_duplicates)
+    if not isinstance(header, dict):
+        raise refuse("has a header that is not a JSON object: it is not a safetensors file")
+    tensors = [_check_entry(key, entry, config, rank, refuse) for key, entry in header.items()
+               if key != "__metadata__"]
+    _check_tiling(tensors, size - 8 - header_size, refuse)
+    _check_pairs(name, tensors)
+    return header_size, tensors
+
+
+def _check_entry(key: str, entry: Any, config: ModelConfig, rank: int, refuse: Refuse) -> _Tensor:
+    """One header entry: a LoRA weight of one of the served model's modules, of the shape that module and
+    `rank` need, its byte range as long as its dtype and shape make it."""
+    match = _TENSOR.fullmatch(key)
+    if match is None or match.group(3) not in TARGETS:
+        raise refuse(f"holds tensor {_show(key)}, which is not a LoRA weight of a module the served model has")
+    layer, target, part = int(match.group(1)), match.group(3), match.group(4)
+    if layer >= config.num_hidden_layers:
+        raise refuse(f"holds tensor {_show(key)} for layer {layer}, but the served model has "
+                     f"{config.num_hidden_layers} layers")
+    if not isinstance(entry, dict):
+        raise refuse(f"describes tensor {_show(key)} with {_show(entry)}, not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise refuse(f"stores tensor {_show(key)} as {_show(dtype)}; an adapter's weights must be one of "
+                     f"{', '.join(DTYPES)}")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+        raise refuse(f"gives tensor {_show(key)} the shape {_show(shape)}, not a list of integers")
+    out, inp = target_shape(config, target)
+    want = (rank, inp) if part == "A" else (out, rank)
+    if tuple(shape) != want:
+        raise refuse(f"has layer {layer} {target}'s lora_{part} {_show(tuple(shape))}; the served model at rank "
+                     f"{rank} needs {want}: it was trained for another base model")
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise refuse(f"gives tensor {_show(key)} the data_offsets {_show(offsets)}, not [begin, end]")
+    begin, end = offsets
+    if end - begin != want[0] * want[1] * DTYPES[dtype][1]:
+        raise refuse(f"gives tensor {_show(key)} {end - begin} bytes, but {dtype} {want} takes "
+                     f"{want[0] * want[1] * DTYPES[dtype][1]}")
+    return _Tensor(layer, target, part, DTYPES[dtype][0], want, begin, end)
+
+
+def _check_tiling(tensors: list[_Tensor], data_size: int, refuse: Refuse) -> None:
+    """The tensors' byte ranges cover the data area after the header exactly, without holes or overlaps (as
+    safetensors requires): no byte is read that no tensor describes."""
+    at = 0
+    for t in sorted(tensors, key=lambda t: t.begin):
+        if t.begin != at:
+            raise refuse(f"has tensors overlapping or apart at byte {t.begin} of its data (expected {at}): it is "
+                         "damaged")
+        at = t.end
+    if at > data_size:
+        raise refuse(f"is truncated: its header describes {at} bytes of tensors but {data_size} follow it; write "
+                     "it again")
+    if at < data_size:
+        raise refuse(f"holds {data_size - at} bytes after its last tensor: it is damaged")
+
+
+def _check_pairs(name: str, tensors: list[_Tensor]) -> None:
+    """Every target of every layer has both lora_A and lora_B."""
+    parts: dict[tuple[int, str], set[str]] = {}
+    for t in tensors:
+        parts.setdefault((t.layer, t.target), set()).add(t.part)
+    for (layer, target), have in sorted(parts.items()):
+        if have != {"A", "B"}:
+            raise LoraAdapterError(f"LoRA adapter {name!r}: layer {layer} {target} has lora_"
+                                   f"{'B' if 'B' not in have else 'A'} missing", "lora")

@@ -19,20 +19,35 @@ products, padded to the largest rank, was faster but changed a row's last bits w
 and greedy tokens with them.)
 
 Slots are filled at start (`lora_modules`) and at run time (`LoadLora`, between steps); the scheduler decides
-which slot holds what and never loads into a slot a sequence still uses. With tensor parallelism each rank
-holds its share, split as the layer it adds to is: B by output rows for the column-parallel q/k/v and
-gate/up, A by input columns for the row-parallel o and down (whose partial sums the layer's all-reduce adds).
+which slot holds what and never loads into a slot a sequence still uses. A load is three parts: `read` (the
+files read and checked, on any thread, under `lora_root` for a run-time load: gpu_worker/lora/lora_adapter.py),
+`stage` (this rank's share packed for the device, touching no slot) and `commit` (the slot filled): the model
+thread does only the last two, and with tensor parallelism a rank commits only once every rank has staged
+(gpu_worker/service.py `load_lora_on_rank`). With tensor parallelism each rank holds its share, split as the
+layer it adds to is: B by output rows for the column-parallel q/k/v and gate/up, A by input columns for the
+row-parallel o and down (whose partial sums the layer's all-reduce adds).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from gpu_worker.cpu.packed_linear import PackedWeight, linear, pack_weight, prepack_supported
-from gpu_worker.lora.lora_adapter import LoraAdapter, load_lora_adapter, target_shape
+from gpu_worker.cpu.packed_linear import (
+    PackedWeight,
+    linear,
+    pack_weight,
+    prepack_supported,
+)
+from gpu_worker.lora.lora_adapter import (
+    LoraAdapter,
+    load_lora_adapter,
+    run_time_root,
+    target_shape,
+)
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel.tensor_parallel import TensorParallel
 from hetero.v1 import common_pb2
@@ -45,6 +60,15 @@ from kernels.native import lora as native_lora
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
 ROW_PARALLEL = frozenset({"o_proj", "down_proj"})  # the others are column-parallel (tensor_parallel.py)
+
+
+@dataclass(frozen=True)
+class StagedLora:
+    """An adapter packed for one slot of this rank, not yet in it (`LoraSlots.commit` puts it there)."""
+
+    slot: int
+    weights: dict[tuple[int, str], GroupWeights]
+    info: common_pb2.LoraAdapter
 
 
 @dataclass
@@ -62,9 +86,9 @@ def load_lora_slots(config: Config, model_config: ModelConfig, device: torch.dev
                     tp: TensorParallel) -> LoraSlots:
     """The worker's slots, holding the adapters of `lora_modules` (slot i + 1 the i-th)."""
     slots = LoraSlots(model_config, config.max_loras, config.max_lora_rank, device, dtype, tp,
-                      prepack=config.weight_prepack and prepack_supported(device, dtype))
+                      prepack=config.weight_prepack and prepack_supported(device, dtype), lora_root=config.lora_root)
     for slot, (name, path) in enumerate(parse_lora_modules(config.lora_modules, config.max_loras), start=1):
-        slots.load(slot, name, path)
+        slots.load(slot, name, path, trusted=True)  # the operator's own configuration: not confined to lora_root
     return slots
 
 
@@ -72,9 +96,11 @@ class LoraSlots:
     """The adapters loaded on this worker by slot (1..max_loras; 0 is the base model)."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
-                 tp: TensorParallel, prepack: bool = False, native: bool | None = None) -> None:
+                 tp: TensorParallel, prepack: bool = False, native: bool | None = None,
+                 lora_root: str | None = None) -> None:
         self.config, self.max_loras, self.max_rank, self.device, self.dtype, self.tp = (
             config, max_loras, max_rank, device, dtype, tp)
+        self.lora_root = lora_root  # where run-time loads must lie (None: none is allowed)
         self._prepack = prepack
         # The C kernel (kernels/native/lora.c) on the CPU: every adapter of a step in one call per product.
         self._native = native_lora.available(device, dtype) if native is None else native
@@ -86,18 +112,43 @@ class LoraSlots:
         self._layer_tables = torch.zeros(config.num_hidden_layers * len(GROUPS) * 4, dtype=torch.int64)
         self._infos: dict[int, common_pb2.LoraAdapter] = {}
 
-    def load(self, slot: int, name: str, path: str) -> common_pb2.LoraAdapter:
-        """Read the adapter in `path` into `slot` (what it held goes); LoraAdapterError leaves the slot as it was."""
+    def load(self, slot: int, name: str, path: str, *, trusted: bool) -> common_pb2.LoraAdapter:
+        """Read the adapter in `path` into `slot` (what it held goes); LoraAdapterError leaves the slot as it was.
+        `trusted`: see `read`."""
+        self.check_slot(slot)
+        return self.commit(self.stage(slot, self.read(name, path, trusted=trusted), path))
+
+    def check_slot(self, slot: int) -> None:
         if not 1 <= slot <= self.max_loras:
             raise ExecutionError(f"LoRA slot {slot} is outside 1..max_loras ({self.max_loras})")
-        adapter = load_lora_adapter(name, path, self.config, self.max_rank)
-        self._slots[slot] = {key: (GroupWeights(*native_lora.pack(a, b, self._bf16_weights)) if self._native
-                                   else GroupWeights(self._weight(a), self._weight(b)))
-                             for key, (a, b) in self._group_weights(adapter).items()}
+
+    def read(self, name: str, path: str, *, trusted: bool) -> LoraAdapter:
+        """The adapter in `path`, read and checked; touches no slot, so any thread may call it. `trusted`: a path
+        from the operator's own configuration (`lora_modules`), read where it is; otherwise (a run-time load, a
+        path a client sent) it must lie under `lora_root`, and with none set it is refused."""
+        root = None if trusted else run_time_root(self.lora_root, name)
+        return load_lora_adapter(name, path, self.config, self.max_rank, root=root)
+
+    def stage(self, slot: int, adapter: LoraAdapter, path: str | Path) -> StagedLora:
+        """`adapter`'s share on this rank packed for `slot`, which keeps what it holds until `commit`."""
+        self.check_slot(slot)
+        try:
+            weights = {key: (GroupWeights(*native_lora.pack(a, b, self._bf16_weights)) if self._native
+                             else GroupWeights(self._weight(a), self._weight(b)))
+                       for key, (a, b) in self._group_weights(adapter).items()}
+        except torch.OutOfMemoryError as exc:  # typed: no reason to end a tensor-parallel worker
+            raise ExecutionError(f"LoRA adapter {adapter.name!r}: no room on {self.device} for its weights; unload "
+                                 "an adapter, or restart with fewer max_loras or a smaller model") from exc
+        info = common_pb2.LoraAdapter(name=adapter.name, path=str(path), rank=adapter.rank, slot=slot,
+                                      target_modules=sorted(adapter.targets))
+        return StagedLora(slot, weights, info)
+
+    def commit(self, staged: StagedLora) -> common_pb2.LoraAdapter:
+        """Put a staged adapter in its slot (what it held goes)."""
+        self._slots[staged.slot] = staged.weights
         self._build_tables()
-        self._infos[slot] = common_pb2.LoraAdapter(name=name, path=str(path), rank=adapter.rank, slot=slot,
-                                                   target_modules=sorted(adapter.targets))
-        return self._infos[slot]
+        self._infos[staged.slot] = staged.info
+        return staged.info
 
     def _group_weights(self, adapter: LoraAdapter) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
         """Per (layer, product): this rank's A of the product's targets stacked, and its B in block form."""

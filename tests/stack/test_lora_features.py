@@ -6,16 +6,18 @@ layer is) every adapter's greedy tokens are PEFT's, for adapters loaded at start
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.bench.harness import free_port, run_stack, wait_for_idle
+from tests.helpers.oracle import NEW_TOKENS, make_prompts
 from tests.helpers.stack_requests import generate_concurrently
 from tests.helpers.tiny_models import make_lora_adapter
-from tests.helpers.oracle import NEW_TOKENS, make_prompts
 from tests.model.test_lora_serving import ADAPTERS, peft_greedy
 
 pytestmark = pytest.mark.slow
@@ -79,9 +81,16 @@ def test_tensor_parallel_2_serves_each_adapter_as_peft_does(tiny_llama_dir: Path
     modules = f"attn8={adapters['attn8']},mlp64={adapters['mlp64']}"
     with run_stack(tiny_llama_dir, "--block-size", "5", "--max-model-len", "512", "--tensor-parallel-size", "2",
                    "--worker-address", f"127.0.0.1:{free_port()}", "--lora-modules", modules,
-                   "--log-level", "warning") as stack:
+                   "--lora-root", str(adapters["all16"].parent), "--log-level", "warning") as stack:
         stack.inference.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="all16", path=str(adapters["all16"])),
                                         timeout=60)  # on both ranks, at run time
+        # A crafted adapter (an untyped error once, which ended a tensor-parallel worker): refused, the group serves on.
+        crafted = Path(shutil.copytree(adapters["all16"], adapters["all16"].parent / "crafted", dirs_exist_ok=True))
+        (crafted / "adapter_config.json").write_text('{"r": 16, "target_modules": ["q_proj"], "lora_alpha": {}}')
+        with pytest.raises(grpc.RpcError) as info:
+            stack.inference.LoadLoraAdapter(common_pb2.LoadLoraAdapterRequest(name="crafted", path=str(crafted)),
+                                            timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lora_alpha" in info.value.details()
         for name in names:
             got = generate_concurrently(stack, prompts, NEW_TOKENS, 120, model=name)
             assert got == peft_greedy(tiny_llama_dir, adapters.get(name), prompts), name or "base"

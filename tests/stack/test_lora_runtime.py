@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hetero.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
 from hetero_infer.bench.harness import free_port, make_random_llama, run_stack, service_stats, wait_for_idle
-from tests.helpers.tiny_models import make_lora_adapter
 from tests.helpers.oracle import NEW_TOKENS, make_prompts
+from tests.helpers.tiny_models import make_lora_adapter
 from tests.model.test_lora_serving import peft_greedy
 from tests.stack.test_resilience import killer, run_streams, stack_flags, worker_pid
 
@@ -71,10 +71,15 @@ def loras(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return made
 
 
+def lora_root(loras: dict[str, Path]) -> str:
+    """The directory holding the adapters: the workers' lora_root, which run-time loads must lie under."""
+    return str(loras["a0"].parent)
+
+
 def test_load_select_replace_unload_and_every_bad_call_refused(tiny_llama_dir: Path, loras) -> None:
     prompt = make_prompts()[0]
     with run_stack(tiny_llama_dir, "--block-size", "4", "--max-loras", "2", "--max-lora-rank", "16",
-                   "--serving-api-keys", KEY) as stack:
+                   "--serving-admin-api-keys", KEY, "--lora-root", lora_root(loras)) as stack:
         api = stack.inference
         assert not api.ListLoraAdapters(common_pb2.ListLoraAdaptersRequest(), metadata=AUTH).adapters
         with pytest.raises(grpc.RpcError) as info:  # no key: refused before anything loads
@@ -88,7 +93,8 @@ def test_load_select_replace_unload_and_every_bad_call_refused(tiny_llama_dir: P
         assert answer.model == "a0" and list(answer.token_ids) == peft_greedy(tiny_llama_dir, loras["a0"], [prompt])[0]
 
         # Bad adapters: each its own error, nothing loaded, the base and a0 serving on.
-        for name, path, words in (("gone", "/nowhere/at/all", ("adapter_config.json", "missing")),
+        for name, path, words in (("gone", "/nowhere/at/all", ("not under the worker's lora_root",)),
+                                  ("lost", loras["a0"].parent / "lost", ("does not exist under",)),
                                   ("big", loras["big"], ("rank 32 is over max_lora_rank (16)",)),
                                   ("foreign", loras["foreign"], ("trained for another base model",)),
                                   ("lacking", loras["lacking"], ("fc1",))):
@@ -166,7 +172,7 @@ def test_32_streams_over_8_adapters_while_adapters_load_and_unload(tiny_llama_di
     names = [f"a{i % 8}" for i in range(32)]
     modules = ",".join(f"a{i}={loras[f'a{i}']}" for i in range(8))
     with run_stack(tiny_llama_dir, "--block-size", "4", "--max-loras", "11", "--lora-modules", modules,
-                   "--num-threads", "1") as stack:
+                   "--num-threads", "1", "--lora-root", lora_root(loras)) as stack:
         api = stack.inference
         streams: dict[int, list[int]] = {}
         first_tokens: set[int] = set()
@@ -224,7 +230,8 @@ def test_a_replica_killed_mid_stream_keeps_every_streams_adapter(tiny_llama_dir:
     before its first step, and serves it."""
     addresses = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     modules = f"a0={loras['a0']},a1={loras['a1']}"
-    flags = stack_flags(addresses, "--lora-modules", modules, "--max-num-blocks", "48", "--max-loras", "4")
+    flags = stack_flags(addresses, "--lora-modules", modules, "--max-num-blocks", "48", "--max-loras", "4",
+                        "--lora-root", lora_root(loras))
     prompts = [p for seed in range(2) for p in make_prompts(seed=seed)]  # 16 prompts of 1 to 50 tokens
     names = ["", "a0", "a1", "a2"]
     streams = [greedy(prompt, names[i % 4], STREAM_TOKENS) for i, prompt in enumerate(prompts)]

@@ -13,8 +13,8 @@ import torch
 
 from gpu_worker.cpu.packed_linear import prepack_supported
 from gpu_worker.lora.lora_slots import GROUPS, LoraSlots
-from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.parallel.tensor_parallel import TensorParallel
 from hetero_infer.bench.harness import make_tiny_llama, write_random_lora
 from kernels.native import lora as native_lora
@@ -37,7 +37,7 @@ def slots(config: ModelConfig, adapters: list[Path], dtype: torch.dtype, tp: Ten
     prepack = prepack and prepack_supported(torch.device("cpu"), dtype)  # bfloat16 packs on AVX512 CPUs only
     loaded = LoraSlots(config, 4, 64, torch.device("cpu"), dtype, tp, prepack=prepack, native=native)
     for slot, path in enumerate(adapters, start=1):
-        loaded.load(slot, f"a{slot}", str(path))
+        loaded.load(slot, f"a{slot}", str(path), trusted=True)
     return loaded
 
 
