@@ -62,7 +62,8 @@ def bench_engine(config: Config, prompts: list[list[int]], new_tokens: int, batc
 
 
 async def timed_request(stub: Any, ids: list[int], new_tokens: int, unary: bool, timing: RequestTiming,
-                        start: float, wall_start: float, timeout: float = 900) -> None:
+                        start: float, wall_start: float, timeout: float = 900,
+                        metadata: tuple[tuple[str, str], ...] = ()) -> None:
     """One greedy request of `new_tokens` (EOS ignored) on a `hetero.v1.Inference` stub, its tokens' times
     added to `timing` in seconds from `start` (perf_counter). Streaming `Generate`: each message timed where
     it arrives. `unary`: one `Complete` call asking for `track_generated_token_events`, its tokens timed by
@@ -71,13 +72,20 @@ async def timed_request(stub: Any, ids: list[int], new_tokens: int, unary: bool,
                                        track_generated_token_events=unary)
     req = inference_pb2.GenerateRequest(prompt_token_ids=inference_pb2.TokenIds(ids=ids), params=params)
     if unary:
-        answer = await stub.Complete(req, timeout=timeout)
+        answer = await stub.Complete(req, timeout=timeout, metadata=metadata)
         for stamp in answer.token_timestamps:
             timing.add(stamp - wall_start)
         return
-    async for msg in stub.Generate(req, timeout=timeout):
+    async for msg in stub.Generate(req, timeout=timeout, metadata=metadata):
         if msg.token_ids:
             timing.add(time.perf_counter() - start, len(msg.token_ids))
+
+
+def _key_metadata(flags: list[str]) -> tuple[tuple[str, str], ...]:
+    """The first key of a `--serving-api-keys` flag as call metadata (none without one)."""
+    if "--serving-api-keys" not in flags:
+        return ()
+    return (("authorization", f"Bearer {flags[flags.index('--serving-api-keys') + 1].split(',')[0]}"),)
 
 
 def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[int]], new_tokens: int,
@@ -86,15 +94,17 @@ def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[i
     or vLLM's offline `LLM.generate` gets it) asking for `track_generated_token_events`, and TTFT/TPOT
     come from those per-token timestamps, which the scheduler stamps (wall clock) when a step's tokens
     are applied, as vLLM's figures come from its engine's own; else `Generate` streams, one message
-    per token, timed where the client receives each."""
+    per token, timed where the client receives each. With `--serving-api-keys K1,...` among the
+    flags, every client call sends K1 (benchmarks/stack_ab.py's keys-on arm)."""
     import grpc
 
     from hetero.v1 import inference_pb2_grpc
     from hetero_infer.bench.harness import run_stack
 
+    metadata = _key_metadata(config_flags)
     with run_stack(Path(model) if model else None, "--log-level", "warning", *config_flags) as stack:
         stack.inference.Complete(inference_pb2.GenerateRequest(
-            prompt="warm up", params=common_pb2.SamplingParams(max_tokens=2)))
+            prompt="warm up", params=common_pb2.SamplingParams(max_tokens=2)), metadata=metadata)
 
         async def run(group: list[list[int]]) -> tuple[float, list[RequestTiming]]:
             # One asyncio client for all streams: a thread per stream would steal the cores
@@ -104,8 +114,8 @@ def bench_stack(config_flags: list[str], model: str | None, prompts: list[list[i
                 stub = inference_pb2_grpc.InferenceStub(channel)
                 start, wall_start = time.perf_counter(), time.time()
 
-                await asyncio.gather(*(timed_request(stub, ids, new_tokens, unary, timing, start, wall_start)
-                                       for ids, timing in zip(group, timings)))
+                await asyncio.gather(*(timed_request(stub, ids, new_tokens, unary, timing, start, wall_start,
+                                                     metadata=metadata) for ids, timing in zip(group, timings)))
                 return time.perf_counter() - start, timings
 
         results: Results = {}

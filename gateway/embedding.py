@@ -16,13 +16,25 @@ from pathlib import Path
 
 import structlog
 
+from gateway.auth import current_principal
 from gateway.backends.backend import EmbeddingCall, EmbeddingOutput
-from gateway.embedding_inputs import EmbeddingLimits, check_request, input_chars, tokenize_inputs
+from gateway.embedding_inputs import (
+    EmbeddingLimits,
+    check_request,
+    input_chars,
+    tokenize_inputs,
+)
 from gateway.generation import Generation
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import EmbeddingConfig
-from hetero_common.embedding_vectors import POOLING_NAMES, default_pooling, finish_vector, to_base64
+from hetero_common.embedding_vectors import (
+    POOLING_NAMES,
+    default_pooling,
+    finish_vector,
+    to_base64,
+)
 from hetero_common.errors import HeteroError
+from hetero_common.tenancy import scoped_id
 
 log = structlog.get_logger("gateway.embedding")
 # Inputs of one request submitted at once: enough to fill the engine's steps, few enough that a request of
@@ -59,7 +71,8 @@ class Embeddings:
     async def _embed(self, request: inference_pb2.EmbedRequest, timeout: float | None) -> inference_pb2.EmbedResponse:
         gen = self.generation
         request_id = request.request_id or f"emb-{uuid.uuid4().hex[:16]}"
-        structlog.contextvars.bind_contextvars(request_id=request_id)
+        tenant = current_principal().tenant  # the inputs' ids live in the caller's namespace (tenancy.py)
+        structlog.contextvars.bind_contextvars(request_id=request_id, **({"tenant": tenant} if tenant else {}))
         started = time.perf_counter()
         limits = self.limits()
         adapter = check_request(request, limits)
@@ -67,10 +80,11 @@ class Embeddings:
         gen.heap_trimmer.release_later(chars)
         inputs = await gen.tokenizer_pool.run(tokenize_inputs, request, gen.tokenizer, limits.max_model_len, chars=chars)
         pooling = request.pooling or self.default_pooling
-        calls = [EmbeddingCall(f"{request_id}-{i}", ids, pooling, request.priority, adapter)
+        calls = [EmbeddingCall(scoped_id(tenant, f"{request_id}-{i}"), ids, pooling, request.priority, adapter)
                  for i, ids in enumerate(inputs)]
         ids = [call.request_id for call in calls]
-        gen.active.register(request_id, ids)
+        scoped = scoped_id(tenant, request_id)
+        gen.active.register(scoped, ids)
         try:
             window = asyncio.Semaphore(INPUTS_IN_FLIGHT)
             loop = asyncio.get_running_loop()
@@ -86,7 +100,7 @@ class Embeddings:
         except BaseExceptionGroup as group:  # the first typed error is the request's answer
             raise next((e for e in group.exceptions if isinstance(e, HeteroError)), group.exceptions[0]) from None
         finally:
-            gen.active.unregister(request_id, ids)
+            gen.active.unregister(scoped, ids)
         outputs = [task.result() for task in tasks]
         response = self._response(request, request_id, adapter, inputs, outputs)
         self._meter(response, outputs, time.perf_counter() - started)

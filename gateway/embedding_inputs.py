@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.text.chat import chat_chars, render_chat
-from gateway.validation import MAX_REQUEST_ID_LEN, check_model, least_tokens
+from gateway.validation import check_model, check_request_id, least_tokens
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.tokenizer import TextTokenizer
-
 
 
 @dataclass
@@ -26,8 +25,7 @@ class EmbeddingLimits:
 
 def check_request(request: inference_pb2.EmbedRequest, limits: EmbeddingLimits) -> str:
     """The request's fields other than its inputs' contents; returns the LoRA adapter `model` names ("": none)."""
-    if len(request.request_id) > MAX_REQUEST_ID_LEN:
-        raise ValidationError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters", "request_id")
+    check_request_id(request.request_id)  # length and characters, as a generation's
     adapter = request.model if limits.serves_lora and request.model not in ("", limits.served_model) else ""
     if not adapter:
         check_model(request.model, limits.served_model)

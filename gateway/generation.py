@@ -17,17 +17,25 @@ from typing import AsyncIterator, Iterator
 
 import structlog
 
+from gateway.auth import current_principal, require_admin
 from gateway.backends.backend import Backend
 from gateway.limits.active_requests import ActiveRequests
 from gateway.limits.heap_trim import HeapTrimmer
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.text.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from gateway.text.tool_stream import ToolCallStream, tool_request
-from gateway.validation import PreparedRequest, check_model, input_chars, prepare, refuse_unfitting
+from gateway.validation import (
+    PreparedRequest,
+    check_model,
+    input_chars,
+    prepare,
+    refuse_unfitting,
+)
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError
 from hetero_common.finish_reasons import NOT_FINISHED, finish_reason_name, is_finished
+from hetero_common.tenancy import client_id, scoped_id
 from hetero_common.tokenizer import TextTokenizer
 
 log = structlog.get_logger("gateway.generation")
@@ -93,7 +101,8 @@ class Generation:
     async def _generate(self, request: inference_pb2.GenerateRequest, timer: RequestTimer,
                         timeout: float | None) -> AsyncIterator[inference_pb2.GenerateResponse]:
         request_id = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        structlog.contextvars.bind_contextvars(request_id=request_id)
+        tenant = current_principal().tenant
+        structlog.contextvars.bind_contextvars(request_id=request_id, **({"tenant": tenant} if tenant else {}))
         started = time.perf_counter()
         request, tools = tool_request(request)  # tool_choice required / named: the call's schema as the constraint
         # Tokenizing a large input, and compiling a constraint (and, once, llguidance's tokenizer: milliseconds to a
@@ -107,11 +116,13 @@ class Generation:
         refuse_unfitting(request, self.tokenizer, self.max_model_len)
         prepared = await self.tokenizer_pool.run(prepare, request, self.tokenizer, self.model_name, self.max_model_len,
                                                  request_id, self.backend.serves_lora, chars=max(chars, INLINE_CHARS) if constrained else chars)
+        prepared.tenant = tenant
         usage = common_pb2.Usage(prompt_tokens=len(prepared.prompt_token_ids))
-        timer.adapter = prepared.adapter
+        timer.adapter, timer.tenant = prepared.adapter, tenant
         n = prepared.sampling.n
         finish, backend = NOT_FINISHED, ""
-        self.active.register(request_id, [request_id])
+        scoped = prepared.scoped_id
+        self.active.register(scoped, [scoped])
         try:  # aclosing: closing this generator closes the backend's stream at once (ends the request downstream)
             calls = {i: ToolCallStream(tools) for i in range(n)} if tools else {}
             async with aclosing(self._stream(request, prepared, timeout, timer, usage, calls)) as responses:
@@ -119,7 +130,7 @@ class Generation:
                     finish, backend = response.finish_reason, response.backend
                     yield response
         finally:
-            self.active.unregister(request_id, [request_id])
+            self.active.unregister(scoped, [scoped])
         log.info("finished", backend=backend, finish_reason=finish_reason_name(finish), prompt_tokens=usage.prompt_tokens,
                  completion_tokens=usage.completion_tokens, n=n, seconds=round(time.perf_counter() - started, 3))
 
@@ -147,9 +158,9 @@ class Generation:
                 yield response
                 if not running:
                     return
-                if prepared.request_id in self.active.aborted:
+                if prepared.scoped_id in self.active.aborted:
                     break  # an Abort that landed before the backend knew the request: end it here
-        if running and prepared.request_id in self.active.aborted:  # closing the backend's stream ended it downstream
+        if running and prepared.scoped_id in self.active.aborted:  # closing the backend's stream ended it downstream
             for index in sorted(running):
                 response = inference_pb2.GenerateResponse(request_id=prepared.request_id,
                                                           model=prepared.adapter or self.model_name,
@@ -166,20 +177,47 @@ class Generation:
         timer.finish(response.finish_reason, usage)
 
     async def abort(self, client_ids: list[str]) -> tuple[list[str], list[str]]:
-        """Abort requests by client id: (aborted, not_found). Ids this gateway does not know are tried
-        on the backend as scheduler ids (the request may have come through another gateway replica)."""
+        """Abort the caller's requests by client id: (aborted, not_found). Ids this gateway does not know
+        are tried on the backend (the request may have come through another gateway replica). A key
+        reaches only its own tenant's requests (hetero_common/tenancy.py); an admin key with keys on,
+        every tenant's request of that id."""
+        principal = current_principal()
+        every_tenant = principal.admin and bool(principal.tenant)
         aborted: list[str] = []
         not_found: list[str] = []
-        for client_id in dict.fromkeys(client_ids):
-            local = self.active.lookup(client_id)
+        for cid in dict.fromkeys(client_ids):
+            own = scoped_id(principal.tenant, cid)
+            local = self.active.lookup_any_tenant(cid, client_id) if every_tenant else self.active.lookup(own)
             self.active.mark_aborted(local)  # before any await: the ids are still registered
-            found = await asyncio.gather(*(self.backend.abort(i) for i in local or [client_id]), return_exceptions=True)
+            calls = [self.backend.abort(i) for i in local] if local else [self.backend.abort(cid, any_tenant=True)
+                                                                          if every_tenant else self.backend.abort(own)]
+            found = await asyncio.gather(*calls, return_exceptions=True)
             errors = [f for f in found if isinstance(f, BaseException)]
             if errors and not local and not any(f is True for f in found):
                 raise errors[0]  # e.g. the scheduler unreachable: whether the id is in flight there is unknown
-            (aborted if local or any(f is True for f in found) else not_found).append(client_id)
-        log.info("abort", aborted=aborted, not_found=not_found)
+            (aborted if local or any(f is True for f in found) else not_found).append(cid)
+        log.info("abort", aborted=aborted, not_found=not_found, **({"tenant": principal.tenant} if principal.tenant else {}))
         return aborted, not_found
+
+    # --- LoRA adapters: loading, unloading and their paths are an admin's (docs/security.md) ---
+
+    async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest,
+                                timeout: float | None) -> common_pb2.LoraAdapter:
+        require_admin("replacing a LoRA adapter" if request.replace else "loading a LoRA adapter")
+        return await self.backend.load_lora_adapter(request, timeout)
+
+    async def unload_lora_adapter(self, request: common_pb2.UnloadLoraAdapterRequest,
+                                  timeout: float | None) -> common_pb2.UnloadLoraAdapterResponse:
+        require_admin("unloading a LoRA adapter")
+        return await self.backend.unload_lora_adapter(request, timeout)
+
+    async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
+        """The adapters loaded now; their paths (the server's filesystem) only for an admin."""
+        adapters = await self.backend.lora_adapters()
+        if current_principal().admin:
+            return adapters
+        return [common_pb2.LoraAdapter(name=a.name, rank=a.rank, target_modules=a.target_modules, slot=a.slot,
+                                       active_requests=a.active_requests) for a in adapters]
 
     async def check_model(self, requested: str) -> None:
         """`requested` (Tokenize's and Detokenize's `model`) is empty, the served model or a loaded LoRA adapter."""

@@ -12,8 +12,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the HTTP app)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the HTTP app)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from hetero.v1 import common_pb2
 from hetero_common.finish_reasons import finish_reason_name
@@ -96,6 +102,11 @@ METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens of finished requests, per LoRA adapter", ("adapter",)),
     MetricSpec("lora_generation_tokens", Counter, "lora_generation_tokens", "Generated tokens, per LoRA adapter",
                ("adapter",)),
+    # Tenants (API keys on): by the key's label (hetero_common/tenancy.py), never the key.
+    MetricSpec("tenant_requests", Counter, "tenant_requests", "Requests ended, per tenant (API key label)",
+               ("tenant",)),
+    MetricSpec("tenant_generation_tokens", Counter, "tenant_generation_tokens",
+               "Generated tokens, per tenant (API key label)", ("tenant",)),
     MetricSpec("lora_loaded", Gauge, "lora_adapters_loaded", "LoRA adapters requests may name"),
     MetricSpec("lora_slots", Gauge, "lora_slots_in_use", "Worker LoRA slots holding an adapter (of max_loras)"),
     # Embedding requests (Embed, /v1/embeddings): a request, its inputs, their tokens, its latency.
@@ -144,6 +155,8 @@ class GatewayMetrics:
     lora_requests: Counter
     lora_prompt_tokens: Counter
     lora_generation_tokens: Counter
+    tenant_requests: Counter
+    tenant_generation_tokens: Counter
     lora_loaded: Gauge
     lora_slots: Gauge
     embedding_requests: Counter
@@ -210,6 +223,7 @@ class RequestTimer:
     tokens: int = 0
     done: bool = False
     adapter: str = ""  # the LoRA adapter serving the request, once known ("" = the base model)
+    tenant: str = ""  # the caller's key label ("" = no keys configured)
 
     def on_tokens(self, count: int, queue_seconds: float = 0.0) -> None:
         if not count:
@@ -238,6 +252,7 @@ class RequestTimer:
             self.metrics.lora_requests.labels(self.adapter).inc()
             self.metrics.lora_prompt_tokens.labels(self.adapter).inc(usage.prompt_tokens)
         self.metrics.e2e.labels(label).observe(time.perf_counter() - self.arrival)
+        self._count_tenant()
         if self.tokens > 1 and self.first_token is not None and self.last_token is not None:
             self.metrics.tpot.observe((self.last_token - self.first_token) / (self.tokens - 1))
 
@@ -247,3 +262,10 @@ class RequestTimer:
         self.done = True
         self.metrics.in_flight.dec()
         self.metrics.request_errors.labels(type(error).__name__).inc()
+        self._count_tenant()
+
+    def _count_tenant(self) -> None:
+        """Once per request, at its end: the per-token path stays as cheap with keys on as off."""
+        if self.tenant:
+            self.metrics.tenant_requests.labels(self.tenant).inc()
+            self.metrics.tenant_generation_tokens.labels(self.tenant).inc(self.tokens)

@@ -13,14 +13,18 @@ import grpc
 import structlog
 import uvicorn
 
-from gateway.auth import ApiKeyInterceptor, ApiKeys
+from gateway.auth import ApiKeyInterceptor, ApiKeys, check_exposure
 from gateway.backends.backend import Backend
 from gateway.backends.command_bridge import CommandBridge, CommandBridgeBackend
 from gateway.backends.fallback import FallbackBackend
 from gateway.backends.scheduler_backend import SchedulerBackend
 from gateway.embedding import Embeddings
 from gateway.generation import Generation
-from gateway.grpc.grpc_api import SERVICE_NAME, InferenceServicer, add_inference_servicer
+from gateway.grpc.grpc_api import (
+    SERVICE_NAME,
+    InferenceServicer,
+    add_inference_servicer,
+)
 from gateway.limits.http_protocol import limited_protocol
 from gateway.metrics_listener import MetricsOnlyApp
 from gateway.openai.app import HttpApi, error_body
@@ -69,10 +73,11 @@ def generation_backend(config: Config, tokenizer: TextTokenizer, scheduler: Sche
 
 async def serve_gateway(config: Config) -> None:
     """gRPC and the HTTP API, one generation path, until SIGTERM or SIGINT; then drain."""
+    keys = ApiKeys.from_config(config)  # first: a keys file with no key, or no keys off loopback, stops start-up
+    check_exposure(config, keys)
     tokenizer = load_gateway_tokenizer(config)
     scheduler = SchedulerBackend(config, tokenizer)  # also the source of /readyz and pool metrics
     generation = Generation(config, tokenizer, generation_backend(config, tokenizer, scheduler))
-    keys = ApiKeys.from_config(config)
     server = grpc.aio.server(options=public_server_options(config.serving), interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else [])
     embeddings = Embeddings(config.serving.embedding, generation, served_model_path(config))
     add_inference_servicer(InferenceServicer(generation, embeddings), server)
@@ -100,6 +105,9 @@ async def serve_gateway(config: Config) -> None:
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
     log.info("draining", grace_s=config.drain_grace_s)
     await asyncio.gather(server.stop(grace=config.drain_grace_s), *(http.stop(config.drain_grace_s) for http in listeners))
+    for backend in (generation.backend, getattr(generation.backend, "fallback", None)):
+        if isinstance(backend, CommandBridgeBackend):  # bridge programs past the grace die with the gateway
+            backend.bridge.kill_all()
     log.info("gateway stopped")
 
 

@@ -8,13 +8,33 @@ from dataclasses import dataclass
 
 from gateway.text.chat import chat_chars, render_chat
 from hetero.v1 import inference_pb2
-from hetero_common.tenancy import scoped_id
 from hetero_common.constraints import validate_constraint
 from hetero_common.errors import ModelNotFoundError, ValidationError
 from hetero_common.sampling import Sampling, validate
+from hetero_common.tenancy import scoped_id
 from hetero_common.tokenizer import TextTokenizer
 
 MAX_REQUEST_ID_LEN = 128
+# Request ids are printable ASCII (space to `~`): they go into log lines, metrics labels, the scheduler's
+# keys and HTTP headers, where a NUL or another control character broke the call (UNKNOWN) or a log line.
+_REQUEST_ID_CHARS = frozenset(map(chr, range(0x20, 0x7F)))
+
+
+def request_id_problem(request_id: str) -> str | None:
+    """Why `request_id` cannot name a request (None: it can; empty is fine, one is made)."""
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        return f"request_id is longer than {MAX_REQUEST_ID_LEN} characters"
+    bad = next((c for c in request_id if c not in _REQUEST_ID_CHARS), None)
+    if bad is not None:
+        return f"request_id holds {bad!r}: only printable ASCII characters (space to '~') are allowed"
+    return None
+
+
+def check_request_id(request_id: str) -> None:
+    """Refuse (ValidationError naming `request_id`) an id `request_id_problem` finds fault with."""
+    problem = request_id_problem(request_id)
+    if problem is not None:
+        raise ValidationError(problem, "request_id")
 
 
 @dataclass
@@ -115,8 +135,7 @@ def prepare(request: inference_pb2.GenerateRequest, tokenizer: TextTokenizer, se
             request_id: str, serves_lora: bool = False) -> PreparedRequest:
     """Validate every field; raise ValidationError naming the first bad one. `serves_lora`: `model` may name a
     LoRA adapter, which the backend then looks up (NOT_FOUND there when none of that name is loaded)."""
-    if len(request.request_id) > MAX_REQUEST_ID_LEN:
-        raise ValidationError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
+    check_request_id(request.request_id)
     adapter = request.model if serves_lora and request.model not in ("", served_model) else ""
     if not adapter:
         check_model(request.model, served_model)

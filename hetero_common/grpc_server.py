@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 from pathlib import Path
 from typing import Iterable
 
 import grpc
+import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -105,10 +107,25 @@ async def set_serving_aio(servicer: health.aio.HealthServicer, service_names: It
 
 
 def error_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one mapping from our errors to (status code, details)."""
+    """The one mapping from our errors to (status code, details). Any other error is a bug, answered
+    INTERNAL with `internal_error_message` (logged; the caller learns only the request id)."""
     if isinstance(error, HeteroError):
         return grpc_status_for(error), error.message
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+    return grpc.StatusCode.INTERNAL, internal_error_message(error)
+
+
+def internal_error_message(error: BaseException, request_id: str | None = None) -> str:
+    """Log an unexpected error (its type, text and traceback, with the request id structlog's context holds)
+    and return what the client is told: only that it happened and the id to find it by in the log. An
+    exception's text can hold file paths, addresses, configuration or another request's data.
+    `request_id`: the id the client knows, when the caller has it (HTTP's X-Request-Id); else the context's."""
+    bound = structlog.contextvars.get_contextvars().get("request_id")
+    request_id = request_id or (str(bound) if bound else None)
+    structlog.get_logger("hetero_common.errors").error(
+        "internal error", error_type=type(error).__name__, error=str(error), exc_info=error,
+        **({"request_id": request_id} if request_id else {}))
+    where = f" (request id {request_id})" if request_id else ""
+    return f"internal error{where}; the server log has the details"
 
 
 def end_call(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -165,6 +182,38 @@ def internal_listen_address(config: Config, address: str) -> str:
     if config.internal_bind_host:
         return f"{config.internal_bind_host}:{address.rsplit(':', 1)[1]}"
     return address
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 and localhost; anything else, a wildcard (0.0.0.0, ::, an empty host), a LAN
+    address or another name (not resolved: what it names can change), is not."""
+    host = host.strip().strip("[]").split("%", 1)[0].lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_internal_bind(config: Config, listen_address: str, service_name: str) -> None:
+    """Refuse (SystemExit) to listen on a non-loopback `listen_address` in plaintext: without
+    `internal_tls` any caller reaching the port could submit work, read stats or drive the worker.
+    `allow_insecure_internal` lets it (with a warning), for a trusted network. A Unix socket is
+    local. Only gRPC: tensor-parallel ranks' torch.distributed rendezvous is not checked here."""
+    if config.internal_tls.enabled or listen_address.startswith(("unix:", "unix-abstract:")):
+        return
+    host = listen_address.rsplit(":", 1)[0] if ":" in listen_address else listen_address
+    if is_loopback_host(host):
+        return
+    if config.allow_insecure_internal:
+        structlog.get_logger(service_name).warning(
+            "listening in plaintext on a non-loopback address (allow_insecure_internal): any caller that reaches "
+            "the port may call this service", address=listen_address)
+        return
+    raise SystemExit(f"{service_name}: refusing to listen on {listen_address} in plaintext: set internal_tls.cert_file, "
+                     "key_file and ca_file (mutual TLS; `hetero-infer internal-certs` makes them), or "
+                     "allow_insecure_internal: true on a trusted network")
 
 
 def internal_channel(config: Config, address: str, server_name: str | None = None) -> grpc.aio.Channel:

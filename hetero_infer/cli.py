@@ -5,6 +5,8 @@
     hetero-infer generate --input "..."     one completion, in-process
     hetero-infer health ADDRESS             exit 0 when a service answers SERVING (container health checks)
     hetero-infer bench --url ...            load-test a running gateway (gRPC or HTTP)
+    hetero-infer internal-certs --out DIR   a fresh CA + certificate for the internal mutual TLS
+                                            (--kubernetes-secret: the Secret on stdout, for kubectl apply -f -)
 
 The seed's own forms work too, without a subcommand: `hetero-infer --input "..." [--max-tokens
 --temperature --top-p --config ...]` is `generate`, and `hetero-infer --serve [--config ...]` is
@@ -22,7 +24,7 @@ from hetero_common.log import configure_logging
 from hetero_infer.config_sources import add_config_arguments, config_from_args
 from hetero_infer.parent_death import die_with_parent
 
-COMMANDS = ("serve", "gateway", "scheduler", "worker", "health", "bench", "generate")
+COMMANDS = ("serve", "gateway", "scheduler", "worker", "health", "bench", "generate", "internal-certs")
 
 
 def seed_form(argv: list[str]) -> list[str]:
@@ -74,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the input as plain text, not as a chat message")
     add_config_arguments(gen)
+    from hetero_infer.internal_certs import (
+        add_arguments as add_internal_certs_arguments,
+    )
+
+    add_internal_certs_arguments(sub.add_parser(
+        "internal-certs", help="make a fresh CA and certificate for the internal links' mutual TLS (files or a Secret)"))
     return parser
 
 
@@ -140,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(seed_form(list(sys.argv[1:] if argv is None else argv)))
     if args.command == "health":
         return _health(args)
+    if args.command == "internal-certs":
+        from hetero_infer.internal_certs import run as internal_certs
+
+        return internal_certs(args)
     if args.command == "bench":
         from hetero_infer.bench.cli import run_bench
 
@@ -163,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
 
             load_gateway_tokenizer(config)
         if args.command == "serve":
+            from gateway.auth import ApiKeys, check_exposure
             from hetero_infer.supervisor import serve
 
+            check_exposure(config, ApiKeys.from_config(config))  # before any process starts (not restarted in a loop)
             return serve(config)
         if args.command == "worker":
             from gpu_worker.service import serve_worker

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import grpc
 
@@ -76,6 +76,11 @@ class RequestStreams:
 
     def get(self, request_id: str) -> RequestStream | None:
         return self._streams.get(request_id)
+
+    def ids_of_client(self, client: str, unscoped: Callable[[str], str]) -> list[str]:
+        """The ids in flight whose unscoped form (`unscoped`, tenancy.client_id) is `client`: a scan,
+        for an admin's abort across tenants."""
+        return [rid for rid in self._streams if unscoped(rid) == client]
 
     def open(self, request_id: str, fingerprint: bytes, num_samples: int) -> RequestStream:
         stream = self._streams[request_id] = RequestStream(request_id, fingerprint, open_samples=set(range(num_samples)))

@@ -25,6 +25,7 @@ from hetero_common.gc_tuning import tune_gc
 from hetero_common.grpc_server import (
     add_health_and_reflection,
     bind,
+    check_internal_bind,
     end_call,
     internal_listen_address,
     internal_server_options,
@@ -33,6 +34,7 @@ from hetero_common.grpc_server import (
     set_status,
     termination_signal,
 )
+from hetero_common.tenancy import client_id
 from scheduler_svc.replicas.followers import Followers, Forwarder
 from scheduler_svc.replicas.replica_set import ReplicaSet
 from scheduler_svc.request_streams import Listener, RequestStream, RequestStreams
@@ -151,13 +153,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.followers.close_all()
 
     async def Abort(self, request: scheduler_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+        """End a request (`any_tenant`: every tenant's request of that client id, an admin's abort)."""
         reason = request.reason or common_pb2.FINISH_REASON_ABORT
         index = request.index if request.HasField("index") else None
-        found = self.replica_set.has_request(request.request_id)
-        if index is not None:
-            found = found and self.streams.has_open_sample(request.request_id, index)
-        if found:
-            self._end(request.request_id, reason, index=index)
+        ids = self.streams.ids_of_client(request.request_id, client_id) if request.any_tenant else [request.request_id]
+        found = False
+        for rid in ids:
+            if not self.replica_set.has_request(rid) or (index is not None and not self.streams.has_open_sample(rid, index)):
+                continue
+            self._end(rid, reason, index=index)
+            found = True
         return scheduler_pb2.AbortResponse(found=found)
 
     async def Suspend(self, request: scheduler_pb2.SuspendRequest, context: grpc.aio.ServicerContext) -> scheduler_pb2.SuspendResponse:
@@ -208,6 +213,8 @@ async def _answer(context: grpc.aio.ServicerContext, call: Awaitable[T], empty: 
 
 
 async def serve_scheduler(config: Config) -> None:
+    listen = internal_listen_address(config, config.scheduler_address)
+    check_internal_bind(config, listen, "scheduler")  # before anything is loaded or dialled
     servicer = SchedulerServicer(config)
     server = grpc.aio.server(options=internal_server_options(config))
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -215,7 +222,6 @@ async def serve_scheduler(config: Config) -> None:
     # grpc's health servicer answers SERVING for "" from the start: not ready until a worker
     # replica answered (`serve` and a Kubernetes readiness probe ask before sending requests).
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
-    listen = internal_listen_address(config, config.scheduler_address)
     if bind(server, listen, server_credentials(config.internal_tls, mutual=True)) == 0:
         raise SystemExit(f"scheduler: cannot bind {listen}; is another process using it?")
     await server.start()

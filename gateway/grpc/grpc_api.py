@@ -17,7 +17,7 @@ import structlog
 from gateway.embedding import Embeddings
 from gateway.generation import Generation
 from gateway.text import tokenization
-from gateway.validation import MAX_REQUEST_ID_LEN
+from gateway.validation import request_id_problem
 from hetero.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from hetero_common import __version__
 from hetero_common.config import EmbeddingConfig
@@ -95,6 +95,9 @@ def answers_errors(empty: Callable[[], Any] | None = None, *,
             except HeteroError as exc:
                 _failed(context, exc, request_scoped)
                 return empty()
+            except Exception as exc:  # a bug: a generic answer, the detail logged (grpc_server.error_status)
+                end_call(context, exc)
+                return empty()
             finally:
                 unbind()
         return answer
@@ -107,6 +110,8 @@ def answers_errors(empty: Callable[[], Any] | None = None, *,
                     yield message
             except HeteroError as exc:
                 _failed(context, exc, request_scoped)
+            except Exception as exc:  # a bug: a generic answer, the detail logged (grpc_server.error_status)
+                end_call(context, exc)
             finally:
                 unbind()
         return messages
@@ -185,9 +190,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if len(request.request_ids) > MAX_ABORT_IDS:
             raise ValidationError(f"request_ids has {len(request.request_ids)} ids; at most {MAX_ABORT_IDS} per call")
         ids = list(request.request_ids)
-        valid = [i for i in ids if i and len(i) <= MAX_REQUEST_ID_LEN]
+        valid = [i for i in ids if i and request_id_problem(i) is None]
         aborted, not_found = await self.generation.abort(valid)
-        invalid = [i for i in dict.fromkeys(ids) if i not in valid]  # an empty or over-long id names no request
+        invalid = [i for i in dict.fromkeys(ids) if i not in valid]  # an id no request can have names none
         return inference_pb2.AbortGenerationResponse(aborted=aborted, not_found=not_found + invalid)
 
     @answers_errors(inference_pb2.ListModelsResponse)
@@ -209,17 +214,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     @answers_errors(common_pb2.LoraAdapter)
     async def LoadLoraAdapter(self, request: common_pb2.LoadLoraAdapterRequest,
                               context: Context) -> common_pb2.LoraAdapter:
-        return await self.generation.backend.load_lora_adapter(request, context.time_remaining())
+        return await self.generation.load_lora_adapter(request, context.time_remaining())
 
     @answers_errors(common_pb2.UnloadLoraAdapterResponse)
     async def UnloadLoraAdapter(self, request: common_pb2.UnloadLoraAdapterRequest,
                                 context: Context) -> common_pb2.UnloadLoraAdapterResponse:
-        return await self.generation.backend.unload_lora_adapter(request, context.time_remaining())
+        return await self.generation.unload_lora_adapter(request, context.time_remaining())
 
     @answers_errors(common_pb2.ListLoraAdaptersResponse)
     async def ListLoraAdapters(self, request: common_pb2.ListLoraAdaptersRequest,
                                context: Context) -> common_pb2.ListLoraAdaptersResponse:
-        return common_pb2.ListLoraAdaptersResponse(adapters=await self.generation.backend.lora_adapters())
+        return common_pb2.ListLoraAdaptersResponse(adapters=await self.generation.lora_adapters())
 
     @answers_errors(inference_pb2.ServerInfo)
     async def GetServerInfo(self, request: inference_pb2.GetServerInfoRequest,

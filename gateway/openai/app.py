@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,6 +34,7 @@ from gateway.metrics import CONTENT_TYPE_LATEST
 from gateway.openai import schema as oa
 from gateway.openai.body_limit import BodyLimitMiddleware
 from gateway.openai.embedding_routes import EmbeddingRoutes
+from gateway.openai.http_auth import ApiKeyMiddleware
 from gateway.openai.json_body import OTHER_VALUES, CountedJsonRoute
 from gateway.openai.lora_routes import LoraRoutes
 from gateway.openai.prompt_echo import PromptShaping
@@ -46,6 +47,7 @@ from gateway.text.chat import chat_chars
 from hetero.v1 import common_pb2, inference_pb2, scheduler_pb2
 from hetero_common.config import ServingConfig
 from hetero_common.errors import HeteroError, ValidationError, http_status_for
+from hetero_common.grpc_server import internal_error_message
 from hetero_common.tokenizer import TextTokenizer
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -75,9 +77,11 @@ def error_param(exc: BaseException) -> str | None:
     return match.group(1) if match and match.group(1) in _BODY_FIELDS else None
 
 
-def error_response(exc: BaseException) -> JSONResponse:
+def error_response(exc: BaseException, request_id: str | None = None) -> JSONResponse:
+    """Our errors in OpenAI's shape; any other is a bug: a 500 saying only that, with the request id
+    (`request_id`, the X-Request-Id echoed), and logged in full (`internal_error_message`)."""
     status = http_status_for(exc)
-    message = exc.message if isinstance(exc, HeteroError) else f"internal error: {type(exc).__name__}"
+    message = exc.message if isinstance(exc, HeteroError) else internal_error_message(exc, request_id)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(error_body(status, message, error_param(exc)), status_code=status, headers=headers)
 
@@ -139,7 +143,9 @@ class HttpApi:
         self.fastapi = self._build()
         limited = BodyLimitMiddleware(self.fastapi, self.serving.max_request_bytes, self.serving.http_body_timeout_s,
                                       error_body, generation.heap_trimmer.release_later)  # a large body: trim after
-        self.app = RequestIdMiddleware(limited, error_body)  # what uvicorn serves
+        # The key checked before the body is read (http_auth.py), then the request id on every answer.
+        guarded = ApiKeyMiddleware(limited, keys, self.serving.metrics_require_key, error_body)
+        self.app = RequestIdMiddleware(guarded, error_body)  # what uvicorn serves
 
     def _build(self) -> FastAPI:
         # /openapi.json is open (API tools and fuzzers read it); /docs and /redoc stay off.
@@ -151,6 +157,10 @@ class HttpApi:
         async def on_hetero(_: Request, exc: HeteroError) -> JSONResponse:
             return error_response(exc)
 
+        @app.exception_handler(Exception)  # else Starlette answers a bare text/plain 500
+        async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+            return error_response(exc, request.scope.get("state", {}).get("request_id"))
+
         @app.exception_handler(RequestValidationError)
         async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
             return JSONResponse(validation_error_body(list(exc.errors())), status_code=400)
@@ -159,10 +169,6 @@ class HttpApi:
         async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
             return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
 
-        async def authorized(request: Request) -> None:
-            self.keys.check(request.headers.get("authorization"))
-
-        guarded = [Depends(authorized)]
         documented = {"parameters": [OPENAPI_PARAMETER]}  # the header the middleware reads
         tok, lora = self.tokenizer_routes, self.lora_routes
         for path, handler, method in (("/v1/load_lora_adapter", lora.load, "POST"),
@@ -173,11 +179,10 @@ class HttpApi:
                                       ("/v1/embeddings", self.embedding_routes.create, "POST"),
                                       ("/v1/models", self.models, "GET"), ("/tokenize", tok.tokenize, "POST"),
                                       ("/detokenize", tok.detokenize, "POST"), ("/tokenizer_info", tok.tokenizer_info, "GET")):
-            app.add_api_route(path, handler, methods=[method], dependencies=guarded, openapi_extra=documented)
+            app.add_api_route(path, handler, methods=[method], openapi_extra=documented)  # keys: http_auth.py
         app.add_api_route("/healthz", self.healthz, methods=["GET"])
         app.add_api_route("/readyz", self.readyz, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"],
-                          dependencies=guarded if self.serving.metrics_require_key else [])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
         return app
 
     # ------------------------------------------------------------------ probes and metrics
@@ -209,11 +214,13 @@ class HttpApi:
                 "vocab_size": t.vocab_size, "eos_token_ids": list(t.eos_token_ids), "bos_token_id": t.bos_token_id}
         # The base model, then each LoRA adapter a request's `model` may name (`parent`: vLLM's field).
         return {"object": "list", "data": [{"id": g.model_name, **card, "root": g.model_name, "parent": None}]
-                + [{"id": a.name, **card, "root": a.path, "parent": g.model_name} for a in await g.backend.lora_adapters()]}
+                + [{"id": a.name, **card, "root": a.path or a.name, "parent": g.model_name}
+                   for a in await g.lora_adapters()]}
 
     # ------------------------------------------------------------------ generation
 
     async def completions(self, body: oa.CompletionBody, request: Request) -> Response:
+        oa.check_prompt_count(body, self.serving.max_prompts_per_request)  # before any prompt is tokenized
         rid = request_id(request.scope)
         g = self.generation  # tokenizing a large prompt: off the loop (gateway/text/tokenizer_pool.py)
         chars = oa.prompt_chars(body)
@@ -319,6 +326,8 @@ async def _sse_frames(events: AsyncGenerator[Event, None], first: Event | None, 
             yield _sse(chunks.usage_chunk())
     except HeteroError as exc:
         yield _sse(error_body(http_status_for(exc), exc.message, error_param(exc)))
+    except Exception as exc:  # a bug after the 200: reported in-band, generically (the detail is logged)
+        yield _sse(error_body(500, internal_error_message(exc, chunks.rid), None))
     finally:
         await events.aclose()
     yield _sse("[DONE]")

@@ -18,6 +18,11 @@ others (logit_bias is at most 1,024 entries, stop lists and tools are small), so
 over that is refused with 413 before it is parsed. What is left parses in C in tens of
 milliseconds at most; a long prompt is one string, whatever it holds.
 
+json.loads also recurses once per nested object or array, so a body of `[[[[...` raised
+RecursionError (a few hundred levels deep on a busy stack). A body nesting deeper than
+`MAX_NESTING` is refused with 400 before it is parsed; its depth is measured without recursion
+(`hetero_common.constraints.json_nesting`), only when it holds that many opening brackets at all.
+
 FastAPI reads the body through `Request.json()`; `CountedJsonRoute` hands its routes a request whose
 `json()` is this. The cap is read per request from `app.state.json_value_cap` (a callable: the
 served `max_model_len` is known only once the backend answers)."""
@@ -32,7 +37,13 @@ from typing import Any, Callable, Coroutine
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
+from hetero_common.constraints import MAX_SCHEMA_NESTING, json_nesting
+
 OTHER_VALUES = 65536  # a request's values besides its prompt token ids, at most
+# Objects and arrays a body may nest: a schema of constraints.MAX_SCHEMA_NESTING levels inside
+# `response_format.json_schema.schema` or `tools[].function.parameters` with room to spare, so that
+# a schema deeper than its own cap gets the 400 naming its field rather than this one.
+MAX_NESTING = 2 * MAX_SCHEMA_NESTING
 YIELD_BYTES = 2**18  # bodies this large are counted and parsed in steps, the loop running between them
 UNESCAPED_STRING = re.compile(rb'"[^"]*"')  # a JSON string once its escapes are dropped
 
@@ -74,7 +85,24 @@ async def parse(body: bytes, cap: int) -> Any:
                                  f"{OTHER_VALUES}): send fewer")
     if large:
         await asyncio.sleep(0)
-    return json.loads(body)
+    check_nesting(body)
+    if large:
+        await asyncio.sleep(0)
+    try:
+        return json.loads(body)
+    except RecursionError:  # not after check_nesting, unless the stack is already deep: a 400 all the same
+        raise HTTPException(400, "the request body nests objects and arrays too deeply to parse") from None
+
+
+def check_nesting(body: bytes) -> None:
+    """Refuse (400) a body whose objects and arrays nest deeper than MAX_NESTING. Only a body with more
+    opening brackets than that can (one pass in C); only such a body is measured."""
+    if len(body) - len(body.translate(None, b"[{")) <= MAX_NESTING:
+        return
+    depth = json_nesting(body)
+    if depth > MAX_NESTING:
+        raise HTTPException(400, f"the request body nests objects and arrays {depth} deep; at most {MAX_NESTING} "
+                                 "levels are accepted")
 
 
 class CountedJsonRequest(Request):

@@ -1,7 +1,8 @@
 """LoRA adapters at run time over HTTP, as vLLM names the routes (issue 41; docs/lora.md):
 POST /v1/load_lora_adapter {lora_name, lora_path, replace}, POST /v1/unload_lora_adapter {lora_name},
 and GET /v1/lora_adapters (what is loaded, with the requests using each). Behind the API-key check like every
-other route, and with no environment flag to turn them on. The answers are the gRPC service's, as JSON."""
+other route, and with no environment flag to turn them on; loading and unloading need an admin key, and only an
+admin key sees the adapters' paths (`Generation.load_lora_adapter`, docs/security.md). The answers are the gRPC service's, as JSON."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ class LoraRoutes:
 
     async def load(self, body: LoadLoraAdapterBody) -> dict[str, Any]:
         request = common_pb2.LoadLoraAdapterRequest(name=body.lora_name, path=body.lora_path, replace=body.replace)
-        return _json(await self.generation.backend.load_lora_adapter(request, None))
+        return _json(await self.generation.load_lora_adapter(request, None))
 
     async def unload(self, body: UnloadLoraAdapterBody) -> dict[str, Any]:
         request = common_pb2.UnloadLoraAdapterRequest(name=body.lora_name)
-        return _json(await self.generation.backend.unload_lora_adapter(request, None))
+        return _json(await self.generation.unload_lora_adapter(request, None))
 
     async def adapters(self) -> dict[str, Any]:
-        return {"object": "list", "data": [_json(a) for a in await self.generation.backend.lora_adapters()]}
+        return {"object": "list", "data": [_json(a) for a in await self.generation.lora_adapters()]}

@@ -2,6 +2,14 @@
 (derived per prompt as `{id}-{prompt index}`), and echoed in the response header on every answer:
 JSON, streams, errors. Without the header the gateway makes one (and echoes that).
 
+A header the id cannot be (more than one, too long, or any character outside A-Z a-z 0-9 . _ : -,
+control characters and NUL included) is refused with 400 naming `X-Request-Id`, not replaced: the
+client's id is what it aborts by (gRPC `Abort`) and finds its request in the logs by, so an id
+silently swapped for another would leave it looking for a request that never had its id. (vLLM
+takes the header unchecked; a replaced id would also be echoed back in the answer's header, where a
+client comparing it would only then find out.) The characters are fewer than gRPC's printable
+ASCII (gateway/validation.py) because the id is echoed in a response header.
+
 A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would wrap `receive` and hide
 the client's disconnect from `streams.unless_client_gone`)."""
 
@@ -51,7 +59,7 @@ class RequestIdMiddleware:
             problem = f"send one {HEADER} header (got {len(given)})"
         elif given:
             text = given[0].decode("latin-1")
-            if _VALID.match(text):
+            if _VALID.fullmatch(text):  # not `match`: its `$` also matches before a final newline
                 rid = text
             else:
                 problem = f"{HEADER} must be 1-{MAX_LEN} characters of A-Z a-z 0-9 . _ : - (got {text[:40]!r})"

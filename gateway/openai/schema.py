@@ -15,15 +15,21 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from gateway.openai.bodies import ChatBody, ChatMessageBody, CompletionBody, StreamOptions, _Body
+from gateway.openai.bodies import (
+    ChatBody,
+    ChatMessageBody,
+    CompletionBody,
+    StreamOptions,
+    _Body,
+)
 from gateway.openai.prompt_echo import engine_prompt_logprobs
 from gateway.openai.structured import apply_constraint
 from gateway.openai.tools import chat_proto
 from gateway.validation import refuse_unfitting_text
-from hetero_common.tokenizer import TextTokenizer
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.errors import ValidationError
 from hetero_common.finish_reasons import finish_reason_name, is_finished
+from hetero_common.tokenizer import TextTokenizer
 
 __all__ = ["ChatBody", "ChatMessageBody", "CompletionBody", "StreamOptions", "chat_request", "completion_requests"]
 
@@ -91,6 +97,23 @@ def _request(body: _Body, request_id: str, params: common_pb2.SamplingParams) ->
                                          priority=body.priority, cache_salt=body.cache_salt or "")
 
 
+def _prompts(body: CompletionBody) -> list[str | list[int]]:
+    """The body's prompts: a string or one list of token ids is one prompt; a list of either, that many."""
+    if isinstance(body.prompt, str) or isinstance(body.prompt[0], int):
+        return [body.prompt]  # type: ignore[list-item]
+    return list(body.prompt)  # type: ignore[arg-type]
+
+
+def check_prompt_count(body: CompletionBody, max_prompts: int) -> None:
+    """Refuse (400 naming `prompt`) more prompts than serving.max_prompts_per_request: each is a request
+    of `n` samples downstream, so one call of thousands would fill the scheduler's queue for everyone.
+    Cheap (no tokenizing): run it before anything else is done with the prompts."""
+    count = len(_prompts(body))
+    if count > max_prompts:
+        raise ValidationError(f"prompt holds {count} prompts; at most {max_prompts} are taken per request "
+                              "(serving.max_prompts_per_request): split the request", "prompt")
+
+
 def completion_requests(body: CompletionBody, request_id: str, tokenizer: TextTokenizer,
                         max_model_len: int | None = None) -> list[inference_pb2.GenerateRequest]:
     """One GenerateRequest per prompt, each asking for n samples; choice index = prompt index * n + sample.
@@ -98,11 +121,7 @@ def completion_requests(body: CompletionBody, request_id: str, tokenizer: TextTo
     is refused first if it cannot fit `max_model_len` (`refuse_unfitting_text`)."""
     # echo: the HTTP layer prepends the prompt (gateway/openai/prompt_echo.py); with logprobs it needs the prompt's.
     prompt_logprobs = engine_prompt_logprobs(body.echo, body.logprobs, body.prompt_logprobs, body.max_tokens)
-    prompts: list[str | list[int]]
-    if isinstance(body.prompt, str) or isinstance(body.prompt[0], int):
-        prompts = [body.prompt]  # type: ignore[list-item]
-    else:
-        prompts = list(body.prompt)  # type: ignore[arg-type]
+    prompts = _prompts(body)
     vocab = tokenizer.vocab_size
     requests = []
     for i, prompt in enumerate(prompts):

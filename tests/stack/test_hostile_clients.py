@@ -31,6 +31,7 @@ others."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -70,6 +71,12 @@ def words(size: int, seed: int, longest: int = 5) -> bytes:
 
 def completion(prompt: bytes) -> bytes:
     return b'{"prompt": "' + prompt + b'", "max_tokens": 1}'
+
+
+def nested_schema(levels: int) -> str:
+    """A JSON Schema of `levels` properties inside one another (2 JSON levels each): 500 made json.loads
+    raise RecursionError (issue 58)."""
+    return '{"type":"object","properties":{"a":' * levels + '{"type":"string"}' + "}}" * levels
 
 
 @dataclass
@@ -135,6 +142,13 @@ def http_cases(stack: Stack, client: httpx.Client) -> list[Case]:
             ("3.9 MiB chat over max_model_len", post(chat, "/v1/chat/completions"), {400}),
             ("100k-deep JSON", post(b"[" * 100_000 + b"]" * 100_000), {400, 413}),  # 413: more values than a request holds
             ("200k logit_bias entries", post(bias), {400, 413}),
+            # issue 58: more prompts than serving.max_prompts_per_request (128), each with n 16; schemas too deep
+            ("129 prompts of n 16", post(json.dumps({"prompt": ["hi"] * 129, "n": 16, "max_tokens": 1})), {400}),
+            ("a response_format schema 500 levels deep", post(
+                '{"prompt": "hi", "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": '
+                '{"name": "deep", "schema": ' + nested_schema(500) + "}}}"), {400}),
+            ("a guided_json schema 1,500 levels deep, as text", post(json.dumps(
+                {"prompt": "hi", "max_tokens": 1, "guided_json": nested_schema(1500)})), {400}),
             ("no API key", post(b'{"prompt": "hi", "max_tokens": 1}', headers={"authorization": ""}), {401}),
             ("a wrong API key", post(b'{"prompt": "hi", "max_tokens": 1}', headers={"authorization": "Bearer no"}), {401})]
 
@@ -187,6 +201,9 @@ def grpc_cases(stack: Stack) -> list[Case]:
         return lambda: grpc_code(lambda: list(generate_serialized(payload, metadata=METADATA, timeout=30)))
 
     hi = inference_pb2.GenerateRequest(prompt="hi", params=one)
+    deep = inference_pb2.GenerateRequest(prompt="hi", params=common_pb2.SamplingParams(
+        max_tokens=1, json_schema=nested_schema(500)))
+    abort_nul = inference_pb2.AbortGenerationRequest(request_ids=["a\x00b", "\x7f"])
     return [("18 MiB prompt", generate_bytes(big[0]), {code.RESOURCE_EXHAUSTED}),
             ("64 MiB prompt", generate_bytes(big[1]), {code.RESOURCE_EXHAUSTED}),
             ("3.9 MiB prompt over max_model_len", generate(inference_pb2.GenerateRequest(prompt=under_cap, params=one)),
@@ -195,6 +212,11 @@ def grpc_cases(stack: Stack) -> list[Case]:
              {code.INVALID_ARGUMENT}),
             ("200k logit_bias entries (2.3 MB)", generate(inference_pb2.GenerateRequest(prompt="hi", params=bias)),
              {code.INVALID_ARGUMENT}),
+            ("a json_schema 500 levels deep", generate(deep), {code.INVALID_ARGUMENT}),  # issue 58: was UNKNOWN
+            ("a NUL in request_id", generate(inference_pb2.GenerateRequest(request_id="a\x00b", prompt="hi", params=one)),
+             {code.INVALID_ARGUMENT}),
+            ("Abort of ids holding control characters (not_found)",
+             lambda: grpc_code(lambda: stack.inference.Abort(abort_nul, metadata=METADATA, timeout=30)), {code.OK}),
             ("no API key", generate(hi, ()), {code.UNAUTHENTICATED}),
             ("a wrong API key", generate(hi, (("authorization", "Bearer no"),)), {code.UNAUTHENTICATED})]
 

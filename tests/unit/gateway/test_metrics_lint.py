@@ -62,6 +62,7 @@ def touched_metrics() -> GatewayMetrics:
     metrics = GatewayMetrics()
     served = metrics.start_request()
     served.adapter = "sql-lora"  # the per-adapter counters too
+    served.tenant = "key-0123456789ab"  # and the per-tenant ones
     served.on_tokens(1, queue_seconds=0.02)
     served.on_tokens(2)
     served.finish(common_pb2.FINISH_REASON_STOP, common_pb2.Usage(prompt_tokens=5, cached_prompt_tokens=2))
