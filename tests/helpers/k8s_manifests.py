@@ -85,3 +85,97 @@ def pending_discovery_keys() -> list[str]:
     if (REPO_ROOT / "scheduler_svc" / "replicas" / "discovery.py").is_file():
         return []
     return [k for k in DISCOVERY_KEYS if k not in Config.__dataclass_fields__]
+
+
+def overlays() -> list[str]:
+    """Every overlay under deploy/overlays: a new one is checked without naming it in a test."""
+    return sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+
+
+def workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every object that runs pods (Deployment, StatefulSet, DaemonSet, Job)."""
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")]
+
+
+def containers_of(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = workload["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+_SUFFIXES = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "m": 10**-3}
+
+
+def quantity(value: str | int | float) -> float:
+    """A Kubernetes resource quantity ("500m", "2", "1Gi") as a number."""
+    text = str(value)
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * _SUFFIXES[suffix]
+    return float(text)
+
+
+# ----------------------------------------------------------------------------- NetworkPolicy
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"only matchLabels selectors are modelled here: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _peer_matches(peer: dict[str, Any], source: dict[str, str] | None) -> bool:
+    """`source`: the labels of a pod in the namespace, or None for anything outside it (another
+    namespace, a node, the internet)."""
+    if "ipBlock" in peer:
+        return source is None and peer["ipBlock"]["cidr"] in ("0.0.0.0/0", "::/0")
+    if "namespaceSelector" in peer:  # other namespaces: only the empty selector (every namespace) is modelled
+        if peer["namespaceSelector"] != {}:
+            return False
+        return "podSelector" not in peer or peer["podSelector"] == {} or (
+            source is not None and _selects(peer["podSelector"], source))
+    return source is not None and _selects(peer["podSelector"], source)
+
+
+def _port_matches(rule_port: dict[str, Any], port: int, named: dict[str, int]) -> bool:
+    if rule_port.get("protocol", "TCP") != "TCP":
+        return False
+    if "port" not in rule_port:
+        return True
+    first = named.get(rule_port["port"], rule_port["port"]) if isinstance(rule_port["port"], str) else rule_port["port"]
+    return first <= port <= rule_port.get("endPort", first)
+
+
+def ingress_allowed(docs: list[dict[str, Any]], source: dict[str, str] | None, target: dict[str, Any], port: int) -> bool:
+    """Whether the NetworkPolicies in `docs` let `source` (pod labels, or None: outside the namespace)
+    open a TCP connection to `target`'s pods (a workload) on `port`, as the API defines it: a pod
+    no Ingress policy selects accepts everything; one that some select accepts what any of their
+    rules allows."""
+    labels = target["spec"]["template"]["metadata"]["labels"]
+    named = {p["name"]: p["containerPort"] for c in containers_of(target) for p in c.get("ports", []) if "name" in p}
+    policies = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy" and _selects(d["spec"]["podSelector"], labels)
+                and "Ingress" in d["spec"].get("policyTypes", ["Ingress"])]
+    if not policies:
+        return True
+    for policy in policies:
+        for rule in policy.get("ingress", []):
+            peers, ports = rule.get("from", []), rule.get("ports", [])
+            if (not peers or any(_peer_matches(p, source) for p in peers)) and (
+                    not ports or any(_port_matches(p, port, named) for p in ports)):
+                return True
+    return False
+
+
+def pod_labels(workload: dict[str, Any]) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+# ----------------------------------------------------------------------------- certificates
+
+
+def name_matches(pattern: str, host: str) -> bool:
+    """A certificate's DNS name against a host (RFC 6125: a `*` only as the whole leftmost label, for one label)."""
+    pattern, host = pattern.lower().rstrip("."), host.lower().rstrip(".")
+    if pattern.startswith("*."):
+        head, _, rest = host.partition(".")
+        return bool(head) and rest == pattern[2:]
+    return pattern == host
