@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from contextlib import aclosing
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,8 +168,11 @@ def _as(handler: grpc.RpcMethodHandler, principal: Principal) -> grpc.RpcMethodH
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             _CURRENT.set(principal)
-            async for message in inner_stream(request, context):
-                yield message
+            # aclosing: this stream closed (the client gone) closes the handler's at once, which ends the
+            # request downstream, as without keys.
+            async with aclosing(inner_stream(request, context)) as messages:
+                async for message in messages:
+                    yield message
         return grpc.unary_stream_rpc_method_handler(stream, **_codec(handler))
     return handler  # hetero.v1.Inference has no client-streaming calls
 

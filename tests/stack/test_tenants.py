@@ -107,6 +107,16 @@ def test_b_cannot_abort_reattach_to_or_learn_of_as_request(stack: Stack) -> None
     assert pool(stack).used_blocks == 0
 
 
+def test_a_keyed_client_going_away_ends_its_request(stack: Stack) -> None:
+    """The key's wrapper around the stream (auth._as) closes the handler's when the client leaves."""
+    stream = stack.inference.Generate(long_request("gone-1"), metadata=auth(KEY_A), timeout=300)
+    assert next(stream).token_ids
+    wait_running(stack, 1)
+    stream.cancel()
+    wait_running(stack, 0)
+    assert pool(stack).used_blocks == 0
+
+
 def test_metrics_name_tenants_by_label_never_by_key(stack: Stack) -> None:
     params = common_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     stack.inference.Complete(inference_pb2.GenerateRequest(prompt="hello", params=params), metadata=auth(KEY_B),
