@@ -29,8 +29,10 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
                                        serialization.NoEncryption()))
 
 
-def make_pki(directory: Path, name: str = "test", dns_names: tuple[str, ...] = ()) -> Pki:
-    """`dns_names`: more names the certificate carries (besides localhost and 127.0.0.1)."""
+def make_pki(directory: Path, name: str = "test", dns_names: tuple[str, ...] = (),
+             ip_addresses: tuple[str, ...] = ()) -> Pki:
+    """`dns_names`, `ip_addresses`: more names and addresses the certificate carries (besides
+    localhost and 127.0.0.1), e.g. the hosts' addresses of a multi-host test."""
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -47,6 +49,7 @@ def make_pki(directory: Path, name: str = "test", dns_names: tuple[str, ...] = (
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([*(x509.DNSName(n) for n in dns_names), x509.DNSName("localhost"),
+                                                        *(x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses),
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH,

@@ -17,10 +17,10 @@ import grpc
 
 from hetero.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from hetero_common.config import Config
+from hetero_infer.bench.harness import REPO_ROOT
 from hetero_infer.supervisor import wait_healthy
 from tests.helpers.netns import Host
 from tests.helpers.oracle import make_prompts
-from hetero_infer.bench.harness import REPO_ROOT
 from tests.helpers.stack_requests import ids_request
 
 WORKER_PORT, SCHEDULER_PORT, GATEWAY_PORT, HTTP_PORT = 50053, 50052, 50051, 8000  # every host has its own ports
@@ -32,36 +32,49 @@ def has_config_key(name: str) -> bool:
     return name in {f.name for f in dataclasses.fields(Config)}
 
 
-def start_service(host: Host, service: str, model: Path, *flags: str) -> subprocess.Popen[bytes]:
-    """`hetero-infer <service>` inside `host`'s namespace; it dies with this process (PDEATHSIG)."""
+def start_service(host: Host, service: str, model: Path, *flags: str,
+                  insecure_internal: bool = True) -> subprocess.Popen[bytes]:
+    """`hetero-infer <service>` inside `host`'s namespace; it dies with this process (PDEATHSIG).
+    A scheduler or worker listens on the host's own (non-loopback) address, in plaintext only with
+    `insecure_internal` (allow_insecure_internal: the test's bridge is the trusted network); pass
+    False with the internal_tls flags. A gateway serves its host's address without API keys
+    (serving.allow_unauthenticated: the tests' clients send none)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
     env["PYTHONPATH"] = str(REPO_ROOT)
-    cmd = [sys.executable, "-m", "hetero_infer.cli", service, "--model", str(model), *COMMON_FLAGS, *flags,
+    insecure = ["--allow-insecure-internal", "true"] if insecure_internal and service in ("scheduler", "worker") else []
+    if service == "gateway":
+        insecure = ["--serving-allow-unauthenticated", "true"]
+    cmd = [sys.executable, "-m", "hetero_infer.cli", service, "--model", str(model), *COMMON_FLAGS, *insecure, *flags,
            "--supervisor-pid", str(os.getpid())]
     return host.popen(cmd, cwd=REPO_ROOT, env=env)
 
 
-def start_worker(host: Host, model: Path, *flags: str) -> subprocess.Popen[bytes]:
-    return start_service(host, "worker", model, "--worker-address", f"{host.address}:{WORKER_PORT}", *flags)
+def start_worker(host: Host, model: Path, *flags: str, insecure_internal: bool = True) -> subprocess.Popen[bytes]:
+    return start_service(host, "worker", model, "--worker-address", f"{host.address}:{WORKER_PORT}", *flags,
+                         insecure_internal=insecure_internal)
 
 
-def wait_ready(address: str, process: subprocess.Popen[bytes], timeout_s: float = 120.0) -> None:
-    wait_healthy(address, timeout_s, process)
+def wait_ready(address: str, process: subprocess.Popen[bytes], timeout_s: float = 120.0,
+               credentials: grpc.ChannelCredentials | None = None) -> None:
+    wait_healthy(address, timeout_s, process, credentials)
 
 
 @dataclasses.dataclass
 class Front:
-    """The gateway (for clients) and the scheduler (for its per-replica stats) of a running stack."""
+    """The gateway (for clients) and the scheduler (for its per-replica stats) of a running stack.
+    `internal_credentials`: what the scheduler is called with when the internal links are mutual TLS."""
 
     gateway: str
     scheduler: str
+    internal_credentials: grpc.ChannelCredentials | None = None
 
     def generate(self, request: inference_pb2.GenerateRequest, timeout_s: float = 120.0):
         with grpc.insecure_channel(self.gateway) as channel:
             yield from inference_pb2_grpc.InferenceStub(channel).Generate(request, timeout=timeout_s)
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
-        with grpc.insecure_channel(self.scheduler) as channel:
+        creds = self.internal_credentials
+        with grpc.secure_channel(self.scheduler, creds) if creds else grpc.insecure_channel(self.scheduler) as channel:
             return scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
 
     def replica(self, address: str) -> scheduler_pb2.ReplicaStatus | None:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import grpc
 import psutil
@@ -27,13 +28,38 @@ import pytest
 from hetero.v1 import worker_pb2, worker_pb2_grpc
 from hetero_common.config import TLSConfig
 from hetero_common.grpc_server import channel_credentials
+from hetero_infer.bench.harness import free_port
 from hetero_infer.supervisor import wait_healthy
 from tests.helpers.certs import make_pki
-from tests.helpers.k8s_manifests import (DEPLOY, container, env_of, find, kubectl_binary, pending_discovery_keys, render,
-                                 variant_dir)
-from hetero_infer.bench.harness import free_port
+from tests.helpers.k8s_manifests import (
+    DEPLOY,
+    container,
+    env_of,
+    find,
+    kubectl_binary,
+    pending_discovery_keys,
+    render,
+    variant_dir,
+)
 
 pytestmark = pytest.mark.slow
+
+
+def mounted_internal_tls(worker: dict[str, Any], tmp_path: Path) -> tuple[Callable[[str], str],
+                                                                          grpc.ChannelCredentials | None]:
+    """When the rendered pod mounts the internal-tls Secret: its files from a throwaway CA, and (a
+    function mapping a path under the mount to its local file, the credentials that call the
+    worker); else (identity, None)."""
+    mount = next((m["mountPath"] for m in worker.get("volumeMounts", []) if m["name"] == "internal-tls"), None)
+    if mount is None:
+        return (lambda value: value), None
+    pki = make_pki(tmp_path / "pki")
+    files = tmp_path / "internal-tls"
+    files.mkdir()
+    for name, source in (("tls.crt", pki.cert_file), ("tls.key", pki.key_file), ("ca.crt", pki.ca_file)):
+        shutil.copy(source, files / name)
+    credentials = channel_credentials(TLSConfig(str(pki.cert_file), str(pki.key_file), str(pki.ca_file)), mutual=True)
+    return (lambda value: value.replace(mount.rstrip("/"), str(files))), credentials
 
 
 def test_worker_start_command_runs_a_tensor_parallel_replica(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -46,16 +72,18 @@ def test_worker_start_command_runs_a_tensor_parallel_replica(tiny_llama_dir: Pat
     config_file = tmp_path / "config.json"
     config_file.write_text(json.dumps(config))
     port = free_port()
+    local, credentials = mounted_internal_tls(worker, tmp_path)  # deploy/base includes internal-mtls
     env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
-    env.update(env_of(worker))
+    env.update({k: local(v) for k, v in env_of(worker).items()})
     env.update(HETERO_CONFIG=str(config_file), HETERO_TENSOR_PARALLEL_SIZE="2", HETERO_NUM_THREADS="1",
                HETERO_MODEL=str(tiny_llama_dir), HETERO_WORKER_ADDRESS=f"127.0.0.1:{port}",
                HETERO_INTERNAL_BIND_HOST="127.0.0.1", HETERO_DTYPE="float32", HETERO_LOG_LEVEL="warning")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the image's hetero-infer
     pod = subprocess.Popen([*worker["command"], *worker["args"]], env=env, cwd=tmp_path)
     try:
-        wait_healthy(f"127.0.0.1:{port}", 180, pod)
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        wait_healthy(f"127.0.0.1:{port}", 180, pod, credentials)
+        address = f"127.0.0.1:{port}"
+        with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as channel:
             described = worker_pb2_grpc.WorkerStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10)
         assert described.tensor_parallel_size == 2 and described.pid == pod.pid  # rank 0 is the pod's main process
         ranks = [p for p in psutil.Process(pod.pid).children() if "--tp-rank" in p.cmdline()]

@@ -21,10 +21,17 @@ import httpx
 import psutil
 import pytest
 
+from hetero_infer.bench.harness import (
+    REPO_ROOT,
+    Stack,
+    free_port,
+    run_stack,
+    service_stats,
+    stop_process,
+    wait_for_idle,
+)
 from hetero_infer.supervisor import wait_healthy
 from tests.helpers.oracle import NEW_TOKENS, hf_greedy, make_prompts
-from hetero_infer.bench.harness import (REPO_ROOT, Stack, free_port, run_stack, service_stats, stop_process,
-                                        wait_for_idle)
 from tests.helpers.stack_requests import generate_concurrently
 from tests.stack.test_discovery import MODEL_FLAGS, NAME, Hosts, can_mount_namespace, replicas, wait_until
 from tests.stack.test_resilience import NUM_STREAMS, requests
@@ -91,7 +98,9 @@ def test_every_service_on_non_loopback_addresses(tiny_llama_dir: Path) -> None:
     with veth_pair(first, second):
         workers, scheduler = [f"{first}:{free_port()}", f"{second}:{free_port()}"], f"{second}:{free_port()}"
         flags = [*MODEL_FLAGS, "--log-level", "warning", "--data-parallel-size", "2",
-                 "--worker-addresses", ",".join(workers), "--scheduler-address", scheduler]
+                 "--worker-addresses", ",".join(workers), "--scheduler-address", scheduler,
+                 "--allow-insecure-internal", "true",  # plaintext on the veth pair's addresses
+                 "--serving-allow-unauthenticated", "true"]  # and the gateway without API keys
         with run_stack(tiny_llama_dir, *flags, host=first) as stack:
             prompts = make_prompts()
             assert generate_concurrently(stack, prompts, NEW_TOKENS, 60) == hf_greedy(tiny_llama_dir, prompts)
@@ -149,7 +158,8 @@ def test_cut_link_to_a_replica_is_noticed_and_it_rejoins(tiny_llama_dir: Path, t
     with network_namespace() as netns, veth_pair(host_ip, worker_ip, netns) as link:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HETERO_")}
         worker = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-m", "hetero_infer.cli", "worker",
-                                   "--worker-address", f"{worker_ip}:{port}", "--model", str(tiny_llama_dir),
+                                   "--worker-address", f"{worker_ip}:{port}", "--allow-insecure-internal", "true",
+                                   "--model", str(tiny_llama_dir),
                                    "--num-threads", "1", "--log-level", "warning", "--log-format", "json", *MODEL_FLAGS],
                                   cwd=REPO_ROOT, env=env)
         try:
