@@ -18,21 +18,11 @@ import structlog
 
 from gateway.auth import current_principal
 from gateway.backends.backend import EmbeddingCall, EmbeddingOutput
-from gateway.embedding_inputs import (
-    EmbeddingLimits,
-    check_request,
-    input_chars,
-    tokenize_inputs,
-)
+from gateway.embedding_inputs import EmbeddingLimits, check_request, input_chars, tokenize_inputs
 from gateway.generation import Generation
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import EmbeddingConfig
-from hetero_common.embedding_vectors import (
-    POOLING_NAMES,
-    default_pooling,
-    finish_vector,
-    to_base64,
-)
+from hetero_common.embedding_vectors import POOLING_NAMES, default_pooling, finish_vector, to_base64
 from hetero_common.errors import HeteroError
 from hetero_common.tenancy import scoped_id
 

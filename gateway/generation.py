@@ -24,13 +24,7 @@ from gateway.limits.heap_trim import HeapTrimmer
 from gateway.metrics import GatewayMetrics, RequestTimer
 from gateway.text.tokenizer_pool import INLINE_CHARS, TokenizerPool
 from gateway.text.tool_stream import ToolCallStream, tool_request
-from gateway.validation import (
-    PreparedRequest,
-    check_model,
-    input_chars,
-    prepare,
-    refuse_unfitting,
-)
+from gateway.validation import PreparedRequest, check_model, input_chars, prepare, refuse_unfitting
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError

@@ -20,11 +20,7 @@ from gateway.backends.fallback import FallbackBackend
 from gateway.backends.scheduler_backend import SchedulerBackend
 from gateway.embedding import Embeddings
 from gateway.generation import Generation
-from gateway.grpc.grpc_api import (
-    SERVICE_NAME,
-    InferenceServicer,
-    add_inference_servicer,
-)
+from gateway.grpc.grpc_api import SERVICE_NAME, InferenceServicer, add_inference_servicer
 from gateway.limits.http_protocol import limited_protocol
 from gateway.metrics_listener import MetricsOnlyApp
 from gateway.openai.app import HttpApi, error_body

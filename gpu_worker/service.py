@@ -31,12 +31,7 @@ from gpu_worker.parallel.tensor_parallel import Command, TensorParallel
 from gpu_worker.runner import ModelRunner
 from hetero.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
-from hetero_common.errors import (
-    ExecutionError,
-    HeteroError,
-    StepOrderError,
-    ValidationError,
-)
+from hetero_common.errors import ExecutionError, HeteroError, StepOrderError, ValidationError
 from hetero_common.gc_tuning import tune_gc
 from hetero_common.grpc_server import (
     add_health_and_reflection,

@@ -76,9 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send the input as plain text, not as a chat message")
     add_config_arguments(gen)
-    from hetero_infer.internal_certs import (
-        add_arguments as add_internal_certs_arguments,
-    )
+    from hetero_infer.internal_certs import add_arguments as add_internal_certs_arguments
 
     add_internal_certs_arguments(sub.add_parser(
         "internal-certs", help="make a fresh CA and certificate for the internal links' mutual TLS (files or a Secret)"))

@@ -15,13 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from gateway.openai.bodies import (
-    ChatBody,
-    ChatMessageBody,
-    CompletionBody,
-    StreamOptions,
-    _Body,
-)
+from gateway.openai.bodies import ChatBody, ChatMessageBody, CompletionBody, StreamOptions, _Body
 from gateway.openai.prompt_echo import engine_prompt_logprobs
 from gateway.openai.structured import apply_constraint
 from gateway.openai.tools import chat_proto
