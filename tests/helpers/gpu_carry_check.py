@@ -32,6 +32,9 @@ IMPORT_TO_DISTRIBUTION = {"flashinfer": "flashinfer-python", "tvm_ffi": "apache-
 # or JIT-compiles the paged attention kernels used here, and they would not fit the carry limit.
 NOT_CARRIED = {"flashinfer-python": {"cuda-python", "cuda-tile", "nccl-extensions", "nccl4py",
                                      "nvidia-cudnn-frontend", "nvidia-cutlass-dsl"}}
+# Imports of commands the GPU run never runs, each imported lazily inside its command (so nothing the
+# GPU machine imports loads it): the distribution and the one module allowed to import it.
+OPERATOR_ONLY = {"cryptography": "hetero_infer.internal_certs"}  # `hetero-infer internal-certs`, run where certs are made
 # The GPU machine's interpreter, for environment markers in requirements.
 GPU_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
               "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
@@ -103,7 +106,8 @@ def uncovered(root: Path, carried: dict[str, Requirement], image: set[str]) -> l
     """Imports (and requirements of carried distributions, as installed here) that neither the
     carry nor the image provides."""
     available = set(carried) | image
-    missing = [Uncovered(dist, where[0]) for dist, where in sorted(gpu_imports(root).items()) if dist not in available]
+    missing = [Uncovered(dist, where[0]) for dist, where in sorted(gpu_imports(root).items())
+               if dist not in available and not all(w.startswith(f"{OPERATOR_ONLY.get(dist)}:") for w in where)]
     for name in sorted(carried):
         for requirement in requirements_of(name) or []:
             needed = normalize(requirement.name)
