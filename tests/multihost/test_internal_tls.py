@@ -1,7 +1,7 @@
 """The stack across hosts with the shipped internal TLS settings: gateway, scheduler and worker each
 in its own network namespace, the internal links (gateway -> scheduler -> worker) mutual TLS
-(internal_tls.cert_file, key_file, ca_file; no allow_insecure_internal), the worker listening on
-0.0.0.0 and the scheduler on its host's address. The stack serves; from a fourth host (the
+(internal_tls.cert_file, key_file, ca_file, made by `hetero-infer internal-certs`; no
+allow_insecure_internal), the worker listening on 0.0.0.0 and the scheduler on its host's address. The stack serves; from a fourth host (the
 "intruder"), a client without the CA's certificate can call neither the scheduler nor the worker:
 not in plaintext, not over TLS that trusts the CA but presents no certificate, not with a
 certificate from another CA (the same host with the stack's certificate can, so the refusals are
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,10 +76,19 @@ def tls_flags(pki: Pki) -> list[str]:
             "--internal-tls-ca-file", str(pki.ca_file)]
 
 
+def shipped_certificates(out: Path, *addresses: str) -> Pki:
+    """The stack's certificates as an operator makes them: `hetero-infer internal-certs` (the command the
+    deployment docs give), naming the hosts' addresses as the deployment names its services."""
+    names = [arg for address in addresses for arg in ("--name", address)]
+    subprocess.run([sys.executable, "-m", "hetero_infer.cli", "internal-certs", "--out", str(out), *names],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=60)
+    return Pki(out / "ca.crt", out / "tls.crt", out / "tls.key")
+
+
 def test_mutual_tls_across_hosts_serves_and_refuses_clients_without_the_cas_certificate(
         network: Network, tiny_llama_dir: Path, tmp_path: Path) -> None:
     gateway, scheduler, worker, intruder = (network.add_host(n) for n in ("gateway", "scheduler", "worker", "intruder"))
-    pki = make_pki(tmp_path / "pki", ip_addresses=(scheduler.address, worker.address))
+    pki = shipped_certificates(tmp_path / "pki", scheduler.address, worker.address)
     other = make_pki(tmp_path / "other", name="other", ip_addresses=(intruder.address,))
     creds = channel_credentials(TLSConfig(str(pki.cert_file), str(pki.key_file), str(pki.ca_file)), mutual=True)
     tls = tls_flags(pki)
