@@ -175,7 +175,8 @@ NOTES = """\
   cache's draft K/V is recomputed from the tokens. Steps that carry drafts are never planned ahead.
 - **`lora_modules`**, **`max_loras`**, **`max_lora_rank`** (issue 41; [lora.md](lora.md)): PEFT LoRA
   adapters loaded on every worker at start, slot i + 1 the i-th; more are loaded and unloaded at run time
-  (`LoadLoraAdapter`, `POST /v1/load_lora_adapter`). `max_loras` slots hold adapters at once, counting
+  (`LoadLoraAdapter`, `POST /v1/load_lora_adapter`) by an admin key, from under `lora_root` only
+  ([security.md](security.md#lora-adapters)). `max_loras` slots hold adapters at once, counting
   replaced or unloaded ones still finishing their requests; `max_lora_rank` bounds an adapter's rank
   without costing anything (a step pays its adapters' own ranks). An adapter that asks for what this
   engine would not compute exactly (DoRA, biases, per-module ranks, `modules_to_save`, shapes of another
