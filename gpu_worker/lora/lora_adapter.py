@@ -12,7 +12,7 @@ PEFT computes; one that does not leaves the served model and the other adapters 
 
 The files are untrusted input (issue 58): a run-time load (`LoadLora`) names a path a client sent. Such a
 path must lie under `lora_root` once resolved (symlinks followed), and so must each file in it; a path given
-relative is taken under `lora_root`. Adapters of `lora_modules` come from the operator's own configuration and
+relative is taken under `lora_root` (adapter_files.py finds and opens the files). Adapters of `lora_modules` come from the operator's own configuration and
 are read where they are (`root=None`). Either way the sizes are checked before anything large is read:
 adapter_config.json is capped, and the safetensors header (parsed here, not by the library) must describe
 exactly the tensors the served model's shapes at the adapter's rank allow, tiling the file, before a tensor
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -33,8 +31,8 @@ from typing import Any, BinaryIO, Callable
 import structlog
 import torch
 
+from gpu_worker.lora.adapter_files import LoraAdapterError, confined_directory, open_file, read_capped
 from gpu_worker.model_config import ModelConfig
-from hetero_common.errors import ValidationError
 
 log = structlog.get_logger("gpu_worker.lora.lora_adapter")
 
@@ -47,10 +45,6 @@ HEADER_MAX_BYTES = 16 << 20  # the safetensors header (the library's own limit o
 DTYPES: dict[str, tuple[torch.dtype, int]] = {"F64": (torch.float64, 8), "F32": (torch.float32, 4),
                                               "F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2)}
 _WIDEST = max(size for _, size in DTYPES.values())
-
-
-class LoraAdapterError(ValidationError):
-    """An adapter that cannot be served: the message says which file, key or shape, and what would fit."""
 
 
 Refuse = Callable[[str], LoraAdapterError]  # the error for one adapter (or file), given why
@@ -87,28 +81,13 @@ def target_shape(config: ModelConfig, target: str) -> tuple[int, int]:
             "up_proj": (inter, h), "down_proj": (h, inter)}[target]
 
 
-def run_time_root(lora_root: str | None, name: str) -> Path:
-    """The directory a run-time load must lie under (`lora_root`, resolved), or LoraAdapterError when there is
-    none: without it a client could make the worker read any file it can."""
-    if lora_root is None:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: this worker loads no adapter at run time because its "
-                               "lora_root is not set; set lora_root (env HETERO_LORA_ROOT, --lora-root) on the "
-                               "worker to the directory holding the adapters, or load it at start with "
-                               "lora_modules", "lora")
-    try:
-        return Path(lora_root).resolve(strict=True)
-    except (OSError, RuntimeError) as exc:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: the worker's lora_root cannot be read ({type(exc).__name__}); "
-                               "check that the directory still exists", "lora") from exc
-
-
 def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int, *,
                       root: Path | None = None) -> LoraAdapter:
     """The adapter `name` in `path`, checked against the served model's `config` and `max_rank`.
 
     `root`: for a path a client sent (a run-time load), the resolved `lora_root` the directory and its files
-    must lie under (`run_time_root`); None only for the operator's own paths (`lora_modules`, benchmarks)."""
-    directory = Path(path) if root is None else _confined_directory(name, Path(path), root)
+    must lie under (`adapter_files.run_time_root`); None only for the operator's own paths (`lora_modules`, benchmarks)."""
+    directory = Path(path) if root is None else confined_directory(name, Path(path), root)
     settings = _read_settings(name, directory, Path(path), root)
     rank, targets = _check_settings(name, settings, max_rank)
     weights = _read_weights(name, directory, Path(path), root, config, rank)
@@ -119,98 +98,6 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank
     alpha = settings.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
     return LoraAdapter(name, rank, float(scaling), frozenset(found), weights)
-
-
-# --- where the files are: under lora_root, symlinks followed ---
-
-def _outside_root(name: str, path: Path) -> LoraAdapterError:
-    # Neither the resolved target nor whether the path exists is told: either would map the worker's files
-    # outside lora_root for whoever may call LoadLora. The worker's log says more, for the operator.
-    return LoraAdapterError(f"LoRA adapter {name!r}: {str(path)!r} is not under the worker's lora_root (paths are "
-                            "resolved, symlinks followed, on the worker); put the adapter's directory under "
-                            "lora_root, as a copy rather than a symlink to elsewhere, or load it at start with "
-                            "lora_modules", "lora")
-
-
-def _confined_directory(name: str, path: Path, root: Path) -> Path:
-    """`path` (relative: under `root`) resolved, when it is a directory under `root`."""
-    candidate = root / path  # an absolute `path` stays itself
-    try:
-        resolved = candidate.resolve(strict=True)
-    except (OSError, RuntimeError) as exc:  # missing, unreadable, a symlink loop
-        if not _lexically_under(candidate, root):
-            raise _outside_root(name, path) from None
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(path)!r} does not exist under the worker's lora_root "
-                               f"({type(exc).__name__}); check the path (relative paths are taken under "
-                               "lora_root)", "lora") from None
-    if not resolved.is_relative_to(root):
-        log.warning("LoRA path leads out of lora_root", adapter=name, path=str(path), resolved=str(resolved))
-        raise _outside_root(name, path)
-    if not resolved.is_dir():
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(path)!r} is not a directory (a PEFT adapter directory "
-                               "holds adapter_config.json and adapter_model.safetensors)", "lora")
-    return resolved
-
-
-def _lexically_under(path: Path, root: Path) -> bool:
-    return Path(os.path.normpath(path.absolute())).is_relative_to(root)
-
-
-def _open_file(name: str, directory: Path, shown: Path, root: Path | None) -> tuple[BinaryIO, int]:
-    """The file `directory / shown.name` opened for reading, and its size: a regular file, and with `root`
-    one whose resolved path lies under it. `shown` is the path as the caller sent it, for messages."""
-    file = directory / shown.name
-    missing = LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is missing (a PEFT adapter directory holds "
-                               "adapter_config.json and adapter_model.safetensors)", "lora")
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # NONBLOCK: a FIFO does not hang the open
-    if root is not None:
-        try:
-            file = file.resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise missing from None
-        if not file.is_relative_to(root):  # a symlinked file pointing out of lora_root
-            log.warning("LoRA file leads out of lora_root", adapter=name, path=str(shown), resolved=str(file))
-            raise _outside_root(name, shown)
-        flags |= getattr(os, "O_NOFOLLOW", 0)  # resolved: a symlink here now was swapped in since
-    try:
-        fd = os.open(file, flags)
-    except FileNotFoundError:
-        raise missing from None
-    except OSError as exc:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: cannot open {str(shown)!r} ({exc.strerror}); check that "
-                               "the worker may read it", "lora") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):  # checked before fdopen, which refuses a directory untyped
-            raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is not a regular file", "lora")
-        if root is not None and not _opened_under(fd, root):
-            raise _outside_root(name, shown)
-    except BaseException:
-        os.close(fd)
-        raise
-    return os.fdopen(fd, "rb"), info.st_size
-
-
-def _opened_under(fd: int, root: Path) -> bool:
-    """Whether what `fd` opened lies under `root`, where the system says (Linux's /proc): a directory of the
-    path swapped for a symlink between the check and the open is caught here. True where it cannot say."""
-    try:
-        opened = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return True
-    return Path(opened).is_relative_to(root)
-
-
-def _read_capped(name: str, stream: BinaryIO, size: int, shown: Path) -> bytes:
-    """All of `stream` (`size` bytes as it was opened), or LoraAdapterError when it grew or shrank meanwhile."""
-    try:
-        data = stream.read(size + 1)
-    except OSError as exc:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: cannot read {str(shown)!r} ({exc.strerror})", "lora") from None
-    if len(data) != size:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} changed while it was read; load it again "
-                               "once it is written", "lora")
-    return data
 
 
 # --- adapter_config.json ---
@@ -237,12 +124,12 @@ def _parse_json(name: str, data: bytes, shown: Path, **hooks: Any) -> Any:
 
 def _read_settings(name: str, directory: Path, path: Path, root: Path | None) -> dict:
     shown = path / "adapter_config.json"
-    stream, size = _open_file(name, directory, shown, root)
+    stream, size = open_file(name, directory, shown, root)
     with stream:
         if size > CONFIG_MAX_BYTES:
             raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} is {size} bytes, over the "
                                    f"{CONFIG_MAX_BYTES} a PEFT adapter_config.json could need", "lora")
-        data = _read_capped(name, stream, size, shown)
+        data = read_capped(name, stream, size, shown)
     settings = _parse_json(name, data, shown)
     if not isinstance(settings, dict):
         raise LoraAdapterError(f"LoRA adapter {name!r}: {str(shown)!r} must hold a JSON object", "lora")
@@ -322,7 +209,7 @@ def _max_data_bytes(config: ModelConfig, rank: int) -> int:
 def _read_weights(name: str, directory: Path, path: Path, root: Path | None, config: ModelConfig,
                   rank: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     shown = path / "adapter_model.safetensors"
-    stream, size = _open_file(name, directory, shown, root)
+    stream, size = open_file(name, directory, shown, root)
     with stream:
         bound = 8 + HEADER_MAX_BYTES + _max_data_bytes(config, rank)
         if size > bound:

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, pack_weight, prepack_supported
-from gpu_worker.lora.lora_adapter import LoraAdapter, load_lora_adapter, run_time_root, target_shape
+from gpu_worker.lora.adapter_files import run_time_root
+from gpu_worker.lora.lora_adapter import LoraAdapter, load_lora_adapter, target_shape
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.parallel.tensor_parallel import TensorParallel
 from hetero.v1 import common_pb2

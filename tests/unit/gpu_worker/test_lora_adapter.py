@@ -21,7 +21,8 @@ import grpc
 import pytest
 import torch
 
-from gpu_worker.lora.lora_adapter import LoraAdapter, LoraAdapterError, load_lora_adapter, run_time_root
+from gpu_worker.lora.adapter_files import run_time_root
+from gpu_worker.lora.lora_adapter import LoraAdapter, LoraAdapterError, load_lora_adapter
 from gpu_worker.lora.lora_slots import LoraSlots
 from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.parallel.tensor_parallel import TensorParallel
@@ -486,7 +487,7 @@ def test_a_follower_rank_reads_and_checks_for_itself_and_joins_the_count(base: P
 def test_no_tensor_byte_is_read_before_the_header_is_checked(base: Path, good: Path, root: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A header that does not fit the served model: only the 8-byte length and the header itself are read."""
-    from gpu_worker.lora import lora_adapter
+    from gpu_worker.lora import adapter_files
 
     directory = under_root(good, root)
     header, data = read_safetensors(directory / "adapter_model.safetensors")
@@ -519,7 +520,7 @@ def test_no_tensor_byte_is_read_before_the_header_is_checked(base: Path, good: P
             self.reads.append(-1)
             return self.stream.readinto(buffer)
 
-    monkeypatch.setattr(lora_adapter.os, "fdopen", lambda fd, mode: Counting(opened(fd, mode)))
+    monkeypatch.setattr(adapter_files.os, "fdopen", lambda fd, mode: Counting(opened(fd, mode)))
     refused_under(directory, root, base, "lora_A (9, 64)")
     header_bytes = struct.unpack("<Q", (directory / "adapter_model.safetensors").read_bytes()[:8])[0]
     assert reads[1] == [8, header_bytes]  # reads[0]: adapter_config.json
