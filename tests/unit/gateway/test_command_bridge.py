@@ -18,13 +18,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from gateway.backends import command_bridge
-from gateway.backends.command_bridge import (
-    KILL_GRACE_S,
-    MAX_ENV_STRING_BYTES,
-    STDERR_TAIL_BYTES,
-    CommandBridge,
-    TextChunk,
-)
+from gateway.backends.bridge_requests import MAX_ENV_STRING_BYTES
+from gateway.backends.command_bridge import STDERR_TAIL_BYTES, CommandBridge, TextChunk
 from hetero.v1 import common_pb2
 from hetero_common.config import BackendConfig, CommandConfig
 from hetero_common.errors import CommandBridgeError, CommandBridgeNotFoundError, DeadlineExceededError, ValidationError

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.backends.command_bridge import refuse_logits_controls
+from gateway.backends.bridge_requests import refuse_logits_controls
 from gateway.validation import prepare
 from gpu_worker.sampling import draft_rows
 from gpu_worker.sampling.constrained import GuidanceVocabulary, RowConstraint, build_constraint_masks, unpack_bitmask

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.backends.command_bridge import refuse_logits_controls
+from gateway.backends.bridge_requests import refuse_logits_controls
 from gateway.text.text_stream import TextStream
 from gpu_worker.sampling.logits_processors import RowControls, apply_min_p
 from gpu_worker.sampling.sampler import build_sampling_batch, sample
