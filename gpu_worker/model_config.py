@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,3 +28,6 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections have biases (qwen2)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # A per-head RMSNorm on q and on k (weights [head_dim], eps rms_norm_eps) after their projections and before
+    # RoPE (qwen3: `self_attn.q_norm` / `self_attn.k_norm`).
+    qk_norm: bool = False

@@ -14,7 +14,7 @@ pytest.register_assert_rewrite("tests.helpers.oracle", "hetero_infer.bench.harne
                                "tests.helpers.scheduler_driver")
 
 from hetero_infer.bench.harness import make_tiny_llama  # noqa: E402
-from tests.helpers.tiny_models import make_tiny_qwen2  # noqa: E402
+from tests.helpers.tiny_models import make_tiny_qwen2, make_tiny_qwen3  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +32,8 @@ def long_context_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), seed=6)

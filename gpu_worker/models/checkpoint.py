@@ -1,4 +1,4 @@
-"""Load Llama-family weights (llama, mistral, qwen2) from a Hugging Face directory or a GGUF file.
+"""Load Llama-family weights (llama, mistral, qwen2, qwen3) from a Hugging Face directory or a GGUF file.
 
 Either way the result is one `ModelConfig` and a state dict under Hugging Face names, so the
 engine has a single weight layout to understand. GGUF tensors are dequantized to `dtype` here, except the
@@ -15,12 +15,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from gpu_worker.models import fp8_checkpoint
 from gpu_worker.gguf_blocks import GGUFBlocks
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.models import fp8_checkpoint
 from hetero_common.model_files import ModelFileError, read_json, token_ids
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class CheckpointError(ModelFileError):
@@ -37,6 +37,8 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
         names += [f"{prefix}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
         if config.attention_bias:
             names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
+        if config.qk_norm:
+            names += [f"{prefix}self_attn.q_norm.weight", f"{prefix}self_attn.k_norm.weight"]
         names += [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         names += [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
     return names
@@ -98,7 +100,8 @@ def _hf_config(directory: Path) -> ModelConfig:
     if why := fp8_checkpoint.check_quantization_config(cfg, repr(str(config_path))):
         raise CheckpointError(why)
     # Unsupported variants would otherwise load and silently compute something else.
-    if cfg.get("mlp_bias") or (architecture == "llama" and cfg.get("attention_bias")):
+    # (Llama's and Qwen3's attention_bias puts a bias on o_proj too; Qwen2's q/k/v biases are implicit.)
+    if cfg.get("mlp_bias") or (architecture in ("llama", "qwen3") and cfg.get("attention_bias")):
         raise CheckpointError(
             f"{str(config_path)!r} asks for MLP or output-projection biases, which this engine does not support."
         )
@@ -135,6 +138,7 @@ def _hf_config(directory: Path) -> ModelConfig:
             attention_bias=architecture == "qwen2" or bool(cfg.get("attention_bias", False)),
             bos_token_id=None if cfg.get("bos_token_id") is None else int(cfg["bos_token_id"]),
             eos_token_ids=_unique(eos),
+            qk_norm=architecture == "qwen3",
         )
     except KeyError as exc:
         raise CheckpointError(f"{str(config_path)!r} lacks the required field {exc.args[0]!r}.") from exc
@@ -186,6 +190,8 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -228,7 +234,8 @@ def _load_gguf(path: Path, dtype: torch.dtype,
         raise CheckpointError(f"{str(path)!r} is not a readable GGUF file: {exc}.") from exc
     meta = _GGUFMetadata(reader, path)
     # llama.cpp writes Mistral models under "llama", so these two cover the supported family.
-    _check_architecture(meta.architecture, path, ("llama", "qwen2"))
+    # llama.cpp permutes llama's Q/K rows alone (_unpermute_rotary); qwen2/qwen3 keep HF's order.
+    _check_architecture(meta.architecture, path, ("llama", "qwen2", "qwen3"))
     gguf_tensors = {t.name: t for t in reader.tensors}
     config = _gguf_config(meta, gguf_tensors)
     return config, _gguf_state(gguf_tensors, config, dtype, keep_blocks)
@@ -279,6 +286,7 @@ def _gguf_config(meta: _GGUFMetadata, gguf_tensors: dict[str, Any]) -> ModelConf
         attention_bias="blk.0.attn_q.bias" in gguf_tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_unique(eos),
+        qk_norm=arch == "qwen3",
     )
 
 

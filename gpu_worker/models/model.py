@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v biases) over flattened tokens.
+"""A Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with its q/k RMSNorm) over flattened
+tokens.
 
 Every scheduled token of every sequence goes through one forward pass: the linear layers
 see one [num_tokens, hidden] matrix with no padding; only attention is per sequence, and
@@ -22,9 +23,9 @@ import torch.nn.functional as F
 from gpu_worker.cpu import fused_ops
 from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, pack_weight
+from gpu_worker.gguf_blocks import GGUFBlocks
 from gpu_worker.lora.lora_slots import NativeLoraBatch, StepLora
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.gguf_blocks import GGUFBlocks
 from gpu_worker.parallel.tensor_parallel import TensorParallel
 from kernels import flashinfer_fused, fp8_linear, int8_linear
 from kernels.attention_backend import AttentionBackend
@@ -201,9 +202,12 @@ class LlamaModel:
         # Every layer in one C call where each of its kernels is C and no all-reduce sits between them
         # (with dual-packed weights: for steps of up to native_linear_max_rows rows).
         one_kernel = weights_kind(self.layers) is not None  # not a mix of GGUF types, or of blocks and tensors
+        # The all-layers C kernel fuses the q/k/v product with RoPE and has no q/k RMSNorm (Qwen3): such models
+        # run layer by layer, the norm in torch between the product and the C attention block.
         self.c_layers = (CLayers(self.layers, self.cos, self.sin, self.num_heads, self.num_kv_heads, c.head_dim,
                                  c.rms_norm_eps)
                          if self.ops is fused_ops and prepack and native_linear and not tp.enabled and one_kernel
+                         and not c.qk_norm
                          else None)
         self.c_layers_max_rows = native_linear_max_rows
 
@@ -227,10 +231,15 @@ class LlamaModel:
         if c.attention_bias:
             qkv_bias = torch.cat([place.tensor(p + f"self_attn.{n}_proj.bias", tp.rows) for n in "qkv"])
         rows, columns = (tp.rows, tp.columns) if tp.enabled else (None, None)
+        qk_norm = None
+        if c.qk_norm:  # one [heads + kv_heads, head_dim] weight: q's norm on each q head, k's on each k head
+            q_norm, k_norm = place.tensor(p + "self_attn.q_norm.weight"), place.tensor(p + "self_attn.k_norm.weight")
+            qk_norm = torch.cat([q_norm.expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)]).contiguous()
         return {
             "input_norm": place.tensor(p + "input_layernorm.weight"),
             "qkv": place.linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], rows),
             "qkv_bias": qkv_bias,
+            "qk_norm": qk_norm,
             "o": place.linear([p + "self_attn.o_proj.weight"], columns),
             "post_norm": place.tensor(p + "post_attention_layernorm.weight"),
             "gate_up": place.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows),
@@ -247,6 +256,15 @@ class LlamaModel:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * x32.to(x.dtype)
+
+    def _qk_norm_(self, qkv: torch.Tensor, weight: torch.Tensor | None) -> None:
+        """Qwen3's per-head RMSNorm, in place on the q and k heads of the q/k/v product [T, q + 2 kv] (before
+        RoPE); nothing when the model has none (`weight` None)."""
+        if weight is None:
+            return
+        qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], self.num_heads + self.num_kv_heads,
+                                                       self.config.head_dim)
+        qk.copy_(self._rms_norm(qk, weight))
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, H, D]; cos/sin [T, 1, D/2]."""
@@ -290,6 +308,7 @@ class LlamaModel:
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
+            self._qk_norm_(qkv, layer["qk_norm"])
             # RoPE on q and k together: one pass over their [T, Hq + Hkv, D] view instead of two.
             qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim), cos, sin)
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
@@ -356,6 +375,7 @@ class LlamaModel:
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
             if lora is not None:
                 lora.add(i, "qkv", x, qkv)
+            self._qk_norm_(qkv, layer["qk_norm"])  # before RoPE, which the C block and `_rope_` apply in place
             if plan is not None:
                 attn = attention_block(qkv, heads, kv_heads, dim, positions, self.cos, self.sin, kv_cache[i], k_rows,
                                        v_rows, plan.rows, plan.pages, plan.kv_lens, attention.scale,

@@ -370,7 +370,7 @@ def save_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor], direc
     save_file({name: t.to(dtype).contiguous() for name, t in weights.items()}, str(directory / "model.safetensors"),
               metadata={"format": "pt"})
     settings = {k: v for k, v in dataclasses.asdict(config).items()
-                if k not in ("architecture", "eos_token_ids", "attention_bias")}
+                if k not in ("architecture", "eos_token_ids", "attention_bias", "qk_norm")}
     settings.update(model_type=config.architecture, eos_token_id=list(config.eos_token_ids), **overrides)
     (directory / "config.json").write_text(json.dumps(settings))
     return directory

@@ -1,4 +1,4 @@
-"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Llama over the simple tokenizer's
+"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Qwen3, a Llama over the simple tokenizer's
 vocabulary, a noisy draft, a PEFT LoRA adapter); the Llamas and the tokenizer the benchmarks build too are in
 hetero_infer/bench/harness.py."""
 
@@ -38,6 +38,39 @@ def make_tiny_qwen2(directory: Path, seed: int = 0) -> Path:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.5)
+    return save_tiny_model(model, directory)
+
+
+def make_tiny_qwen3(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen3: q/k RMSNorm per head, no biases, 6 query heads over 2 KV heads of head_dim 24 (not
+    hidden_size / heads = 16, so a loader that derives it fails)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        bos_token_id=1,
+        eos_token_id=0,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        attention_bias=False,
+        torch_dtype="float32",
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    # Random init leaves the q/k norms at one; make them matter so a model that skips them fails.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 2.0)
     return save_tiny_model(model, directory)
 
 

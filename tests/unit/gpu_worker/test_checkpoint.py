@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.checkpoint import (
+    _GGUF_LAYER_NAMES,
     CheckpointError,
     _unpermute_rotary,
     expected_tensor_names,
@@ -20,7 +21,7 @@ from gpu_worker.models.checkpoint import (
 )
 from hetero_common.model_files import default_model_path
 from hetero_infer.bench.harness import make_tiny_llama
-from tests.helpers.tiny_models import make_tiny_qwen2
+from tests.helpers.tiny_models import make_tiny_qwen2, make_tiny_qwen3
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama": make_tiny_llama(tmp_path_factory.mktemp("ckpt-llama"), seed=3),
         "llama-tied": make_tiny_llama(tmp_path_factory.mktemp("ckpt-llama-tied"), seed=4, tie_word_embeddings=True),
         "qwen2": make_tiny_qwen2(tmp_path_factory.mktemp("ckpt-qwen2"), seed=5),
+        "qwen3": make_tiny_qwen3(tmp_path_factory.mktemp("ckpt-qwen3"), seed=7),
     }
 
 
@@ -50,7 +52,7 @@ def assert_matches_reference(config: ModelConfig, ours: dict[str, torch.Tensor],
         assert torch.equal(tensor, ref[name].to(tensor.dtype)), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "llama-tied", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama-tied", "qwen2", "qwen3"])
 def test_hf_dir_matches_transformers(tiny_dirs: dict[str, Path], kind: str) -> None:
     config, state = load_checkpoint(tiny_dirs[kind])
     assert all(t.dtype == torch.float32 for t in state.values())
@@ -69,6 +71,13 @@ def test_hf_config_fields(tiny_dirs: dict[str, Path]) -> None:
     assert (qwen.architecture, qwen.num_attention_heads, qwen.num_key_value_heads, qwen.head_dim) == ("qwen2", 6, 2, 16)
     assert qwen.attention_bias and not qwen.tie_word_embeddings and qwen.rope_theta == 1e6
     assert "model.layers.1.self_attn.k_proj.bias" in state and "lm_head.weight" in state
+    assert not qwen.qk_norm
+    qwen3, state = load_checkpoint(tiny_dirs["qwen3"])
+    # head_dim from config.json (24), not hidden_size / heads (16)
+    assert (qwen3.architecture, qwen3.num_attention_heads, qwen3.head_dim) == ("qwen3", 6, 24)
+    assert qwen3.qk_norm and not qwen3.attention_bias
+    assert state["model.layers.0.self_attn.k_norm.weight"].shape == (24,)
+    assert "model.layers.0.self_attn.q_proj.bias" not in state
 
 
 def test_dtype_conversion(tiny_dirs: dict[str, Path]) -> None:
@@ -114,6 +123,21 @@ def test_errors_say_what_to_fix(tiny_dirs: dict[str, Path], tmp_path: Path) -> N
     (unsupported / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2"}))
     with pytest.raises(CheckpointError, match="Unsupported architecture 'gpt2'"):
         load_checkpoint(unsupported)
+
+    biased = tmp_path / "qwen3-bias"  # Qwen3's attention_bias biases o_proj too
+    shutil.copytree(tiny_dirs["qwen3"], biased)
+    raw = json.loads((biased / "config.json").read_text())
+    (biased / "config.json").write_text(json.dumps({**raw, "attention_bias": True}))
+    with pytest.raises(CheckpointError, match="biases"):
+        load_checkpoint(biased)
+
+    no_norm = tmp_path / "qwen3-no-norm"
+    shutil.copytree(tiny_dirs["qwen3"], no_norm)
+    weights = load_file(str(no_norm / "model.safetensors"))
+    del weights["model.layers.1.self_attn.q_norm.weight"]
+    save_file(weights, str(no_norm / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.q_norm\.weight"):
+        load_checkpoint(no_norm)
 
     incomplete = tmp_path / "incomplete"
     shutil.copytree(tiny_dirs["llama"], incomplete)
@@ -182,3 +206,45 @@ def test_gguf_matches_transformers(smollm2_reference: tuple[object, dict[str, to
         # allclose with rtol=0, spelled as a max-difference: torch.allclose/assert_close are 10-100x
         # slower here on CPU, seconds for the 28M-element embedding alone.
         assert torch.equal(tensor, ref_state[name]) or (tensor - ref_state[name]).abs().max().item() <= 1e-6, name
+
+
+def test_qwen3_gguf_matches_transformers(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The tiny Qwen3 written as an F32 GGUF file under llama.cpp's names (qwen3 keeps HF's Q/K row order)
+    loads back to transformers' tensors and config."""
+    import gguf
+
+    hf_config, ref = load_checkpoint(tiny_dirs["qwen3"])
+    names = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
+    path = tmp_path / "tiny-qwen3.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    c = hf_config
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(0)
+    glob = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, tensor in ref.items():
+        stem, kind = name.rsplit(".", 1)
+        if stem in glob:
+            gguf_name = f"{glob[stem]}.{kind}"
+        else:
+            _, _, layer, rest = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{names[rest]}.{kind}"
+        writer.add_tensor(gguf_name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config, state = load_checkpoint(path)
+    assert config == hf_config
+    assert set(state) == set(ref)
+    for name, tensor in state.items():
+        assert torch.equal(tensor, ref[name]), name
