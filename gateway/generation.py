@@ -133,6 +133,7 @@ class Generation:
                       calls: dict[int, ToolCallStream]) -> AsyncIterator[inference_pb2.GenerateResponse]:
         """`calls`: per sample, when the answer may hold tool calls: they are taken out of the text."""
         running = set(range(prepared.sampling.n))
+        scoped = prepared.scoped_id  # once, not per message (a new string with a tenant)
         # aclosing: leaving the loop early closes the backend's stream at once, which ends the
         # request downstream.
         async with aclosing(self.backend.generate(request, prepared, timeout)) as outputs:
@@ -152,9 +153,9 @@ class Generation:
                 yield response
                 if not running:
                     return
-                if prepared.scoped_id in self.active.aborted:
+                if scoped in self.active.aborted:
                     break  # an Abort that landed before the backend knew the request: end it here
-        if running and prepared.scoped_id in self.active.aborted:  # closing the backend's stream ended it downstream
+        if running and scoped in self.active.aborted:  # closing the backend's stream ended it downstream
             for index in sorted(running):
                 response = inference_pb2.GenerateResponse(request_id=prepared.request_id,
                                                           model=prepared.adapter or self.model_name,

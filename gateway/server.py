@@ -101,9 +101,7 @@ async def serve_gateway(config: Config) -> None:
     await set_serving_aio(health, [SERVICE_NAME], serving=False)
     log.info("draining", grace_s=config.drain_grace_s)
     await asyncio.gather(server.stop(grace=config.drain_grace_s), *(http.stop(config.drain_grace_s) for http in listeners))
-    for backend in (generation.backend, getattr(generation.backend, "fallback", None)):
-        if isinstance(backend, CommandBridgeBackend):  # bridge programs past the grace die with the gateway
-            backend.bridge.kill_all()
+    generation.backend.stop()
     log.info("gateway stopped")
 
 

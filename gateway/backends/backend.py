@@ -76,6 +76,10 @@ class Backend(Protocol):
         """The LoRA adapters loaded now (none for a backend that serves none)."""
         ...
 
+    def stop(self) -> None:
+        """The gateway has stopped (its drain's grace is over): end what still runs for it."""
+        ...
+
     async def load_lora_adapter(self, request: common_pb2.LoadLoraAdapterRequest,
                                 timeout: float | None) -> common_pb2.LoraAdapter:
         ...

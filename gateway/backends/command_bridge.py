@@ -347,6 +347,9 @@ class CommandBridgeBackend:
     async def abort(self, request_id: str, any_tenant: bool = False) -> bool:
         return self.bridge.abort(request_id, any_tenant)
 
+    def stop(self) -> None:
+        self.bridge.kill_all()  # programs still running past the grace die with the gateway
+
     serves_lora = False
 
     async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:

@@ -25,6 +25,10 @@ class FallbackBackend:
         self.fallback = fallback
         self.serves_lora = primary.serves_lora  # adapters are the primary's; the bridge refuses them
 
+    def stop(self) -> None:
+        self.primary.stop()
+        self.fallback.stop()
+
     async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
         try:
             return await self.primary.lora_adapters()

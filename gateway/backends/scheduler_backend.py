@@ -77,6 +77,9 @@ class SchedulerBackend:
 
     serves_lora = True
 
+    def stop(self) -> None:
+        pass  # what still runs is the scheduler's; a closed Submit call aborts its request there
+
     async def lora_adapters(self) -> list[common_pb2.LoraAdapter]:
         try:
             async for attempt in retrying(self.config):

@@ -31,6 +31,8 @@ import h11
 import structlog
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gateway.asgi_answer import send_json
+
 log = structlog.get_logger("gateway.http")
 
 OVER_CAP_HEADER_TIMEOUT_S = 1.0
@@ -139,11 +141,8 @@ class LimitedH11Protocol(H11Protocol):
         self.transport.linger()  # type: ignore[attr-defined]
 
     async def _too_many_connections(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        body = json.dumps(self.over_cap_body(self.max_connections)).encode()
-        await send({"type": "http.response.start", "status": 429,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"retry-after", b"1"), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 429, self.over_cap_body(self.max_connections),
+                        ((b"retry-after", b"1"), (b"connection", b"close")))
 
 
 def limited_protocol(header_timeout_s: float, max_connections: int, over_cap_body: Callable[[int], dict[str, Any]],

@@ -13,9 +13,9 @@ one message; after it, `receive` is the server's own, so a route still sees the 
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any, Awaitable, Callable
 
+from gateway.asgi_answer import send_json
 from hetero_common.errors import HeteroError, RequestTimeoutError, RequestTooLargeError, http_status_for
 
 Scope = dict[str, Any]
@@ -95,8 +95,4 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, send: Send, exc: HeteroError) -> None:
         status = http_status_for(exc)
-        body = json.dumps(self.error_body(status, exc.message, None)).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, status, self.error_body(status, exc.message, None), ((b"connection", b"close"),))

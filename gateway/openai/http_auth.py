@@ -12,9 +12,9 @@ it), and /metrics unless serving.metrics_require_key.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Awaitable, Callable
 
+from gateway.asgi_answer import send_json
 from gateway.auth import ApiKeys
 from hetero_common.errors import AuthenticationError
 
@@ -48,8 +48,4 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
     async def _refuse(self, send: Send, message: str) -> None:
-        body = json.dumps(self.error_body(401, message, None)).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 401, self.error_body(401, message, None), ((b"www-authenticate", b"Bearer"),))

@@ -15,10 +15,11 @@ the client's disconnect from `streams.unless_client_gone`)."""
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from typing import Any, Awaitable, Callable
+
+from gateway.asgi_answer import send_json
 
 HEADER = "X-Request-Id"
 MAX_LEN = 100  # the per-prompt suffix keeps derived ids under validation.MAX_REQUEST_ID_LEN (128)
@@ -72,10 +73,6 @@ class RequestIdMiddleware:
             await send(message)
 
         if problem is not None:
-            body = json.dumps(self.error_body(400, problem, HEADER)).encode()
-            await send_with_id({"type": "http.response.start", "status": 400,
-                                "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(body)).encode())]})
-            await send_with_id({"type": "http.response.body", "body": body})
+            await send_json(send_with_id, 400, self.error_body(400, problem, HEADER))
             return
         await self.app(scope, receive, send_with_id)

@@ -11,27 +11,19 @@ import torch
 from hetero_infer.bench.harness import save_tiny_model
 
 
+# The tiny Qwen models' shared shape: 2 layers, 6 query heads over 2 KV heads, float32.
+_TINY_QWEN = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                  bos_token_id=1, eos_token_id=0, tie_word_embeddings=False, use_sliding_window=False,
+                  torch_dtype="float32")
+
+
 def make_tiny_qwen2(directory: Path, seed: int = 0) -> Path:
     """A 2-layer Qwen2: q/k/v projections carry biases, 6 query heads over 2 KV heads."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        bos_token_id=1,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        torch_dtype="float32",
-    )
+    config = Qwen2Config(**_TINY_QWEN)
     model = Qwen2ForCausalLM(config).eval()
     # Random init leaves biases at zero; make them matter so a loader that drops them fails.
     with torch.no_grad():
@@ -47,24 +39,7 @@ def make_tiny_qwen3(directory: Path, seed: int = 0) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=24,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        bos_token_id=1,
-        eos_token_id=0,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        attention_bias=False,
-        torch_dtype="float32",
-    )
+    config = Qwen3Config(**_TINY_QWEN, head_dim=24, attention_bias=False)
     model = Qwen3ForCausalLM(config).eval()
     # Random init leaves the q/k norms at one; make them matter so a model that skips them fails.
     with torch.no_grad():
