@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    architecture: str  # a family's name (gpu_worker/models/families/)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

@@ -188,7 +188,7 @@ def test_fused_rms_norm_and_its_residual_add_match_torch() -> None:
 def test_fused_rope_rotates_q_and_k_in_place_and_leaves_v() -> None:
     require_flashinfer(64)
     from gpu_worker.model_config import ModelConfig
-    from gpu_worker.models.model import rope_tables
+    from gpu_worker.models.rope import rope_tables
     from kernels import flashinfer_fused
 
     torch.manual_seed(1)

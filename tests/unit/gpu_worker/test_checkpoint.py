@@ -12,13 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.checkpoint import (
-    _GGUF_LAYER_NAMES,
-    CheckpointError,
-    _unpermute_rotary,
-    expected_tensor_names,
-    load_checkpoint,
-)
+from gpu_worker.models.checkpoint import CheckpointError, expected_tensor_names, load_checkpoint
+from gpu_worker.models.families import qwen3
+from gpu_worker.models.gguf_checkpoint import _GGUF_LAYER_NAMES, _unpermute_rotary
 from hetero_common.model_files import default_model_path
 from hetero_infer.bench.harness import make_tiny_llama
 from tests.helpers.tiny_models import make_tiny_qwen2, make_tiny_qwen3
@@ -214,7 +210,7 @@ def test_qwen3_gguf_matches_transformers(tiny_dirs: dict[str, Path], tmp_path: P
     import gguf
 
     hf_config, ref = load_checkpoint(tiny_dirs["qwen3"])
-    names = {v: k for k, v in _GGUF_LAYER_NAMES.items()}
+    names = {v: k for k, v in {**_GGUF_LAYER_NAMES, **qwen3.FAMILY.gguf_layer_names}.items()}
     path = tmp_path / "tiny-qwen3.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen3")
     c = hf_config

@@ -1,0 +1,75 @@
+"""What a model family declares: how its Hugging Face config maps onto `ModelConfig`, which tensors its checkpoints
+carry under which names (Hugging Face and GGUF), and how they become the engine's own names. The engine's names
+are Llama's (`model.layers.{i}.self_attn.q_proj.weight`, ...): one layout that the model
+(gpu_worker/models/model.py), LoRA and the quantized paths read whatever the family.
+
+A family is a subclass of `Family` in its own module here, registered in `families/__init__.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_worker.model_config import ModelConfig
+from hetero_common.model_files import ModelFileError
+
+
+class CheckpointError(ModelFileError):
+    """A checkpoint cannot be loaded; the message says what to fix."""
+
+
+def refuse_true(cfg: dict[str, Any], keys: tuple[str, ...], where: str, why: str) -> None:
+    """A config whose `keys` are set (truthy) asks for a variant this engine does not compute: refuse it by name
+    rather than load it and silently compute something else."""
+    for key in keys:
+        if cfg.get(key):
+            raise CheckpointError(f"{where} sets {key}={cfg[key]!r}: {why}")
+
+
+class Family:
+    """Llama's layout, which every family starts from: override what differs."""
+
+    architecture: str = ""  # ModelConfig.architecture; what ListModels reports
+    hf_model_types: tuple[str, ...] = ()  # config.json `model_type` values
+    gguf_architectures: tuple[str, ...] = ()  # GGUF `general.architecture` values
+    # llama.cpp permutes the Q/K rows of `llama` files for its interleaved RoPE (gguf_checkpoint._unpermute_rotary)
+    gguf_rotary_permuted: bool = False
+    # GGUF per-layer tensor names (`blk.{i}.<name>`) beyond the common ones, as checkpoint names (before
+    # `to_engine`), e.g. Qwen3's `attn_q_norm` -> `self_attn.q_norm`
+    gguf_layer_names: dict[str, str] = {}
+
+    def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+        """The family's `ModelConfig` fields from its config.json (`where` names the file in errors) beyond the
+        common ones the loader reads; raises CheckpointError for variants it does not compute."""
+        refuse_true(cfg, ("mlp_bias", "attention_bias"), where,
+                    "MLP and output-projection biases are not supported for this architecture.")
+        return {}
+
+    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+        """The same from a GGUF file's metadata; `field(key, default)` reads one key."""
+        return {}
+
+    def checkpoint_names(self, config: ModelConfig) -> list[str]:
+        """The tensor names a Hugging Face checkpoint of this family carries for `config` (what the loader reads)."""
+        return expected_tensor_names(config)
+
+    def to_engine(self, name: str, tensor: Any, config: ModelConfig) -> list[tuple[str, Any]]:
+        """A checkpoint tensor under the engine's names: renamed, or a fused one split (a fused qkv_proj)."""
+        return [(name, tensor)]
+
+
+def expected_tensor_names(config: ModelConfig) -> list[str]:
+    """Every tensor, under the engine's names, that the model for `config` reads."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        names += [f"{prefix}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+        if config.attention_bias:
+            names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
+        if config.qk_norm:
+            names += [f"{prefix}self_attn.q_norm.weight", f"{prefix}self_attn.k_norm.weight"]
+        names += [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
+    return names

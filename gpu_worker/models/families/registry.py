@@ -1,0 +1,37 @@
+"""The registry of model families: which family a config.json `model_type` or a GGUF architecture names."""
+
+
+from __future__ import annotations
+
+from gpu_worker.models.families import llama, mistral, qwen2, qwen3
+from gpu_worker.models.families.family import CheckpointError, Family
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+
+_BY_HF_TYPE = {t: f for f in FAMILIES for t in f.hf_model_types}
+_BY_GGUF_ARCH = {a: f for f in FAMILIES for a in f.gguf_architectures}
+_BY_NAME = {f.architecture: f for f in FAMILIES}
+
+
+def hf_model_types() -> tuple[str, ...]:
+    return tuple(_BY_HF_TYPE)
+
+
+def for_hf_model_type(model_type: str, where: str) -> Family:
+    """The family of a config.json's `model_type`; CheckpointError naming the supported ones otherwise."""
+    if model_type not in _BY_HF_TYPE:
+        raise CheckpointError(f"Unsupported architecture {model_type!r} in {where}: supported are "
+                              f"{', '.join(_BY_HF_TYPE)}.")
+    return _BY_HF_TYPE[model_type]
+
+
+def for_gguf_architecture(arch: str, where: str) -> Family:
+    if arch not in _BY_GGUF_ARCH:
+        raise CheckpointError(f"Unsupported architecture {arch!r} in {where}: supported GGUF architectures are "
+                              f"{', '.join(_BY_GGUF_ARCH)}.")
+    return _BY_GGUF_ARCH[arch]
+
+
+def for_architecture(architecture: str) -> Family:
+    """The family of a loaded ModelConfig's `architecture`."""
+    return _BY_NAME[architecture]
