@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from hetero_common.config import Config
-from hetero_infer.engine import GenerationParams, InferenceEngine
 from hetero_infer.bench.harness import PROMPT_LENGTHS, make_prompts  # noqa: F401 (re-exported)
+from hetero_infer.engine import GenerationParams, InferenceEngine
 
 NEW_TOKENS = 12  # what the correctness tests generate for each of the seeded prompts
 
@@ -30,6 +30,15 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int = NEW_T
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long), **generate_kwargs)
             outputs.append(out[0, len(ids):].tolist())
     return outputs
+
+
+def hf_last_logits(model_dir: Path, prompts: list[list[int]]) -> torch.Tensor:
+    """transformers' float32 logits at each prompt's last position [len(prompts), vocab], one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
 
 
 def engine_greedy(model_dir: Path, prompts: list[list[int]], **overrides) -> list[list[int]]:

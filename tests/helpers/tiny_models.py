@@ -10,7 +10,6 @@ import torch
 
 from hetero_infer.bench.harness import save_tiny_model
 
-
 # The tiny Qwen models' shared shape: 2 layers, 6 query heads over 2 KV heads, float32.
 _TINY_QWEN = dict(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=6,
                   num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -102,3 +101,19 @@ def make_lora_adapter(base: Path, directory: Path, rank: int, targets: list[str]
                 param.mul_(4.0)
     peft_model.save_pretrained(str(directory))
     return directory
+
+
+def make_tiny_phi3(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Phi-3 with fused qkv_proj / gate_up_proj and LongRoPE: random short and long factors over a
+    pretrained context of 256 extended to 512 (so LongRoPE's attention factor is not one)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    head_dim = 16
+    factors = lambda: [round(float(f), 4) for f in torch.empty(head_dim // 2).uniform_(1.0, 4.0)]  # noqa: E731
+    config = Phi3Config(vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+                        original_max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=0,
+                        pad_token_id=0, tie_word_embeddings=False, sliding_window=None, torch_dtype="float32",
+                        rope_scaling={"rope_type": "longrope", "short_factor": factors(), "long_factor": factors()})
+    return save_tiny_model(Phi3ForCausalLM(config).eval(), directory)

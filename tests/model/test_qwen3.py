@@ -19,16 +19,8 @@ from kernels.native import decode_attention as native_decode
 from kernels.native import linear as native_linear
 from kernels.page_table import PageTable
 from kernels.torch_attention import TorchPagedAttention
-from tests.helpers.oracle import engine_greedy, hf_greedy, make_prompts
+from tests.helpers.oracle import engine_greedy, hf_greedy, hf_last_logits, make_prompts
 from tests.unit.gpu_worker.test_cpu_dtype import REL_TOL, prefill_logits
-
-
-def hf_last_logits(model_dir: Path, prompts: list[list[int]]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return torch.stack([model(torch.tensor([p])).logits[0, -1] for p in prompts])
 
 
 def test_config_reads_head_dim_and_qk_norm(tiny_qwen3_dir: Path) -> None:

@@ -1,0 +1,80 @@
+"""Phi-3 and Phi-4 (model_type phi3), from Hugging Face directories: Llama's computation over fused checkpoint
+weights (`qkv_proj`, `gate_up_proj`), split here into the engine's q/k/v and gate/up, and LongRoPE
+(`rope_scaling.rope_type` longrope, "su" in older files; gpu_worker/models/rope.py). Its GGUF files are not read
+yet: llama.cpp keeps LongRoPE's factors as tensors (`rope_factors_long`/`_short`), which the loader would drop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu_worker.model_config import ModelConfig
+from gpu_worker.models.families.family import CheckpointError, Family, expected_tensor_names
+
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+class Phi3(Family):
+    architecture = "phi3"
+    hf_model_types = ("phi3",)
+
+    def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
+        super().config_fields(cfg, where)
+        window, context = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 2048))
+        if window is not None and int(window) < context:  # Phi-3-mini-4k's 2047; the 128k model's is a no-op
+            raise CheckpointError(f"{where} sets sliding_window={window} below max_position_embeddings={context}: "
+                                  "sliding-window attention is not supported yet.")
+        rope = dict(cfg.get("rope_parameters") or {})
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            raise CheckpointError(f"{where} sets partial_rotary_factor={partial}: only full rotary heads are "
+                                  "supported (Phi-4-mini's 0.75 is not yet).")
+        scaling = cfg.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
+                                              if rope.get("rope_type", "default") != "default" else None)
+        if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+            original = cfg.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings"))
+            if original is None:
+                raise CheckpointError(f"{where} asks for LongRoPE without original_max_position_embeddings.")
+            return {"rope_scaling": {**scaling, "rope_type": "longrope",
+                                     "original_max_position_embeddings": int(original)}}
+        return {}
+
+    def checkpoint_names(self, config: ModelConfig) -> list[str]:
+        fused_parts = {part for parts in _FUSED.values() for part in parts}
+        names = []
+        for name in expected_tensor_names(config):
+            stem = name.removeprefix("model.layers.").split(".", 1)
+            if len(stem) == 2 and stem[1].removesuffix(".weight") in fused_parts:
+                layer, part = stem[0], stem[1].removesuffix(".weight")
+                fused = next(f for f, parts in _FUSED.items() if part in parts)
+                name = f"model.layers.{layer}.{fused}.weight"
+            if name not in names:
+                names.append(name)
+        return names
+
+    def to_engine(self, name: str, tensor: Any, config: ModelConfig) -> list[tuple[str, Any]]:
+        prefix, _, rest = name.partition(".layers.")
+        layer, _, module = rest.partition(".")
+        module = module.removesuffix(".weight")
+        if module not in _FUSED:
+            return [(name, tensor)]
+        c = config
+        sizes = ([c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim,
+                  c.num_key_value_heads * c.head_dim] if module == "self_attn.qkv_proj"
+                 else [c.intermediate_size, c.intermediate_size])
+        parts = _split_rows(tensor, sizes, name)
+        return [(f"{prefix}.layers.{layer}.{part}.weight", t) for part, t in zip(_FUSED[module], parts)]
+
+
+def _split_rows(tensor: Any, sizes: list[int], what: str) -> list[Any]:
+    """A fused weight cut into parts along its rows."""
+    if int(tensor.shape[0]) != sum(sizes):
+        raise CheckpointError(f"{what} has {int(tensor.shape[0])} rows where the config implies {sum(sizes)}.")
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointError(f"{what} is fused and quantized ({type(tensor).__name__}): load it unquantized.")
+    return [part.contiguous() for part in torch.split(tensor, sizes)]
+
+
+FAMILY = Phi3()
