@@ -30,11 +30,11 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _hf_name(gguf_name: str, family: Family) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown tensors."""
+def _hf_name(gguf_name: str, layer_names: dict[str, str]) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (`layer_names`: the common per-layer
+    names and the family's); None for unknown tensors."""
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
-    layer_names = {**_GGUF_LAYER_NAMES, **family.gguf_layer_names}
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
     if stem in _GGUF_GLOBAL_NAMES:
@@ -160,8 +160,9 @@ def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, family: Famil
     from gguf.quants import dequantize
 
     state: dict[str, Any] = {}
+    layer_names = {**_GGUF_LAYER_NAMES, **family.gguf_layer_names}
     for name, tensor in gguf_tensors.items():
-        hf_name = _hf_name(name, family)
+        hf_name = _hf_name(name, layer_names)
         if hf_name is None:
             continue
         # GGUF lists dimensions fastest-first (ne0 = columns): reverse for torch's row-major order.

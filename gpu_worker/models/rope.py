@@ -10,6 +10,11 @@ import torch
 from gpu_worker.model_config import ModelConfig
 
 
+def _kind(scaling: dict) -> str | None:
+    """A rope_scaling dict's kind: `rope_type`, or `type` in older files."""
+    return scaling.get("rope_type", scaling.get("type"))
+
+
 def rope_inv_freq(config: ModelConfig, max_positions: int) -> torch.Tensor:
     """Inverse frequencies, with the checkpoint's scaling: Llama 3's, linear, or LongRoPE's (Phi-3). LongRoPE's
     factors are chosen once, from the positions the engine serves (`max_positions`): its short factors when they
@@ -19,7 +24,7 @@ def rope_inv_freq(config: ModelConfig, max_positions: int) -> torch.Tensor:
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = _kind(scaling)
     if kind == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
@@ -44,7 +49,7 @@ def rope_attention_factor(config: ModelConfig) -> float:
     """The factor LongRoPE multiplies cos and sin by (its `attention_factor`, by default from the context's
     extension); 1 for every other kind."""
     scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "longrope":
+    if _kind(scaling) != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])

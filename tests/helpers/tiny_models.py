@@ -1,6 +1,6 @@
-"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Qwen3, a Llama over the simple tokenizer's
-vocabulary, a noisy draft, a PEFT LoRA adapter); the Llamas and the tokenizer the benchmarks build too are in
-hetero_infer/bench/harness.py."""
+"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Qwen3, a Phi-3, a Llama over the simple
+tokenizer's vocabulary, a noisy draft, a PEFT LoRA adapter); the Llamas and the tokenizer the benchmarks build too
+are in hetero_infer/bench/harness.py."""
 
 from __future__ import annotations
 

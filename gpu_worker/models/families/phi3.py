@@ -14,6 +14,7 @@ from gpu_worker.models.families.family import CheckpointError, Family, expected_
 
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_FUSED_FROM = {part: fused for fused, parts in _FUSED.items() for part in parts}
 
 
 class Phi3(Family):
@@ -42,17 +43,13 @@ class Phi3(Family):
         return {}
 
     def checkpoint_names(self, config: ModelConfig) -> list[str]:
-        fused_parts = {part for parts in _FUSED.values() for part in parts}
-        names = []
+        """The engine's names with each q/k/v and gate/up part replaced by the fused tensor it comes from."""
+        names: dict[str, None] = {}
         for name in expected_tensor_names(config):
-            stem = name.removeprefix("model.layers.").split(".", 1)
-            if len(stem) == 2 and stem[1].removesuffix(".weight") in fused_parts:
-                layer, part = stem[0], stem[1].removesuffix(".weight")
-                fused = next(f for f, parts in _FUSED.items() if part in parts)
-                name = f"model.layers.{layer}.{fused}.weight"
-            if name not in names:
-                names.append(name)
-        return names
+            layer, _, module = name.removeprefix("model.layers.").partition(".")
+            fused = _FUSED_FROM.get(module.removesuffix(".weight"))
+            names[f"model.layers.{layer}.{fused}.weight" if fused else name] = None
+        return list(names)
 
     def to_engine(self, name: str, tensor: Any, config: ModelConfig) -> list[tuple[str, Any]]:
         prefix, _, rest = name.partition(".layers.")
