@@ -11,6 +11,22 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP (Mixtral, Qwen2/3-MoE, OLMoE): a router picks `top_k` of `num_experts` SiLU-gated
+    MLPs per token, whose outputs are summed weighted by the router's softmax probabilities (renormalized over
+    the picked ones when `normalize_top_k`)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    normalize_top_k: bool
+    sparse_layers: tuple[int, ...]  # the layers with experts; the others have the dense MLP (intermediate_size)
+    # Qwen2-MoE's shared expert: a dense MLP of this size every token goes through, scaled by the sigmoid of its
+    # own one-output gate (`mlp.shared_expert_gate`); 0 for none.
+    shared_expert_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # a family's name (gpu_worker/models/families/)
     vocab_size: int
@@ -31,3 +47,10 @@ class ModelConfig:
     # A per-head RMSNorm on q and on k (weights [head_dim], eps rms_norm_eps) after their projections and before
     # RoPE (qwen3: `self_attn.q_norm` / `self_attn.k_norm`).
     qk_norm: bool = False
+    # The same norm over all heads at once (weights [heads * head_dim] and [kv_heads * head_dim]: OLMoE).
+    qk_norm_all_heads: bool = False
+    moe: MoeConfig | None = None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.moe is not None and layer in self.moe.sparse_layers

@@ -14,7 +14,15 @@ pytest.register_assert_rewrite("tests.helpers.oracle", "hetero_infer.bench.harne
                                "tests.helpers.scheduler_driver")
 
 from hetero_infer.bench.harness import make_tiny_llama  # noqa: E402
-from tests.helpers.tiny_models import make_tiny_qwen2, make_tiny_qwen3  # noqa: E402
+from tests.helpers.tiny_models import (  # noqa: E402
+    make_tiny_mixtral,
+    make_tiny_olmoe,
+    make_tiny_phi3,
+    make_tiny_qwen2,
+    make_tiny_qwen2_moe,
+    make_tiny_qwen3,
+    make_tiny_qwen3_moe,
+)
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +45,23 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), seed=6)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_phi3(tmp_path_factory.mktemp("tiny-phi3"), seed=8)
+
+
+# The mixtures of experts (tests/helpers/tiny_models.py), by family name: tests/model/test_moe.py and the stack's.
+MOE_MAKERS = {"mixtral": make_tiny_mixtral, "qwen3_moe": make_tiny_qwen3_moe, "qwen2_moe": make_tiny_qwen2_moe,
+              "olmoe": make_tiny_olmoe}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each tiny mixture of experts, made on first use."""
+    class Made(dict):
+        def __missing__(self, family: str) -> Path:
+            self[family] = MOE_MAKERS[family](tmp_path_factory.mktemp(f"tiny-{family}"), seed=3)
+            return self[family]
+    return Made()

@@ -90,6 +90,10 @@ def load_lora_adapter(name: str, path: str | Path, config: ModelConfig, max_rank
     directory = Path(path) if root is None else confined_directory(name, Path(path), root)
     settings = _read_settings(name, directory, Path(path), root)
     rank, targets = _check_settings(name, settings, max_rank)
+    if config.moe is not None and (mlp := sorted(targets & {"gate_proj", "up_proj", "down_proj"})):
+        raise LoraAdapterError(f"LoRA adapter {name!r}: targets {mlp}, but the served {config.architecture} model's "
+                               "MLPs are mixtures of experts, which LoRA is not served on; target its attention "
+                               "(q_proj, k_proj, v_proj, o_proj)", "lora")
     weights = _read_weights(name, directory, Path(path), root, config, rank)
     found = {target for _, target in weights}
     if missing := targets - found:

@@ -1,5 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with its q/k RMSNorm) over flattened
-tokens.
+"""A Llama-family decoder (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with its q/k RMSNorm, Phi-3, and the
+mixtures of experts: Mixtral, Qwen2/3-MoE, OLMoE, whose MLPs are gpu_worker/models/moe.py's) over flattened tokens.
 
 Every scheduled token of every sequence goes through one forward pass: the linear layers
 see one [num_tokens, hidden] matrix with no padding; only attention is per sequence, and
@@ -13,7 +13,6 @@ are all-reduced across ranks (see gpu_worker/parallel/tensor_parallel.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -21,17 +20,18 @@ import torch.nn.functional as F
 
 from gpu_worker.cpu import fused_ops
 from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
-from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32, pack_weight
-from gpu_worker.gguf_blocks import GGUFBlocks
+from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32
 from gpu_worker.lora.lora_slots import NativeLoraBatch, StepLora
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.models.moe import ExpertMlp, SparseMoe
 from gpu_worker.models.rope import rope_tables
+from gpu_worker.models.weight_placer import WeightPlacer
 from gpu_worker.parallel.tensor_parallel import TensorParallel
-from kernels import flashinfer_fused, fp8_linear, int8_linear
+from hetero_common.errors import ConfigError
+from kernels import flashinfer_fused
 from kernels.attention_backend import AttentionBackend
 from kernels.cache_ops import hnd_rows
 from kernels.native import linear_gguf
-from kernels.native.linear import amx_fits
 
 
 def elementwise_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> ModuleType | None:
@@ -47,74 +47,30 @@ def elementwise_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> Mo
 
 
 def linear_shapes(config: ModelConfig, tp: TensorParallel) -> list[tuple[int, int]]:
-    """The [out, in] shapes of one rank's linear weights: q/k/v, o, gate/up, down, the LM head."""
+    """The [out, in] shapes of one rank's linear weights: q/k/v, o, gate/up, down, the LM head, and a mixture of
+    experts' router, experts and shared expert."""
     c, size = config, tp.size
     q, kv = c.num_attention_heads // size * c.head_dim, c.num_key_value_heads // size * c.head_dim
-    inter = c.intermediate_size // size
-    return [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (2 * inter, c.hidden_size), (c.hidden_size, inter),
-            (c.vocab_size, c.hidden_size)]
+    mlps = [c.intermediate_size // size] if len(c.moe.sparse_layers if c.moe else ()) < c.num_hidden_layers else []
+    shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (c.vocab_size, c.hidden_size)]
+    if c.moe is not None:
+        mlps += [n // size for n in (c.moe.expert_intermediate_size, c.moe.shared_expert_intermediate_size) if n]
+        shapes += [(c.moe.num_experts, c.hidden_size)] + [(1, c.hidden_size)] * bool(c.moe.shared_expert_intermediate_size)
+    return shapes + [shape for inter in mlps for shape in ((2 * inter, c.hidden_size), (c.hidden_size, inter))]
 
 
-@dataclass(frozen=True)
-class WeightPlacer:
-    """Checkpoint tensors onto the model's device in its dtype, linear weights packed as the runner planned
-    (LlamaModel's arguments of the same names)."""
-
-    weights: dict[str, torch.Tensor]
-    device: torch.device
-    dtype: torch.dtype
-    prepack: bool
-    native_linear: bool
-    native_linear_max_rows: int | None
-    native_linear_amx: bool
-    gguf_blocks: bool = False  # GGUF weights kept in their blocks are packed for the GGUF kernel
-    int8_weights: bool = False  # the others quantized to int8 (Q8_0 blocks) for it (config `quantization` int8)
-    fp8_weights: bool = False  # the layers' linear weights quantized to fp8 (config `quantization` fp8)
-    int8_w8a8: bool = False  # ... to int8 for torch._int_mm (config `quantization` int8 on CUDA)
-
-    def tensor(self, name: str, shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """The checkpoint's tensor `name` (or this rank's `shard` of it), contiguous; one kept in GGUF blocks or
-        loaded in fp8, dequantized."""
-        tensor = self.weights[name]
-        if isinstance(tensor, GGUFBlocks):
-            tensor = tensor.dequantized()
-        elif isinstance(tensor, fp8_linear.Fp8Weight):
-            tensor = tensor.dequantized(torch.float32)
-        tensor = tensor if shard is None else shard(tensor)
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
-
-    def from_blocks(self, names: list[str]) -> bool:
-        """Whether `linear` computes these weights from their GGUF blocks."""
-        parts = [self.weights[name] for name in names]
-        return (self.gguf_blocks and all(isinstance(p, GGUFBlocks) for p in parts)
-                and len({p.ggml_type for p in parts}) == 1
-                and all(linear_gguf.supported(p.ggml_type, *p.shape) for p in parts))
-
-    def linear(self, names: list[str], shard: Callable[[torch.Tensor], torch.Tensor] | None = None) -> PackedWeight:
-        """The linear weight of `names` stacked along their outputs (q/k/v, gate/up: one product), this rank's
-        `shard` of each: from the GGUF blocks where every part is kept in blocks of one type the kernel takes
-        (and no shard applies), else from their tensors."""
-        parts = [self.weights[name] for name in names]
-        if shard is None and self.from_blocks(names):
-            return linear_gguf.concat_rows([linear_gguf.pack(p.blocks, p.ggml_type, *p.shape) for p in parts])
-        if shard is None and self.fp8_weights and all(isinstance(p, fp8_linear.Fp8Weight) for p in parts):
-            return fp8_linear.concat_rows([fp8_linear.to_device(p, self.device) for p in parts])  # the file's own
-        tensors = [self.tensor(name, shard) for name in names]
-        weight = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-        if self.int8_weights and linear_gguf.supported(linear_gguf.Q8_0, *weight.shape):
-            return linear_gguf.pack(linear_gguf.int8_blocks(weight), linear_gguf.Q8_0, *weight.shape)
-        if self.fp8_weights:
-            return fp8_linear.quantize_weight(weight)
-        if self.int8_w8a8:
-            return int8_linear.quantize_weight(weight)
-        return self.matrix(weight)
-
-    def matrix(self, tensor: torch.Tensor) -> PackedWeight:
-        """A linear layer's weight, packed when `prepack`."""
-        if not self.prepack:
-            return tensor
-        amx = self.native_linear_amx and amx_fits(*tensor.shape)  # else the panels (the runner's plan checked them all)
-        return pack_weight(tensor, self.native_linear, self.native_linear_max_rows, amx)
+def check_splits(config: ModelConfig, tp: TensorParallel) -> None:
+    """ConfigError where `tp` cannot split the model: its heads and intermediate features (the experts' too)
+    must divide among the ranks, and a q/k norm over all heads (OLMoE's) needs them on one rank."""
+    c = config
+    tp.check_divides(num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                     intermediate_size=c.intermediate_size,
+                     **({} if c.moe is None else {
+                         "expert intermediate_size": c.moe.expert_intermediate_size,
+                         "shared_expert_intermediate_size": c.moe.shared_expert_intermediate_size}))
+    if c.qk_norm_all_heads and tp.enabled:  # its RMSNorm spans every head: one rank's would see a slice
+        raise ConfigError(f"config key 'tensor_parallel_size' = {tp.size}: a {c.architecture} model normalizes q "
+                          "and k over all heads at once and runs on one rank only; set it to 1.")
 
 
 class LlamaModel:
@@ -143,8 +99,7 @@ class LlamaModel:
         self.dtype = dtype
         self.tp = tp
         c = config
-        tp.check_divides(num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                         intermediate_size=c.intermediate_size)
+        check_splits(c, tp)
         self.num_heads = c.num_attention_heads // tp.size  # on this rank
         self.num_kv_heads = c.num_key_value_heads // tp.size
         place = WeightPlacer(weights, device, dtype, prepack, native_linear, native_linear_max_rows, native_linear_amx,
@@ -172,14 +127,15 @@ class LlamaModel:
         # Every layer in one C call where each of its kernels is C and no all-reduce sits between them
         # (with dual-packed weights: for steps of up to native_linear_max_rows rows).
         one_kernel = weights_kind(self.layers) is not None  # not a mix of GGUF types, or of blocks and tensors
-        # The all-layers C kernel fuses the q/k/v product with RoPE and has no q/k RMSNorm (Qwen3): such models
-        # run layer by layer, the norm in torch between the product and the C attention block.
+        # The all-layers C kernel fuses the q/k/v product with RoPE and has no q/k RMSNorm (Qwen3) and no experts:
+        # such models run layer by layer, the norm in torch between the product and the C attention block.
         self.c_layers = (CLayers(self.layers, self.cos, self.sin, self.num_heads, self.num_kv_heads, c.head_dim,
                                  c.rms_norm_eps)
                          if self.ops is fused_ops and prepack and native_linear and not tp.enabled and one_kernel
-                         and not c.qk_norm
+                         and not c.qk_norm and c.moe is None
                          else None)
         self.c_layers_max_rows = native_linear_max_rows
+        self._expert_load: torch.Tensor | None = None  # _mlp's, since take_expert_load
 
     def _choose_elementwise(self, fused: bool, max_positions: int) -> None:
         """The element-wise kernels (`ops`: None for torch's separate ops) and the RoPE tables they read."""
@@ -204,7 +160,10 @@ class LlamaModel:
         qk_norm = None
         if c.qk_norm:  # one [heads + kv_heads, head_dim] weight: q's norm on each q head, k's on each k head
             q_norm, k_norm = place.tensor(p + "self_attn.q_norm.weight"), place.tensor(p + "self_attn.k_norm.weight")
-            qk_norm = torch.cat([q_norm.expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)]).contiguous()
+            qk_norm = (torch.cat([q_norm, k_norm]) if c.qk_norm_all_heads  # OLMoE's: [q_size + kv_size]
+                       else torch.cat([q_norm.expand(self.num_heads, -1), k_norm.expand(self.num_kv_heads, -1)]))
+            qk_norm = qk_norm.contiguous()
+        sparse = c.is_sparse(i)
         return {
             "input_norm": place.tensor(p + "input_layernorm.weight"),
             "qkv": place.linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"], rows),
@@ -212,9 +171,28 @@ class LlamaModel:
             "qk_norm": qk_norm,
             "o": place.linear([p + "self_attn.o_proj.weight"], columns),
             "post_norm": place.tensor(p + "post_attention_layernorm.weight"),
-            "gate_up": place.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows),
-            "down": place.linear([p + "mlp.down_proj.weight"], columns),
+            "gate_up": None if sparse else place.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows),
+            "down": None if sparse else place.linear([p + "mlp.down_proj.weight"], columns),
+            "moe": self._sparse_moe(place, i) if sparse else None,
         }
+
+    def _sparse_moe(self, place: WeightPlacer, i: int) -> SparseMoe:
+        """Layer `i`'s mixture of experts on this rank: each expert's slice of its intermediate features, as the
+        dense MLP's; the router and the shared expert's gate whole."""
+        moe, p = self.config.moe, f"model.layers.{i}.mlp."
+        assert moe is not None
+        rows, columns = (self.tp.rows, self.tp.columns) if self.tp.enabled else (None, None)
+
+        def expert(prefix: str) -> ExpertMlp:
+            return ExpertMlp(place.linear([f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"], rows),
+                             place.linear([f"{prefix}down_proj.weight"], columns))
+
+        shared = moe.shared_expert_intermediate_size > 0
+        return SparseMoe(router=place.linear([p + "gate.weight"]),
+                         experts=[expert(f"{p}experts.{j}.") for j in range(moe.num_experts)],
+                         top_k=moe.top_k, normalize_top_k=moe.normalize_top_k,
+                         shared=expert(p + "shared_expert.") if shared else None,
+                         shared_gate=place.linear([p + "shared_expert_gate.weight"]) if shared else None)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden], a new tensor (the forward adds into it)."""
@@ -231,6 +209,11 @@ class LlamaModel:
         """Qwen3's per-head RMSNorm, in place on the q and k heads of the q/k/v product [T, q + 2 kv] (before
         RoPE); nothing when the model has none (`weight` None)."""
         if weight is None:
+            return
+        if self.config.qk_norm_all_heads:  # one norm over q's heads together, one over k's
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size : self.q_size + self.kv_size]
+            q.copy_(self._rms_norm(q, weight[: self.q_size]))
+            k.copy_(self._rms_norm(k, weight[self.q_size :]))
             return
         qk = qkv[:, : self.q_size + self.kv_size].view(qkv.shape[0], self.num_heads + self.num_kv_heads,
                                                        self.config.head_dim)
@@ -287,11 +270,26 @@ class LlamaModel:
             # Residual adds in place: `hidden` is this forward's own buffer (embedding output).
             hidden.add_(self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o")))
             x = self._rms_norm(hidden, layer["post_norm"])
-            gate_up = self._linear(x, layer["gate_up"], lora, i, "gate_up")
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate, inplace=True).mul_(up)  # SiLU(gate) * up written over gate: no new buffer
-            hidden.add_(self.tp.all_reduce(self._linear(act, layer["down"], lora, i, "down")))
+            hidden.add_(self.tp.all_reduce(self._mlp(x, layer, lora, i, _torch_silu_mul)))
         return hidden
+
+    def _mlp(self, x: torch.Tensor, layer: dict, lora: StepLora | None, i: int,
+             silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Layer `i`'s MLP over x, before the all-reduce: dense (with the step's LoRA deltas) or a mixture of
+        experts, whose load the model keeps for the worker's metrics (`take_expert_load`)."""
+        moe: SparseMoe | None = layer["moe"]
+        if moe is None:
+            act = silu_mul(self._linear(x, layer["gate_up"], lora, i, "gate_up"))
+            return self._linear(act, layer["down"], lora, i, "down")
+        out, load = moe(x, silu_mul)
+        self._expert_load = load if self._expert_load is None else self._expert_load + load
+        return out
+
+    def take_expert_load(self) -> torch.Tensor | None:
+        """The tokens routed to each expert [num_experts], summed over the sparse layers, since the last call;
+        None for a dense model or before any step."""
+        load, self._expert_load = self._expert_load, None
+        return load
 
     @staticmethod
     def _linear(x: torch.Tensor, weight: PackedWeight, lora: StepLora | None, layer: int, group: str) -> torch.Tensor:
@@ -360,8 +358,13 @@ class LlamaModel:
                 attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
             o = self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o"))
             x = self.ops.add_rms_norm(hidden, o, layer["post_norm"], eps)
-            act = self.ops.silu_mul(self._linear(x, layer["gate_up"], lora, i, "gate_up"))
-            delta = self.tp.all_reduce(self._linear(act, layer["down"], lora, i, "down"))
+            delta = self.tp.all_reduce(self._mlp(x, layer, lora, i, self.ops.silu_mul))
         if delta is not None:
             hidden.add_(delta)
         return hidden
+
+
+def _torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up [rows, 2n] = [gate | up], written over gate (no new buffer): a [rows, n] view."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)

@@ -1,6 +1,6 @@
-"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Qwen3, a Phi-3, a Llama over the simple
-tokenizer's vocabulary, a noisy draft, a PEFT LoRA adapter); the Llamas and the tokenizer the benchmarks build too
-are in hetero_infer/bench/harness.py."""
+"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Qwen3, a Phi-3, the mixtures of experts:
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; a Llama over the simple tokenizer's vocabulary, a noisy draft, a PEFT LoRA
+adapter); the Llamas and the tokenizer the benchmarks build too are in hetero_infer/bench/harness.py."""
 
 from __future__ import annotations
 
@@ -117,3 +117,102 @@ def make_tiny_phi3(directory: Path, seed: int = 0) -> Path:
                         pad_token_id=0, tie_word_embeddings=False, sliding_window=None, torch_dtype="float32",
                         rope_scaling={"rope_type": "longrope", "short_factor": factors(), "long_factor": factors()})
     return save_tiny_model(Phi3ForCausalLM(config).eval(), directory)
+
+
+# The tiny mixtures of experts' shared attention shape (6 query heads over 2 KV heads of 16) and expert shape.
+_TINY_MOE = dict(vocab_size=512, hidden_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                 max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=0, pad_token_id=0,
+                 tie_word_embeddings=False, torch_dtype="float32")
+
+
+def _decisive_routers(model: torch.nn.Module, scale: float = 20.0) -> None:
+    """Random init leaves the routers' logits near zero, every expert about equally likely: scale them so each
+    token's top-k is clear-cut and a loader that swaps experts or a router that mis-ranks them fails."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith((".gate.weight", "shared_expert_gate.weight")):
+                param.mul_(scale)
+
+
+def make_tiny_mixtral(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Mixtral: 4 experts of 64, top-2 renormalized (its checkpoint names: block_sparse_moe, w1/w2/w3)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(**_TINY_MOE, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                           rope_theta=1000000.0, sliding_window=None)
+    model = MixtralForCausalLM(config).eval()
+    _decisive_routers(model)
+    return save_tiny_model(model, directory)
+
+
+def make_tiny_qwen3_moe(directory: Path, seed: int = 0) -> Path:
+    """A 3-layer Qwen3-MoE: q/k norms per head of 24, 8 experts of 48 with top-3 renormalized (norm_topk_prob),
+    and layer 1 dense (mlp_only_layers) with an intermediate size of 160."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(**{**_TINY_MOE, "num_hidden_layers": 3}, head_dim=24, intermediate_size=160,
+                            moe_intermediate_size=48, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[1], rope_theta=1000000.0,
+                            use_sliding_window=False)
+    model = Qwen3MoeForCausalLM(config).eval()
+    _decisive_routers(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 2.0)
+    return save_tiny_model(model, directory)
+
+
+def make_tiny_qwen2_moe(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer Qwen2-MoE: q/k/v biases, 4 experts of 48 with top-2 not renormalized, and a shared expert of 80
+    behind its sigmoid gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2MoeConfig(**_TINY_MOE, intermediate_size=160, moe_intermediate_size=48, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=False, shared_expert_intermediate_size=80,
+                            decoder_sparse_step=1, mlp_only_layers=[], rope_theta=1000000.0, use_sliding_window=False)
+    model = Qwen2MoeForCausalLM(config).eval()
+    _decisive_routers(model, scale=10.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.5)
+    return save_tiny_model(model, directory)
+
+
+def make_tiny_olmoe(directory: Path, seed: int = 0) -> Path:
+    """A 2-layer OLMoE: q and k each RMS-normed over all their heads, 8 experts of 64 with top-2 not
+    renormalized."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = OlmoeConfig(**_TINY_MOE, intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                         norm_topk_prob=False, rope_theta=10000.0, clip_qkv=None)
+    model = OlmoeForCausalLM(config).eval()
+    _decisive_routers(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 2.0)
+    return save_tiny_model(model, directory)
+
+
+def make_head64_qwen3_moe(directory: Path) -> Path:
+    """A 3-layer Qwen3-MoE of head size 64: 8 experts of 128, top-2 renormalized, layer 1 dense; routers
+    scaled so that tokens spread over the experts decisively."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(3)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=1024, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=0, tie_word_embeddings=False, use_sliding_window=False,
+        torch_dtype="float32")).eval()
+    with torch.no_grad():
+        for layer in (model.model.layers[0], model.model.layers[2]):
+            layer.mlp.gate.weight.mul_(20.0)
+    return save_tiny_model(model, directory)

@@ -12,13 +12,7 @@ import torch
 from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.models.rope import rope_attention_factor, rope_inv_freq
 from tests.helpers.oracle import engine_greedy, hf_greedy, hf_last_logits, make_prompts
-from tests.helpers.tiny_models import make_tiny_phi3
 from tests.unit.gpu_worker.test_cpu_dtype import prefill_logits
-
-
-@pytest.fixture(scope="module")
-def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_phi3(tmp_path_factory.mktemp("tiny-phi3"), seed=8)
 
 
 def test_fused_weights_split_into_the_engines_names(tiny_phi3_dir: Path) -> None:

@@ -70,6 +70,21 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
             names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
         if config.qk_norm:
             names += [f"{prefix}self_attn.q_norm.weight", f"{prefix}self_attn.k_norm.weight"]
-        names += [f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += mlp_tensor_names(config, i)
         names += [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
+    return names
+
+
+def mlp_tensor_names(config: ModelConfig, layer: int) -> list[str]:
+    """Layer `layer`'s MLP tensors under the engine's names: the dense gate/up/down, or a mixture of experts'
+    router (`mlp.gate`), experts (`mlp.experts.{j}.*`) and shared expert (Qwen2-MoE's)."""
+    prefix, products = f"model.layers.{layer}.mlp.", ("gate", "up", "down")
+    if not config.is_sparse(layer):
+        return [f"{prefix}{p}_proj.weight" for p in products]
+    moe = config.moe
+    assert moe is not None
+    names = [f"{prefix}gate.weight"]
+    names += [f"{prefix}experts.{j}.{p}_proj.weight" for j in range(moe.num_experts) for p in products]
+    if moe.shared_expert_intermediate_size:
+        names += [f"{prefix}shared_expert.{p}_proj.weight" for p in products] + [f"{prefix}shared_expert_gate.weight"]
     return names

@@ -21,6 +21,7 @@ from kernels.attention_backend import create_attention_backend
 from kernels.cache_ops import allocate_kv_cache, int8_rows
 from kernels.native import linear_gguf
 from kernels.page_table import PageTable
+from tests.helpers.tiny_models import make_head64_qwen3_moe
 
 BLOCK = 16
 TARGET = 255  # the position whose K/V and logits are compared
@@ -30,18 +31,24 @@ pytestmark = pytest.mark.skipif(row_invariance_unavailable(64, BLOCK) is not Non
                                 reason=f"bfloat16 rows are not invariant here: {row_invariance_unavailable(64, BLOCK)}")
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "int8"])
+@pytest.fixture(scope="module", params=["bfloat16", "int8", "moe", "moe-int8"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LlamaModel:
     """Head size 64 (the vectorized attention's), 3 layers: what the worker builds on such a CPU; also with
-    `quantization: int8`'s weights (the GGUF kernel's products, where it runs)."""
-    if request.param == "int8" and not linear_gguf.supported(linear_gguf.Q8_0, 16, 32):
+    `quantization: int8`'s weights (the GGUF kernel's products, where it runs), and a mixture of experts (a
+    Qwen3-MoE: its experts' products over each expert's group of tokens, layer by layer)."""
+    int8 = request.param.endswith("int8")
+    if int8 and not linear_gguf.supported(linear_gguf.Q8_0, 16, 32):
         pytest.skip("the GGUF kernel does not run here (AVX512-VNNI)")
-    directory = make_random_llama(tmp_path_factory.mktemp("llama-d64"), hidden=256, intermediate=512, layers=3,
-                                  heads=4, kv_heads=2, max_position_embeddings=1024, seed=3)
+    if request.param.startswith("moe"):
+        directory = make_head64_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe-d64"))
+    else:
+        directory = make_random_llama(tmp_path_factory.mktemp("llama-d64"), hidden=256, intermediate=512, layers=3,
+                                      heads=4, kv_heads=2, max_position_embeddings=1024, seed=3)
     config, weights = load_checkpoint(directory)
     built = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, max_positions=1024, prepack=True,
-                       native_linear=True, fused=True, int8_weights=request.param == "int8")
-    assert built.c_layers is not None  # every layer in one C call, as the worker runs it here
+                       native_linear=True, fused=True, int8_weights=int8)
+    # every layer in one C call, as the worker runs a dense model here; a mixture of experts layer by layer
+    assert (built.c_layers is None) == (config.moe is not None)
     return built
 
 

@@ -1,0 +1,75 @@
+"""A mixture-of-experts MLP over flattened tokens (Mixtral, Qwen2/3-MoE, OLMoE; gpu_worker/model_config.MoeConfig).
+
+The router's logits are computed in float32 and soft-maxed; each token takes its top-k experts. Tokens are then
+grouped by expert, and each expert with tokens runs its gate/up product, SiLU·mul and down product once over its
+group, through the same `linear` (and, on the CPU, the same C kernels) as a dense layer. Each token's output is
+accumulated from its experts in expert order, so its bits depend on its own row and experts only, never on which
+other tokens share an expert or how many rows the step has: the bfloat16 row invariance of the dense layers holds
+here too (tests/unit/gpu_worker/test_row_invariance.py).
+
+Under tensor parallelism each rank holds its slice of every expert's intermediate features (gate/up rows, down
+columns), as the dense MLP; the router and the shared expert's gate are whole on every rank, and the caller
+all-reduces the partial sums as after a dense down product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32
+
+
+@dataclass
+class ExpertMlp:
+    """One expert's (or the shared expert's) products on this rank: gate|up stacked, and down."""
+
+    gate_up: PackedWeight
+    down: PackedWeight
+
+
+@dataclass
+class SparseMoe:
+    router: PackedWeight  # [num_experts, hidden]
+    experts: list[ExpertMlp]
+    top_k: int
+    normalize_top_k: bool
+    shared: ExpertMlp | None = None  # Qwen2-MoE's shared expert, and its [1, hidden] gate
+    shared_gate: PackedWeight | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the top-k experts' weights [T, k] float32, their indices [T, k] int64) for x [T, hidden]. Ties between
+        equal probabilities go to the lower expert index (torch.topk on the CPU, as transformers)."""
+        probs = torch.softmax(linear_float32(x, self.router), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights, chosen
+
+    def __call__(self, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor,
+                                                                                                    torch.Tensor]:
+        """(this rank's partial MLP output [T, hidden] in x's dtype, the tokens routed to each expert
+        [num_experts] int64: the step's expert load). `silu_mul` maps gate|up [rows, 2n] to [rows, n]."""
+        weights, chosen = self.route(x)
+        out = torch.zeros_like(x)
+        flat = chosen.flatten()
+        load = torch.bincount(flat, minlength=len(self.experts))
+        # The (token, slot) assignments sorted by expert; a stable sort keeps each group in token order.
+        order = torch.argsort(flat, stable=True)
+        start = 0
+        for expert, count in zip(self.experts, load.tolist()):
+            if not count:
+                continue
+            picks = order[start : start + count]
+            start += count
+            tokens = picks // self.top_k
+            y = linear(silu_mul(linear(x[tokens], expert.gate_up)), expert.down)
+            # the router's weight in float32, as transformers' Mixtral; the sum in x's dtype
+            out.index_add_(0, tokens, (y * weights.view(-1)[picks, None]).to(out.dtype))
+        if self.shared is not None and self.shared_gate is not None:
+            shared = linear(silu_mul(linear(x, self.shared.gate_up)), self.shared.down)
+            out += torch.sigmoid(linear(x, self.shared_gate)) * shared
+        return out, load
+
