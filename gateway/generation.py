@@ -49,6 +49,7 @@ class Generation:
         self.tokenizer_pool = TokenizerPool(config.serving.tokenizer_workers, config.serving.tokenizer_queue,
                                             self.heap_trimmer)
         self._watches: list[asyncio.Task[None]] = []
+        self._model_facts: inference_pb2.ModelCard | None = None
 
     async def start(self) -> None:
         self._watches = [asyncio.create_task(self.metrics.watch_loop()),  # hetero_gateway_event_loop_lag_seconds
@@ -56,6 +57,13 @@ class Generation:
         max_model_len = await self.backend.max_model_len()
         if max_model_len is not None:
             self.max_model_len = max_model_len
+
+    async def model_facts(self) -> inference_pb2.ModelCard:
+        """The served model's architecture and experts (ListModels, /v1/models): asked of the backend until it
+        knows them (a worker has joined), then kept."""
+        if self._model_facts is None or not self._model_facts.architecture:
+            self._model_facts = await self.backend.model_facts()
+        return self._model_facts
 
     async def generate(self, request: inference_pb2.GenerateRequest, timeout: float | None = None,
                        client_request_id: str | None = None) -> AsyncIterator[inference_pb2.GenerateResponse]:

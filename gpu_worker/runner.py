@@ -157,6 +157,7 @@ class ModelRunner:
             kv_cache_bytes=self.num_blocks * self.bytes_per_block * self.tp.size,
             max_batch_size=step_batch_size(self.config, self.device.type, self.num_blocks)[0],
             pid=os.getpid(), tensor_parallel_size=self.tp.size, lora_adapters=self.loras.loaded(),
+            num_experts=mc.moe.num_experts if mc.moe else 0, num_experts_per_tok=mc.moe.top_k if mc.moe else 0,
         )
 
     def _apply_diffs(self, plan: worker_pb2.StepPlan) -> None:

@@ -60,6 +60,11 @@ class Backend(Protocol):
         """The backend's part of GetServerInfo (the caller adds version and model)."""
         ...
 
+    async def model_facts(self) -> inference_pb2.ModelCard:
+        """The served model's architecture, and for a mixture of experts its experts and experts per token, as
+        far as the backend knows them (an empty card where it does not: no worker yet, or a program's model)."""
+        ...
+
     def generate(self, request: inference_pb2.GenerateRequest, prepared: PreparedRequest,
                  timeout: float | None) -> AsyncIterator[SampleOutput]:
         """Every sample's messages (interleaved when n > 1) until each has finished. `timeout` is

@@ -344,6 +344,9 @@ class CommandBridgeBackend:
     async def server_info(self) -> inference_pb2.ServerInfo:
         return inference_pb2.ServerInfo(backend=self.bridge.name)
 
+    async def model_facts(self) -> inference_pb2.ModelCard:
+        return inference_pb2.ModelCard()  # the program's model is its own business
+
     async def abort(self, request_id: str, any_tenant: bool = False) -> bool:
         return self.bridge.abort(request_id, any_tenant)
 

@@ -52,6 +52,9 @@ class FallbackBackend:
     async def server_info(self) -> inference_pb2.ServerInfo:
         return await self.primary.server_info()
 
+    async def model_facts(self) -> inference_pb2.ModelCard:
+        return await self.primary.model_facts()
+
     async def abort(self, request_id: str, any_tenant: bool = False) -> bool:
         """The bridge first: a request it answers is there because the scheduler was unreachable."""
         return (await self.fallback.abort(request_id, any_tenant)

@@ -111,6 +111,15 @@ class SchedulerBackend:
             log.warning("scheduler not reachable at start; using config max_model_len", error=exc.message)
             return None
 
+    async def model_facts(self) -> inference_pb2.ModelCard:
+        try:
+            stats = await self.stats()
+        except HeteroError as exc:  # ListModels still answers, without them
+            log.warning("scheduler not reachable; the model card has no architecture", error=exc.message)
+            return inference_pb2.ModelCard()
+        return inference_pb2.ModelCard(architecture=stats.architecture, num_experts=stats.num_experts,
+                                       num_experts_per_tok=stats.num_experts_per_tok)
+
     async def server_info(self) -> inference_pb2.ServerInfo:
         stats = await self.stats()
         return inference_pb2.ServerInfo(pool=stats.pool, service=stats.service, backend=NAME,

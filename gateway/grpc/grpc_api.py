@@ -202,6 +202,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         t = g.tokenizer
         card = inference_pb2.ModelCard(id=g.model_name, max_model_len=g.max_model_len, vocab_size=t.vocab_size,
                                        has_chat_template=bool(t.chat_template), eos_token_ids=list(t.eos_token_ids))
+        card.MergeFrom(await g.model_facts())
         if t.bos_token_id is not None:
             card.bos_token_id = t.bos_token_id
         cards = [card]

@@ -210,8 +210,11 @@ class HttpApi:
     async def models(self) -> dict[str, Any]:
         g = self.generation
         t = g.tokenizer
+        facts = await g.model_facts()
         card = {"object": "model", "created": 0, "owned_by": "hetero-infer", "max_model_len": g.max_model_len,
-                "vocab_size": t.vocab_size, "eos_token_ids": list(t.eos_token_ids), "bos_token_id": t.bos_token_id}
+                "vocab_size": t.vocab_size, "eos_token_ids": list(t.eos_token_ids), "bos_token_id": t.bos_token_id,
+                "architecture": facts.architecture or None, "num_experts": facts.num_experts,
+                "num_experts_per_tok": facts.num_experts_per_tok}
         # The base model, then each LoRA adapter a request's `model` may name (`parent`: vLLM's field).
         return {"object": "list", "data": [{"id": g.model_name, **card, "root": g.model_name, "parent": None}]
                 + [{"id": a.name, **card, "root": a.path or a.name, "parent": g.model_name}

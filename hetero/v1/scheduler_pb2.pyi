@@ -112,7 +112,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("pool", "model", "max_model_len", "attention_backend", "device", "service", "replicas")
+    __slots__ = ("pool", "model", "max_model_len", "attention_backend", "device", "service", "replicas", "architecture", "num_experts", "num_experts_per_tok")
     POOL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,9 @@ class SchedulerStats(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     pool: _common_pb2.PoolStats
     model: str
     max_model_len: int
@@ -127,7 +130,10 @@ class SchedulerStats(_message.Message):
     device: str
     service: _common_pb2.ServiceStats
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
-    def __init__(self, pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., service: _Optional[_Union[_common_pb2.ServiceStats, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+    architecture: str
+    num_experts: int
+    num_experts_per_tok: int
+    def __init__(self, pool: _Optional[_Union[_common_pb2.PoolStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., attention_backend: _Optional[str] = ..., device: _Optional[str] = ..., service: _Optional[_Union[_common_pb2.ServiceStats, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., architecture: _Optional[str] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
 
 class SuspendRequest(_message.Message):
     __slots__ = ("mode",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hetero.v1 import common_pb2 as hetero_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hetero/v1/worker.proto\x12\thetero.v1\x1a\x16hetero/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xaa\x03\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x0e \x01(\x04\x12\x0b\n\x03pid\x18< \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18= \x01(\r\x12-\n\rlora_adapters\x18\x0f \x03(\x0b\x32\x16.hetero.v1.LoraAdapter\x12\x16\n\x0emax_batch_size\x18\x10 \x01(\r\";\n\x0fLoadLoraRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"!\n\x11UnloadLoraRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\x14\n\x12UnloadLoraResponse\"\xae\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\ttoken_ids\x18\x02 \x03(\x07\x42\x02\x10\x01\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.hetero.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x11\n\tlora_slot\x18\x05 \x01(\r\x12#\n\x07pooling\x18\x06 \x01(\x0e\x32\x12.hetero.v1.Pooling\"\xf0\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x19\n\rnew_block_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1b\n\x0f\x64raft_token_ids\x18\x06 \x03(\rB\x02\x10\x01\x12\x1e\n\x16num_draft_model_tokens\x18\x07 \x01(\r\x12\x34\n\x11\x62lock_table_edits\x18\x14 \x03(\x0b\x32\x19.hetero.v1.BlockTableEdit\"1\n\x0e\x42lockTableEdit\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"3\n\nSwapBlocks\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\tblock_ids\x18\x02 \x03(\rB\x02\x10\x01\"\xbc\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x16.hetero.v1.NewSequence\x12/\n\tscheduled\x18\x03 \x03(\x0b\x32\x1c.hetero.v1.ScheduledSequence\x12\x1c\n\x10released_seq_ids\x18\x04 \x03(\x04\x42\x02\x10\x01\x12*\n\x0c\x62lock_copies\x18\x05 \x03(\x0b\x32\x14.hetero.v1.BlockCopy\x12\r\n\x05reset\x18\x06 \x01(\x08\x12\'\n\x08swap_out\x18\x07 \x03(\x0b\x32\x15.hetero.v1.SwapBlocks\x12&\n\x07swap_in\x18\x08 \x03(\x0b\x32\x15.hetero.v1.SwapBlocks\x12\x15\n\rafter_step_id\x18\t \x01(\x04\"\xc7\x04\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x07seq_ids\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x14\n\x08logprobs\x18\x04 \x03(\x02\x42\x02\x10\x01\x12\x17\n\x0f\x66orward_seconds\x18\x05 \x01(\x01\x12\x1f\n\x13num_accepted_drafts\x18\x06 \x03(\rB\x02\x10\x01\x12\x1e\n\x12\x61\x63\x63\x65pted_draft_ids\x18\x07 \x03(\rB\x02\x10\x01\x12#\n\x17\x61\x63\x63\x65pted_draft_logprobs\x18\x08 \x03(\x02\x42\x02\x10\x01\x12(\n\x1c\x61\x63\x63\x65pted_draft_top_token_ids\x18\t \x03(\rB\x02\x10\x01\x12\'\n\x1b\x61\x63\x63\x65pted_draft_top_logprobs\x18\n \x03(\x02\x42\x02\x10\x01\x12\x15\n\rdraft_seconds\x18\x0b \x01(\x01\x12\x1e\n\x16\x64raft_proposal_seconds\x18\x0c \x01(\x01\x12\x18\n\x10num_top_logprobs\x18( \x01(\r\x12\x19\n\rtop_token_ids\x18) \x03(\rB\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18* \x03(\x02\x42\x02\x10\x01\x12\x32\n\x0fprompt_logprobs\x18+ \x03(\x0b\x32\x19.hetero.v1.PromptLogprobs\x12*\n\x08\x66\x61ilures\x18, \x03(\x0b\x32\x18.hetero.v1.SampleFailure\x12.\n\nembeddings\x18- \x03(\x0b\x32\x1a.hetero.v1.PooledEmbedding\"5\n\x0fPooledEmbedding\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\x06values\x18\x02 \x03(\x02\x42\x02\x10\x01\".\n\rSampleFailure\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x94\x01\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x14\n\x08logprobs\x18\x03 \x03(\x02\x42\x02\x10\x01\x12\x0f\n\x07num_top\x18\x04 \x01(\r\x12\x19\n\rtop_token_ids\x18\x05 \x03(\rB\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18\x06 \x03(\x02\x42\x02\x10\x01\"G\n\x15SuspendKVCacheRequest\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .hetero.v1.KVCacheManagementMode\"0\n\x16SuspendKVCacheResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x04\"\x16\n\x14ResumeKVCacheRequest\"\x17\n\x15ResumeKVCacheResponse2\xb8\x03\n\x06Worker\x12=\n\x08\x44\x65scribe\x12\x1a.hetero.v1.DescribeRequest\x1a\x15.hetero.v1.WorkerInfo\x12\x39\n\x0b\x45xecuteStep\x12\x13.hetero.v1.StepPlan\x1a\x15.hetero.v1.StepResult\x12U\n\x0eSuspendKVCache\x12 .hetero.v1.SuspendKVCacheRequest\x1a!.hetero.v1.SuspendKVCacheResponse\x12R\n\rResumeKVCache\x12\x1f.hetero.v1.ResumeKVCacheRequest\x1a .hetero.v1.ResumeKVCacheResponse\x12>\n\x08LoadLora\x12\x1a.hetero.v1.LoadLoraRequest\x1a\x16.hetero.v1.LoraAdapter\x12I\n\nUnloadLora\x12\x1c.hetero.v1.UnloadLoraRequest\x1a\x1d.hetero.v1.UnloadLoraResponseBV\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hetero/v1/worker.proto\x12\thetero.v1\x1a\x16hetero/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xdc\x03\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x12\n\nnum_blocks\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x19\n\x11\x61ttention_backend\x18\r \x01(\t\x12\x16\n\x0ekv_cache_bytes\x18\x0e \x01(\x04\x12\x0b\n\x03pid\x18< \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18= \x01(\r\x12-\n\rlora_adapters\x18\x0f \x03(\x0b\x32\x16.hetero.v1.LoraAdapter\x12\x16\n\x0emax_batch_size\x18\x10 \x01(\r\x12\x13\n\x0bnum_experts\x18\x11 \x01(\r\x12\x1b\n\x13num_experts_per_tok\x18\x12 \x01(\r\";\n\x0fLoadLoraRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\"!\n\x11UnloadLoraRequest\x12\x0c\n\x04slot\x18\x01 \x01(\r\"\x14\n\x12UnloadLoraResponse\"\xae\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\ttoken_ids\x18\x02 \x03(\x07\x42\x02\x10\x01\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.hetero.v1.SamplingParams\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x11\n\tlora_slot\x18\x05 \x01(\r\x12#\n\x07pooling\x18\x06 \x01(\x0e\x32\x12.hetero.v1.Pooling\"\xf0\x01\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x19\n\rnew_block_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x1b\n\x0f\x64raft_token_ids\x18\x06 \x03(\rB\x02\x10\x01\x12\x1e\n\x16num_draft_model_tokens\x18\x07 \x01(\r\x12\x34\n\x11\x62lock_table_edits\x18\x14 \x03(\x0b\x32\x19.hetero.v1.BlockTableEdit\"1\n\x0e\x42lockTableEdit\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"3\n\nSwapBlocks\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\tblock_ids\x18\x02 \x03(\rB\x02\x10\x01\"\xbc\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12-\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x16.hetero.v1.NewSequence\x12/\n\tscheduled\x18\x03 \x03(\x0b\x32\x1c.hetero.v1.ScheduledSequence\x12\x1c\n\x10released_seq_ids\x18\x04 \x03(\x04\x42\x02\x10\x01\x12*\n\x0c\x62lock_copies\x18\x05 \x03(\x0b\x32\x14.hetero.v1.BlockCopy\x12\r\n\x05reset\x18\x06 \x01(\x08\x12\'\n\x08swap_out\x18\x07 \x03(\x0b\x32\x15.hetero.v1.SwapBlocks\x12&\n\x07swap_in\x18\x08 \x03(\x0b\x32\x15.hetero.v1.SwapBlocks\x12\x15\n\rafter_step_id\x18\t \x01(\x04\"\xc7\x04\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x07seq_ids\x18\x02 \x03(\x04\x42\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x03 \x03(\rB\x02\x10\x01\x12\x14\n\x08logprobs\x18\x04 \x03(\x02\x42\x02\x10\x01\x12\x17\n\x0f\x66orward_seconds\x18\x05 \x01(\x01\x12\x1f\n\x13num_accepted_drafts\x18\x06 \x03(\rB\x02\x10\x01\x12\x1e\n\x12\x61\x63\x63\x65pted_draft_ids\x18\x07 \x03(\rB\x02\x10\x01\x12#\n\x17\x61\x63\x63\x65pted_draft_logprobs\x18\x08 \x03(\x02\x42\x02\x10\x01\x12(\n\x1c\x61\x63\x63\x65pted_draft_top_token_ids\x18\t \x03(\rB\x02\x10\x01\x12\'\n\x1b\x61\x63\x63\x65pted_draft_top_logprobs\x18\n \x03(\x02\x42\x02\x10\x01\x12\x15\n\rdraft_seconds\x18\x0b \x01(\x01\x12\x1e\n\x16\x64raft_proposal_seconds\x18\x0c \x01(\x01\x12\x18\n\x10num_top_logprobs\x18( \x01(\r\x12\x19\n\rtop_token_ids\x18) \x03(\rB\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18* \x03(\x02\x42\x02\x10\x01\x12\x32\n\x0fprompt_logprobs\x18+ \x03(\x0b\x32\x19.hetero.v1.PromptLogprobs\x12*\n\x08\x66\x61ilures\x18, \x03(\x0b\x32\x18.hetero.v1.SampleFailure\x12.\n\nembeddings\x18- \x03(\x0b\x32\x1a.hetero.v1.PooledEmbedding\"5\n\x0fPooledEmbedding\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\x06values\x18\x02 \x03(\x02\x42\x02\x10\x01\".\n\rSampleFailure\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"\x94\x01\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x14\n\x08logprobs\x18\x03 \x03(\x02\x42\x02\x10\x01\x12\x0f\n\x07num_top\x18\x04 \x01(\r\x12\x19\n\rtop_token_ids\x18\x05 \x03(\rB\x02\x10\x01\x12\x18\n\x0ctop_logprobs\x18\x06 \x03(\x02\x42\x02\x10\x01\"G\n\x15SuspendKVCacheRequest\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .hetero.v1.KVCacheManagementMode\"0\n\x16SuspendKVCacheResponse\x12\x16\n\x0ereleased_bytes\x18\x01 \x01(\x04\"\x16\n\x14ResumeKVCacheRequest\"\x17\n\x15ResumeKVCacheResponse2\xb8\x03\n\x06Worker\x12=\n\x08\x44\x65scribe\x12\x1a.hetero.v1.DescribeRequest\x1a\x15.hetero.v1.WorkerInfo\x12\x39\n\x0b\x45xecuteStep\x12\x13.hetero.v1.StepPlan\x1a\x15.hetero.v1.StepResult\x12U\n\x0eSuspendKVCache\x12 .hetero.v1.SuspendKVCacheRequest\x1a!.hetero.v1.SuspendKVCacheResponse\x12R\n\rResumeKVCache\x12\x1f.hetero.v1.ResumeKVCacheRequest\x1a .hetero.v1.ResumeKVCacheResponse\x12>\n\x08LoadLora\x12\x1a.hetero.v1.LoadLoraRequest\x1a\x16.hetero.v1.LoraAdapter\x12I\n\nUnloadLora\x12\x1c.hetero.v1.UnloadLoraRequest\x1a\x1d.hetero.v1.UnloadLoraResponseBV\n\x12\x64\x65v.heteroinfer.v1P\x01Z>github.com/hetero-infer/hetero-infer/gen/go/hetero/v1;heterov1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -74,41 +74,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=61
   _globals['_DESCRIBEREQUEST']._serialized_end=78
   _globals['_WORKERINFO']._serialized_start=81
-  _globals['_WORKERINFO']._serialized_end=507
-  _globals['_LOADLORAREQUEST']._serialized_start=509
-  _globals['_LOADLORAREQUEST']._serialized_end=568
-  _globals['_UNLOADLORAREQUEST']._serialized_start=570
-  _globals['_UNLOADLORAREQUEST']._serialized_end=603
-  _globals['_UNLOADLORARESPONSE']._serialized_start=605
-  _globals['_UNLOADLORARESPONSE']._serialized_end=625
-  _globals['_NEWSEQUENCE']._serialized_start=628
-  _globals['_NEWSEQUENCE']._serialized_end=802
-  _globals['_SCHEDULEDSEQUENCE']._serialized_start=805
-  _globals['_SCHEDULEDSEQUENCE']._serialized_end=1045
-  _globals['_BLOCKTABLEEDIT']._serialized_start=1047
-  _globals['_BLOCKTABLEEDIT']._serialized_end=1096
-  _globals['_BLOCKCOPY']._serialized_start=1098
-  _globals['_BLOCKCOPY']._serialized_end=1135
-  _globals['_SWAPBLOCKS']._serialized_start=1137
-  _globals['_SWAPBLOCKS']._serialized_end=1188
-  _globals['_STEPPLAN']._serialized_start=1191
-  _globals['_STEPPLAN']._serialized_end=1507
-  _globals['_STEPRESULT']._serialized_start=1510
-  _globals['_STEPRESULT']._serialized_end=2093
-  _globals['_POOLEDEMBEDDING']._serialized_start=2095
-  _globals['_POOLEDEMBEDDING']._serialized_end=2148
-  _globals['_SAMPLEFAILURE']._serialized_start=2150
-  _globals['_SAMPLEFAILURE']._serialized_end=2196
-  _globals['_PROMPTLOGPROBS']._serialized_start=2199
-  _globals['_PROMPTLOGPROBS']._serialized_end=2347
-  _globals['_SUSPENDKVCACHEREQUEST']._serialized_start=2349
-  _globals['_SUSPENDKVCACHEREQUEST']._serialized_end=2420
-  _globals['_SUSPENDKVCACHERESPONSE']._serialized_start=2422
-  _globals['_SUSPENDKVCACHERESPONSE']._serialized_end=2470
-  _globals['_RESUMEKVCACHEREQUEST']._serialized_start=2472
-  _globals['_RESUMEKVCACHEREQUEST']._serialized_end=2494
-  _globals['_RESUMEKVCACHERESPONSE']._serialized_start=2496
-  _globals['_RESUMEKVCACHERESPONSE']._serialized_end=2519
-  _globals['_WORKER']._serialized_start=2522
-  _globals['_WORKER']._serialized_end=2962
+  _globals['_WORKERINFO']._serialized_end=557
+  _globals['_LOADLORAREQUEST']._serialized_start=559
+  _globals['_LOADLORAREQUEST']._serialized_end=618
+  _globals['_UNLOADLORAREQUEST']._serialized_start=620
+  _globals['_UNLOADLORAREQUEST']._serialized_end=653
+  _globals['_UNLOADLORARESPONSE']._serialized_start=655
+  _globals['_UNLOADLORARESPONSE']._serialized_end=675
+  _globals['_NEWSEQUENCE']._serialized_start=678
+  _globals['_NEWSEQUENCE']._serialized_end=852
+  _globals['_SCHEDULEDSEQUENCE']._serialized_start=855
+  _globals['_SCHEDULEDSEQUENCE']._serialized_end=1095
+  _globals['_BLOCKTABLEEDIT']._serialized_start=1097
+  _globals['_BLOCKTABLEEDIT']._serialized_end=1146
+  _globals['_BLOCKCOPY']._serialized_start=1148
+  _globals['_BLOCKCOPY']._serialized_end=1185
+  _globals['_SWAPBLOCKS']._serialized_start=1187
+  _globals['_SWAPBLOCKS']._serialized_end=1238
+  _globals['_STEPPLAN']._serialized_start=1241
+  _globals['_STEPPLAN']._serialized_end=1557
+  _globals['_STEPRESULT']._serialized_start=1560
+  _globals['_STEPRESULT']._serialized_end=2143
+  _globals['_POOLEDEMBEDDING']._serialized_start=2145
+  _globals['_POOLEDEMBEDDING']._serialized_end=2198
+  _globals['_SAMPLEFAILURE']._serialized_start=2200
+  _globals['_SAMPLEFAILURE']._serialized_end=2246
+  _globals['_PROMPTLOGPROBS']._serialized_start=2249
+  _globals['_PROMPTLOGPROBS']._serialized_end=2397
+  _globals['_SUSPENDKVCACHEREQUEST']._serialized_start=2399
+  _globals['_SUSPENDKVCACHEREQUEST']._serialized_end=2470
+  _globals['_SUSPENDKVCACHERESPONSE']._serialized_start=2472
+  _globals['_SUSPENDKVCACHERESPONSE']._serialized_end=2520
+  _globals['_RESUMEKVCACHEREQUEST']._serialized_start=2522
+  _globals['_RESUMEKVCACHEREQUEST']._serialized_end=2544
+  _globals['_RESUMEKVCACHERESPONSE']._serialized_start=2546
+  _globals['_RESUMEKVCACHERESPONSE']._serialized_end=2569
+  _globals['_WORKER']._serialized_start=2572
+  _globals['_WORKER']._serialized_end=3012
 # @@protoc_insertion_point(module_scope)

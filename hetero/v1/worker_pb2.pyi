@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "max_position_embeddings", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "attention_backend", "kv_cache_bytes", "pid", "tensor_parallel_size", "lora_adapters", "max_batch_size")
+    __slots__ = ("model_name", "architecture", "vocab_size", "num_layers", "num_kv_heads", "head_dim", "max_position_embeddings", "eos_token_ids", "block_size", "num_blocks", "device", "dtype", "attention_backend", "kv_cache_bytes", "pid", "tensor_parallel_size", "lora_adapters", "max_batch_size", "num_experts", "num_experts_per_tok")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class WorkerInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -49,7 +51,9 @@ class WorkerInfo(_message.Message):
     tensor_parallel_size: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoraAdapter]
     max_batch_size: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    num_experts: int
+    num_experts_per_tok: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., attention_backend: _Optional[str] = ..., kv_cache_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_common_pb2.LoraAdapter, _Mapping]]] = ..., max_batch_size: _Optional[int] = ..., num_experts: _Optional[int] = ..., num_experts_per_tok: _Optional[int] = ...) -> None: ...
 
 class LoadLoraRequest(_message.Message):
     __slots__ = ("slot", "name", "path")

@@ -30,13 +30,13 @@ from hetero.v1 import common_pb2, scheduler_pb2
 from hetero_common.config import Config
 from hetero_common.errors import OverloadedError, UnavailableError
 from scheduler_svc.core.scheduler import StepOutputs
-from scheduler_svc.sequence import Sequence
 from scheduler_svc.core.stats import ServiceCounters, merge_pools
 from scheduler_svc.lora.lora_manager import LoraManager
 from scheduler_svc.lora.lora_registry import LoraRegistry
 from scheduler_svc.replicas.discovery import resolve, split_host_port, watch_dns
 from scheduler_svc.replicas.replica import Replica
 from scheduler_svc.replicas.router import Router
+from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.replicas.replica_set")
 ORPHAN_WATCH_INTERVAL_S = 0.1
@@ -261,4 +261,7 @@ class ReplicaSet:
                              self.config.max_model_len)
         return scheduler_pb2.SchedulerStats(pool=pool, model=info.model_name if info else "", max_model_len=max_model_len,
                                             attention_backend=info.attention_backend if info else "",
-                                            device=info.device if info else "", service=service, replicas=statuses)
+                                            device=info.device if info else "", service=service, replicas=statuses,
+                                            architecture=info.architecture if info else "",
+                                            num_experts=info.num_experts if info else 0,
+                                            num_experts_per_tok=info.num_experts_per_tok if info else 0)

@@ -127,6 +127,7 @@ def test_tokenize_list_models_and_info(stack: Stack) -> None:
     assert tok.count == len(tok.token_ids) > 0 and tok.max_model_len == 512
     models = stack.inference.ListModels(inference_pb2.ListModelsRequest()).models
     assert len(models) == 1 and models[0].has_chat_template
+    assert (models[0].architecture, models[0].num_experts, models[0].num_experts_per_tok) == ("llama", 0, 0)
     info = stack.inference.GetServerInfo(inference_pb2.GetServerInfoRequest())
     assert info.pool.block_size == 5 and info.pool.total_blocks > 0 and info.attention_backend == "torch"
 

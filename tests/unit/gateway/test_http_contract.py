@@ -345,6 +345,8 @@ def test_tokenizer_routes_match_transformers(client: TestClient, tokenizer_dir: 
     models = client.get("/v1/models").json()["data"][0]
     assert models["eos_token_ids"] == [hf.eos_token_id] and models["bos_token_id"] == hf.bos_token_id
     assert models["max_model_len"] == 64
+    # the command bridge's program has a model of its own: no family, no experts
+    assert (models["architecture"], models["num_experts"], models["num_experts_per_tok"]) == (None, 0, 0)
 
 
 def test_tokenizer_routes_check_the_model(client: TestClient) -> None:
