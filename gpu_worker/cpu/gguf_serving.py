@@ -31,8 +31,7 @@ def log_gguf_serving(weights: dict[str, Any], model: Any) -> None:
     kept = [w for w in weights.values() if isinstance(w, GGUFBlocks)]
     if not kept:
         return
-    served = sum(type(w) is GGUFPackedWeight for layer in model.layers for w in layer.values())
-    served += type(model.lm_head) is GGUFPackedWeight
+    served = sum(type(w) is GGUFPackedWeight for w in model.products())
     if served:
         log.info("gguf weights served from their blocks", products=served,
                  types=sorted({w.ggml_type for w in kept}), one_c_call=model.c_layers is not None)

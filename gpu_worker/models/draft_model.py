@@ -34,8 +34,8 @@ import structlog
 import torch
 
 from gpu_worker.kv_dtype import kv_cache_torch_dtype
-from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.models.model_build import build_model
 from gpu_worker.parallel.tensor_parallel import TensorParallel
 from gpu_worker.sampling.constrained import GuidanceVocabulary, RowConstraint, build_constraint_masks, ensure_constraint

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from gpu_worker.gguf_blocks import GGUFBlocks
-from gpu_worker.model_config import ModelConfig
+from gpu_worker.model_config import ModelConfig, MoeConfig
 from gpu_worker.models.families import registry
 from gpu_worker.models.families.family import CheckpointError, Family
 from hetero_common.model_files import token_ids
@@ -26,6 +26,16 @@ _GGUF_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    # a mixture of experts: the router, every expert's products stacked [experts, out, in] (split per expert
+    # here), and Qwen2-MoE's shared expert with its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -69,7 +79,8 @@ def load_gguf(path: Path, dtype: torch.dtype,
     except (ValueError, OSError) as exc:
         raise CheckpointError(f"{str(path)!r} is not a readable GGUF file: {exc}.") from exc
     meta = _GGUFMetadata(reader, path)
-    family = registry.for_gguf_architecture(meta.architecture, repr(str(path)))
+    experts = bool(meta.field(f"{meta.architecture}.expert_count"))
+    family = registry.for_gguf_architecture(meta.architecture, repr(str(path)), experts)
     gguf_tensors = {t.name: t for t in reader.tensors}
     config = _gguf_config(meta, gguf_tensors, family)
     return config, _gguf_state(gguf_tensors, config, family, dtype, keep_blocks)
@@ -120,8 +131,25 @@ def _gguf_config(meta: _GGUFMetadata, gguf_tensors: dict[str, Any], family: Fami
         attention_bias="blk.0.attn_q.bias" in gguf_tensors,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(eos)),
+        moe=_gguf_moe(meta, gguf_tensors, family),
     )
     return ModelConfig(**{**common, **family.gguf_config_fields(meta.field, arch)})
+
+
+def _gguf_moe(meta: _GGUFMetadata, gguf_tensors: dict[str, Any], family: Family) -> MoeConfig | None:
+    """A mixture of experts' shape from `{arch}.expert_*`; its sparse layers are those with a router tensor."""
+    arch = meta.architecture
+    experts = int(meta.field(f"{arch}.expert_count") or 0)
+    if not experts:
+        return None
+    layers = int(meta.required("block_count"))
+    return MoeConfig(
+        num_experts=experts, top_k=int(meta.required("expert_used_count")),
+        expert_intermediate_size=int(meta.field(f"{arch}.expert_feed_forward_length")
+                                     or meta.required("feed_forward_length")),
+        normalize_top_k=bool(meta.field(f"{arch}.expert_weights_norm", family.gguf_normalize_top_k)),
+        sparse_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in gguf_tensors),
+        shared_expert_intermediate_size=int(meta.field(f"{arch}.expert_shared_feed_forward_length") or 0))
 
 
 def _gguf_vocab_size(meta: _GGUFMetadata, gguf_tensors: dict[str, Any]) -> int:
@@ -167,6 +195,12 @@ def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, family: Famil
             continue
         # GGUF lists dimensions fastest-first (ne0 = columns): reverse for torch's row-major order.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if len(shape) == 3:  # one [out, in] matrix per expert
+            for expert, part in _experts(hf_name, tensor, shape, dtype, keep_blocks):
+                state[hf_name.replace(".experts.", f".experts.{expert}.")] = part
+            continue
+        if hf_name.endswith("shared_expert_gate.weight"):
+            shape = (1, shape[-1])  # llama.cpp keeps the shared expert's one-output gate as a vector
         if (keep_blocks is not None and len(shape) == 2 and hf_name.endswith(BLOCK_WEIGHTS)
                 and keep_blocks(int(tensor.tensor_type), shape[0], shape[1])):
             blocks = torch.from_numpy(np.array(tensor.data)).reshape(shape[0], -1)  # a copy: the file is read-only
@@ -190,3 +224,18 @@ def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, family: Famil
                 weight = _unpermute_rotary(weight, config.num_key_value_heads)
         state.update(family.to_engine(hf_name, weight.to(dtype).contiguous(), config))
     return state
+
+
+def _experts(name: str, tensor: Any, shape: tuple[int, ...], dtype: torch.dtype,
+             keep_blocks: Callable[[int, int, int], bool] | None) -> list[tuple[int, Any]]:
+    """A stacked [experts, out, in] tensor (`ffn_*_exps`) as (expert, its [out, in] weight): each kept in its
+    blocks where `keep_blocks` says so (an expert's rows are whole blocks), else dequantized to `dtype`."""
+    from gguf.quants import dequantize
+
+    experts, out, cols = shape
+    if keep_blocks is not None and keep_blocks(int(tensor.tensor_type), out, cols):
+        blocks = np.array(tensor.data).reshape(experts, out, -1)  # a copy: the file is read-only
+        return [(e, GGUFBlocks(int(tensor.tensor_type), (out, cols), np.ascontiguousarray(blocks[e])))
+                for e in range(experts)]
+    weight = torch.from_numpy(np.array(dequantize(np.asarray(tensor.data), tensor.tensor_type))).reshape(shape)
+    return [(e, weight[e].to(dtype).contiguous()) for e in range(experts)]

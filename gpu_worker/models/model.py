@@ -285,6 +285,14 @@ class LlamaModel:
         self._expert_load = load if self._expert_load is None else self._expert_load + load
         return out
 
+    def products(self) -> list[PackedWeight]:
+        """Every linear weight of the model: each layer's (its experts' too) and the LM head."""
+        weights = [self.lm_head]
+        for layer in self.layers:
+            weights += [w for name in ("qkv", "o", "gate_up", "down") if (w := layer[name]) is not None]
+            weights += layer["moe"].products() if layer["moe"] is not None else []
+        return weights
+
     def take_expert_load(self) -> torch.Tensor | None:
         """The tokens routed to each expert [num_experts], summed over the sparse layers, since the last call;
         None for a dense model or before any step."""

@@ -39,6 +39,11 @@ class SparseMoe:
     shared: ExpertMlp | None = None  # Qwen2-MoE's shared expert, and its [1, hidden] gate
     shared_gate: PackedWeight | None = None
 
+    def products(self) -> list[PackedWeight]:
+        """Every linear weight it holds: the router, each expert's two, the shared expert's and its gate."""
+        shared = [] if self.shared is None else [self.shared.gate_up, self.shared.down, self.shared_gate]
+        return [self.router, *(w for e in self.experts for w in (e.gate_up, e.down)), *shared]
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the top-k experts' weights [T, k] float32, their indices [T, k] int64) for x [T, hidden]. Ties between
         equal probabilities go to the lower expert index (torch.topk on the CPU, as transformers)."""

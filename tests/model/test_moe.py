@@ -1,7 +1,7 @@
 """The mixtures of experts (Mixtral, Qwen3-MoE with a dense layer, Qwen2-MoE with its shared expert, OLMoE with
-its all-heads q/k norm) against Hugging Face `transformers` on the same weights: the config's expert facts, float32
-logits and greedy tokens on the torch path, bfloat16 logits through the C kernels, the expert load the model
-counts, and what is refused."""
+its all-heads q/k norm) against Hugging Face `transformers` on the same weights, from their directories and from
+GGUF files of them: the config's expert facts, float32 logits and greedy tokens on the torch path, bfloat16 logits
+through the C kernels, experts computed from Q8_0 blocks, the expert load the model counts, and what is refused."""
 
 from __future__ import annotations
 
@@ -17,12 +17,18 @@ from gpu_worker.cpu.worker_setup import cpu_flags
 from gpu_worker.lora.lora_adapter import load_lora_adapter
 from gpu_worker.models.checkpoint import CheckpointError, load_checkpoint
 from gpu_worker.models.model import LlamaModel
+from hetero_common.config import Config
+from hetero_common.config_sections import TokenizerConfig
 from hetero_common.errors import HeteroError
+from hetero_infer.engine import GenerationParams, InferenceEngine
 from kernels.cache_ops import allocate_kv_cache
 from kernels.native import decode_attention as native_decode
 from kernels.native import linear as native_linear
+from kernels.native import linear_gguf
+from kernels.native.linear_gguf import GGUFPackedWeight
 from kernels.page_table import PageTable
 from kernels.torch_attention import TorchPagedAttention
+from tests.helpers.gguf_files import write_gguf
 from tests.helpers.oracle import engine_greedy, hf_greedy, hf_last_logits, make_prompts
 from tests.helpers.tiny_models import make_head64_qwen3_moe, make_lora_adapter
 from tests.unit.gpu_worker.test_cpu_dtype import REL_TOL, prefill_logits
@@ -155,3 +161,59 @@ def test_bfloat16_c_kernels_close_to_transformers(head64_moe_dir: Path) -> None:
     # the token bfloat16 picks is transformers' best or within bfloat16's rounding of it (random logits tie)
     picked = exact.gather(1, fast.argmax(-1, keepdim=True)).squeeze(1)
     assert bool((picked >= exact.max(-1).values - 0.02).all()), (picked, exact.max(-1).values)
+
+
+# --- GGUF files, written from the same weights as llama.cpp's converter writes them ----------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_ggufs(tiny_moe_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("moe-gguf")
+    return {family: write_gguf(tiny_moe_dirs[family], directory / f"{family}.gguf") for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_file_has_the_directorys_config_and_weights(tiny_moe_dirs: dict[str, Path], moe_ggufs: dict[str, Path],
+                                                         family: str) -> None:
+    """The stacked ffn_*_exps split per expert, the router and shared expert renamed, Mixtral's `llama` file with
+    experts told apart from a Llama, its Q/K rows un-permuted."""
+    config, state = load_checkpoint(moe_ggufs[family])
+    reference_config, reference = load_checkpoint(tiny_moe_dirs[family])
+    assert config == reference_config
+    assert set(state) == set(reference)
+    assert all(torch.equal(state[name], reference[name]) for name in reference)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_greedy_matches_transformers(tiny_moe_dirs: dict[str, Path], moe_ggufs: dict[str, Path],
+                                          family: str) -> None:
+    prompts = make_prompts()
+    ours = engine_greedy(moe_ggufs[family], prompts, block_size=16, tokenizer=TokenizerConfig(path=str(
+        tiny_moe_dirs[family])))
+    assert ours == hf_greedy(tiny_moe_dirs[family], prompts)
+
+
+@pytest.mark.skipif(not linear_gguf.supported(linear_gguf.Q8_0, 16, 32),
+                    reason="the GGUF kernel does not run here (AVX512-VNNI)")
+def test_expert_products_are_served_from_their_gguf_blocks(head64_moe_dir: Path, tmp_path: Path) -> None:
+    """`quantization: auto` on a Q8_0 file: every expert's products computed from the file's blocks by the GGUF
+    kernel; greedy tokens agree with the same file dequantized and run in float32 (a random model's logits tie
+    often enough in bfloat16 that some streams part before their end)."""
+    path = write_gguf(head64_moe_dir, tmp_path / "q8.gguf", quantize="Q8_0")
+    prompts = make_prompts()
+    params = GenerationParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(**overrides) -> tuple[InferenceEngine, list[list[int]]]:
+        engine = InferenceEngine(Config(model=str(path), tokenizer=TokenizerConfig(path=str(head64_moe_dir)),
+                                        block_size=16, **overrides).validate())
+        ids = [engine.submit_request(p, params) for p in prompts]
+        done = {r.request_id: r.output_token_ids for r in engine.run()}
+        return engine, [done[i] for i in ids]
+
+    served, ours = run(quantization="auto")
+    model = served.runner.model
+    experts = [w for layer in (0, 2) for w in model.layers[layer]["moe"].products()[1:]]
+    assert len(experts) == 2 * 2 * 8 and all(type(w) is GGUFPackedWeight for w in experts)
+    _, reference = run(quantization="none", dtype="float32")
+    agreed = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours, reference))
+    assert agreed >= 0.75 * 24 * len(prompts), (agreed, ours, reference)

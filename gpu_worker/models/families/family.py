@@ -37,6 +37,11 @@ class Family:
     # GGUF per-layer tensor names (`blk.{i}.<name>`) beyond the common ones, as checkpoint names (before
     # `to_engine`), e.g. Qwen3's `attn_q_norm` -> `self_attn.q_norm`
     gguf_layer_names: dict[str, str] = {}
+    # A mixture of experts' GGUF files carry `{arch}.expert_count` (Mixtral's are `llama` files with experts), and
+    # say whether the top-k weights are renormalized only in some architectures (`expert_weights_norm`): the
+    # family's rule where they do not, as llama.cpp computes it.
+    gguf_with_experts: bool = False
+    gguf_normalize_top_k: bool = False
 
     def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         """The family's `ModelConfig` fields from its config.json (`where` names the file in errors) beyond the

@@ -18,6 +18,10 @@ _CHECKPOINT_PRODUCTS = {v: k for k, v in _PRODUCTS.items()}
 class Mixtral(Family):
     architecture = "mixtral"
     hf_model_types = ("mixtral",)
+    gguf_architectures = ("llama",)  # llama.cpp writes Mixtral as a `llama` file with experts, its Q/K permuted
+    gguf_with_experts = True
+    gguf_rotary_permuted = True
+    gguf_normalize_top_k = True
 
     def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         super().config_fields(cfg, where)

@@ -16,6 +16,7 @@ class Olmoe(Family):
     hf_model_types = ("olmoe",)
     gguf_architectures = ("olmoe",)
     gguf_layer_names = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    gguf_with_experts = True
 
     def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         super().config_fields(cfg, where)
@@ -23,6 +24,9 @@ class Olmoe(Family):
             raise CheckpointError(f"{where} sets clip_qkv={cfg['clip_qkv']!r}: clamping q, k and v is not supported.")
         return {"qk_norm": True, "qk_norm_all_heads": True,
                 "moe": moe_config(cfg, where, expert_size_key="intermediate_size")}
+
+    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+        return {"qk_norm": True, "qk_norm_all_heads": True}
 
 
 FAMILY = Olmoe()

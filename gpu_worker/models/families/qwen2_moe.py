@@ -14,6 +14,7 @@ class Qwen2Moe(Family):
     architecture = "qwen2_moe"
     hf_model_types = ("qwen2_moe",)
     gguf_architectures = ("qwen2moe",)
+    gguf_with_experts = True
 
     def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         refuse_true(cfg, ("mlp_bias",), where, "MLP biases are not supported.")
@@ -23,6 +24,9 @@ class Qwen2Moe(Family):
         shared = int(cfg.get("shared_expert_intermediate_size") or 0)
         return {"attention_bias": True,
                 "moe": moe_config(cfg, where, expert_size_key="moe_intermediate_size", shared_expert_size=shared)}
+
+    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+        return {"attention_bias": True}
 
 
 FAMILY = Qwen2Moe()

@@ -15,11 +15,16 @@ class Qwen3Moe(Family):
     hf_model_types = ("qwen3_moe",)
     gguf_architectures = ("qwen3moe",)
     gguf_layer_names = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    gguf_with_experts = True
+    gguf_normalize_top_k = True
 
     def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         super().config_fields(cfg, where)
         refuse_sliding_window(cfg, where)
         return {"qk_norm": True, "moe": moe_config(cfg, where, expert_size_key="moe_intermediate_size")}
+
+    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+        return {"qk_norm": True}
 
 
 FAMILY = Qwen3Moe()

@@ -10,7 +10,7 @@ FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen
                                 qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)
 
 _BY_HF_TYPE = {t: f for f in FAMILIES for t in f.hf_model_types}
-_BY_GGUF_ARCH = {a: f for f in FAMILIES for a in f.gguf_architectures}
+_BY_GGUF_ARCH = {(a, f.gguf_with_experts): f for f in FAMILIES for a in f.gguf_architectures}
 _BY_NAME = {f.architecture: f for f in FAMILIES}
 
 
@@ -26,11 +26,15 @@ def for_hf_model_type(model_type: str, where: str) -> Family:
     return _BY_HF_TYPE[model_type]
 
 
-def for_gguf_architecture(arch: str, where: str) -> Family:
-    if arch not in _BY_GGUF_ARCH:
-        raise CheckpointError(f"Unsupported architecture {arch!r} in {where}: supported GGUF architectures are "
-                              f"{', '.join(_BY_GGUF_ARCH)}.")
-    return _BY_GGUF_ARCH[arch]
+def for_gguf_architecture(arch: str, where: str, experts: bool = False) -> Family:
+    """The family of a GGUF file's `general.architecture`, with experts or without (`{arch}.expert_count`)."""
+    if (arch, experts) not in _BY_GGUF_ARCH:
+        archs = dict.fromkeys(a for a, _ in _BY_GGUF_ARCH)
+        kind = "with experts" if experts else "without experts"
+        raise CheckpointError(f"Unsupported architecture {arch!r} {kind} in {where}: supported GGUF architectures are "
+                              f"{', '.join(archs)}." if arch not in archs else
+                              f"{where} is a {arch!r} file {kind}, which is not supported.")
+    return _BY_GGUF_ARCH[(arch, experts)]
 
 
 def for_architecture(architecture: str) -> Family:

@@ -1,0 +1,87 @@
+"""GGUF files written, as llama.cpp's converter writes them, from the weights of a tiny Hugging Face checkpoint (the
+tests' oracle then runs transformers on the directory and the engine on the file): llama.cpp's tensor names, the
+Q/K rows of `llama` files permuted for its interleaved RoPE, a mixture of experts' products stacked per layer
+(`ffn_*_exps`), and the layers' products optionally quantized (Q8_0, Q4_0) with the `gguf` package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu_worker.models.checkpoint import load_checkpoint
+from gpu_worker.models.families import registry
+from gpu_worker.models.gguf_checkpoint import _GGUF_LAYER_NAMES
+
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's Q/K row order: each head's halves (2, d/2) as pairs (d/2, 2)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(model_dir: Path, path: Path, quantize: str | None = None) -> Path:
+    """`model_dir`'s checkpoint as the GGUF file `path`; `quantize` (Q8_0, Q4_0): the layers' products in that
+    type, the rest float32."""
+    import gguf
+
+    config, state = load_checkpoint(model_dir)
+    family = registry.for_architecture(config.architecture)
+    c, moe = config, config.moe
+    writer = gguf.GGUFWriter(str(path), family.gguf_architectures[0])
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(0)
+    if moe is not None:
+        writer.add_expert_count(moe.num_experts)
+        writer.add_expert_used_count(moe.top_k)
+        writer.add_expert_feed_forward_length(moe.expert_intermediate_size)
+        if moe.shared_expert_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(moe.shared_expert_intermediate_size)
+        if moe.normalize_top_k != family.gguf_normalize_top_k:
+            writer.add_expert_weights_norm(moe.normalize_top_k)
+    names = {v: k for k, v in {**_GGUF_LAYER_NAMES, **family.gguf_layer_names}.items()}
+    qtype = None if quantize is None else getattr(gguf.GGMLQuantizationType, quantize)
+
+    def add(name: str, tensor: torch.Tensor) -> None:
+        array = tensor.float().numpy()
+        if qtype is not None and name.startswith("blk.") and array.ndim >= 2 and array.shape[-1] % 32 == 0 \
+                and "ffn_gate_inp" not in name:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+
+    experts: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in state.items():
+        stem, kind = name.rsplit(".", 1)
+        if stem in _GLOBAL:
+            add(f"{_GLOBAL[stem]}.{kind}", tensor)
+            continue
+        _, _, layer, rest = stem.split(".", 3)
+        if ".experts." in rest:  # mlp.experts.{j}.gate_proj: stacked below, in expert order
+            product = rest.rsplit(".", 1)[1]
+            experts.setdefault(f"blk.{layer}.{names['mlp.experts.' + product]}.{kind}", []).append(tensor)
+            continue
+        if family.gguf_rotary_permuted and rest in ("self_attn.q_proj", "self_attn.k_proj"):
+            tensor = _permuted(tensor, c.num_attention_heads if rest == "self_attn.q_proj" else c.num_key_value_heads)
+        if rest == "mlp.shared_expert_gate":
+            tensor = tensor.reshape(-1)  # llama.cpp's vector
+        add(f"blk.{layer}.{names[rest]}.{kind}", tensor)
+    for name, parts in experts.items():
+        add(name, torch.stack(parts))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
