@@ -16,9 +16,12 @@ from tests.helpers.stack_requests import generate_concurrently, start_streams_to
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "qwen2_moe"])
 def test_tp2_stack_matches_tp1(model_fixture: str, request: pytest.FixtureRequest) -> None:
-    model_dir: Path = request.getfixturevalue(model_fixture)
+    """Also a mixture of experts with a shared expert: each expert and the shared one split along their
+    intermediate features, the router and the shared expert's gate whole on both ranks."""
+    model_dir: Path = (request.getfixturevalue("tiny_moe_dirs")[model_fixture] if model_fixture == "qwen2_moe"
+                       else request.getfixturevalue(model_fixture))
     prompts = make_prompts()
     tp1 = engine_greedy(model_dir, prompts, block_size=5)  # tensor parallel 1 (the transformers-checked path)
     worker = f"127.0.0.1:{free_port()}"
