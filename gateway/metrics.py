@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the HTTP app)
@@ -20,8 +22,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import HistogramMetricFamily
 
 from hetero.v1 import common_pb2
+from hetero_common.expert_load import STEP_TOKEN_BUCKETS
 from hetero_common.finish_reasons import finish_reason_name
 
 NAMESPACE = "hetero"
@@ -88,6 +92,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("spec_drafts", Gauge, "spec_decode_draft_tokens", "Speculative draft tokens proposed (monotonic)"),
     MetricSpec("spec_accepted", Gauge, "spec_decode_accepted_tokens", "Of those, kept by the model (monotonic)"),
     MetricSpec("spec_decodes", Gauge, "spec_decode_drafted_decodes", "Decodes that carried draft tokens (monotonic)"),
+    # A mixture of experts' load (hetero_common/expert_load.py); hetero_moe_expert_step_tokens, the histogram of
+    # the tokens an expert took in one step, is copied whole from the scheduler (`ExpertStepTokens`).
+    MetricSpec("expert_tokens", Gauge, "moe_expert_tokens", "Tokens routed to each expert of a mixture of experts, "
+               "summed over its MoE layers (monotonic)", ("expert",)),
     # The gateway's own event loop (`watch_loop`).
     MetricSpec("loop_lag", Histogram, "gateway_event_loop_lag_seconds", "How late the gateway's event loop ran a "
                f"timer due every {LOOP_LAG_INTERVAL * 1000:g} ms: how long any request waited for the loop",
@@ -149,6 +157,7 @@ class GatewayMetrics:
     spec_drafts: Gauge
     spec_accepted: Gauge
     spec_decodes: Gauge
+    expert_tokens: Gauge
     loop_lag: Histogram
     loop_lag_max: Gauge
     workers_up: Gauge
@@ -169,6 +178,8 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         for spec in METRICS:
             setattr(self, spec.attribute, spec.build(self.registry))
+        self.expert_step_tokens = ExpertStepTokens()
+        self.registry.register(self.expert_step_tokens)
 
     def update_pool(self, pool: common_pb2.PoolStats | None, service: common_pb2.ServiceStats | None) -> None:
         self.scheduler_up.set(0 if pool is None else 1)
@@ -188,6 +199,9 @@ class GatewayMetrics:
         self.spec_drafts.set(pool.spec_draft_tokens)
         self.spec_accepted.set(pool.spec_accepted_tokens)
         self.spec_decodes.set(pool.spec_drafted_decodes)
+        for expert, tokens in enumerate(pool.expert_tokens):
+            self.expert_tokens.labels(str(expert)).set(tokens)
+        self.expert_step_tokens.pool = pool
         self.workers_up.set(service.num_workers_up)
         self.lora_loaded.set(service.lora_adapters_loaded)
         self.lora_slots.set(service.lora_slots_in_use)
@@ -210,6 +224,24 @@ class GatewayMetrics:
     def start_request(self) -> "RequestTimer":
         self.in_flight.inc()
         return RequestTimer(self)
+
+
+class ExpertStepTokens:
+    """hetero_moe_expert_step_tokens: the scheduler's histogram of the tokens one expert took in one step
+    (PoolStats.expert_step_token_buckets), as of the last scrape's pool; absent for a dense model."""
+
+    def __init__(self) -> None:
+        self.pool = common_pb2.PoolStats()
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        counts = list(self.pool.expert_step_token_buckets)
+        if not counts:
+            return
+        bounds = [str(float(b)) for b in STEP_TOKEN_BUCKETS] + ["+Inf"]
+        yield HistogramMetricFamily(f"{NAMESPACE}_moe_expert_step_tokens",
+                                    "Tokens one expert of a mixture of experts took in one engine step",
+                                    buckets=list(zip(bounds, accumulate(counts))),
+                                    sum_value=self.pool.expert_step_tokens_sum)
 
 
 @dataclass

@@ -243,6 +243,8 @@ class ModelRunner:
             return result
         step = self._prepare(plan)
         logits = self._run_model(step, result)
+        if (load := self.model.take_expert_load()) is not None:  # a mixture of experts' (not on a graph replay)
+            result.expert_tokens.extend(load.tolist())
         for state, n in zip(step.states, step.qo_lens):  # their K/V is in the cache now
             state.num_computed += n
         if step.sample_idx:

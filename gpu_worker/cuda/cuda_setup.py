@@ -183,4 +183,5 @@ def capture_decode_graphs(model, attention, kv_cache: torch.Tensor, config: Conf
 
     graphs = DecodeGraphs(model, kv_cache, sizes, pad_block, block_size, make_attention)
     graphs.capture()
+    model.take_expert_load()  # the capture's dummy steps routed tokens too: not the served load
     return graphs

@@ -23,7 +23,7 @@ from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32
 from gpu_worker.lora.lora_slots import NativeLoraBatch, StepLora
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.moe import ExpertMlp, SparseMoe
+from gpu_worker.models.moe import ExpertMlp, GroupedExperts, SparseMoe
 from gpu_worker.models.rope import rope_tables
 from gpu_worker.models.weight_placer import WeightPlacer
 from gpu_worker.parallel.tensor_parallel import TensorParallel
@@ -188,11 +188,18 @@ class LlamaModel:
                              place.linear([f"{prefix}down_proj.weight"], columns))
 
         shared = moe.shared_expert_intermediate_size > 0
-        return SparseMoe(router=place.linear([p + "gate.weight"]),
-                         experts=[expert(f"{p}experts.{j}.") for j in range(moe.num_experts)],
+        experts = [expert(f"{p}experts.{j}.") for j in range(moe.num_experts)]
+        grouped = None
+        if self.device.type == "cuda":  # stacked for the grouped products: no host read-back, one CUDA graph
+            if not all(type(w) is torch.Tensor for e in experts for w in (e.gate_up, e.down)):
+                raise ConfigError("config key 'quantization': a mixture of experts on CUDA runs its experts "
+                                  "unquantized (bfloat16 or float16) only; set quantization to none.")
+            grouped, experts = GroupedExperts.stack(experts), []
+        return SparseMoe(router=place.linear([p + "gate.weight"]), experts=experts,
                          top_k=moe.top_k, normalize_top_k=moe.normalize_top_k,
                          shared=expert(p + "shared_expert.") if shared else None,
-                         shared_gate=place.linear([p + "shared_expert_gate.weight"]) if shared else None)
+                         shared_gate=place.linear([p + "shared_expert_gate.weight"]) if shared else None,
+                         grouped=grouped)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden], a new tensor (the forward adds into it)."""

@@ -136,7 +136,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., speculative_draft_tokens: _Optional[int] = ..., speculative_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("block_size", "total_blocks", "used_blocks", "free_blocks", "cached_blocks", "usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "internal_waste", "steps", "num_swapped", "suspended", "steps_planned_ahead", "spec_draft_tokens", "spec_accepted_tokens", "spec_drafted_decodes")
+    __slots__ = ("block_size", "total_blocks", "used_blocks", "free_blocks", "cached_blocks", "usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "internal_waste", "steps", "num_swapped", "suspended", "steps_planned_ahead", "spec_draft_tokens", "spec_accepted_tokens", "spec_drafted_decodes", "expert_tokens", "expert_step_token_buckets", "expert_step_tokens_sum")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,9 @@ class PoolStats(_message.Message):
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFTED_DECODES_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_STEP_TOKEN_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_STEP_TOKENS_SUM_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     total_blocks: int
     used_blocks: int
@@ -175,7 +178,10 @@ class PoolStats(_message.Message):
     spec_draft_tokens: int
     spec_accepted_tokens: int
     spec_drafted_decodes: int
-    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., internal_waste: _Optional[float] = ..., steps: _Optional[int] = ..., num_swapped: _Optional[int] = ..., suspended: _Optional[bool] = ..., steps_planned_ahead: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_drafted_decodes: _Optional[int] = ...) -> None: ...
+    expert_tokens: _containers.RepeatedScalarFieldContainer[int]
+    expert_step_token_buckets: _containers.RepeatedScalarFieldContainer[int]
+    expert_step_tokens_sum: int
+    def __init__(self, block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., internal_waste: _Optional[float] = ..., steps: _Optional[int] = ..., num_swapped: _Optional[int] = ..., suspended: _Optional[bool] = ..., steps_planned_ahead: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_drafted_decodes: _Optional[int] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., expert_step_token_buckets: _Optional[_Iterable[int]] = ..., expert_step_tokens_sum: _Optional[int] = ...) -> None: ...
 
 class ServiceStats(_message.Message):
     __slots__ = ("num_workers", "num_workers_up", "num_deadline_exceeded", "num_rejected_queue_full", "routing_prefix_blocks_queried", "routing_prefix_blocks_hit", "num_recovered_sequences", "lora_adapters_loaded", "lora_slots_in_use")

@@ -158,7 +158,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_sequences: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledSequence, _Mapping]]] = ..., released_seq_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., reset: _Optional[bool] = ..., swap_out: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[SwapBlocks, _Mapping]]] = ..., after_step_id: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "num_accepted_drafts", "accepted_draft_ids", "accepted_draft_logprobs", "accepted_draft_top_token_ids", "accepted_draft_top_logprobs", "draft_seconds", "draft_proposal_seconds", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "failures", "embeddings")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "forward_seconds", "num_accepted_drafts", "accepted_draft_ids", "accepted_draft_logprobs", "accepted_draft_top_token_ids", "accepted_draft_top_logprobs", "draft_seconds", "draft_proposal_seconds", "expert_tokens", "num_top_logprobs", "top_token_ids", "top_logprobs", "prompt_logprobs", "failures", "embeddings")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class StepResult(_message.Message):
     ACCEPTED_DRAFT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROPOSAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -189,13 +190,14 @@ class StepResult(_message.Message):
     accepted_draft_top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     draft_seconds: float
     draft_proposal_seconds: float
+    expert_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_top_logprobs: int
     top_token_ids: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     failures: _containers.RepeatedCompositeFieldContainer[SampleFailure]
     embeddings: _containers.RepeatedCompositeFieldContainer[PooledEmbedding]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., num_accepted_drafts: _Optional[_Iterable[int]] = ..., accepted_draft_ids: _Optional[_Iterable[int]] = ..., accepted_draft_logprobs: _Optional[_Iterable[float]] = ..., accepted_draft_top_token_ids: _Optional[_Iterable[int]] = ..., accepted_draft_top_logprobs: _Optional[_Iterable[float]] = ..., draft_seconds: _Optional[float] = ..., draft_proposal_seconds: _Optional[float] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[PooledEmbedding, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., forward_seconds: _Optional[float] = ..., num_accepted_drafts: _Optional[_Iterable[int]] = ..., accepted_draft_ids: _Optional[_Iterable[int]] = ..., accepted_draft_logprobs: _Optional[_Iterable[float]] = ..., accepted_draft_top_token_ids: _Optional[_Iterable[int]] = ..., accepted_draft_top_logprobs: _Optional[_Iterable[float]] = ..., draft_seconds: _Optional[float] = ..., draft_proposal_seconds: _Optional[float] = ..., expert_tokens: _Optional[_Iterable[int]] = ..., num_top_logprobs: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., failures: _Optional[_Iterable[_Union[SampleFailure, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[PooledEmbedding, _Mapping]]] = ...) -> None: ...
 
 class PooledEmbedding(_message.Message):
     __slots__ = ("seq_id", "values")

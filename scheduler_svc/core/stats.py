@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol, Sized
 
 from hetero.v1 import common_pb2
-from scheduler_svc.sequence import Sequence
+from hetero_common.expert_load import add_expert_load
 from scheduler_svc.kv.kv_cache_manager import KVCacheManager
+from scheduler_svc.sequence import Sequence
 from scheduler_svc.speculation.speculation import Speculator
 
 
@@ -48,8 +49,8 @@ def pool_stats(s: PoolOwner) -> common_pb2.PoolStats:
 
 
 def merge_pools(pools: Iterable[common_pb2.PoolStats]) -> common_pb2.PoolStats:
-    """The replicas' pools as one: counts summed, steps the most any replica ran, suspended when
-    any is, usage over all blocks, internal waste weighted by each pool's used blocks."""
+    """The replicas' pools as one: counts summed (the experts' loads too), steps the most any replica ran,
+    suspended when any is, usage over all blocks, internal waste weighted by each pool's used blocks."""
     total = common_pb2.PoolStats()
     waste_weighted = 0.0
     for pool in pools:
@@ -59,6 +60,7 @@ def merge_pools(pools: Iterable[common_pb2.PoolStats]) -> common_pb2.PoolStats:
         total.block_size = pool.block_size or total.block_size
         total.suspended = total.suspended or pool.suspended
         waste_weighted += pool.internal_waste * pool.used_blocks
+        add_expert_load(total, pool)
     total.usage = total.used_blocks / total.total_blocks if total.total_blocks else 0.0
     total.internal_waste = waste_weighted / total.used_blocks if total.used_blocks else 0.0
     return total

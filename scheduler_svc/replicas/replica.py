@@ -22,13 +22,14 @@ import structlog
 from hetero.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from hetero_common.config import Config
 from hetero_common.device_defaults import fitted_to_worker
+from hetero_common.expert_load import ExpertLoad
 from hetero_common.grpc_server import internal_channel
 from hetero_common.retry import is_transient, link_silent, retrying
 from scheduler_svc.core.scheduler import Scheduler, StepOutputs, TokenOutput
-from scheduler_svc.sequence import Sequence
 from scheduler_svc.lora.lora_registry import LoraRegistry
 from scheduler_svc.lora.replica_loras import WorkerLoras
 from scheduler_svc.replicas.engine_loop import EngineLoop, SentStep
+from scheduler_svc.sequence import Sequence
 
 log = structlog.get_logger("scheduler_svc.replicas.replica")
 
@@ -53,6 +54,7 @@ class Replica:
         self.stub = worker_pb2_grpc.WorkerStub(self.channel)
         self._core: Scheduler | None = None  # from the first Describe on; a fresh one per new worker process
         self.info: worker_pb2.WorkerInfo | None = None
+        self.expert_load = ExpertLoad()  # what its steps routed to a mixture of experts' experts
         self.up = False
         self._wake = asyncio.Event()
         self._up_event = asyncio.Event()
@@ -139,6 +141,7 @@ class Replica:
 
     def status(self) -> scheduler_pb2.ReplicaStatus:
         pool = self._core.pool_stats() if self._core is not None else common_pb2.PoolStats()
+        self.expert_load.fill(pool)
         return scheduler_pb2.ReplicaStatus(index=self.index, address=self.address, up=self.up,
                                            pid=self.info.pid if self.info else 0, pool=pool)
 
@@ -353,6 +356,7 @@ class Replica:
 
     def dispatch_step(self, outputs: StepOutputs, sent: SentStep, result: worker_pb2.StepResult) -> None:
         self._dispatch(outputs)
+        self.expert_load.observe(result.expert_tokens)
         log.debug("step", replica=self.index, step_id=sent.plan.step_id, sequences=len(sent.plan.scheduled),
                   ahead=self._loop.ahead is not None, forward_s=round(result.forward_seconds, 4),
                   step_s=round(time.perf_counter() - sent.started, 4))

@@ -17,6 +17,7 @@ from gpu_worker.cpu.worker_setup import cpu_flags
 from gpu_worker.lora.lora_adapter import load_lora_adapter
 from gpu_worker.models.checkpoint import CheckpointError, load_checkpoint
 from gpu_worker.models.model import LlamaModel
+from gpu_worker.models.moe import GroupedExperts
 from hetero_common.config import Config
 from hetero_common.config_sections import TokenizerConfig
 from hetero_common.errors import HeteroError
@@ -217,3 +218,29 @@ def test_expert_products_are_served_from_their_gguf_blocks(head64_moe_dir: Path,
     _, reference = run(quantization="none", dtype="float32")
     agreed = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(ours, reference))
     assert agreed >= 0.75 * 24 * len(prompts), (agreed, ours, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_products_cudas_path_computes_what_the_per_expert_loop_does(tiny_moe_dirs: dict[str, Path],
+                                                                                dtype: torch.dtype) -> None:
+    """CUDA's path (the experts stacked, two grouped products over the step's pairs sorted by expert, no host
+    read-back), run here on torch's CPU grouped product: the per-expert loop's output and expert load."""
+    config, weights = load_checkpoint(tiny_moe_dirs["qwen2_moe"])
+    model = LlamaModel(config, weights, torch.device("cpu"), dtype, max_positions=512)
+    moe = model.layers[1]["moe"]
+    x = model._embed(torch.arange(2, 63)) * 30
+
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    loop, loop_load = moe(x, silu_mul)
+    moe.grouped, experts = GroupedExperts.stack(moe.experts), moe.experts
+    moe.experts = []
+    grouped, grouped_load = moe(x, silu_mul)
+    assert torch.equal(loop_load, grouped_load) and int(loop_load.min()) > 0
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(grouped.float(), loop.float(), rtol=tolerance, atol=tolerance * float(loop.abs().max()))
+    empty, load = moe(x[:0], silu_mul)
+    assert empty.shape == (0, 96) and int(load.sum()) == 0
+    assert len(experts) == 4

@@ -2,7 +2,7 @@
 Hugging Face directory and, for the mixtures of experts, a GGUF file of it: transformers' greedy tokens on the
 seeded prompts, first as they are, then again with their blocks in the prefix cache, prompt
 chunks of at most 16 tokens, a pool small enough to preempt (recompute), and one replica SIGKILLed mid-stream;
-ListModels carries the family and its experts."""
+ListModels carries the family and its experts, and the pool the experts' load."""
 
 from __future__ import annotations
 
@@ -65,3 +65,7 @@ def test_streams_match_transformers_through_cache_chunks_preemption_and_a_replic
         p, s = wait_for_idle(stack), service_stats(stack)
         assert (p.used_blocks, s.num_workers_up) == (0, 1)
         assert p.num_preemptions > 0 and s.num_recovered_sequences > 0
+        # the experts' load as the workers routed it: every token (prompt and generated) to k experts per MoE layer
+        assert len(p.expert_tokens) == experts and (sum(p.expert_tokens) > 0) == (experts > 0)
+        if experts:  # the histogram: one observation per expert per step
+            assert sum(p.expert_step_token_buckets) % experts == 0 and p.expert_step_tokens_sum == sum(p.expert_tokens)

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.metrics import LOOP_LAG_INTERVAL, METRICS, NAMESPACE, GatewayMetrics
 from hetero.v1 import common_pb2
 from hetero_common.errors import DeadlineExceededError
+from hetero_common.expert_load import ExpertLoad
 from hetero_common.tokenizer import TextTokenizer, load_tokenizer
 from hetero_infer.bench.harness import make_tokenizer
 from tests.helpers.http_app import bridge_http_client
@@ -67,8 +68,12 @@ def touched_metrics() -> GatewayMetrics:
     served.on_tokens(2)
     served.finish(common_pb2.FINISH_REASON_STOP, common_pb2.Usage(prompt_tokens=5, cached_prompt_tokens=2))
     metrics.start_request().fail(DeadlineExceededError("too slow"))
-    metrics.update_pool(common_pb2.PoolStats(num_running=1, used_blocks=3, total_blocks=10, usage=0.3),
-                        common_pb2.ServiceStats(num_workers_up=1, lora_adapters_loaded=1))
+    load = ExpertLoad()  # a mixture of experts' two steps, as the scheduler counts them
+    load.observe([3, 0, 1, 4])
+    load.observe([2, 2, 2, 2])
+    pool = common_pb2.PoolStats(num_running=1, used_blocks=3, total_blocks=10, usage=0.3)
+    load.fill(pool)
+    metrics.update_pool(pool, common_pb2.ServiceStats(num_workers_up=1, lora_adapters_loaded=1))
     metrics.embedding_requests.inc()  # as Embeddings._meter does
     metrics.embedding_inputs.inc(2)
     metrics.embedding_tokens.inc(7)
@@ -125,3 +130,31 @@ def test_promtool_flags_a_gauge_named_like_a_counter(promtool: str) -> None:
     passed, said = lint(promtool, generate_latest(registry))
     assert not passed
     assert f"{NAMESPACE}_planted_blocks_total" in said and "_total" in said, said
+
+
+def test_the_expert_load_histogram_is_the_schedulers() -> None:
+    """Two replicas' step counts merged as the scheduler merges pools, then shown: per-expert totals, and the
+    histogram's cumulative buckets, count and sum; a dense model's page has no such histogram."""
+    from scheduler_svc.core.stats import merge_pools
+
+    first, second = ExpertLoad(), ExpertLoad()
+    first.observe([3, 0, 1, 4])
+    second.observe([2, 2, 2, 2, 9, 0])
+    pools = [common_pb2.PoolStats(), common_pb2.PoolStats()]
+    first.fill(pools[0])
+    second.fill(pools[1])
+    merged = merge_pools(pools)
+    assert list(merged.expert_tokens) == [5, 2, 3, 6, 9, 0] and merged.expert_step_tokens_sum == 25
+    metrics = GatewayMetrics()
+    metrics.update_pool(merged, common_pb2.ServiceStats())
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
+    samples = {(s.name, s.labels.get("le") or s.labels.get("expert")): s.value
+               for s in families["hetero_moe_expert_step_tokens"].samples + families["hetero_moe_expert_tokens"].samples}
+    assert samples[("hetero_moe_expert_step_tokens_bucket", "0.0")] == 2  # the two zeros
+    assert samples[("hetero_moe_expert_step_tokens_bucket", "2.0")] == 7  # the zeros, the one, the four twos
+    assert samples[("hetero_moe_expert_step_tokens_count", None)] == 10
+    assert samples[("hetero_moe_expert_step_tokens_sum", None)] == 25
+    assert samples[("hetero_moe_expert_tokens", "4")] == 9
+    dense = GatewayMetrics()
+    dense.update_pool(common_pb2.PoolStats(), common_pb2.ServiceStats())
+    assert "hetero_moe_expert_step_tokens" not in dense.exposition().decode()
