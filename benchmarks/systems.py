@@ -184,12 +184,14 @@ def vllm_available() -> bool:
 
 
 def bench_vllm(dtype: str, prompts: list[list[int]], new_tokens: int, batch: bool, single: int, reserved_cpus: int,
-               max_num_seqs: int = 0, timeout_s: float = 1800.0) -> tuple[Results, dict[str, Any]]:
-    """vLLM's CPU engine in its own venv; (results, what the driver reported about its run)."""
+               max_num_seqs: int = 0, timeout_s: float = 1800.0,
+               model_dir: Path = VLLM_MODEL_DIR) -> tuple[Results, dict[str, Any]]:
+    """vLLM's CPU engine in its own venv on `model_dir` (default: the default model's Hugging Face copy);
+    (results, what the driver reported about its run)."""
     with tempfile.TemporaryDirectory(prefix="vllm-bench-") as tmp:
         prompts_file, out_file, log_file = Path(tmp, "prompts.json"), Path(tmp, "out.json"), Path(tmp, "log")
         prompts_file.write_text(json.dumps(prompts))
-        cmd = [str(VLLM_PYTHON), str(REPO_ROOT / "benchmarks" / "vllm_driver.py"), "--model", str(VLLM_MODEL_DIR),
+        cmd = [str(VLLM_PYTHON), str(REPO_ROOT / "benchmarks" / "vllm_driver.py"), "--model", str(model_dir),
                "--dtype", dtype, "--prompts", str(prompts_file), "--new-tokens", str(new_tokens),
                "--single", str(single), "--reserved-cpus", str(reserved_cpus), "--out", str(out_file)]
         if not batch:

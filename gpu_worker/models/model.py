@@ -47,16 +47,19 @@ def elementwise_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> Mo
 
 
 def linear_shapes(config: ModelConfig, tp: TensorParallel) -> list[tuple[int, int]]:
-    """The [out, in] shapes of one rank's linear weights: q/k/v, o, gate/up, down, the LM head, and a mixture of
-    experts' router, experts and shared expert."""
+    """The [out, in] shapes of one rank's linear weights that decide the CPU's kernel plan: q/k/v, o, gate/up, down
+    (a dense layer's, and a mixture of experts' expert and shared expert), the LM head last. Not a router's or a
+    shared expert gate's: a few rows each (8 experts, one gate), which the panels take whatever the plan
+    (WeightPlacer.matrix), and which would otherwise keep every product off the AMX tiles."""
     c, size = config, tp.size
     q, kv = c.num_attention_heads // size * c.head_dim, c.num_key_value_heads // size * c.head_dim
-    mlps = [c.intermediate_size // size] if len(c.moe.sparse_layers if c.moe else ()) < c.num_hidden_layers else []
-    shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q), (c.vocab_size, c.hidden_size)]
-    if c.moe is not None:
-        mlps += [n // size for n in (c.moe.expert_intermediate_size, c.moe.shared_expert_intermediate_size) if n]
-        shapes += [(c.moe.num_experts, c.hidden_size)] + [(1, c.hidden_size)] * bool(c.moe.shared_expert_intermediate_size)
-    return shapes + [shape for inter in mlps for shape in ((2 * inter, c.hidden_size), (c.hidden_size, inter))]
+    moe = c.moe
+    mlps = [c.intermediate_size // size] if moe is None or len(moe.sparse_layers) < c.num_hidden_layers else []
+    if moe is not None:
+        mlps += [n // size for n in (moe.expert_intermediate_size, moe.shared_expert_intermediate_size) if n]
+    shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q)]
+    shapes += [shape for inter in mlps for shape in ((2 * inter, c.hidden_size), (c.hidden_size, inter))]
+    return shapes + [(c.vocab_size, c.hidden_size)]
 
 
 def check_splits(config: ModelConfig, tp: TensorParallel) -> None:

@@ -29,7 +29,7 @@ from kernels.native import linear_gguf
 from kernels.native.linear_gguf import GGUFPackedWeight
 from kernels.page_table import PageTable
 from kernels.torch_attention import TorchPagedAttention
-from tests.helpers.gguf_files import write_gguf
+from hetero_infer.bench.gguf_writer import write_gguf
 from tests.helpers.oracle import engine_greedy, hf_greedy, hf_last_logits, make_prompts
 from tests.helpers.tiny_models import make_head64_qwen3_moe, make_lora_adapter
 from tests.unit.gpu_worker.test_cpu_dtype import REL_TOL, prefill_logits

@@ -12,7 +12,7 @@ import pytest
 
 from hetero.v1 import common_pb2, inference_pb2
 from hetero_infer.bench.harness import free_port, pool, run_stack, service_stats, wait_for_idle
-from tests.helpers.gguf_files import write_gguf
+from hetero_infer.bench.gguf_writer import write_gguf
 from tests.helpers.oracle import hf_greedy, make_prompts
 from tests.helpers.stack_requests import ids_request
 from tests.stack.test_resilience import killer, run_streams, stack_flags, worker_pid

@@ -1,7 +1,8 @@
-"""GGUF files written, as llama.cpp's converter writes them, from the weights of a tiny Hugging Face checkpoint (the
-tests' oracle then runs transformers on the directory and the engine on the file): llama.cpp's tensor names, the
-Q/K rows of `llama` files permuted for its interleaved RoPE, a mixture of experts' products stacked per layer
-(`ffn_*_exps`), and the layers' products optionally quantized (Q8_0, Q4_0) with the `gguf` package."""
+"""GGUF files written, as llama.cpp's converter writes them, from the weights of a Hugging Face checkpoint (the
+tests' oracle then runs transformers on the directory and the engine on the file; benchmarks/moe.py gives llama.cpp
+the file): llama.cpp's tensor names, the Q/K rows of `llama` files permuted for its interleaved RoPE, a mixture of
+experts' products stacked per layer (`ffn_*_exps`), the layers' products optionally quantized (Q8_0, Q4_0) with
+the `gguf` package, and optionally another GGUF file's tokenizer (llama.cpp loads none without one)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ def _permuted(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(model_dir: Path, path: Path, quantize: str | None = None) -> Path:
+def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, tokenizer_from: Path | None = None) -> Path:
     """`model_dir`'s checkpoint as the GGUF file `path`; `quantize` (Q8_0, Q4_0): the layers' products in that
-    type, the rest float32."""
+    type, the rest float32; `tokenizer_from`: a GGUF file whose `tokenizer.ggml.*` fields are copied."""
     import gguf
 
     config, state = load_checkpoint(model_dir)
@@ -41,8 +42,11 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None) -> Path
     writer.add_value_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_theta)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(0)
+    if tokenizer_from is not None:
+        _copy_tokenizer(writer, tokenizer_from)
+    else:
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(0)
     if moe is not None:
         writer.add_expert_count(moe.num_experts)
         writer.add_expert_used_count(moe.top_k)
@@ -85,3 +89,22 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None) -> Path
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _copy_tokenizer(writer, source: Path) -> None:
+    """The `tokenizer.ggml.*` fields of the GGUF file `source` (its vocabulary, merges, special ids)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    for name, field in reader.fields.items():
+        if not name.startswith("tokenizer.ggml."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(name, field.contents())
+        elif kind == gguf.GGUFValueType.STRING:
+            writer.add_string(name, field.contents())
+        elif kind == gguf.GGUFValueType.BOOL:
+            writer.add_bool(name, field.contents())
+        else:
+            writer.add_uint32(name, int(field.contents()))
