@@ -96,7 +96,9 @@ def main() -> int:
     for r in range(args.rounds):
         for name in round_order(systems, r):
             if name == "stack":
-                res = bench_stack([], str(directory), prompts, args.new_tokens, True, args.single)
+                # `--dtype auto` (bfloat16 on an AVX512-BF16 CPU), as `serve` ships: run_stack's own default is the
+                # tests' exact float32
+                res = bench_stack(["--dtype", "auto"], str(directory), prompts, args.new_tokens, True, args.single)
                 figures = {"tok_s": res["batch"].tok_per_s, "tpot_ms": 1e3 * res["single"].tpot_mean}
             elif name == "vllm":
                 res, _ = bench_vllm("bfloat16", prompts, args.new_tokens, True, args.single, 0, model_dir=directory)

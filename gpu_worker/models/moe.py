@@ -111,16 +111,18 @@ class SparseMoe:
         out = torch.zeros_like(x)
         flat = chosen.flatten()
         load = torch.bincount(flat, minlength=len(self.experts))
-        # The (token, slot) assignments sorted by expert; a stable sort keeps each group in token order.
+        # The (token, slot) assignments sorted by expert; a stable sort keeps each group in token order. Their
+        # tokens, rows and weights are gathered once for all experts: each expert then slices its group.
         order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        rows = x[tokens]
+        picked = weights.view(-1)[order, None]  # the router's weights in float32, as transformers' Mixtral
         start = 0
         for expert, count in zip(self.experts, load.tolist()):
             if not count:
                 continue
-            picks = order[start : start + count]
-            start += count
-            tokens = picks // self.top_k
-            y = linear(silu_mul(linear(x[tokens], expert.gate_up)), expert.down)
-            # the router's weight in float32, as transformers' Mixtral; the sum in x's dtype
-            out.index_add_(0, tokens, (y * weights.view(-1)[picks, None]).to(out.dtype))
+            end = start + count
+            y = linear(silu_mul(linear(rows[start:end], expert.gate_up)), expert.down)
+            out.index_add_(0, tokens[start:end], (y * picked[start:end]).to(out.dtype))  # the sum in x's dtype
+            start = end
         return out, load
