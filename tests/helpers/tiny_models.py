@@ -32,6 +32,14 @@ def make_tiny_qwen2(directory: Path, seed: int = 0) -> Path:
     return save_tiny_model(model, directory)
 
 
+def _random_qk_norms(model: torch.nn.Module) -> None:
+    """Random init leaves the q/k norms at one; make them matter so a model that skips them fails."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 2.0)
+
+
 def make_tiny_qwen3(directory: Path, seed: int = 0) -> Path:
     """A 2-layer Qwen3: q/k RMSNorm per head, no biases, 6 query heads over 2 KV heads of head_dim 24 (not
     hidden_size / heads = 16, so a loader that derives it fails)."""
@@ -40,11 +48,7 @@ def make_tiny_qwen3(directory: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = Qwen3Config(**_TINY_QWEN, head_dim=24, attention_bias=False)
     model = Qwen3ForCausalLM(config).eval()
-    # Random init leaves the q/k norms at one; make them matter so a model that skips them fails.
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                norm.weight.uniform_(0.5, 2.0)
+    _random_qk_norms(model)
     return save_tiny_model(model, directory)
 
 
@@ -158,10 +162,7 @@ def make_tiny_qwen3_moe(directory: Path, seed: int = 0) -> Path:
                             use_sliding_window=False)
     model = Qwen3MoeForCausalLM(config).eval()
     _decisive_routers(model)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                norm.weight.uniform_(0.5, 2.0)
+    _random_qk_norms(model)
     return save_tiny_model(model, directory)
 
 
@@ -193,10 +194,7 @@ def make_tiny_olmoe(directory: Path, seed: int = 0) -> Path:
                          norm_topk_prob=False, rope_theta=10000.0, clip_qkv=None)
     model = OlmoeForCausalLM(config).eval()
     _decisive_routers(model)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                norm.weight.uniform_(0.5, 2.0)
+    _random_qk_norms(model)
     return save_tiny_model(model, directory)
 
 

@@ -26,6 +26,15 @@ def refuse_true(cfg: dict[str, Any], keys: tuple[str, ...], where: str, why: str
             raise CheckpointError(f"{where} sets {key}={cfg[key]!r}: {why}")
 
 
+def refuse_sliding_window(cfg: dict[str, Any], where: str) -> None:
+    """A window below the context is a different attention than the one computed here: refused by name."""
+    # (Phi-3-mini-4k's 2047 is one; a window as long as the context, as Phi-3-128k's, is no window)
+    window, context = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 2048))
+    if cfg.get("use_sliding_window", True) and window and int(window) < context:
+        raise CheckpointError(f"{where} sets sliding_window={window} below max_position_embeddings={context}: "
+                              "sliding-window attention is not supported for this architecture.")
+
+
 class Family:
     """Llama's layout, which every family starts from: override what differs."""
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.families.family import Family, expected_tensor_names
-from gpu_worker.models.families.moe import moe_config, refuse_sliding_window
+from gpu_worker.models.families.family import Family, expected_tensor_names, refuse_sliding_window
+from gpu_worker.models.families.moe import moe_config
 
 # the engine's name for a Mixtral expert's product, and back
 _PRODUCTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}

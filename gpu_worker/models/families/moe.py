@@ -37,10 +37,3 @@ def moe_config(cfg: dict[str, Any], where: str, *, expert_size_key: str, normali
         sparse_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
         shared_expert_intermediate_size=shared_expert_size)
 
-
-def refuse_sliding_window(cfg: dict[str, Any], where: str) -> None:
-    """A window below the context is a different attention than the one computed here: refused by name."""
-    window, context = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 2048))
-    if cfg.get("use_sliding_window", True) and window and int(window) < context:
-        raise CheckpointError(f"{where} sets sliding_window={window} below max_position_embeddings={context}: "
-                              "sliding-window attention is not supported for this architecture.")

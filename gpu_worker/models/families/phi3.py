@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.families.family import CheckpointError, Family, expected_tensor_names
+from gpu_worker.models.families.family import CheckpointError, Family, expected_tensor_names, refuse_sliding_window
 
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -23,10 +23,7 @@ class Phi3(Family):
 
     def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         super().config_fields(cfg, where)
-        window, context = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 2048))
-        if window is not None and int(window) < context:  # Phi-3-mini-4k's 2047; the 128k model's is a no-op
-            raise CheckpointError(f"{where} sets sliding_window={window} below max_position_embeddings={context}: "
-                                  "sliding-window attention is not supported yet.")
+        refuse_sliding_window(cfg, where)
         rope = dict(cfg.get("rope_parameters") or {})
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         if partial != 1.0:

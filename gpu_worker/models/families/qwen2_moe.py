@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_worker.models.families.family import CheckpointError, Family, refuse_true
-from gpu_worker.models.families.moe import moe_config, refuse_sliding_window
+from gpu_worker.models.families.family import CheckpointError, Family, refuse_sliding_window, refuse_true
+from gpu_worker.models.families.moe import moe_config
 
 
 class Qwen2Moe(Family):

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_worker.models.families.family import Family
-from gpu_worker.models.families.moe import moe_config, refuse_sliding_window
+from gpu_worker.models.families.family import Family, refuse_sliding_window
+from gpu_worker.models.families.moe import moe_config
 
 
 class Qwen3Moe(Family):

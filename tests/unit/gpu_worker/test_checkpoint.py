@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.checkpoint import CheckpointError, expected_tensor_names, load_checkpoint
-from gpu_worker.models.families import qwen3
-from gpu_worker.models.gguf_checkpoint import _GGUF_LAYER_NAMES, _unpermute_rotary
+from gpu_worker.models.gguf_checkpoint import _unpermute_rotary
 from hetero_common.model_files import default_model_path
+from hetero_infer.bench.gguf_writer import write_gguf
 from hetero_infer.bench.harness import make_tiny_llama
 from tests.helpers.tiny_models import make_tiny_qwen2, make_tiny_qwen3
 
@@ -205,40 +205,10 @@ def test_gguf_matches_transformers(smollm2_reference: tuple[object, dict[str, to
 
 
 def test_qwen3_gguf_matches_transformers(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
-    """The tiny Qwen3 written as an F32 GGUF file under llama.cpp's names (qwen3 keeps HF's Q/K row order)
-    loads back to transformers' tensors and config."""
-    import gguf
-
+    """The tiny Qwen3 written as an F32 GGUF file under llama.cpp's names (qwen3 keeps HF's Q/K row order;
+    hetero_infer/bench/gguf_writer.py) loads back to transformers' tensors and config."""
     hf_config, ref = load_checkpoint(tiny_dirs["qwen3"])
-    names = {v: k for k, v in {**_GGUF_LAYER_NAMES, **qwen3.FAMILY.gguf_layer_names}.items()}
-    path = tmp_path / "tiny-qwen3.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    c = hf_config
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_key_length(c.head_dim)
-    writer.add_value_length(c.head_dim)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(0)
-    glob = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    for name, tensor in ref.items():
-        stem, kind = name.rsplit(".", 1)
-        if stem in glob:
-            gguf_name = f"{glob[stem]}.{kind}"
-        else:
-            _, _, layer, rest = stem.split(".", 3)
-            gguf_name = f"blk.{layer}.{names[rest]}.{kind}"
-        writer.add_tensor(gguf_name, tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_gguf(tiny_dirs["qwen3"], tmp_path / "tiny-qwen3.gguf")
     config, state = load_checkpoint(path)
     assert config == hf_config
     assert set(state) == set(ref)
