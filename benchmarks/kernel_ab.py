@@ -43,7 +43,7 @@ from benchmarks.roofline import cpu_description, cpu_line  # noqa: E402
 from benchmarks.workload import make_prompts  # noqa: E402
 from gpu_worker.cpu.c_layers import CLayers  # noqa: E402
 from gpu_worker.models.checkpoint import load_checkpoint  # noqa: E402
-from gpu_worker.models.model import linear_shapes  # noqa: E402
+from gpu_worker.models.model_shapes import linear_shapes  # noqa: E402
 from gpu_worker.parallel.tensor_parallel import TensorParallel  # noqa: E402
 from hetero_common.config import Config  # noqa: E402
 from hetero_common.device_defaults import SEED_MAX_BATCH_SIZE  # noqa: E402

@@ -50,6 +50,31 @@ class ModelConfig:
     # The same norm over all heads at once (weights [heads * head_dim] and [kv_heads * head_dim]: OLMoE).
     qk_norm_all_heads: bool = False
     moe: MoeConfig | None = None
+    # Sliding-window attention (Gemma 3's local layers): the layers in `sliding_layers` see only the last
+    # `sliding_window` positions (a query at p the keys p - sliding_window + 1 .. p), with their own RoPE base
+    # `local_rope_theta` and no RoPE scaling; the other layers attend to the whole sequence.
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    # Gemma 3's layer variant: the embedding times `embedding_scale` (√hidden, rounded to the model's dtype),
+    # an RMSNorm on the attention's and on the MLP's output before each residual add (`attention_output_norm`,
+    # `mlp_output_norm`), the MLP's gate through `hidden_activation` (silu or gelu_tanh), scores scaled by
+    # `query_pre_attn_scalar` ** -0.5 instead of head_dim ** -0.5, and the logits soft-capped
+    # (cap * tanh(logits / cap)) where `final_logit_softcapping` is set.
+    embedding_scale: float = 1.0
+    sandwich_norms: bool = False
+    hidden_activation: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention multiplies q·k by."""
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends within a sliding window."""
+        return layer in self.sliding_layers
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts."""

@@ -129,13 +129,14 @@ class ModelRunner:
 
     def _row_invariant(self) -> bool:
         """Whether a token's values are the same bits on every scheduling path (config `deterministic`): on the
-        CPU, float32's torch code, or bfloat16 where the C kernels take every row."""
+        CPU, float32's torch code, or bfloat16 where the C kernels take every row (not yet a sliding window's:
+        those layers attend through the torch code)."""
         if self.device.type != "cpu":
             return False
         if self.dtype == torch.float32:
             return True
         return (self.config.deterministic and self.dtype == torch.bfloat16 and self.c_linear
-                and getattr(self.attention, "native_decode", False)
+                and getattr(self.attention, "native_decode", False) and not self.model_config.sliding_layers
                 and row_invariance_unavailable(self.model_config.head_dim, self.block_size) is None)
 
     def _tokenizer_json(self) -> str:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
 import structlog
+import torch
 
 from kernels.flashinfer_backend import flashinfer_unavailable_reason
 from kernels.page_table import PageTable
@@ -29,6 +28,8 @@ class AttentionBackend(Protocol):
     def write_kv(self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None: ...
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor: ...
+
+    def windowed(self, window: int) -> AttentionBackend: ...
 
 
 def select_attention_backend(name: str, device: torch.device | str, head_dim: int,
@@ -53,18 +54,22 @@ def create_attention_backend(name: str, num_qo_heads: int, num_kv_heads: int, he
                              device: torch.device | str, dtype: torch.dtype | None = None,
                              workspace: torch.Tensor | None = None, decode_kernel: str = "torch",
                              prompts_apart: bool = False, prompt_tiles: bool = True,
-                             kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+                             kv_dtype: torch.dtype | None = None, scale: float | None = None) -> AttentionBackend:
     """`auto` picks FlashInfer on a CUDA device of sm75+ when it is importable, else torch.
     `decode_kernel`, `prompts_apart`, `prompt_tiles`: the torch backend's CPU paths (TorchPagedAttention).
-    `kv_dtype`: the cache's element where it is not `dtype` (float8_e4m3fn: config `kv_cache_dtype: fp8`)."""
+    `kv_dtype`: the cache's element where it is not `dtype` (float8_e4m3fn: config `kv_cache_dtype: fp8`).
+    `scale`: q·k's factor where it is not head_dim ** -0.5 (ModelConfig.attention_scale). Both backends make the
+    sliding-window layers' backend beside them (`windowed(window)`)."""
     device = torch.device(device)
     chosen, reason = select_attention_backend(name, device, head_dim, dtype)
     if chosen == "flashinfer":
         from kernels.flashinfer_backend import FlashInferPagedAttention
 
         return FlashInferPagedAttention(num_qo_heads, num_kv_heads, head_dim, device,
-                                        dtype=dtype or torch.bfloat16, workspace=workspace, kv_dtype=kv_dtype)
+                                        dtype=dtype or torch.bfloat16, workspace=workspace, kv_dtype=kv_dtype,
+                                        scale=scale)
     if device.type == "cuda":
         log.warning("attention on CUDA uses the torch reference (slow)", reason=reason)
     return TorchPagedAttention(num_qo_heads, num_kv_heads, head_dim, device, decode_kernel=decode_kernel, dtype=dtype,
-                               prompts_apart=prompts_apart, prompt_tiles=prompt_tiles, kv_dtype=kv_dtype)
+                               prompts_apart=prompts_apart, prompt_tiles=prompt_tiles, kv_dtype=kv_dtype,
+                               scale=scale)

@@ -81,9 +81,12 @@ def new_workspace(device: torch.device) -> torch.Tensor:
 
 class _Shape:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
-                 dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype | None = None, scale: float | None = None,
+                 window: int = 0) -> None:
         """kv_dtype: the cache's element, dtype (the default) or float8_e4m3fn (FlashInfer's fp8 KV kernels;
-        new K/V rounded by torch's conversion as they are appended)."""
+        new K/V rounded by torch's conversion as they are appended). `scale`: q·k's factor (FlashInfer's
+        sm_scale; head_dim ** -0.5 unless given). `window` (sliding-window layers): a query at p sees the keys
+        p - window + 1 .. p (FlashInfer's window_left = window - 1)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if dtype not in SUPPORTED_DTYPES:
@@ -97,9 +100,12 @@ class _Shape:
         if self.kv_dtype not in (dtype, torch.float8_e4m3fn):
             raise ValueError(f"FlashInfer's cache holds {dtype} or float8_e4m3fn, not {self.kv_dtype}")
         self.use_tensor_cores = decode_uses_tensor_cores(num_qo_heads, num_kv_heads)
+        self.scale = scale or head_dim ** -0.5
+        self.window = window
 
     def plan_kwargs(self) -> dict:
-        return dict(pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.kv_dtype)
+        return dict(pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.scale,
+                    window_left=self.window - 1 if self.window else -1)
 
     def appended(self, x: torch.Tensor) -> torch.Tensor:
         """New K or V rows in the cache's element type (FlashInfer appends rows of the cache's dtype); fp8
@@ -115,8 +121,8 @@ class FlashInferPagedAttention(_Shape):
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str,
                  dtype: torch.dtype = torch.bfloat16, workspace: torch.Tensor | None = None,
-                 kv_dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, device, dtype, kv_dtype)
+                 kv_dtype: torch.dtype | None = None, scale: float | None = None, window: int = 0) -> None:
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, device, dtype, kv_dtype, scale, window)
         import flashinfer
 
         self._flashinfer = flashinfer
@@ -126,8 +132,28 @@ class FlashInferPagedAttention(_Shape):
                                                                     use_tensor_cores=self.use_tensor_cores)
         self._wrapper = self.decode
         self._append: tuple[torch.Tensor, ...] = ()
+        self._table: PageTable | None = None
+        self._windows: dict[int, FlashInferPagedAttention] = {}
+
+    def windowed(self, window: int) -> FlashInferPagedAttention:
+        """The backend of the sliding-window layers of `window` positions, planned with this one's table (its own
+        wrappers and workspace: a plan lives in its workspace)."""
+        sibling = self._windows.get(window)
+        if sibling is None:
+            sibling = self._windows[window] = FlashInferPagedAttention(
+                self.num_qo_heads, self.num_kv_heads, self.head_dim, self.device, self.dtype,
+                kv_dtype=self.kv_dtype, scale=self.scale, window=window)
+        if self._table is not None:
+            sibling.plan_once(self._table)
+        return sibling
+
+    def plan_once(self, table: PageTable) -> None:
+        """`plan`, unless this table is the one planned already (each window layer asks in turn)."""
+        if table is not self._table:
+            self.plan(table)
 
     def plan(self, table: PageTable) -> None:
+        self._table = table
         dev = self.device
         kv_indices = table.kv_indices.to(dev, non_blocking=True)
         batch, positions = append_indices(table)
@@ -167,8 +193,8 @@ class FlashInferGraphDecode(_Shape):
 
     def __init__(self, batch_size: int, kv_indices_buffer: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
                  head_dim: int, device: torch.device | str, dtype: torch.dtype, workspace: torch.Tensor,
-                 kv_dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_qo_heads, num_kv_heads, head_dim, device, dtype, kv_dtype)
+                 kv_dtype: torch.dtype | None = None, scale: float | None = None) -> None:
+        super().__init__(num_qo_heads, num_kv_heads, head_dim, device, dtype, kv_dtype, scale)
         import flashinfer
 
         self._flashinfer = flashinfer

@@ -45,6 +45,7 @@ class AttentionShape:
     head_dim: int
     dtype: torch.dtype = torch.bfloat16
     kv_dtype: torch.dtype | None = None
+    window: bool = False  # a sliding-window layer's modules (FlashInfer's window_left >= 0)
 
 
 # The shapes checked without a device. The default model, SmolLM2-135M (9 query heads, 3 KV
@@ -63,6 +64,9 @@ CHECKED_SHAPES = (
 DEVICE_SHAPES = CHECKED_SHAPES + (
     AttentionShape("Llama-3.2-1B shape, fp8 KV (gpu_bench --kv-cache-dtype fp8)", 32, 8, 64,
                    kv_dtype=torch.float8_e4m3fn),
+    # tests/gpu/test_gpu_gemma3.py's: head_dim 256, the global layers' modules and the window layers'
+    AttentionShape("Gemma-3 shape (head_dim 256)", 4, 1, 256),
+    AttentionShape("Gemma-3 shape, sliding window", 4, 1, 256, window=True),
 )
 
 
@@ -96,8 +100,8 @@ def module_specs(shape: AttentionShape, capability: tuple[int, int]) -> dict[str
     from flashinfer.jit.page import gen_page_module
 
     d, hd = shape.dtype, shape.head_dim
-    # (q, kv, out, index dtype, head_dim qk, head_dim vo, pos_encoding NONE, no window, no soft cap)
-    common = (d, shape.kv_dtype or d, d, torch.int32, hd, hd, 0, False, False)
+    # (q, kv, out, index dtype, head_dim qk, head_dim vo, pos_encoding NONE, a sliding window or none, no soft cap)
+    common = (d, shape.kv_dtype or d, d, torch.int32, hd, hd, 0, shape.window, False)
 
     def prefill(backend: str) -> Any:
         if backend == "fa3":

@@ -83,10 +83,16 @@ class _PrefillSeq:
     kv_len: int
     k_runs: torch.Tensor  # K runs to gather [Hkv * num_pages]
     v_runs: torch.Tensor  # the V runs: k_runs + Hkv
-    mask: torch.Tensor | None  # bool [q_len, kv_len], None when plain causal (no cached prefix)
+    mask: torch.Tensor | None  # bool [q_len, keys], None when plain causal (no cached prefix, no window)
     pages: torch.Tensor  # int32 [num_pages]: the sequence's (the AMX prompt kernel reads K/V there)
     max_page: int  # the largest of them (or -1 if one is negative): checked against the cache once per layer
-    additive_mask: torch.Tensor | None = None  # float32 [q_len, kv_len], 0 / -inf: built by the first layer that needs it
+    additive_mask: torch.Tensor | None = None  # float32 [q_len, keys], 0 / -inf: built by the first layer that needs it
+    first_key: int = 0  # the position of the first key gathered (a window's first page's first slot)
+
+    @property
+    def keys(self) -> int:
+        """How many keys the chunk's rows attend over (masked per row)."""
+        return self.kv_len - self.first_key
 
 
 def _runs(pages: np.ndarray, num_kv_heads: int) -> np.ndarray:
@@ -102,7 +108,8 @@ class TorchPagedAttention:
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                  decode_kernel: str = "torch", dtype: torch.dtype | None = None, prompts_apart: bool = False,
-                 prompt_tiles: bool = True, kv_dtype: torch.dtype | None = None) -> None:
+                 prompt_tiles: bool = True, kv_dtype: torch.dtype | None = None, scale: float | None = None,
+                 window: int = 0) -> None:
         """`decode_kernel` (config `cpu_kernels`): "c" runs a bfloat16 cache's attention on the CPU through
         the C kernel (kernels/native/decode_attention.py; raises if it cannot be built), "auto" does so where it can
         be built, "torch" never. `dtype`: the cache's, when known (another than bfloat16: never).
@@ -115,7 +122,10 @@ class TorchPagedAttention:
         `prompt_tiles`: the C kernel computes prompt chunks of 8 rows or more in 16-row tiles
         (kernels/native/prompt_row_tiles.c), 2-4x faster than per row and the same bits (one arithmetic:
         kernels/native/attention_order.h); false: every row per row, for comparisons. `kv_dtype`: the cache's
-        element where it is not `dtype` (float8_e4m3fn: the C kernel widens it, the torch code what it gathers)."""
+        element where it is not `dtype` (float8_e4m3fn: the C kernel widens it, the torch code what it gathers).
+        `scale`: what q·k is multiplied by (head_dim ** -0.5 unless given). `window` (sliding-window layers): a query
+        at position p sees the keys p - window + 1 .. p only, its earlier pages are not read; the torch code
+        computes it (`windowed` makes such a backend beside this one, planned with the same table)."""
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         if decode_kernel not in ("auto", "c", "torch"):
@@ -124,7 +134,11 @@ class TorchPagedAttention:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.device = torch.device(device)
-        self.scale = head_dim ** -0.5
+        self.scale = scale or head_dim ** -0.5
+        self.window = window
+        self._settings = dict(device=device, dtype=dtype, prompt_tiles=prompt_tiles, kv_dtype=kv_dtype, scale=scale)
+        self._table: PageTable | None = None
+        self._windows: dict[int, TorchPagedAttention] = {}
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillSeq] = []
         self._new_kv: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -138,7 +152,7 @@ class TorchPagedAttention:
             raise ValueError("cpu_kernels 'c' cannot be used: "
                              f"{native_lib.unavailable_reason() or 'the CPU kernel does not take these shapes'}; "
                              "use 'auto' or 'torch'")
-        if dtype is not None and dtype != torch.bfloat16:
+        if (dtype is not None and dtype != torch.bfloat16) or window:
             self.native_decode = False  # float32 (the oracle mode) and float16 run the torch code
         self._native: _NativePlan | None = None
         self.prompts_apart = prompts_apart
@@ -173,12 +187,28 @@ class TorchPagedAttention:
                                                                           self.scale, p.max_page):
             return
         runs = kv_cache.view(-1, kv_cache.shape[3], kv_cache.shape[4])
-        k = gathered(runs, p.k_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
-        v = gathered(runs, p.v_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+        k = gathered(runs, p.k_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.keys]
+        v = gathered(runs, p.v_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.keys]
         o = _sdpa(q.transpose(0, 1)[None], k[None], v[None], p.mask, self.scale, self.num_qo_heads // self.num_kv_heads)
         out.copy_(o[0].transpose(0, 1))
 
+    def windowed(self, window: int) -> TorchPagedAttention:
+        """The backend of the sliding-window layers of `window` positions, planned with this one's table."""
+        sibling = self._windows.get(window)
+        if sibling is None:
+            sibling = self._windows[window] = TorchPagedAttention(self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                                                                  window=window, **self._settings)
+        if self._table is not None:
+            sibling.plan_once(self._table)
+        return sibling
+
+    def plan_once(self, table: PageTable) -> None:
+        """`plan`, unless this table is the one planned already (each window layer asks in turn)."""
+        if table is not self._table:
+            self.plan(table)
+
     def plan(self, table: PageTable) -> None:
+        self._table = table
         self._decode, self._prefills, self._write_rows, self._native = None, [], None, None
         self._apart = False
         bs = table.block_size
@@ -203,15 +233,21 @@ class TorchPagedAttention:
         kv_indices = table.kv_indices.numpy()
         decode_ids = np.flatnonzero(is_decode) if self._native is None else np.empty(0, dtype=np.int64)
         if decode_ids.size:
-            num_pages = kv_indptr[decode_ids + 1] - kv_indptr[decode_ids]
+            kv_lens = table.kv_lens[decode_ids]
+            # A window's decode reads from the page of its first visible key (position kv_len - window) on.
+            first_page = np.maximum(kv_lens - self.window, 0) // bs if self.window else np.zeros_like(kv_lens)
+            num_pages = kv_indptr[decode_ids + 1] - kv_indptr[decode_ids] - first_page
             max_pages = int(num_pages.max())
             # Padded [Bd, P] page matrix built with one fancy-index: pad entries point at page 0
             # and are masked out below.
             col = np.arange(max_pages)
             valid = col[None, :] < num_pages[:, None]
-            flat = np.where(valid, kv_indptr[decode_ids][:, None] + col[None, :], 0)
+            flat = np.where(valid, (kv_indptr[decode_ids] + first_page)[:, None] + col[None, :], 0)
             pages = np.where(valid, kv_indices[np.minimum(flat, max(len(kv_indices) - 1, 0))], 0)
-            slot_valid = np.arange(max_pages * bs)[None, :] < table.kv_lens[decode_ids][:, None]
+            key = (first_page * bs)[:, None] + np.arange(max_pages * bs)[None, :]  # each slot's position
+            slot_valid = key < kv_lens[:, None]
+            if self.window:
+                slot_valid &= key >= (kv_lens - self.window)[:, None]
             mask = torch.zeros(slot_valid.shape, dtype=torch.float32)
             mask.masked_fill_(torch.from_numpy(~slot_valid), float("-inf"))
             k_runs = _runs(pages, self.num_kv_heads).reshape(-1)
@@ -224,17 +260,24 @@ class TorchPagedAttention:
             )
         for i in prefill_ids:
             q_len, kv_len = int(table.qo_lens[i]), int(table.kv_lens[i])
+            # A window's chunk reads from the page of its first row's first visible key on.
+            first_page = max(0, kv_len - q_len - self.window + 1) // bs if self.window else 0
             mask = None
-            if q_len != kv_len:
-                # Query j sits at position kv_len - q_len + j and sees keys 0..that position.
+            if q_len != kv_len or (self.window and kv_len > self.window):
+                # Query j sits at position kv_len - q_len + j and sees keys 0..that position (the last `window`).
                 q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
-                mask = (torch.arange(kv_len)[None, :] <= q_pos).to(self.device)
-            pages = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+                key = torch.arange(first_page * bs, kv_len)[None, :]
+                mask = key <= q_pos
+                if self.window:
+                    mask &= key > q_pos - self.window
+                mask = mask.to(self.device)
+            pages = kv_indices[kv_indptr[i] + first_page:kv_indptr[i + 1]]
             k_runs = _runs(pages, self.num_kv_heads).reshape(-1)
             self._prefills.append(_PrefillSeq(int(qo_indptr[i]), q_len, kv_len, torch.from_numpy(k_runs).to(self.device),
                                               torch.from_numpy(k_runs + self.num_kv_heads).to(self.device), mask,
                                               torch.from_numpy(pages.astype(np.int32)),
-                                              -1 if pages.min(initial=0) < 0 else int(pages.max(initial=0))))
+                                              -1 if pages.min(initial=0) < 0 else int(pages.max(initial=0)),
+                                              first_key=first_page * bs))
 
     def _plan_native(self, table: PageTable, seq_ids: np.ndarray) -> _NativePlan:
         """The C kernel's rows for the sequences `seq_ids` (in order): every query row of each."""
@@ -290,10 +333,10 @@ class TorchPagedAttention:
                 k = self._new_kv[0][p.q_start : p.q_start + p.q_len].transpose(0, 1)
                 v = self._new_kv[1][p.q_start : p.q_start + p.q_len].transpose(0, 1)
             else:  # [Hkv, kv_len, D], gathered in that order
-                k = gathered(runs, p.k_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
-                v = gathered(runs, p.v_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.kv_len]
+                k = gathered(runs, p.k_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.keys]
+                v = gathered(runs, p.v_runs, q.dtype).view(self.num_kv_heads, -1, self.head_dim)[:, : p.keys]
             if (q.dtype != torch.float32
-                    and p.q_len * p.kv_len * self.num_qo_heads <= _MATMUL_PREFILL_MAX_SCORES):
+                    and p.q_len * p.keys * self.num_qo_heads <= _MATMUL_PREFILL_MAX_SCORES):
                 self._run_prefill_matmul(q, k, v, p, out)
                 continue
             qp = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)  # [Hq, q_len, D]
@@ -318,7 +361,7 @@ class TorchPagedAttention:
         # [Hq, q_len, D] flattened head-major is KV head h's G query heads' rows one after another.
         qg = q[p.q_start : p.q_start + n].transpose(0, 1).reshape(hkv, group * n, dim)
         scores = torch.matmul(qg, k.transpose(1, 2)).float().mul_(self.scale)  # [Hkv, G * q_len, kv_len]
-        scores.view(hkv, group, n, p.kv_len).add_(p.additive_mask)
+        scores.view(hkv, group, n, p.keys).add_(p.additive_mask)
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         o = torch.matmul(probs, v).view(self.num_qo_heads, n, dim)
         out[p.q_start : p.q_start + n] = o.transpose(0, 1)

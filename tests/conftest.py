@@ -15,6 +15,7 @@ pytest.register_assert_rewrite("tests.helpers.oracle", "hetero_infer.bench.harne
 
 from hetero_infer.bench.harness import make_tiny_llama  # noqa: E402
 from tests.helpers.tiny_models import (  # noqa: E402
+    make_tiny_gemma3,
     make_tiny_mixtral,
     make_tiny_olmoe,
     make_tiny_phi3,
@@ -50,6 +51,11 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_phi3(tmp_path_factory.mktemp("tiny-phi3"), seed=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), seed=9)
 
 
 # The mixtures of experts (tests/helpers/tiny_models.py), by family name: tests/model/test_moe.py and the stack's.

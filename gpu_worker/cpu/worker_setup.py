@@ -149,7 +149,7 @@ def allocate_cpu_kv_cache(config: Config, model, head_dim: int, kv_dtype: torch.
     attention = create_attention_backend(config.attention_backend, model.num_heads, model.num_kv_heads, head_dim,
                                          "cpu", model.dtype, decode_kernel=config.cpu_kernels,
                                          prompts_apart="amx_bf16" in cpu_flags() and not config.deterministic,
-                                         kv_dtype=kv_dtype)
+                                         kv_dtype=kv_dtype, scale=model.config.attention_scale)
     kv_cache = allocate_kv_cache(model.config.num_hidden_layers, num_blocks, config.block_size, model.num_kv_heads,
                                  head_dim, kv_dtype, "cpu", attention.kv_layout)
     return num_blocks, attention, kv_cache

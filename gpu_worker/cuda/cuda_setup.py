@@ -71,13 +71,16 @@ def memory_headroom(activation_bytes: int, warm_tokens: int, graph_sizes: list[i
                           graph_workspaces=len(graph_sizes) * WRAPPER_INT_WORKSPACE_BYTES)
 
 
-def planned_graph_sizes(config: Config, attention: AttentionBackend) -> list[int]:
+def planned_graph_sizes(config: Config, attention: AttentionBackend, sliding_window: int = 0) -> list[int]:
     """The decode graphs' batch sizes this worker will capture; none when it captures none (and why, logged)."""
     if not config.enable_cuda_graphs:
         log.info("cuda graphs off", reason="enable_cuda_graphs is false")
         return []
     if attention.name != "flashinfer":
         log.info("cuda graphs off", reason="decode graphs need the flashinfer backend")
+        return []
+    if sliding_window:  # a graph replays one planned backend; the window layers need a second
+        log.info("cuda graphs off", reason="the model has sliding-window layers")
         return []
     return graph_batch_sizes(min(planned_batch_size(config, "cuda"), config.max_num_seqs), config.num_cuda_graphs)
 
@@ -132,13 +135,14 @@ def prepare_cuda_worker(model, config: Config, device: torch.device, dtype: torc
     mc = model.config
     # The heads this rank holds (all of them without tensor parallelism).
     attention = create_attention_backend(config.attention_backend, model.num_heads, model.num_kv_heads,
-                                         mc.head_dim, device, dtype=dtype, kv_dtype=kv_dtype)
+                                         mc.head_dim, device, dtype=dtype, kv_dtype=kv_dtype,
+                                         scale=mc.attention_scale)
     warm_tokens = max(1, min(config.max_total_tokens, max_positions - 1))
     rows = min(planned_batch_size(config, "cuda"), warm_tokens)
     seconds, activation = _warm_up(model, attention, warm_tokens, rows, block_size, device)
     log.info("warm-up done (includes FlashInfer JIT compilation on first use)", backend=attention.name,
              seconds=round(seconds, 2), tokens=warm_tokens, activation_mib=round(activation / 2**20, 1))
-    sizes = planned_graph_sizes(config, attention)
+    sizes = planned_graph_sizes(config, attention, mc.sliding_window)
     headroom = memory_headroom(activation, warm_tokens, sizes, mc.vocab_size)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -173,13 +177,14 @@ def capture_decode_graphs(model, attention, kv_cache: torch.Tensor, config: Conf
     from kernels.flashinfer_backend import FlashInferGraphDecode
 
     mc = model.config
-    sizes = planned_graph_sizes(config, attention)
+    sizes = planned_graph_sizes(config, attention, mc.sliding_window)
     pages_per_seq = -(-max_positions // block_size)
     kv_indices = torch.zeros(sizes[-1] * pages_per_seq, dtype=torch.int32, device=kv_cache.device)
 
     def make_attention(bs: int) -> FlashInferGraphDecode:
         return FlashInferGraphDecode(bs, kv_indices, model.num_heads, model.num_kv_heads, mc.head_dim,
-                                     kv_cache.device, model.dtype, attention.workspace, kv_cache.dtype)
+                                     kv_cache.device, model.dtype, attention.workspace, kv_cache.dtype,
+                                     scale=mc.attention_scale)
 
     graphs = DecodeGraphs(model, kv_cache, sizes, pad_block, block_size, make_attention)
     graphs.capture()

@@ -85,7 +85,7 @@ class DraftModel:
                                 * kv_row_bytes(self.kv_dtype, mc.head_dim))
         self.attention = create_attention_backend(config.attention_backend, self.model.num_heads,
                                                   self.model.num_kv_heads, mc.head_dim, device, dtype=dtype,
-                                                  kv_dtype=self.kv_dtype)
+                                                  kv_dtype=self.kv_dtype, scale=mc.attention_scale)
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         log.info("draft model loaded", model=str(path), layers=mc.num_hidden_layers, hidden_size=mc.hidden_size,

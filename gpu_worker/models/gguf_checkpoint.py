@@ -209,7 +209,7 @@ def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, family: Famil
             elif family.gguf_rotary_permuted and ".attn_k." in name:
                 blocks = _unpermute_rotary(blocks, config.num_key_value_heads)
             kept = GGUFBlocks(int(tensor.tensor_type), (shape[0], shape[1]), blocks.contiguous().numpy())
-            state.update(family.to_engine(hf_name, kept, config))
+            state.update(family.gguf_to_engine(hf_name, kept, config))
             continue
         # np.asarray drops the memmap subclass (still no copy): numpy's memmap bookkeeping on
         # every block slice otherwise doubles the dequantization time.
@@ -222,7 +222,7 @@ def _gguf_state(gguf_tensors: dict[str, Any], config: ModelConfig, family: Famil
                 weight = _unpermute_rotary(weight, config.num_attention_heads)
             elif ".attn_k." in name:
                 weight = _unpermute_rotary(weight, config.num_key_value_heads)
-        state.update(family.to_engine(hf_name, weight.to(dtype).contiguous(), config))
+        state.update(family.gguf_to_engine(hf_name, weight.to(dtype).contiguous(), config))
     return state
 
 

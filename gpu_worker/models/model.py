@@ -23,6 +23,7 @@ from gpu_worker.cpu.c_layers import CLayers, attention_block, weights_kind
 from gpu_worker.cpu.packed_linear import PackedWeight, linear, linear_float32
 from gpu_worker.lora.lora_slots import NativeLoraBatch, StepLora
 from gpu_worker.model_config import ModelConfig
+from gpu_worker.models.model_shapes import check_splits
 from gpu_worker.models.moe import ExpertMlp, GroupedExperts, SparseMoe
 from gpu_worker.models.rope import rope_tables
 from gpu_worker.models.weight_placer import WeightPlacer
@@ -44,36 +45,6 @@ def elementwise_ops(fused: bool, device: torch.device, dtype: torch.dtype) -> Mo
         if ops.available(device, dtype):
             return ops
     return None
-
-
-def linear_shapes(config: ModelConfig, tp: TensorParallel) -> list[tuple[int, int]]:
-    """The [out, in] shapes of one rank's linear weights that decide the CPU's kernel plan: q/k/v, o, gate/up, down
-    (a dense layer's, and a mixture of experts' expert and shared expert), the LM head last. Not a router's or a
-    shared expert gate's: a few rows each (8 experts, one gate), which the panels take whatever the plan
-    (WeightPlacer.matrix), and which would otherwise keep every product off the AMX tiles."""
-    c, size = config, tp.size
-    q, kv = c.num_attention_heads // size * c.head_dim, c.num_key_value_heads // size * c.head_dim
-    moe = c.moe
-    mlps = [c.intermediate_size // size] if moe is None or len(moe.sparse_layers) < c.num_hidden_layers else []
-    if moe is not None:
-        mlps += [n // size for n in (moe.expert_intermediate_size, moe.shared_expert_intermediate_size) if n]
-    shapes = [(q + 2 * kv, c.hidden_size), (c.hidden_size, q)]
-    shapes += [shape for inter in mlps for shape in ((2 * inter, c.hidden_size), (c.hidden_size, inter))]
-    return shapes + [(c.vocab_size, c.hidden_size)]
-
-
-def check_splits(config: ModelConfig, tp: TensorParallel) -> None:
-    """ConfigError where `tp` cannot split the model: its heads and intermediate features (the experts' too)
-    must divide among the ranks, and a q/k norm over all heads (OLMoE's) needs them on one rank."""
-    c = config
-    tp.check_divides(num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                     intermediate_size=c.intermediate_size,
-                     **({} if c.moe is None else {
-                         "expert intermediate_size": c.moe.expert_intermediate_size,
-                         "shared_expert_intermediate_size": c.moe.shared_expert_intermediate_size}))
-    if c.qk_norm_all_heads and tp.enabled:  # its RMSNorm spans every head: one rank's would see a slice
-        raise ConfigError(f"config key 'tensor_parallel_size' = {tp.size}: a {c.architecture} model normalizes q "
-                          "and k over all heads at once and runs on one rank only; set it to 1.")
 
 
 class LlamaModel:
@@ -123,7 +94,6 @@ class LlamaModel:
             self.lm_head = place.linear([embed if c.tie_word_embeddings else "lm_head.weight"])
         self.final_norm = place.tensor("model.norm.weight")
         self.layers = [self._layer_weights(place, i) for i in range(c.num_hidden_layers)]
-        self.cos, self.sin = rope_tables(c, max_positions, device, dtype)
         self.q_size = self.num_heads * c.head_dim
         self.kv_size = self.num_kv_heads * c.head_dim
         self._choose_elementwise(fused, max_positions)
@@ -141,8 +111,16 @@ class LlamaModel:
         self._expert_load: torch.Tensor | None = None  # _mlp's, since take_expert_load
 
     def _choose_elementwise(self, fused: bool, max_positions: int) -> None:
-        """The element-wise kernels (`ops`: None for torch's separate ops) and the RoPE tables they read."""
-        self.ops = elementwise_ops(fused, self.device, self.dtype)
+        """The element-wise kernels (`ops`: None for torch's separate ops) and the RoPE tables they read (the
+        sliding-window layers' own, Gemma 3's local base, where they have one)."""
+        c = self.config
+        self.cos, self.sin = rope_tables(c, max_positions, self.device, self.dtype)
+        self.local_cos_sin = (rope_tables(c, max_positions, self.device, self.dtype, local=True)
+                              if c.sliding_layers and c.local_rope_theta else None)
+        # Gemma's layer variant (its extra norms, GELU, windows) runs on torch's element-wise ops: the fused
+        # kernels and the all-layers C call compute Llama's layer.
+        llama_layer = not (c.sandwich_norms or c.sliding_layers or c.hidden_activation != "silu")
+        self.ops = elementwise_ops(fused and llama_layer, self.device, self.dtype)
         self.elementwise = "torch" if self.ops is None else "c" if self.ops is fused_ops else "flashinfer"
         if self.ops is fused_ops:  # the kernel reads [max_positions, head_dim / 2] rows
             self.cos, self.sin = self.cos.contiguous(), self.sin.contiguous()
@@ -177,6 +155,8 @@ class LlamaModel:
             "gate_up": None if sparse else place.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], rows),
             "down": None if sparse else place.linear([p + "mlp.down_proj.weight"], columns),
             "moe": self._sparse_moe(place, i) if sparse else None,
+            "attention_output_norm": place.tensor(p + "attention_output_norm.weight") if c.sandwich_norms else None,
+            "mlp_output_norm": place.tensor(p + "mlp_output_norm.weight") if c.sandwich_norms else None,
         }
 
     def _sparse_moe(self, place: WeightPlacer, i: int) -> SparseMoe:
@@ -207,8 +187,12 @@ class LlamaModel:
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings [T, hidden], a new tensor (the forward adds into it)."""
         if self.embed_blocks is not None:
-            return linear_gguf.rows(self.embed_blocks, input_ids)  # type: ignore[arg-type]
-        return F.embedding(input_ids, self.embed)
+            hidden = linear_gguf.rows(self.embed_blocks, input_ids)  # type: ignore[arg-type]
+        else:
+            hidden = F.embedding(input_ids, self.embed)
+        if self.config.embedding_scale != 1.0:  # Gemma's √hidden, rounded to the dtype as transformers does
+            hidden.mul_(torch.tensor(self.config.embedding_scale, dtype=hidden.dtype))
+        return hidden
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -245,8 +229,12 @@ class LlamaModel:
         return self.logits(self.hidden_states(input_ids, positions, slots, kv_cache, attention)[logits_rows])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head over rows of `hidden_states`: float32 logits [rows, vocab]."""
-        return linear_float32(self.final_normed(hidden), self.lm_head)
+        """Final norm and LM head over rows of `hidden_states`: float32 logits [rows, vocab] (soft-capped where the
+        model caps them: Gemma's cap * tanh(logits / cap))."""
+        logits = linear_float32(self.final_normed(hidden), self.lm_head)
+        if (cap := self.config.final_logit_softcapping) is not None:
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
+        return logits
 
     def final_normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm over rows of `hidden_states` (what the LM head reads; embeddings pool it), in dtype."""
@@ -259,13 +247,19 @@ class LlamaModel:
         """Run all layers over T flattened tokens; return the last layer's output [T, hidden]
         (before the final norm). Callers pick the rows that need logits (`logits`). `lora`: the step's
         LoRA adapters, added after each product (gpu_worker/lora/lora_slots.py)."""
+        if abs(attention.scale - self.config.attention_scale) > 1e-9 * self.config.attention_scale:
+            raise ValueError(f"the attention backend scales q·k by {attention.scale}, the model by "
+                             f"{self.config.attention_scale}: create it with scale=config.attention_scale")
         if self.ops is not None:
             return self._hidden_states_fused(input_ids, positions, slots, kv_cache, attention, lora)
         c = self.config
         t = input_ids.shape[0]
         hidden = self._embed(input_ids)
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        tables = {False: (self.cos[positions][:, None, :], self.sin[positions][:, None, :])}
+        if self.local_cos_sin is not None:
+            tables[True] = tuple(table[positions][:, None, :] for table in self.local_cos_sin)
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, c.head_dim
+        act_mul = _torch_gelu_tanh_mul if c.hidden_activation == "gelu_tanh" else _torch_silu_mul
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(hidden, layer["input_norm"])
             qkv = linear(x, layer["qkv"], layer["qkv_bias"])
@@ -273,15 +267,24 @@ class LlamaModel:
                 lora.add(i, "qkv", x, qkv)
             self._qk_norm_(qkv, layer["qk_norm"])
             # RoPE on q and k together: one pass over their [T, Hq + Hkv, D] view instead of two.
+            sliding = c.is_sliding(i)
+            cos, sin = tables[sliding and self.local_cos_sin is not None]
             qk = self._rope(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv_heads, dim), cos, sin)
             v = qkv[:, self.q_size + self.kv_size :].view(t, kv_heads, dim)
-            attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
-            attn = attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
+            layer_attention = attention.windowed(c.sliding_window) if sliding else attention
+            layer_attention.write_kv(kv_cache[i], qk[:, heads:], v, slots)
+            attn = layer_attention.run(qk[:, :heads], kv_cache[i]).reshape(t, self.q_size)
             # Residual adds in place: `hidden` is this forward's own buffer (embedding output).
-            hidden.add_(self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o")))
+            hidden.add_(self._output_norm(self.tp.all_reduce(self._linear(attn, layer["o"], lora, i, "o")),
+                                          layer["attention_output_norm"]))
             x = self._rms_norm(hidden, layer["post_norm"])
-            hidden.add_(self.tp.all_reduce(self._mlp(x, layer, lora, i, _torch_silu_mul)))
+            hidden.add_(self._output_norm(self.tp.all_reduce(self._mlp(x, layer, lora, i, act_mul)),
+                                          layer["mlp_output_norm"]))
         return hidden
+
+    def _output_norm(self, out: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """Gemma's norm on a block's output before its residual add; the output itself where there is none."""
+        return out if weight is None else self._rms_norm(out, weight)
 
     def _mlp(self, x: torch.Tensor, layer: dict, lora: StepLora | None, i: int,
              silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -380,6 +383,12 @@ class LlamaModel:
         if delta is not None:
             hidden.add_(delta)
         return hidden
+
+
+def _torch_gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh(gate) * up (Gemma's), as _torch_silu_mul."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 def _torch_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ from gpu_worker.cpu.gguf_serving import log_gguf_serving
 from gpu_worker.cpu.packed_linear import prepack_supported
 from gpu_worker.cpu.worker_setup import plan_c_linear, resolve_cpu_dtype
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.model import LlamaModel, linear_shapes
+from gpu_worker.models.model import LlamaModel
+from gpu_worker.models.model_shapes import linear_shapes
 from gpu_worker.models.weight_quantization import quantized_weights
 from gpu_worker.parallel.tensor_parallel import TensorParallel
 from hetero_common.config import Config

@@ -15,15 +15,17 @@ def _kind(scaling: dict) -> str | None:
     return scaling.get("rope_type", scaling.get("type"))
 
 
-def rope_inv_freq(config: ModelConfig, max_positions: int) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, max_positions: int, local: bool = False) -> torch.Tensor:
     """Inverse frequencies, with the checkpoint's scaling: Llama 3's, linear, or LongRoPE's (Phi-3). LongRoPE's
     factors are chosen once, from the positions the engine serves (`max_positions`): its short factors when they
     fit the pretrained context, its long ones otherwise. transformers chooses per forward pass by the sequence's
     length; a fixed choice keeps each token's output independent of what it is batched with (and equals
-    transformers wherever the served context fits the pretrained one)."""
+    transformers wherever the served context fits the pretrained one). `local`: the sliding-window layers'
+    (their own base, `local_rope_theta`, unscaled)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling or {}
+    theta = config.local_rope_theta if local and config.local_rope_theta else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = {} if local else config.rope_scaling or {}
     kind = _kind(scaling)
     if kind == "llama3":
         factor = scaling["factor"]
@@ -59,9 +61,10 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 
 def rope_tables(config: ModelConfig, max_positions: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim / 2] for rotate-half RoPE (the HF layout), computed in float64."""
+                dtype: torch.dtype, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim / 2] for rotate-half RoPE (the HF layout), computed in float64;
+    `local`: the sliding-window layers' (rope_inv_freq)."""
     positions = torch.arange(max_positions, dtype=torch.float64)
-    freqs = torch.outer(positions, rope_inv_freq(config, max_positions))
-    scale = rope_attention_factor(config)
+    freqs = torch.outer(positions, rope_inv_freq(config, max_positions, local))
+    scale = 1.0 if local else rope_attention_factor(config)
     return (freqs.cos() * scale).to(device=device, dtype=dtype), (freqs.sin() * scale).to(device=device, dtype=dtype)

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.models.families import registry
 from gpu_worker.models.gguf_checkpoint import _GGUF_LAYER_NAMES
@@ -42,6 +43,7 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, tokeniz
     writer.add_value_length(c.head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_freq_base(c.rope_theta)
+    _add_layer_variant(writer, c)
     if tokenizer_from is not None:
         _copy_tokenizer(writer, tokenizer_from)
     else:
@@ -55,7 +57,7 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, tokeniz
             writer.add_expert_shared_feed_forward_length(moe.shared_expert_intermediate_size)
         if moe.normalize_top_k != family.gguf_normalize_top_k:
             writer.add_expert_weights_norm(moe.normalize_top_k)
-    names = {v: k for k, v in {**_GGUF_LAYER_NAMES, **family.gguf_layer_names}.items()}
+    names = {family.engine_module(v): k for k, v in {**_GGUF_LAYER_NAMES, **family.gguf_layer_names}.items()}
     qtype = None if quantize is None else getattr(gguf.GGMLQuantizationType, quantize)
 
     def add(name: str, tensor: torch.Tensor) -> None:
@@ -89,6 +91,28 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, tokeniz
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_layer_variant(writer, c: ModelConfig) -> None:
+    """Linear RoPE scaling, and Gemma 3's facts: its window, which layers have it (a flag per layer), their RoPE
+    base, the score scale where it is not llama.cpp's rule (head_dim), the logits' soft cap."""
+    import gguf
+
+    kind = (c.rope_scaling or {}).get("rope_type")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(c.rope_scaling["factor"]))
+    elif kind is not None:
+        raise ValueError(f"rope_scaling {kind!r} is not written to GGUF files here")
+    if c.sliding_layers:
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_sliding_window_pattern([c.is_sliding(i) for i in range(c.num_hidden_layers)])
+        if c.local_rope_theta:
+            writer.add_rope_freq_base_swa(c.local_rope_theta)
+    if c.query_pre_attn_scalar and c.query_pre_attn_scalar != c.head_dim:
+        writer.add_attention_scale(c.attention_scale)
+    if c.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
 
 
 def _copy_tokenizer(writer, source: Path) -> None:

@@ -1,4 +1,4 @@
-"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Qwen3, a Phi-3, the mixtures of experts:
+"""Tiny seeded random checkpoints that only the tests build (a Qwen2, a Qwen3, a Phi-3, a Gemma 3, the mixtures of experts:
 Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; a Llama over the simple tokenizer's vocabulary, a noisy draft, a PEFT LoRA
 adapter); the Llamas and the tokenizer the benchmarks build too are in hetero_infer/bench/harness.py."""
 
@@ -121,6 +121,32 @@ def make_tiny_phi3(directory: Path, seed: int = 0) -> Path:
                         pad_token_id=0, tie_word_embeddings=False, sliding_window=None, torch_dtype="float32",
                         rope_scaling={"rope_type": "longrope", "short_factor": factors(), "long_factor": factors()})
     return save_tiny_model(Phi3ForCausalLM(config).eval(), directory)
+
+
+GEMMA3_WINDOW = 8  # the tiny Gemma 3's sliding window: shorter than most seeded prompts
+
+
+def make_tiny_gemma3(directory: Path, seed: int = 0, head_dim: int = 16, hidden_size: int = 96) -> Path:
+    """A 4-layer Gemma 3 (text): three sliding-window layers of GEMMA3_WINDOW positions and one global layer
+    (its RoPE linearly scaled), scores scaled by query_pre_attn_scalar 24 (not head_dim), soft-capped logits,
+    and random norms (its (1 + w) norms start at w = 0, where a loader that forgot the 1 would still be close)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=512, hidden_size=hidden_size, intermediate_size=160, num_hidden_layers=4, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+        eos_token_id=0, pad_token_id=0, tie_word_embeddings=True, sliding_window=GEMMA3_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+        query_pre_attn_scalar=24, final_logit_softcapping=30.0, torch_dtype="float32")
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+    return save_tiny_model(model, directory)
 
 
 # The tiny mixtures of experts' shared attention shape (6 query heads over 2 KV heads of 16) and expert shape.

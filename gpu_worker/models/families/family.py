@@ -67,9 +67,19 @@ class Family:
         """The tensor names a Hugging Face checkpoint of this family carries for `config` (what the loader reads)."""
         return expected_tensor_names(config)
 
+    def engine_module(self, module: str) -> str:
+        """A layer module's engine name from its checkpoint name (`pre_feedforward_layernorm` -> Gemma's
+        `post_attention_layernorm`); what `to_engine` renames, and the GGUF writer reverses."""
+        return module
+
     def to_engine(self, name: str, tensor: Any, config: ModelConfig) -> list[tuple[str, Any]]:
         """A checkpoint tensor under the engine's names: renamed, or a fused one split (a fused qkv_proj)."""
         return [(name, tensor)]
+
+    def gguf_to_engine(self, name: str, tensor: Any, config: ModelConfig) -> list[tuple[str, Any]]:
+        """The same for a GGUF file's tensor, under its Hugging Face name (where the two formats store a tensor
+        differently, as Gemma's norms)."""
+        return self.to_engine(name, tensor, config)
 
 
 def expected_tensor_names(config: ModelConfig) -> list[str]:
@@ -86,6 +96,8 @@ def expected_tensor_names(config: ModelConfig) -> list[str]:
             names += [f"{prefix}self_attn.q_norm.weight", f"{prefix}self_attn.k_norm.weight"]
         names += mlp_tensor_names(config, i)
         names += [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
+        if config.sandwich_norms:  # Gemma's norms on the attention's and the MLP's outputs
+            names += [f"{prefix}attention_output_norm.weight", f"{prefix}mlp_output_norm.weight"]
     return names
 
 

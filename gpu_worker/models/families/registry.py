@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from gpu_worker.models.families import llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from gpu_worker.models.families import gemma3, llama, mistral, mixtral, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
 from gpu_worker.models.families.family import CheckpointError, Family
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, phi3.FAMILY, mixtral.FAMILY,
-                                qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY)
+                                qwen2_moe.FAMILY, qwen3_moe.FAMILY, olmoe.FAMILY, gemma3.FAMILY)
 
 _BY_HF_TYPE = {t: f for f in FAMILIES for t in f.hf_model_types}
 _BY_GGUF_ARCH = {(a, f.gguf_with_experts): f for f in FAMILIES for a in f.gguf_architectures}

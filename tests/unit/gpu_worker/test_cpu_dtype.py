@@ -46,7 +46,7 @@ def prefill_logits(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]]
     table = PageTable.build(tables, lens, lens, block_size)
     cache = allocate_kv_cache(config.num_hidden_layers, int(starts[-1]), block_size, model.num_kv_heads,
                               config.head_dim, dtype, "cpu", TorchPagedAttention.kv_layout)
-    attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim)
+    attention = TorchPagedAttention(model.num_heads, model.num_kv_heads, config.head_dim, scale=config.attention_scale)
     attention.plan(table)
     positions, slots = table.token_positions()
     ids = torch.tensor([t for p in prompts for t in p])

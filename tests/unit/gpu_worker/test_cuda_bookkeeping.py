@@ -61,7 +61,8 @@ class RecordingModel:
     capture_target: FakeGraph | None = None
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(num_hidden_layers=2, head_dim=8, vocab_size=VOCAB)
+        self.config = SimpleNamespace(num_hidden_layers=2, head_dim=8, vocab_size=VOCAB, attention_scale=8 ** -0.5,
+                                      sliding_window=0)
         self.num_heads, self.num_kv_heads, self.dtype = 4, 2, torch.float32
         self.calls: list[tuple[bool, int]] = []  # (during capture, batch size)
 

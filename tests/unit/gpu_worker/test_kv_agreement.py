@@ -41,7 +41,7 @@ def test_ranks_agree_on_the_smallest_block_count(tmp_path: Path) -> None:
 
 
 class _Model:
-    config = type("C", (), {"num_hidden_layers": 2})()
+    config = type("C", (), {"num_hidden_layers": 2, "attention_scale": 8 ** -0.5})()
     num_heads, num_kv_heads, dtype = 4, 2, torch.float32
 
 
