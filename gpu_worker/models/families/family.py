@@ -35,6 +35,17 @@ def refuse_sliding_window(cfg: dict[str, Any], where: str) -> None:
                               "sliding-window attention is not supported for this architecture.")
 
 
+def sliding_window_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """Mistral's, Mixtral's and Phi-3's window over every layer (a query at p sees p - window + 1 .. p), where
+    `sliding_window` is below the context: ModelConfig's sliding_window and sliding_layers (all), else none."""
+    window, context = cfg.get("sliding_window"), int(cfg.get("max_position_embeddings", 2048))
+    if not (cfg.get("use_sliding_window", True) and window and int(window) < context):
+        return {}
+    if int(window) <= 0:
+        raise CheckpointError(f"{where} sets sliding_window={window}: it must be positive or null.")
+    return {"sliding_window": int(window), "sliding_layers": tuple(range(int(cfg["num_hidden_layers"])))}
+
+
 class Family:
     """Llama's layout, which every family starts from: override what differs."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.families.family import Family, expected_tensor_names, refuse_sliding_window
+from gpu_worker.models.families.family import Family, expected_tensor_names, sliding_window_fields
 from gpu_worker.models.families.moe import moe_config
 
 # the engine's name for a Mixtral expert's product, and back
@@ -25,8 +25,8 @@ class Mixtral(Family):
 
     def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         super().config_fields(cfg, where)
-        refuse_sliding_window(cfg, where)
-        return {"moe": moe_config(cfg, where, expert_size_key="intermediate_size", normalize_top_k=True)}
+        return {"moe": moe_config(cfg, where, expert_size_key="intermediate_size", normalize_top_k=True),
+                **sliding_window_fields(cfg, where)}
 
     def checkpoint_names(self, config: ModelConfig) -> list[str]:
         return [_to_checkpoint(name) for name in expected_tensor_names(config)]

@@ -1,6 +1,7 @@
 """Phi-3 and Phi-4 (model_type phi3), from Hugging Face directories: Llama's computation over fused checkpoint
 weights (`qkv_proj`, `gate_up_proj`), split here into the engine's q/k/v and gate/up, and LongRoPE
-(`rope_scaling.rope_type` longrope, "su" in older files; gpu_worker/models/rope.py). Its GGUF files are not read
+(`rope_scaling.rope_type` longrope, "su" in older files; gpu_worker/models/rope.py), and a sliding window over
+every layer where `sliding_window` is below the context (Phi-3-mini-4k's). Its GGUF files are not read
 yet: llama.cpp keeps LongRoPE's factors as tensors (`rope_factors_long`/`_short`), which the loader would drop."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from gpu_worker.model_config import ModelConfig
-from gpu_worker.models.families.family import CheckpointError, Family, expected_tensor_names, refuse_sliding_window
+from gpu_worker.models.families.family import CheckpointError, Family, expected_tensor_names, sliding_window_fields
 
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -23,7 +24,7 @@ class Phi3(Family):
 
     def config_fields(self, cfg: dict[str, Any], where: str) -> dict[str, Any]:
         super().config_fields(cfg, where)
-        refuse_sliding_window(cfg, where)
+        window = sliding_window_fields(cfg, where)  # Phi-3-mini-4k's 2047
         rope = dict(cfg.get("rope_parameters") or {})
         partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         if partial != 1.0:
@@ -36,8 +37,8 @@ class Phi3(Family):
             if original is None:
                 raise CheckpointError(f"{where} asks for LongRoPE without original_max_position_embeddings.")
             return {"rope_scaling": {**scaling, "rope_type": "longrope",
-                                     "original_max_position_embeddings": int(original)}}
-        return {}
+                                     "original_max_position_embeddings": int(original)}, **window}
+        return window
 
     def checkpoint_names(self, config: ModelConfig) -> list[str]:
         """The engine's names with each q/k/v and gate/up part replaced by the fused tensor it comes from."""
