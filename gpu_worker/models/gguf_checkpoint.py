@@ -133,7 +133,11 @@ def _gguf_config(meta: _GGUFMetadata, gguf_tensors: dict[str, Any], family: Fami
         eos_token_ids=tuple(dict.fromkeys(eos)),
         moe=_gguf_moe(meta, gguf_tensors, family),
     )
-    return ModelConfig(**{**common, **family.gguf_config_fields(meta.field, arch)})
+    def tensor(name: str) -> list[float] | None:
+        found = gguf_tensors.get(name)
+        return None if found is None else np.asarray(found.data, dtype=np.float64).reshape(-1).tolist()
+
+    return ModelConfig(**{**common, **family.gguf_config_fields(meta.field, arch, tensor)})
 
 
 def _gguf_moe(meta: _GGUFMetadata, gguf_tensors: dict[str, Any], family: Family) -> MoeConfig | None:

@@ -15,6 +15,7 @@ from gpu_worker.model_config import ModelConfig
 from gpu_worker.models.checkpoint import load_checkpoint
 from gpu_worker.models.families import registry
 from gpu_worker.models.gguf_checkpoint import _GGUF_LAYER_NAMES
+from gpu_worker.models.rope import rope_attention_factor
 
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -69,6 +70,8 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, tokeniz
             writer.add_tensor(name, np.ascontiguousarray(array))
 
     experts: dict[str, list[torch.Tensor]] = {}
+    fused_parts = {part: (fused, i) for fused, parts in family.gguf_fused.items() for i, part in enumerate(parts)}
+    fused: dict[str, list[torch.Tensor | None]] = {}  # a fused tensor's parts, in row order
     for name, tensor in state.items():
         stem, kind = name.rsplit(".", 1)
         if stem in _GLOBAL:
@@ -81,6 +84,13 @@ def write_gguf(model_dir: Path, path: Path, quantize: str | None = None, tokeniz
             continue
         if family.gguf_rotary_permuted and rest in ("self_attn.q_proj", "self_attn.k_proj"):
             tensor = _permuted(tensor, c.num_attention_heads if rest == "self_attn.q_proj" else c.num_key_value_heads)
+        if rest in fused_parts:  # Phi-3's: concatenated once every part is there
+            target, index = fused_parts[rest]
+            parts = fused.setdefault(f"blk.{layer}.{target}.{kind}", [None] * len(family.gguf_fused[target]))
+            parts[index] = tensor
+            if all(p is not None for p in parts):
+                add(f"blk.{layer}.{target}.{kind}", torch.cat(parts))  # type: ignore[arg-type]
+            continue
         if rest == "mlp.shared_expert_gate":
             tensor = tensor.reshape(-1)  # llama.cpp's vector
         add(f"blk.{layer}.{names[rest]}.{kind}", tensor)
@@ -98,15 +108,22 @@ def _add_layer_variant(writer, c: ModelConfig) -> None:
     base, the score scale where it is not llama.cpp's rule (head_dim), the logits' soft cap."""
     import gguf
 
-    kind = (c.rope_scaling or {}).get("rope_type")
+    scaling = c.rope_scaling or {}
+    kind = scaling.get("rope_type")
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(c.rope_scaling["factor"]))
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
+    elif kind == "longrope":  # llama.cpp's Phi-3: the factors as tensors, the attention factor it derives
+        writer.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        writer.add_rope_scaling_attn_factors(rope_attention_factor(c))
+        for which in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{which}.weight", np.asarray(scaling[f"{which}_factor"], dtype=np.float32))
     elif kind is not None:
         raise ValueError(f"rope_scaling {kind!r} is not written to GGUF files here")
     if c.sliding_layers:
         writer.add_sliding_window(c.sliding_window)
-        writer.add_sliding_window_pattern([c.is_sliding(i) for i in range(c.num_hidden_layers)])
+        if len(c.sliding_layers) < c.num_hidden_layers:  # some layers without: a flag per layer
+            writer.add_sliding_window_pattern([c.is_sliding(i) for i in range(c.num_hidden_layers)])
         if c.local_rope_theta:
             writer.add_rope_freq_base_swa(c.local_rope_theta)
     if c.query_pre_attn_scalar and c.query_pre_attn_scalar != c.head_dim:

@@ -1,5 +1,5 @@
 """Each model family beyond Llama's through the real stack (gateway, scheduler, two worker replicas), from its
-Hugging Face directory and, for Gemma 3 and the mixtures of experts, a GGUF file of it: transformers' greedy tokens on the
+Hugging Face directory and, for Phi-3, Gemma 3 and the mixtures of experts, a GGUF file of it: transformers' greedy tokens on the
 seeded prompts, first as they are, then again with their blocks in the prefix cache, prompt
 chunks of at most 16 tokens, a pool small enough to preempt (recompute), and one replica SIGKILLed mid-stream;
 ListModels carries the family and its experts, and the pool the experts' load."""
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 32
 # (family, its fixture, experts, experts per token, served from a GGUF file of it)
 FAMILIES = [("qwen3", "tiny_qwen3_dir", 0, 0, False), ("phi3", "tiny_phi3_dir", 0, 0, False),
+            ("phi3", "tiny_phi3_dir", 0, 0, True),
             ("gemma3", "tiny_gemma3_dir", 0, 0, False), ("gemma3", "tiny_gemma3_dir", 0, 0, True),
             ("mixtral", "mixtral", 4, 2, False), ("qwen3_moe", "qwen3_moe", 8, 3, False),
             ("qwen2_moe", "qwen2_moe", 4, 2, False), ("olmoe", "olmoe", 8, 2, False),

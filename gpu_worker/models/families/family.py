@@ -57,6 +57,9 @@ class Family:
     # GGUF per-layer tensor names (`blk.{i}.<name>`) beyond the common ones, as checkpoint names (before
     # `to_engine`), e.g. Qwen3's `attn_q_norm` -> `self_attn.q_norm`
     gguf_layer_names: dict[str, str] = {}
+    # GGUF per-layer tensors that hold several of the engine's in row order (Phi-3's `attn_qkv`: q, k, v), for
+    # the GGUF writer; the loader splits them through `to_engine` as it does the checkpoint's fused ones
+    gguf_fused: dict[str, tuple[str, ...]] = {}
     # A mixture of experts' GGUF files carry `{arch}.expert_count` (Mixtral's are `llama` files with experts), and
     # say whether the top-k weights are renormalized only in some architectures (`expert_weights_norm`): the
     # family's rule where they do not, as llama.cpp computes it.
@@ -70,8 +73,9 @@ class Family:
                     "MLP and output-projection biases are not supported for this architecture.")
         return {}
 
-    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
-        """The same from a GGUF file's metadata; `field(key, default)` reads one key."""
+    def gguf_config_fields(self, field: Any, arch: str, tensor: Any = None) -> dict[str, Any]:
+        """The same from a GGUF file's metadata; `field(key, default)` reads one key, `tensor(name)` one small
+        tensor as float64 numbers, or None (Phi-3's LongRoPE factors)."""
         return {}
 
     def checkpoint_names(self, config: ModelConfig) -> list[str]:

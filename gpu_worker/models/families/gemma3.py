@@ -93,7 +93,7 @@ class Gemma3(Family):
         return {"qk_norm": True, "sandwich_norms": True, "embedding_scale": hidden ** 0.5,
                 "sliding_window": window, "sliding_layers": sliding}
 
-    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+    def gguf_config_fields(self, field: Any, arch: str, tensor: Any = None) -> dict[str, Any]:
         layers, hidden = int(field(f"{arch}.block_count")), int(field(f"{arch}.embedding_length"))
         heads = int(field(f"{arch}.attention.head_count"))
         head_dim = int(field(f"{arch}.attention.key_length") or hidden // heads)

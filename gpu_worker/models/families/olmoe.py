@@ -25,7 +25,7 @@ class Olmoe(Family):
         return {"qk_norm": True, "qk_norm_all_heads": True,
                 "moe": moe_config(cfg, where, expert_size_key="intermediate_size")}
 
-    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+    def gguf_config_fields(self, field: Any, arch: str, tensor: Any = None) -> dict[str, Any]:
         return {"qk_norm": True, "qk_norm_all_heads": True}
 
 

@@ -16,7 +16,7 @@ class Qwen2(Family):
         refuse_true(cfg, ("mlp_bias",), where, "MLP biases are not supported.")
         return {"attention_bias": True}
 
-    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+    def gguf_config_fields(self, field: Any, arch: str, tensor: Any = None) -> dict[str, Any]:
         return {"attention_bias": True}
 
 

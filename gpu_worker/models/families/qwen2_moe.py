@@ -25,7 +25,7 @@ class Qwen2Moe(Family):
         return {"attention_bias": True,
                 "moe": moe_config(cfg, where, expert_size_key="moe_intermediate_size", shared_expert_size=shared)}
 
-    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+    def gguf_config_fields(self, field: Any, arch: str, tensor: Any = None) -> dict[str, Any]:
         return {"attention_bias": True}
 
 

@@ -18,7 +18,7 @@ class Qwen3(Family):
         super().config_fields(cfg, where)
         return {"qk_norm": True}
 
-    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+    def gguf_config_fields(self, field: Any, arch: str, tensor: Any = None) -> dict[str, Any]:
         return {"qk_norm": True}
 
 

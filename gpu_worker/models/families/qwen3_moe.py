@@ -23,7 +23,7 @@ class Qwen3Moe(Family):
         refuse_sliding_window(cfg, where)
         return {"qk_norm": True, "moe": moe_config(cfg, where, expert_size_key="moe_intermediate_size")}
 
-    def gguf_config_fields(self, field: Any, arch: str) -> dict[str, Any]:
+    def gguf_config_fields(self, field: Any, arch: str, tensor: Any = None) -> dict[str, Any]:
         return {"qk_norm": True}
 
 
