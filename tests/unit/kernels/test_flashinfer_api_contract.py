@@ -631,7 +631,8 @@ def test_the_collector_finds_the_calls_we_make() -> None:
     decode_plans = [c for s in our_scans() for c in s.calls
                     if c.target.path == "flashinfer.BatchDecodeWithPagedKVCacheWrapper.plan"]
     # kernels/flashinfer_backend.py's `*shape` and `**self.plan_kwargs()` are spread into the count
-    assert any(c.positional == 7 and set(c.keywords) == {"pos_encoding_mode", "q_data_type", "kv_data_type"}
+    assert any(c.positional == 7 and set(c.keywords) == {"pos_encoding_mode", "q_data_type", "kv_data_type", "sm_scale",
+                                                         "window_left"}
                for c in decode_plans if c.where.startswith("kernels/flashinfer_backend.py")), decode_plans
 
 
